@@ -1,0 +1,340 @@
+"""Typed, closed configuration for every Temper job.
+
+One pydantic model per concern, nested under `Config`. Every model forbids
+unknown keys. Loading (`core.config_loader.load_config`) reads a YAML file,
+follows `base_config:` inheritance, resolves model presets, applies dotted
+`key=value` overrides and validates; cross-field checks live here, next to
+the fields they constrain, and quote the offending values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: closed (unknown keys fail) and immutable once parsed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+class RunConfig(Section):
+    name: str = "temper"
+    # Everything a run writes (resolved config, checkpoints, metrics, exports) goes here.
+    run_dir: str = "runs/temper"
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------- model
+
+
+class RopeScaling(Section):
+    """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise rule; `linear` divides positions."""
+
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+DType = Literal["float32", "bfloat16"]
+
+
+class ModelConfig(Section):
+    """Shape and numerics of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral)."""
+
+    # Name of the preset this config started from (informational once resolved).
+    preset: str | None = None
+    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    vocab_size: int = Field(512, gt=0)
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    # None means hidden_size // num_heads; Qwen3 sets it independently.
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2/2.5: biases on q, k, v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None  # Mistral v0.1
+    # Compute dtype of activations/matmuls; logits are always returned in float32.
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    scan_layers: bool = True
+    remat_policy: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    attention_impl: Literal["xla", "dot_product", "cudnn"] = "xla"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of "
+                f"model.num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "
+                f"({self.num_heads}); set model.head_dim explicitly"
+            )
+        return self
+
+
+# -------------------------------------------------------------------------- mesh
+
+
+class MeshConfig(Section):
+    """Device mesh axis sizes; exactly one may be -1 (fill with the remaining devices)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    sequence: int = 1
+    # RL device split: fractions of all devices given to the trainer and to the samplers.
+    trainer_devices_fraction: float = Field(1.0, ge=0.0, le=1.0)
+    sampler_devices_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    # Print every parameter's path, shape, dtype, logical axes and physical sharding at start-up.
+    debug_sharding: bool = False
+
+    @model_validator(mode="after")
+    def _check_axes(self) -> "MeshConfig":
+        sizes = self.axis_sizes()
+        fills = [k for k, v in sizes.items() if v == -1]
+        if len(fills) > 1:
+            raise ValueError(f"at most one mesh axis may be -1 (fill); got {fills} in {sizes}")
+        bad = {k: v for k, v in sizes.items() if v == 0 or v < -1}
+        if bad:
+            raise ValueError(f"mesh axis sizes must be positive or -1; got {bad}")
+        total = self.trainer_devices_fraction + self.sampler_devices_fraction
+        if total > 1.0 + 1e-9:
+            raise ValueError(
+                f"mesh.trainer_devices_fraction ({self.trainer_devices_fraction}) + "
+                f"mesh.sampler_devices_fraction ({self.sampler_devices_fraction}) = {total} > 1"
+            )
+        return self
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "sequence": self.sequence}
+
+
+# -------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    """Where training examples come from and how they become token batches."""
+
+    # A local file or directory (jsonl / parquet / arrow / `save_to_disk`) or a generator name.
+    source: str | None = None
+    text_field: str = "text"
+    tokenizer_dir: str | None = None
+    seq_len: int = Field(256, gt=0)
+    packing: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    # Skip (and count) malformed rows instead of failing on the first one.
+    skip_malformed: bool = False
+
+
+# ------------------------------------------------------------------------- optim
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    learning_rate: float = Field(3e-4, ge=0.0)
+    schedule: Literal["constant", "cosine", "wsd"] = "cosine"
+    warmup_steps_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    learning_rate_final_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    wsd_decay_steps_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float | None = 1.0
+    # Regex over parameter paths; only matching parameters train (None: all).
+    trainable_regex: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fractions(self) -> "OptimConfig":
+        if self.schedule == "wsd":
+            total = self.warmup_steps_fraction + self.wsd_decay_steps_fraction
+            if total > 1.0 + 1e-9:
+                raise ValueError(
+                    f"optim.warmup_steps_fraction ({self.warmup_steps_fraction}) + "
+                    f"optim.wsd_decay_steps_fraction ({self.wsd_decay_steps_fraction}) = {total} > 1"
+                )
+        return self
+
+
+# ------------------------------------------------------------------------- train
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, gt=0)
+    batch_size: int = Field(8, gt=0)  # global, in sequences
+    micro_batches: int = Field(1, gt=0)  # gradient accumulation inside one step
+    nan_policy: Literal["abort", "skip"] = "abort"
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0)  # 0: never
+    compile_only: bool = False
+
+    @model_validator(mode="after")
+    def _check_micro(self) -> "TrainConfig":
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be divisible by "
+                f"train.micro_batches ({self.micro_batches})"
+            )
+        return self
+
+
+# -------------------------------------------------------------------- checkpoint
+
+
+class CheckpointConfig(Section):
+    enabled: bool = True
+    every_steps: int = Field(100, gt=0)
+    keep: int = Field(2, gt=0)
+    async_save: bool = True
+    # Write a Hugging Face directory (run_dir/hf) at the end of training.
+    export_hf: bool = True
+
+
+# ----------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(Section):
+    sampler: Literal["vllm", "jax"] = "vllm"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1  # -1: off
+    max_tokens: int = Field(128, gt=0)
+    max_model_len: int = Field(1024, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    kv_cache_gib: float = Field(1.0, gt=0.0)
+    dtype: DType = "float32"
+    enforce_eager: bool = True
+    # Cores for vLLM's OpenMP threads per sampler, e.g. "0" or "0-1"; None lets vLLM choose.
+    omp_threads_bind: str | None = None
+    reshard_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
+
+
+# ---------------------------------------------------------------------------- rl
+
+
+class RLConfig(Section):
+    algorithm: Literal["grpo", "gspo"] = "grpo"
+    num_generations: int = Field(4, gt=1)
+    advantage: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
+    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    epsilon: float = Field(0.2, ge=0.0)
+    epsilon_high: float | None = None  # DAPO clip-higher; None = epsilon
+    loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
+    num_iterations: int = Field(1, gt=0)
+    off_policy_steps: int = Field(0, ge=0)
+
+
+# --------------------------------------------------------------- dpo / sft / kd
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0.0)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0.0, le=0.5)
+
+
+class SFTConfig(Section):
+    # Train only on assistant / completion tokens (prompt tokens masked out).
+    completion_only_loss: bool = True
+
+
+class DistillConfig(Section):
+    teacher_path: str | None = None
+    temperature: float = Field(1.0, gt=0.0)
+    alpha: float = Field(1.0, ge=0.0, le=1.0)  # weight of the KD term vs the hard-label loss
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+
+
+# ------------------------------------------------------------------------ reward
+
+
+class RewardFn(Section):
+    fn: str
+    weight: float = 1.0
+    kwargs: dict = Field(default_factory=dict)
+
+
+class RewardConfig(Section):
+    functions: list[RewardFn] = Field(default_factory=list)
+    math_verify_timeout: float = Field(10.0, gt=0.0)
+    math_verify_num_procs: int = Field(2, gt=0)
+    failure_reward: float = 0.0
+
+
+# ----------------------------------------------------------------------- logging
+
+
+class LoggingConfig(Section):
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "temper"
+
+
+# ------------------------------------------------------------------------- root
+
+
+class Config(Section):
+    """The whole job. Sections are nested, never merged."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Axis sizes with the -1 axis filled in; raises when they cannot cover `num_devices` exactly."""
+    sizes = mesh.axis_sizes()
+    fixed = 1
+    for v in sizes.values():
+        if v != -1:
+            fixed *= v
+    fill = [k for k, v in sizes.items() if v == -1]
+    if fill:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh axes {sizes}: the fixed axes multiply to {fixed}, which does not divide "
+                f"the {num_devices} available devices, so mesh.{fill[0]}=-1 cannot be filled"
+            )
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"mesh axes {sizes} multiply to {fixed} but {num_devices} devices are available; "
+            f"make the product equal {num_devices} or set one axis to -1"
+        )
+    return sizes

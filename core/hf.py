@@ -1,0 +1,215 @@
+"""Hugging Face checkpoints (config.json + safetensors) <-> sharded core models.
+
+    model, cfg = load_hf("path/to/hf_dir", dtype="bfloat16", mesh=mesh)
+    save_hf(model, cfg, "out_dir", tokenizer_dir="path/to/tokenizer")
+
+The saved directory loads in `transformers` and vLLM. No `trust_remote_code`:
+only the families in `core.hf_config.ARCHITECTURES` are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from core.config import ModelConfig
+from core.hf_config import hf_config_from_model, model_section_from_hf
+from core.hf_layout import ParamMapping, param_map
+from core.models.build import abstract_model, model_from_arrays
+from core.models.decoder import Decoder
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
+# Tensors some checkpoints carry that the model does not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors.index.json"}
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's tensors do not match the model its config describes."""
+
+
+def load_hf(
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    mesh: Mesh | None = None,
+    **model_overrides: Any,
+) -> tuple[Decoder, ModelConfig]:
+    """Load a Hugging Face directory into a core model sharded on `mesh` (default: one device).
+
+    `dtype` is the parameter dtype (and the compute dtype unless `model_overrides`
+    sets `dtype`); other overrides are `ModelConfig` fields such as `scan_layers`.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model directory")
+    section = model_section_from_hf(json.loads(config_file.read_text()), source=str(config_file))
+    section.update(param_dtype=dtype, dtype=dtype)
+    section.update(model_overrides)
+    cfg = ModelConfig(**section)
+
+    with _SafetensorsDir(path) as tensors:
+        arrays = _core_arrays(cfg, tensors, str(path))
+    return model_from_arrays(cfg, arrays, mesh), cfg
+
+
+def save_hf(
+    model: nnx.Module,
+    model_config: ModelConfig,
+    path: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write config.json, safetensors (sharded above `max_shard_bytes`) and the tokenizer files."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or model_config.param_dtype
+    np_dtype = _NP_DTYPES[dtype]
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in hf_tensors(model, model_config):
+        value = np.ascontiguousarray(value.astype(np_dtype))
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+            total += sum(v.nbytes for v in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    extra = {}
+    if tokenizer_dir is not None:
+        extra = _copy_tokenizer(Path(tokenizer_dir), path)
+    hf_cfg = hf_config_from_model(model_config, torch_dtype=dtype, **extra)
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    gen = {k: v for k, v in extra.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return path
+
+
+def hf_tensors(model: nnx.Module, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array in HF layout) for every tensor, gathering each parameter once."""
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    cached: tuple[tuple, np.ndarray] | None = None
+    for m in param_map(cfg):
+        if cached is None or cached[0] != m.core_path:
+            cached = (m.core_path, np.asarray(jax.device_get(flat[m.core_path][...])))
+        yield m.hf_name, m.to_hf(cached[1])
+
+
+# ----------------------------------------------------------------- internals
+
+
+class _SafetensorsDir:
+    """Lazy access to every tensor of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
+        self.where = {k: h for h in self._handles for k in h.keys()}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handles.clear()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self.where[name].get_tensor(name)
+
+
+def _core_arrays(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> dict[tuple, np.ndarray]:
+    """Host arrays keyed by core path, after checking names and shapes against the config."""
+    flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
+    mappings = param_map(cfg)
+    _check_tensors(cfg, mappings, flat, tensors, source)
+
+    np_dtype = _NP_DTYPES[cfg.param_dtype]
+    arrays: dict[tuple, np.ndarray] = {}
+    for m in mappings:
+        shape = tuple(flat[m.core_path].shape)
+        value = m.from_hf(tensors.get(m.hf_name), shape[1:] if m.layer is not None else shape)
+        if m.layer is None:
+            arrays[m.core_path] = value.astype(np_dtype)
+        else:
+            if m.core_path not in arrays:
+                arrays[m.core_path] = np.empty(shape, np_dtype)
+            arrays[m.core_path][m.layer] = value
+    return arrays
+
+
+def _expected_hf_shape(m: ParamMapping, core_shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A zero-stride view has the right shape and costs no memory.
+    return tuple(m.to_hf(np.broadcast_to(np.float32(0), core_shape)).shape)
+
+
+def _check_tensors(cfg, mappings, flat, tensors: _SafetensorsDir, source: str) -> None:
+    expected = {m.hf_name: m for m in mappings}
+    found = set(tensors.where)
+    missing = sorted(set(expected) - found)
+    unexpected = sorted(
+        n for n in found - set(expected)
+        if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
+    wrong = []
+    for name in sorted(set(expected) & found):
+        want = _expected_hf_shape(expected[name], tuple(flat[expected[name].core_path].shape))
+        got = tensors.shape(name)
+        if got != want:
+            wrong.append(f"{name}: expected {want}, got {got}")
+    if missing or unexpected or wrong:
+        lines = [f"checkpoint {source} does not match its config ({cfg.family}, {cfg.num_layers} layers):"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+        if wrong:
+            lines.append(f"  wrong shape ({len(wrong)}): " + "; ".join(wrong))
+        raise CheckpointMismatch("\n".join(lines))
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> dict[str, Any]:
+    """Copy tokenizer files; return the special token ids to record in config.json."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer_dir {src} is not a directory")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in _TOKENIZER_SKIP and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    from transformers import AutoTokenizer  # local: transformers is slow to import
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    return {k: v for k, v in ids.items() if v is not None}

@@ -1,0 +1,108 @@
+"""Hugging Face `config.json` <-> Temper model section, both ways.
+
+Reads both the older `rope_theta` + `rope_scaling` form and the transformers-5
+`rope_parameters` form; writes the older form (`rope_theta`, `rope_scaling`),
+which transformers 4.x and 5.x and vLLM all read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.config import ModelConfig
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+class UnsupportedHFConfig(ValueError):
+    pass
+
+
+def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The `model:` config section (a plain dict) described by a Hugging Face config."""
+    family = hf.get("model_type")
+    if family not in ARCHITECTURES:
+        raise UnsupportedHFConfig(
+            f"{source}: model_type {family!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+
+    def unsupported(flag: str, why: str) -> None:
+        raise UnsupportedHFConfig(f"{source}: {flag} is not supported ({why})")
+
+    if hf.get("mlp_bias"):
+        unsupported("mlp_bias=true", "SwiGLU MLPs here have no biases")
+    if family in ("llama", "qwen3", "mistral") and hf.get("attention_bias"):
+        unsupported("attention_bias=true", "only Qwen2-style q/k/v biases are implemented")
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        unsupported("use_sliding_window=true", "per-layer sliding windows are not implemented")
+
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_scaling = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "linear", "default"):
+            unsupported(f"rope_type={kind!r}", "llama3 and linear scaling are implemented")
+        if kind != "default":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            rope_scaling = {"rope_type": kind, **{k: scaling[k] for k in keys if k in scaling}}
+
+    heads = hf["num_attention_heads"]
+    return {
+        "family": family,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "attention_bias": family == "qwen2",
+        "qk_norm": family == "qwen3",
+        "sliding_window": hf.get("sliding_window") if family == "mistral" else None,
+    }
+
+
+def hf_config_from_model(cfg: ModelConfig, torch_dtype: str = "float32", **extra: Any) -> dict[str, Any]:
+    """A `config.json` dict that transformers and vLLM load for this model."""
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling.model_dump() if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": torch_dtype,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if cfg.family in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if cfg.family == "llama":
+        out["mlp_bias"] = False
+    if cfg.family in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    if cfg.family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    out.update(extra)
+    return out

@@ -1,0 +1,1 @@
+"""Numerical kernels shared by the models and the losses."""

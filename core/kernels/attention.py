@@ -1,0 +1,75 @@
+"""Multi-head attention behind one function, with selectable implementations.
+
+All implementations take the same inputs and the same boolean mask and must
+agree with `reference` (tested):
+
+- `xla`: plain einsum + masked softmax, the readable reference.
+- `dot_product`: `jax.nn.dot_product_attention` with XLA (any backend).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only.
+
+Shapes: q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K (GQA).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Impl = Literal["xla", "dot_product", "cudnn"]
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
+
+
+def make_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array,
+    q_segment: jax.Array | None = None,
+    kv_segment: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean [B, T, S]: query t may attend key s.
+
+    Causal on token *indices* (order within the row), restricted to the same
+    segment (packed documents do not see each other; padding is segment 0 and
+    only sees padding), and optionally to the last `sliding_window` keys.
+    """
+    mask = kv_index[:, None, :] <= q_index[:, :, None]  # [B, T, S]
+    if q_segment is not None and kv_segment is not None:
+        mask &= q_segment[:, :, None] == kv_segment[:, None, :]
+    if sliding_window is not None:
+        mask &= kv_index[:, None, :] > q_index[:, :, None] - sliding_window
+    return mask
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Einsum attention with a float32 softmax. Returns [B, T, N, H] in q's dtype."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def _dot_product(q, k, v, mask, implementation):
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask[:, None, :, :], implementation=implementation
+    )
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla"
+) -> jax.Array:
+    """Dispatch to the selected implementation; see the module docstring."""
+    if impl == "xla":
+        return reference(q, k, v, mask)
+    if impl == "dot_product":
+        return _dot_product(q, k, v, mask, "xla")
+    if impl == "cudnn":
+        return _dot_product(q, k, v, mask, "cudnn")
+    raise ValueError(f"unknown attention implementation {impl!r}; choose xla, dot_product or cudnn")

@@ -1,0 +1,23 @@
+"""Flax NNX decoder family (Llama, Qwen2/2.5, Qwen3, Mistral) with logical axis names on every parameter."""
+
+from core.models.build import (
+    abstract_model,
+    create_model,
+    logical_axes,
+    model_from_arrays,
+    param_count,
+    shard_model,
+    state_shardings,
+)
+from core.models.decoder import Decoder
+
+__all__ = [
+    "Decoder",
+    "abstract_model",
+    "create_model",
+    "logical_axes",
+    "model_from_arrays",
+    "param_count",
+    "shard_model",
+    "state_shardings",
+]

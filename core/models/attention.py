@@ -1,0 +1,49 @@
+"""The attention block: q/k/v projections (optional biases, optional q/k RMSNorm), RoPE, GQA, output."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from core.config import ModelConfig
+from core.kernels.attention import attention
+from core.mesh import constrain
+from core.models.layers import Dense, RMSNorm, dtype_of
+from core.models.rope import apply_rope, inverse_frequencies
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        bias = ("heads", "head_dim") if cfg.attention_bias else None
+        kv_bias = ("kv_heads", "head_dim") if cfg.attention_bias else None
+        self.q_proj = Dense("BTD,DNH->BTNH", (d, n, h), ("embed", "heads", "head_dim"), cfg, rngs, bias)
+        self.k_proj = Dense("BTD,DKH->BTKH", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, rngs, kv_bias)
+        self.v_proj = Dense("BTD,DKH->BTKH", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, rngs, kv_bias)
+        self.o_proj = Dense(
+            "BTNH,NHD->BTD", (n, h, d), ("heads", "head_dim", "embed"), cfg, rngs, fan_in=n * h
+        )
+        pd = dtype_of(cfg.param_dtype)
+        norm = lambda: RMSNorm(h, cfg.rms_norm_eps, pd, rngs, axis_name="head_dim")  # noqa: E731
+        self.q_norm = nnx.data(norm() if cfg.qk_norm else None)
+        self.k_norm = nnx.data(norm() if cfg.qk_norm else None)
+        # Static (hashable) data, not a parameter: the frequencies are a function of the config.
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
+        self.impl = cfg.attention_impl
+
+    def qkv(self, x: jax.Array, positions: jax.Array):
+        """Projected, normalised and rotated q [B, T, N, H], k, v [B, T, K, H]."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
+        return q, k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x, positions)
+        out = attention(q, k, v, mask, self.impl)  # [B, T, N, H]
+        return self.o_proj(out)

@@ -1,0 +1,98 @@
+"""Create core models: abstractly (shapes only), randomly initialised, or from given parameters,
+always with every parameter placed according to its logical axes on a mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from core.config import ModelConfig
+from core.mesh import named_sharding, single_device_mesh
+from core.models.decoder import Decoder
+
+
+def abstract_model(cfg: ModelConfig) -> Decoder:
+    """The model with `jax.ShapeDtypeStruct` leaves: allocates nothing (works for 8B presets)."""
+    return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(params=0)))
+
+
+def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
+    """Parameter path -> logical axis names, read from each parameter's metadata."""
+    return {
+        path: tuple(var.get_metadata("logical_axes"))
+        for path, var in nnx.iter_graph(model)
+        if isinstance(var, nnx.Variable)
+    }
+
+
+def state_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """A State of `NamedSharding`s mirroring the model's parameters."""
+
+    return _shardings_of(nnx.state(model), mesh)
+
+
+def _shardings_of(state: nnx.State, mesh: Mesh) -> nnx.State:
+    def to_sharding(var) -> NamedSharding:
+        return named_sharding(mesh, var.get_metadata("logical_axes"), var.shape)
+
+    return jax.tree.map(to_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_model(cfg: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Decoder:
+    """A randomly initialised model whose parameters are created directly in their shards."""
+    mesh = mesh or single_device_mesh()
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    shardings = _shardings_of(abstract_state, mesh)
+
+    @jax.jit
+    def init():
+        return nnx.state(Decoder(cfg, nnx.Rngs(params=seed)))
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def model_from_arrays(cfg: ModelConfig, arrays: dict[tuple, Any], mesh: Mesh | None = None) -> Decoder:
+    """A model whose parameters are `arrays` (path -> host array), placed on `mesh`.
+
+    Raises one error listing every missing, unexpected or wrongly shaped path.
+    """
+    mesh = mesh or single_device_mesh()
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    flat = dict(nnx.to_flat_state(abstract_state))
+    problems = []
+    missing = sorted(set(flat) - set(arrays))
+    unexpected = sorted(set(arrays) - set(flat))
+    if missing:
+        problems.append("missing: " + ", ".join(".".join(map(str, p)) for p in missing))
+    if unexpected:
+        problems.append("unexpected: " + ", ".join(".".join(map(str, p)) for p in unexpected))
+    for path, var in flat.items():
+        if path in arrays and tuple(arrays[path].shape) != tuple(var.shape):
+            problems.append(
+                f"shape mismatch for {'.'.join(map(str, path))}: expected {tuple(var.shape)}, "
+                f"got {tuple(arrays[path].shape)}"
+            )
+    if problems:
+        raise ValueError("parameters do not match the model:\n  " + "\n  ".join(problems))
+    for path, var in flat.items():
+        value = np.asarray(arrays[path]).astype(var.dtype)
+        sharding = named_sharding(mesh, var.get_metadata("logical_axes"), var.shape)
+        flat[path] = var.replace(jax.device_put(value, sharding))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Move an existing model's parameters onto `mesh` according to their logical axes (in place)."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, _shardings_of(state, mesh)))
+    return model
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))

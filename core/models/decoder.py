@@ -1,0 +1,113 @@
+"""The decoder-only transformer shared by Llama 2/3/3.x, Qwen2/2.5, Qwen3 and Mistral.
+
+The families differ only in config switches: q/k/v biases (Qwen2), q/k RMSNorm
+and a free head_dim (Qwen3), RoPE scaling (Llama 3.1+), sliding window (Mistral
+v0.1), tied embeddings. Layers are either a Python list or one stacked module
+run under `jax.lax.scan` (`scan_layers`), optionally rematerialised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.config import ModelConfig
+from core.kernels.attention import make_mask
+from core.mesh import constrain
+from core.models.attention import Attention
+from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = dtype_of(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.input_norm(x), positions, mask)
+        x = x + self.mlp(self.post_attn_norm(x))
+        return constrain(x, ("batch", "length", "act_embed"))
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose parameters carry a leading [L] axis named `layers`."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(key):
+        return DecoderLayer(cfg, nnx.Rngs(params=key))
+
+    stacked = create(jax.random.split(rngs.params(), cfg.num_layers))
+    for _, var in nnx.iter_graph(stacked):
+        if isinstance(var, nnx.Variable):
+            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata("logical_axes")))
+    return stacked
+
+
+class Decoder(nnx.Module):
+    """`model(tokens, positions=None, segment_ids=None) -> float32 logits [B, T, V]`.
+
+    `segment_ids` (int [B, T]) separates packed documents; 0 marks padding.
+    `positions` restart at 0 for each packed document (default: 0..T-1).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg.model_copy()
+        self.embed = Embed(cfg, rngs)
+        if cfg.scan_layers:
+            self.layers = _stacked_layers(cfg, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.param_dtype), rngs)
+        d, v = cfg.hidden_size, cfg.vocab_size
+        head = None if cfg.tie_word_embeddings else Dense("BTD,DV->BTV", (d, v), ("embed", "vocab"), cfg, rngs)
+        self.lm_head = nnx.data(head)
+
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        hidden = self.hidden_states(tokens, positions, segment_ids)
+        weight, layout = self.output_weight()
+        eq = "BTD,DV->BTV" if layout == "dv" else "BTD,VD->BTV"
+        logits = jnp.einsum(eq, hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "act_vocab"))
+
+    def output_weight(self) -> tuple[jax.Array, str]:
+        """The output projection and its layout: ([D, V], "dv") or the tied embedding ([V, D], "vd")."""
+        if self.lm_head is None:
+            return self.embed.embedding[...], "vd"
+        return self.lm_head.kernel[...], "dv"
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype (input of the output projection)."""
+        b, t = tokens.shape
+        index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = index if positions is None else positions
+        mask = make_mask(index, index, segment_ids, segment_ids, self.cfg.sliding_window)
+        x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
+        x = self._run_layers(x, positions, mask)
+        return self.final_norm(x)
+
+    def _run_layers(self, x, positions, mask):
+        def apply(graphdef, state, x):
+            return nnx.merge(graphdef, state)(x, positions, mask)
+
+        policy = self.cfg.remat_policy
+        if policy != "none":
+            apply = jax.checkpoint(apply, policy=_REMAT_POLICIES[policy], static_argnums=(0,))
+
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            x, _ = jax.lax.scan(lambda h, s: (apply(graphdef, s, h), None), x, state)
+            return x
+        for layer in self.layers:
+            graphdef, state = nnx.split(layer)
+            x = apply(graphdef, state, x)
+        return x
