@@ -1,0 +1,48 @@
+"""Test setup: 8 fake CPU devices (set before JAX is imported), markers, tiny HF models."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _platforms() -> set[str]:
+    try:
+        return {d.platform for d in jax.devices()}
+    except RuntimeError:
+        return set()
+
+
+def pytest_collection_modifyitems(config, items):
+    platforms = _platforms()
+    for item in items:
+        if "gpu_only" in item.keywords and "gpu" not in platforms:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+        if "tpu_only" in item.keywords and "tpu" not in platforms:
+            item.add_marker(pytest.mark.skip(reason="needs a TPU"))
+        if "cpu_only" in item.keywords and "cpu" not in platforms:
+            item.add_marker(pytest.mark.skip(reason="CPU-only test"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """Factory: (family, tied) -> path of a saved tiny random transformers model (cached per session)."""
+    from core.tiny import save_tiny_hf_model
+
+    cache: dict = {}
+
+    def make(family: str, tied: bool = False):
+        key = (family, tied)
+        if key not in cache:
+            cache[key] = save_tiny_hf_model(tmp_path_factory.mktemp(f"{family}_{tied}"), family, tied)
+        return cache[key]
+
+    return make

@@ -1,0 +1,129 @@
+import pytest
+import yaml
+
+from core.config import Config, MeshConfig, resolve_mesh_shape
+from core.config_loader import ConfigError, list_presets, load_config, save_config
+
+
+def write(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.mesh.fsdp == -1
+
+
+def test_unknown_key_names_dotted_path_and_suggestion(tmp_path):
+    p = write(tmp_path, "c.yml", {"model": {"hiden_size": 32}})
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "model.hiden_size" in msg and "hidden_size" in msg and str(p) in msg
+
+
+def test_unknown_section_lists_sections(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optimizer'.*optim"):
+        load_config(write(tmp_path, "c.yml", {"optimizer": {"name": "adamw"}}))
+
+
+def test_bad_type_reports_key_and_value(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "c.yml", {"train": {"steps": "many"}}))
+    assert "train.steps" in str(e.value) and "'many'" in str(e.value)
+
+
+def test_bad_literal(tmp_path):
+    with pytest.raises(ConfigError, match="optim.name"):
+        load_config(overrides=["optim.name=adamx"])
+
+
+def test_mesh_product_mismatch():
+    with pytest.raises(ConfigError, match=r"multiply to 6 but 8 devices"):
+        load_config(overrides=["mesh.fsdp=3", "mesh.tensor=2"], num_devices=8)
+    with pytest.raises(ConfigError, match=r"does not divide the 8 available"):
+        load_config(overrides=["mesh.tensor=3"], num_devices=8)
+    with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
+        load_config(overrides=["mesh.data=-1"])
+    assert resolve_mesh_shape(MeshConfig(fsdp=-1, tensor=2), 8)["fsdp"] == 4
+
+
+def test_fraction_sums_checked():
+    with pytest.raises(ConfigError, match=r"warmup_steps_fraction \(0.6\).*wsd_decay_steps_fraction \(0.5\)"):
+        load_config(overrides=["optim.schedule=wsd", "optim.warmup_steps_fraction=0.6",
+                               "optim.wsd_decay_steps_fraction=0.5"])
+    with pytest.raises(ConfigError, match="trainer_devices_fraction"):
+        load_config(overrides=["mesh.trainer_devices_fraction=0.7", "mesh.sampler_devices_fraction=0.5"])
+
+
+def test_overrides_parse_types():
+    cfg = load_config(overrides=[
+        "rl.num_generations=8", "optim.learning_rate=1e-5", "model.scan_layers=false",
+        "reward.functions=[{fn: gsm8k, weight: 0.5}]", "model.rope_scaling=null",
+    ])
+    assert cfg.rl.num_generations == 8
+    assert cfg.optim.learning_rate == pytest.approx(1e-5)
+    assert cfg.model.scan_layers is False
+    assert cfg.reward.functions[0].fn == "gsm8k" and cfg.reward.functions[0].weight == 0.5
+
+
+def test_override_unknown_key_fails():
+    with pytest.raises(ConfigError, match=r"rl.num_generation'.*num_generations"):
+        load_config(overrides=["rl.num_generation=8"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(overrides=["rl.num_generations"])
+
+
+def test_base_config_inheritance_and_precedence(tmp_path):
+    write(tmp_path, "parent.yml", {"base_config": "base.yml", "train": {"steps": 5, "batch_size": 4}})
+    child = write(tmp_path, "child.yml", {"base_config": "parent.yml", "train": {"steps": 7}})
+    cfg = load_config(child, overrides=["train.batch_size=2"])
+    assert cfg.train.steps == 7  # child over parent
+    assert cfg.train.batch_size == 2  # CLI over files
+    assert cfg.optim.warmup_steps_fraction == 0.05  # from core/configs/base.yml
+
+
+def test_base_config_cycle(tmp_path):
+    write(tmp_path, "a.yml", {"base_config": "b.yml"})
+    write(tmp_path, "b.yml", {"base_config": "a.yml"})
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yml")
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no/such/file.yml")
+
+
+def test_presets_and_explicit_keys_win():
+    assert {"llama3.1-8b", "qwen2.5-0.5b", "qwen3-8b", "mistral-7b", "tiny-llama"} <= set(list_presets())
+    cfg = load_config(overrides=["model.preset=qwen2.5-0.5b", "model.num_layers=2"])
+    assert cfg.model.hidden_size == 896 and cfg.model.num_layers == 2 and cfg.model.attention_bias
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        load_config(overrides=["model.preset=gpt5"])
+
+
+def test_model_from_hf_config_json(tiny_hf_dir):
+    cfg = load_config(overrides=[f"model.hf_config={tiny_hf_dir('qwen3')}"])
+    assert cfg.model.family == "qwen3" and cfg.model.head_dim == 32 and cfg.model.qk_norm
+
+
+def test_gqa_check():
+    with pytest.raises(ConfigError, match=r"num_heads \(6\).*num_kv_heads \(4\)"):
+        load_config(overrides=["model.num_heads=6", "model.num_kv_heads=4"])
+
+
+def test_resolved_config_written_and_reloads(tmp_path):
+    cfg = load_config(overrides=["model.preset=tiny-qwen2", "train.steps=3"])
+    out = save_config(cfg, tmp_path / "run")
+    again = load_config(out)
+    assert again == cfg
+
+
+def test_config_is_immutable():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.train.steps = 3

@@ -1,0 +1,83 @@
+"""Core models against Hugging Face transformers on the same random weights (float32)."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core.hf import load_hf
+from core.tiny import FAMILIES
+
+TOL = 1e-4
+
+
+def hf_logits(path, tokens, attention_mask=None):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        mask = None if attention_mask is None else torch.tensor(attention_mask)
+        return model(torch.tensor(tokens), attention_mask=mask).logits.numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("scan", [True, False])
+def test_logits_match_transformers(tiny_hf_dir, family, tied, scan):
+    path = tiny_hf_dir(family, tied)
+    tokens = np.random.RandomState(1).randint(0, 512, (2, 48))  # longer than llama3 original ctx 32
+    ref = hf_logits(path, tokens)
+    model, cfg = load_hf(path, scan_layers=scan)
+    assert cfg.tie_word_embeddings == tied and cfg.scan_layers == scan
+    out = np.asarray(model(tokens.astype(np.int32)))
+    assert out.dtype == np.float32 and out.shape == (2, 48, 512)
+    assert np.abs(out - ref).max() <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_right_padding_matches_transformers(tiny_hf_dir, family):
+    path = tiny_hf_dir(family)
+    tokens = np.random.RandomState(2).randint(3, 512, (3, 20))
+    lengths = [20, 13, 7]
+    mask = np.array([[1] * n + [0] * (20 - n) for n in lengths])
+    tokens = np.where(mask == 1, tokens, 0)
+    ref = hf_logits(path, tokens, mask)
+    model, _ = load_hf(path)
+    out = np.asarray(model(tokens.astype(np.int32), segment_ids=mask.astype(np.int32)))
+    for row, n in enumerate(lengths):
+        assert np.abs(out[row, :n] - ref[row, :n]).max() <= TOL
+
+
+def test_packed_sequences_equal_separate_runs(tiny_hf_dir):
+    """Two documents packed in one row (segment_ids + restarting positions) == each run alone."""
+    model, _ = load_hf(tiny_hf_dir("qwen2"))
+    rng = np.random.RandomState(3)
+    a, b = rng.randint(0, 512, 11), rng.randint(0, 512, 9)
+    packed = np.concatenate([a, b])[None].astype(np.int32)
+    segments = np.array([[1] * 11 + [2] * 9], np.int32)
+    positions = np.array([list(range(11)) + list(range(9))], np.int32)
+    out = np.asarray(model(packed, positions=positions, segment_ids=segments))
+    alone_a = np.asarray(model(a[None].astype(np.int32)))
+    alone_b = np.asarray(model(b[None].astype(np.int32)))
+    assert np.abs(out[0, :11] - alone_a[0]).max() <= 1e-5
+    assert np.abs(out[0, 11:] - alone_b[0]).max() <= 1e-5
+
+
+def test_bfloat16_compute_close_to_float32(tiny_hf_dir):
+    path = tiny_hf_dir("llama")
+    tokens = np.random.RandomState(4).randint(0, 512, (2, 16)).astype(np.int32)
+    f32, _ = load_hf(path)
+    bf16, cfg = load_hf(path, dtype="bfloat16")
+    out = np.asarray(bf16(tokens))
+    assert out.dtype == np.float32 and cfg.param_dtype == "bfloat16"
+    ref = np.asarray(f32(tokens))
+    assert np.abs(out - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    from core.tiny import save_tiny_hf_model
+
+    path = save_tiny_hf_model(tmp_path / "mistral_sw", "mistral", sliding_window=8)
+    tokens = np.random.RandomState(5).randint(0, 512, (2, 30))
+    ref = hf_logits(path, tokens)
+    model, cfg = load_hf(path)
+    assert cfg.sliding_window == 8
+    assert np.abs(np.asarray(model(tokens.astype(np.int32))) - ref).max() <= TOL
