@@ -135,11 +135,17 @@ class MeshConfig(Section):
 
 
 class DataConfig(Section):
-    """Where training examples come from and how they become token batches."""
+    """Where training examples come from and how they become token batches (see core/data.py)."""
 
-    # A local file or directory (jsonl / parquet / arrow / `save_to_disk`) or a generator name.
+    # A local file or directory (jsonl / parquet / arrow / `save_to_disk`) or `reasoning_gym:TASK`.
     source: str | None = None
+    format: Literal["text", "chat", "prompt_completion"] = "text"
     text_field: str = "text"
+    # Rows generated for a `reasoning_gym:` source.
+    num_examples: int = Field(10_000, gt=0)
+    # The last fraction of rows is held out as the eval split.
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    # A local Hugging Face tokenizer directory; recipes may build one (core/tokenizer.py) when unset.
     tokenizer_dir: str | None = None
     seq_len: int = Field(256, gt=0)
     packing: bool = True
@@ -293,6 +299,18 @@ class LoggingConfig(Section):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "temper"
+    # Peak FLOP/s per device for MFU; None: datasheet value for known accelerators, else a measured matmul.
+    peak_tflops: float | None = Field(None, gt=0.0)
+
+
+class ProfilerConfig(Section):
+    """Write a JAX profiler trace (TensorBoard / Perfetto) for steps [start_step, start_step + num_steps)."""
+
+    enabled: bool = False
+    start_step: int = Field(3, ge=1)
+    num_steps: int = Field(2, gt=0)
+    # Default: <run_dir>/profile
+    dir: str | None = None
 
 
 # ------------------------------------------------------------------------- root
@@ -315,6 +333,7 @@ class Config(Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
 
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

@@ -56,7 +56,8 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.embedding = param(
-            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype_of(cfg.param_dtype), fan_in=1
+            # std 1/sqrt(D): with tied embeddings the initial logits then have unit scale
+            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype_of(cfg.param_dtype), fan_in=cfg.hidden_size
         )
         self.dtype = dtype_of(cfg.dtype)
 

@@ -1,0 +1,163 @@
+"""Orbax checkpoints: params, optimizer state, step, RNG, data-iterator state and config in one.
+
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=2, async_save=True)
+    ckpt.save(step, state, data_iterator, config)          # async; atomic on commit
+    state = ckpt.restore(ckpt.latest_step(), abstract_state, data_iterator, config)
+
+Orbax writes each step to a temporary directory and renames it when complete,
+so a process killed mid-save leaves the previous checkpoints intact. Restoring
+takes a target tree (shapes, dtypes and shardings), so a checkpoint written on
+one mesh restores onto another. Before restoring, the saved model config and
+tensor shapes are compared with the target and every difference is reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from core.config import Config
+from core.train import TrainState
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the model it is being restored into."""
+
+
+def _pure(params: nnx.State) -> dict:
+    return nnx.to_pure_dict(params)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # ------------------------------------------------------------ saving
+
+    def save(self, state: TrainState, data_iterator: Any | None, config: Config, extra: dict | None = None) -> int:
+        """Save at `state.step` (async when enabled). Returns the step."""
+        step = int(state.step)
+        meta = {"step": step, "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), **(extra or {})}
+        items = dict(
+            params=ocp.args.StandardSave(_pure(state.params)),
+            opt_state=ocp.args.StandardSave(state.opt_state),
+            meta=ocp.args.JsonSave(meta),
+            config=ocp.args.JsonSave(config.model_dump(mode="json")),
+        )
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ------------------------------------------------------------ restoring
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def restore(
+        self, step: int, target: TrainState, data_iterator: Any | None, config: Config
+    ) -> tuple[TrainState, dict]:
+        """Restore into the shardings of `target` (abstract or concrete); the data iterator in place."""
+        self.check_compatible(step, target, config)
+        items = dict(
+            params=ocp.args.StandardRestore(_abstract(_pure(target.params))),
+            opt_state=ocp.args.StandardRestore(_abstract(target.opt_state)),
+            meta=ocp.args.JsonRestore(),
+        )
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        params = nnx.State(target.params)
+        nnx.replace_by_pure_dict(params, out["params"])
+        meta = dict(out["meta"])
+        rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+        state = TrainState(params, out["opt_state"], jax.numpy.asarray(meta["step"], jax.numpy.int32), rng)
+        return state, meta
+
+    def check_compatible(self, step: int, target: TrainState, config: Config) -> None:
+        """Raise `CheckpointMismatch` naming every model-config key and tensor that differs."""
+        where = self.directory / str(step)
+        saved_cfg = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        ours = config.model.model_dump(mode="json")
+        theirs = saved_cfg.get("model", {})
+        diffs = [
+            f"model.{k}: checkpoint {theirs.get(k)!r}, this run {ours.get(k)!r}"
+            for k in sorted(set(ours) | set(theirs))
+            if k in _SHAPE_KEYS and theirs.get(k) != ours.get(k)
+        ]
+        meta = self.manager.item_metadata(step)
+        saved = meta["params"] if meta is not None and "params" in meta else None
+        if saved is not None:
+            flat_saved = _flat_shapes(saved)
+            flat_ours = _flat_shapes(_pure(target.params))
+            for path in sorted(set(flat_saved) | set(flat_ours)):
+                a, b = flat_saved.get(path), flat_ours.get(path)
+                if a != b:
+                    diffs.append(f"tensor {path}: checkpoint {a}, this run {b}")
+        if diffs:
+            raise CheckpointMismatch(
+                f"checkpoint {where} was written for a different model:\n  " + "\n  ".join(diffs[:40])
+            )
+
+
+_SHAPE_KEYS = {
+    "family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm", "scan_layers",
+}
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(getattr(v, "shape", ()))
+        for path, v in flat
+    }
+
+
+# ----------------------------------------------------------- params only
+
+
+def save_params(path: str | Path, params: nnx.State) -> Path:
+    """Write parameters alone (e.g. for evaluation or as an SFT starting point)."""
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, _pure(params), force=True)
+    return path
+
+
+def load_params(path: str | Path, target: nnx.State) -> nnx.State:
+    """Read parameters written by `save_params` into the shardings of `target`."""
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"no parameter checkpoint at {path}")
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, _abstract(_pure(target)))
+    params = nnx.State(target)
+    nnx.replace_by_pure_dict(params, restored)
+    return params

@@ -1,0 +1,114 @@
+"""Optimizers, learning-rate schedules, clipping and freezing, built with optax from `OptimConfig`.
+
+- AdamW with weight decay masked off norms and biases; SGD; Muon (optax.contrib)
+  on projection matrices with Adam for embeddings, norms and biases.
+- Schedules: constant, cosine, WSD (warmup-stable-decay), each with linear warm-up.
+- `trainable_regex`: only matching parameter paths train; the rest get zero
+  updates through `optax.set_to_zero`, which keeps no state for them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+from core.config import OptimConfig
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Learning rate as a function of the step (0-based), peaking at `cfg.learning_rate`."""
+    peak = cfg.learning_rate
+    final = peak * cfg.learning_rate_final_fraction
+    warmup = int(round(cfg.warmup_steps_fraction * total_steps))
+    ramp = optax.linear_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
+    if cfg.schedule == "constant":
+        rest = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        rest = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=cfg.learning_rate_final_fraction)
+    else:  # wsd: stable at the peak, then a linear decay over the last wsd_decay_steps_fraction
+        decay = int(round(cfg.wsd_decay_steps_fraction * total_steps))
+        stable = max(total_steps - warmup - decay, 0)
+        rest = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, final, max(decay, 1))], [stable]
+        )
+    return optax.join_schedules([ramp, rest], [warmup]) if warmup else rest
+
+
+def param_paths(params: nnx.State) -> Any:
+    """A tree like `params` whose leaves are the dotted parameter paths."""
+    return nnx.from_flat_state(
+        [(path, ".".join(map(str, path))) for path, _ in nnx.to_flat_state(params)]
+    )
+
+
+def _map_paths(params: nnx.State, fn) -> Any:
+    return jax.tree.map(fn, param_paths(params))
+
+
+def _is_decayed(path: str) -> bool:
+    return not (path.endswith(".scale") or path.endswith(".bias"))
+
+
+def _muon_dims(params: nnx.State) -> Any:
+    """Muon's (reduction, output) axes for projection kernels from their logical axes; None -> Adam."""
+    flat = dict(nnx.to_flat_state(params))
+
+    def dims(path_tuple):
+        var = flat[path_tuple]
+        name = ".".join(map(str, path_tuple))
+        if not name.endswith(".kernel") or name.startswith("lm_head"):
+            return None
+        axes = list(var.get_metadata("logical_axes"))
+        embed = axes.index("embed")
+        others = tuple(i for i, a in enumerate(axes) if a not in ("embed", "layers"))
+        first = 1 if axes[0] == "layers" else 0  # the stacked-layers axis is a batch axis for Muon
+        if embed == first:  # [D, ...] kernels read the model dimension: q/k/v, gate/up
+            return MuonDimensionNumbers(reduction_axis=(embed,), output_axis=others)
+        return MuonDimensionNumbers(reduction_axis=others, output_axis=(embed,))  # o_proj, down_proj
+
+    return nnx.from_flat_state([(p, dims(p)) for p in flat])
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+    """The full transformation: clip -> optimizer (with schedule) -> freezing mask."""
+    schedule = make_schedule(cfg, total_steps)
+    decay_mask = _map_paths(params, _is_decayed)
+    if cfg.name == "adamw":
+        opt = optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    elif cfg.name == "sgd":
+        opt = optax.sgd(schedule)
+    else:
+        opt = optax.contrib.muon(
+            schedule,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=decay_mask,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            eps=cfg.eps,
+            muon_weight_dimension_numbers=_muon_dims(params),
+        )
+    chain = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
+    tx = optax.chain(*chain, opt)
+    if cfg.trainable_regex is None:
+        return tx
+    labels = trainable_labels(params, cfg.trainable_regex)
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def trainable_labels(params: nnx.State, regex: str) -> Any:
+    """'train' for parameters whose dotted path matches `regex` (re.search), else 'frozen'."""
+    pattern = re.compile(regex)
+    labels = _map_paths(params, lambda p: "train" if pattern.search(p) else "frozen")
+    if "train" not in jax.tree.leaves(labels):
+        raise ValueError(f"optim.trainable_regex {regex!r} matches no parameter")
+    return labels
+
+
+def global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))

@@ -1,0 +1,78 @@
+"""An offline byte-level BPE tokenizer, trained on a corpus with the `tokenizers` library.
+
+The embedded default has no hub access, so it trains its own tokenizer and
+saves an ordinary Hugging Face tokenizer directory (tokenizer.json,
+tokenizer_config.json with a ChatML chat template, special tokens) that
+`transformers.AutoTokenizer` and vLLM load.
+
+    python -m core.tokenizer OUT_DIR --vocab-size 512 --corpus corpus.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Iterable
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# Order fixes the ids: pad=0, bos=1, eos=2, im_start=3, im_end=4.
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
+
+# ChatML, as Qwen uses. `{% generation %}` marks assistant tokens so that
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` can mask prompts in SFT.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> Path:
+    """Train byte-level BPE on `corpus` and save a Hugging Face tokenizer directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} special tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1_000_000,
+    )
+    out = Path(out_dir)
+    fast.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Train an offline byte-level BPE tokenizer.")
+    p.add_argument("out_dir")
+    p.add_argument("--corpus", required=True, help="text file, one document per line")
+    p.add_argument("--vocab-size", type=int, default=512)
+    args = p.parse_args()
+    lines = Path(args.corpus).read_text().splitlines()
+    print(build_tokenizer(lines, args.out_dir, args.vocab_size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""One pure, jitted train step, generic over the loss; its state; compile-only lowering.
+
+The loss contract, shared by pretraining, SFT, DPO, GRPO and distillation:
+
+    loss_fn(model, batch, rng) -> (loss_sum, metrics)
+
+`loss_sum` is a *sum* over the micro-batch (e.g. of per-token NLL) and
+`metrics["loss_denominator"]` the count it is normalised by (e.g. target
+tokens). The step sums both over micro-batches and divides once, so k
+micro-batches give the gradient of one big batch exactly. Every other metric is
+also a sum, reported divided by the same global denominator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from core.mesh import logical_to_spec
+from core.optim import global_norm
+
+LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, dict]]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    params: nnx.State
+    opt_state: Any
+    step: jax.Array  # int32 scalar: train steps taken (skipped non-finite steps included)
+    rng: jax.Array  # PRNG key for dropout-like randomness in the loss
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int) -> tuple[nnx.GraphDef, TrainState]:
+    """Split the model; the optimizer state is created with the parameters' shardings."""
+    graphdef, params = nnx.split(model)
+    # Scalars (step, RNG, optimizer counters that do not depend on the parameters and so land on
+    # the default device) are replicated over the parameters' devices: one device set per step.
+    first = jax.tree.leaves(params)[0].sharding
+    replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
+    devices = first.device_set
+
+    def onto_mesh(x):
+        return x if x.sharding.device_set == devices else jax.device_put(x, replicated)
+
+    opt_state = jax.tree.map(onto_mesh, jax.jit(tx.init)(params))
+    step, rng = jax.device_put((jnp.zeros((), jnp.int32), jax.random.key(seed)), replicated)
+    return graphdef, TrainState(params, opt_state, step, rng)
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of a micro-batched input `[k, B/k, ...]`: the batch axis over the data axes
+    (those that divide B/k)."""
+    spec = logical_to_spec(("batch",), shape[1:2], dict(mesh.shape))
+    return NamedSharding(mesh, PartitionSpec(None, *spec, *([None] * (len(shape) - 2))))
+
+
+def split_micro_batches(batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, np.ndarray]:
+    """[B, ...] host arrays -> [k, B/k, ...]."""
+    out = {}
+    for key, x in batch.items():
+        if x.shape[0] % micro_batches:
+            raise ValueError(f"batch[{key!r}] has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
+        out[key] = x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
+    return out
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule | None = None,
+    skip_nonfinite: bool = True,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The pure step `(state, micro_batched_batch) -> (state, metrics)`, not yet jitted.
+
+    A step whose loss or gradient norm is not finite leaves the state
+    unchanged (`metrics["finite"] == 0`); the loop decides to skip or abort.
+    """
+
+    def grads_of(params, micro_batch, rng):
+        def objective(p):
+            return loss_fn(nnx.merge(graphdef, p), micro_batch, rng)
+
+        (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss_sum, metrics, grads
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        rng, step_rng = jax.random.split(state.rng)
+        k = jax.tree.leaves(batch)[0].shape[0]
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(grads_of, state.params, first, step_rng)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+        def accumulate(carry, inputs):
+            micro_batch, i = inputs
+            loss_sum, metrics, grads = grads_of(state.params, micro_batch, jax.random.fold_in(step_rng, i))
+            out = (loss_sum, metrics, grads)
+            return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, out), None
+
+        (loss_sum, sums, grads), _ = jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))
+        denom = jnp.maximum(sums.pop("loss_denominator"), 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        grad_norm = global_norm(grads)
+
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree.map(keep, params, state.params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        # The step counter advances even when an update is skipped: it indexes batches and the schedule.
+        new_state = TrainState(params, opt_state, state.step + 1, rng)
+        metrics = {k: v / denom for k, v in sums.items()}
+        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, finite=finite.astype(jnp.float32))
+        if schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return new_state, metrics
+
+    return step
+
+
+def jit_train_step(step: Callable, state: TrainState) -> Callable:
+    """jit with the state donated and kept in its current shardings."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
+
+
+def memory_analysis_line(compiled) -> str:
+    """XLA's memory analysis of a compiled step, in one line."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return "memory analysis: not available on this backend"
+    gib = 2**30
+    arg, out, tmp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
+    alias = getattr(m, "alias_size_in_bytes", 0)
+    total = arg + out + tmp - alias
+    return (f"memory analysis: arguments {arg / gib:.3f} GiB, outputs {out / gib:.3f} GiB, "
+            f"temp {tmp / gib:.3f} GiB, aliased {alias / gib:.3f} GiB, total {total / gib:.3f} GiB per device")
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) standing in for concrete arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

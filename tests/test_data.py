@@ -1,0 +1,175 @@
+"""Grain pipelines: sources, tokenisation, packing/padding, shuffling, sharding, resumable state, bad rows."""
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+
+from core.config import DataConfig
+from core.data import MalformedRow, load_records, make_pipeline
+
+TEXTS = [f"Calculate {i} + {i + 1}.\nAnswer: {2 * i + 1}" for i in range(40)]
+
+
+def cfg(**kw):
+    base = dict(seq_len=32, seed=0)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def rows_of(batch):
+    """Per row: list of (example_id, tokens) for each packed document."""
+    out = []
+    for r in range(batch["tokens"].shape[0]):
+        docs = {}
+        for t in range(batch["tokens"].shape[1]):
+            seg = batch["segment_ids"][r, t]
+            if seg:
+                docs.setdefault(seg, []).append((batch["example_ids"][r, t], batch["tokens"][r, t], batch["positions"][r, t]))
+        out.append(docs)
+    return out
+
+
+def test_packing_layout_matches_tokenizer(arithmetic_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    records = [{"text": t} for t in TEXTS]
+    batch = next(iter(make_pipeline(cfg(shuffle=False), 4, records=records, tokenizer_dir=arithmetic_tokenizer)))
+    assert set(batch) == {"tokens", "segment_ids", "positions", "loss_mask", "example_ids"}
+    assert batch["tokens"].shape == (4, 32) and batch["tokens"].dtype == np.int32
+    n_docs = 0
+    for docs in rows_of(batch):
+        for seg, items in docs.items():
+            ids = {int(i) for i, _, _ in items}
+            assert len(ids) == 1  # one document per segment
+            (eid,) = ids
+            want = tok(TEXTS[eid], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            assert [int(t) for _, t, _ in items] == want[:32]
+            assert [int(p) for _, _, p in items] == list(range(len(items)))  # positions restart per document
+            n_docs += 1
+    assert n_docs > 4  # several documents were packed per row
+    assert ((batch["segment_ids"] == 0) == (batch["example_ids"] == -1)).all()
+
+
+def test_padding_mode(arithmetic_tokenizer):
+    records = [{"text": t} for t in TEXTS]
+    batch = next(iter(make_pipeline(cfg(packing=False, shuffle=False), 3, records=records, tokenizer_dir=arithmetic_tokenizer)))
+    assert (batch["example_ids"][:, 0] == [0, 1, 2]).all()
+    for r in range(3):
+        n = int(batch["segment_ids"][r].sum())
+        assert (batch["segment_ids"][r, :n] == 1).all() and (batch["segment_ids"][r, n:] == 0).all()
+        assert (batch["positions"][r, :n] == np.arange(n)).all()
+
+
+def test_shuffle_is_seeded_and_epochs_reshuffle(arithmetic_tokenizer):
+    records = [{"text": t} for t in TEXTS]
+
+    def first_ids(seed, n=30):
+        it = iter(make_pipeline(cfg(packing=False, seed=seed), 2, records=records, tokenizer_dir=arithmetic_tokenizer))
+        return [int(x) for _ in range(n) for x in next(it)["example_ids"][:, 0]]
+
+    a, b, c = first_ids(0), first_ids(0), first_ids(1)
+    assert a == b and a != c
+    assert sorted(a[:40]) == list(range(40))  # first epoch: every example exactly once
+    assert a[:20] != a[40:60]  # second epoch is a different permutation
+
+
+def test_state_restores_exact_next_batch(arithmetic_tokenizer):
+    records = [{"text": t} for t in TEXTS]
+    pipe = make_pipeline(cfg(), 4, records=records, tokenizer_dir=arithmetic_tokenizer)
+    it = iter(pipe)
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(4)]
+    fresh = iter(make_pipeline(cfg(), 4, records=records, tokenizer_dir=arithmetic_tokenizer))
+    fresh.set_state(state)
+    for want in expected:
+        got = next(fresh)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_process_sharding_is_disjoint(arithmetic_tokenizer):
+    records = [{"text": t} for t in TEXTS]
+    seen = []
+    for p in range(2):
+        pipe = make_pipeline(cfg(packing=False, shuffle=False), 4, records=records, tokenizer_dir=arithmetic_tokenizer,
+                             process_index=p, process_count=2)
+        assert pipe.num_rows == 20
+        it = iter(pipe)
+        seen.append({int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]})
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 40
+
+
+def test_eval_split_is_held_out_and_finite(arithmetic_tokenizer):
+    records = [{"text": t} for t in TEXTS]
+    c = cfg(eval_fraction=0.25, packing=False)
+    ev = list(make_pipeline(c, 4, records=records, tokenizer_dir=arithmetic_tokenizer, split="eval"))
+    eval_ids = {int(x) for b in ev for x in b["example_ids"][:, 0]}
+    assert eval_ids == set(range(30, 40))
+    it = iter(make_pipeline(c, 5, records=records, tokenizer_dir=arithmetic_tokenizer))
+    train_ids = {int(x) for _ in range(6) for x in next(it)["example_ids"][:, 0]}
+    assert train_ids == set(range(30))
+
+
+def test_chat_and_prompt_completion_masks(arithmetic_tokenizer):
+    chat = [{"messages": [{"role": "user", "content": "Calculate 1 + 2."}, {"role": "assistant", "content": "3"}]}]
+    b = next(iter(make_pipeline(cfg(format="chat", packing=False), 1, records=chat * 2, tokenizer_dir=arithmetic_tokenizer)))
+    n = int(b["segment_ids"][0].sum())
+    assert 0 < b["loss_mask"][0, :n].sum() < n  # only the assistant answer carries loss
+    pc = [{"prompt": "Calculate 1 + 2.", "completion": " 3"}]
+    b = next(iter(make_pipeline(cfg(format="prompt_completion", packing=False), 1, records=pc * 2,
+                                tokenizer_dir=arithmetic_tokenizer)))
+    mask = b["loss_mask"][0]
+    n = int(b["segment_ids"][0].sum())
+    assert mask[0] == 0 and mask[n - 1] == 1 and 0 < mask[:n].sum() < n
+
+
+def test_local_files_and_save_to_disk(tmp_path, arithmetic_tokenizer):
+    rows = [{"text": t} for t in TEXTS[:10]]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "disk"))
+    for source in (jsonl, tmp_path / "d.parquet", tmp_path / "disk"):
+        c = cfg(source=str(source), tokenizer_dir=arithmetic_tokenizer, packing=False, shuffle=False)
+        assert [r["text"] for r in load_records(str(source), c)] == TEXTS[:10]
+        assert next(iter(make_pipeline(c, 2)))["tokens"].shape == (2, 32)
+
+
+def test_reasoning_gym_source():
+    recs = load_records("reasoning_gym:basic_arithmetic", cfg(num_examples=5, seed=3))
+    assert len(recs) == 5 and all(r["text"].endswith(r["answer"]) for r in recs)
+    assert recs == load_records("reasoning_gym:basic_arithmetic", cfg(num_examples=5, seed=3))
+
+
+def test_missing_file_is_named():
+    with pytest.raises(FileNotFoundError, match="no/such.jsonl"):
+        load_records("no/such.jsonl", cfg())
+
+
+@pytest.mark.parametrize("row,field,what", [
+    ({"txt": "hello"}, "text", "missing"),
+    ({"text": 3}, "text", "expected a string, got int"),
+    ({"text": "   "}, "text", "empty text"),
+])
+def test_malformed_row_named_or_skipped(arithmetic_tokenizer, row, field, what):
+    records = [{"text": t} for t in TEXTS[:5]] + [row] + [{"text": t} for t in TEXTS[5:10]]
+    with pytest.raises(MalformedRow, match=f"row 5: field '{field}': {what}"):
+        make_pipeline(cfg(), 2, records=records, tokenizer_dir=arithmetic_tokenizer)
+    pipe = make_pipeline(cfg(skip_malformed=True, packing=False, shuffle=False), 2, records=records,
+                         tokenizer_dir=arithmetic_tokenizer)
+    assert pipe.num_rows == 10 and len(pipe.skipped) == 1 and "row 5" in pipe.skipped[0]
+    it = iter(pipe)
+    ids = [int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]]
+    assert sorted(ids) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]  # one epoch, row 5 skipped
+
+
+def test_malformed_chat_row(arithmetic_tokenizer):
+    with pytest.raises(MalformedRow, match=r"row 0: field 'messages\[1\]'"):
+        make_pipeline(cfg(format="chat"), 1, records=[{"messages": [{"role": "user", "content": "x"}, {"role": 1}]}],
+                      tokenizer_dir=arithmetic_tokenizer)
