@@ -10,12 +10,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.config import Config
 from core.models import abstract_model, state_shardings
 from core.optim import make_optimizer, make_schedule
-from core.train import LossFn, TrainState, batch_sharding, make_train_step, memory_analysis_line
+from core.train import (
+    LossFn,
+    TrainState,
+    batch_sharding,
+    make_train_step,
+    memory_analysis_line,
+    optimizer_state_shardings,
+)
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -30,14 +37,15 @@ def compile_train_step(cfg: Config, loss_fn: LossFn, mesh: Mesh, batch_keys=BATC
         params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     tx = make_optimizer(cfg.optim, cfg.train.steps, params)
-    with jax.set_mesh(mesh):
-        init = jax.jit(tx.init).lower(params).compile()
     abstract_opt = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(tx.init, params), init.output_shardings,
+        jax.eval_shape(tx.init, params), optimizer_state_shardings(tx, params),
     )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
     state = TrainState(
-        params, abstract_opt, jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(lambda: jax.random.key(0))
+        params, abstract_opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
     )
     k, b, t = cfg.train.micro_batches, cfg.train.batch_size // cfg.train.micro_batches, cfg.data.seq_len
     batch = {key: jax.ShapeDtypeStruct((k, b, t), jnp.int32, sharding=batch_sharding(mesh, (k, b, t))) for key in batch_keys}

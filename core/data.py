@@ -134,14 +134,17 @@ class Tokenize(grain.transforms.Map):
         self.tokenizer_dir = tokenizer_dir
         self.cfg = cfg
         self.completion_only = completion_only
-        self._tok = None
+        # Loaded here, in the calling thread: transformers' lazy imports are not safe to
+        # trigger first from Grain's prefetch threads.
+        self._tok = _load_tokenizer(tokenizer_dir)
+
+    def __getstate__(self):  # pickles cheaply into worker processes; reloaded there
+        return {**self.__dict__, "_tok": None}
 
     @property
     def tok(self):
-        if self._tok is None:  # loaded lazily so the transform pickles cheaply into workers
-            from transformers import AutoTokenizer
-
-            self._tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        if self._tok is None:
+            self._tok = _load_tokenizer(self.tokenizer_dir)
         return self._tok
 
     def map(self, element: tuple[int, dict]) -> dict[str, np.ndarray]:
@@ -167,6 +170,14 @@ class Tokenize(grain.transforms.Map):
             "loss_mask": np.asarray(mask[:n], np.int32),
             "example_ids": np.full((n,), index, np.int32),
         }
+
+
+def _load_tokenizer(tokenizer_dir: str):
+    from transformers import AutoTokenizer
+
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _pad_row(element: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:

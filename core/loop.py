@@ -197,8 +197,9 @@ class Trainer:
         self._save_if_new()
         where = f" ({self.ckpt.directory})" if self.ckpt else ""
         raise NonFiniteLoss(
-            f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}: the update was not applied; "
-            f"last good state checkpointed{where}. Set train.nan_policy=skip to skip such steps."
+            f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}: the update was not applied. "
+            f"Checkpoint {step}{where} holds the last good parameters and optimizer state, with the data "
+            f"positioned after the bad batch. Set train.nan_policy=skip to skip such steps."
         )
 
     # ----------------------------------------------------------------- hooks

@@ -12,6 +12,7 @@ import base64
 import html
 import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     a_dir, b_dir = Path(args.run_a), Path(args.run_b)
-    a, b = summarize(a_dir), summarize(b_dir)
+    try:
+        a, b = summarize(a_dir), summarize(b_dir)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     name_a, name_b = a_dir.name or str(a_dir), b_dir.name or str(b_dir)
     if name_a == name_b:
         name_a, name_b = str(a_dir), str(b_dir)

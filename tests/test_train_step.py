@@ -100,3 +100,21 @@ def test_sharded_training_matches_single_device(mesh_cfg, micro):
     for a, b in zip(ms, m1):
         assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-5
     assert max_param_diff(sharded, single) <= 1e-5
+
+
+def test_optimizer_moments_are_sharded_like_parameters():
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    model = create_model(ModelConfig(), mesh)
+    tx = make_optimizer(OptimConfig(name="adamw"), 10, nnx.state(model))
+    _, state = init_train_state(model, tx, seed=0)
+    params = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    moments = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        key = jax.tree_util.keystr(path)
+        match = [p for p in params if key.endswith(p)]
+        if match:
+            assert leaf.sharding == params[match[0]].sharding, key
+            moments += 1
+        else:
+            assert leaf.ndim == 0 and leaf.sharding.is_fully_replicated, key
+    assert moments == 2 * len(params)  # mu and nu for every parameter

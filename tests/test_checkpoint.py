@@ -1,0 +1,115 @@
+"""Orbax checkpoints: full state round trip, another mesh, params only, mismatched models, keep-N."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from flax import nnx
+
+from core.checkpoint import Checkpointer, CheckpointMismatch, load_params, save_params
+from core.config import Config, MeshConfig, ModelConfig, OptimConfig
+from core.data import make_pipeline
+from core.config import DataConfig
+from core.mesh import make_mesh
+from core.models import abstract_model, create_model, state_shardings
+from core.optim import make_optimizer
+from core.train import TrainState, init_train_state
+
+ADAM = OptimConfig(name="adamw", learning_rate=1e-3, schedule="constant")
+
+
+def make_state(model_cfg, mesh=None, seed=0):
+    model = create_model(model_cfg, mesh, seed=seed)
+    tx = make_optimizer(ADAM, 10, nnx.state(model))
+    graphdef, state = init_train_state(model, tx, seed=seed)
+    # give the optimizer non-trivial moments
+    grads = jax.jit(lambda ps: jax.tree.map(lambda p: p * 0.5 + 0.1, ps))(state.params)
+    updates, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.params)
+    state = TrainState(state.params, opt_state, state.step + 7, state.rng)
+    return graphdef, state
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_with_data_iterator(tmp_path, arithmetic_tokenizer):
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model)
+    records = [{"text": f"Calculate {i} + 1." } for i in range(50)]
+    dcfg = DataConfig(seq_len=16)
+    it = iter(make_pipeline(dcfg, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
+    next(it), next(it)
+    ckpt = Checkpointer(tmp_path / "ck", keep=2, async_save=True)
+    ckpt.save(state, it, cfg)
+    ckpt.wait()
+    expected_next = next(it)
+
+    _, target = make_state(cfg.model, seed=1)  # different values, same structure
+    it2 = iter(make_pipeline(dcfg, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
+    restored, meta = Checkpointer(tmp_path / "ck").restore(7, target, it2, cfg)
+    assert meta["step"] == 7 and int(restored.step) == 7
+    leaves_equal(restored.params, state.params)
+    leaves_equal(restored.opt_state, state.opt_state)
+    leaves_equal(restored.rng, state.rng)
+    got = next(it2)
+    for k in expected_next:
+        np.testing.assert_array_equal(got[k], expected_next[k])
+
+
+def test_restore_onto_a_different_mesh(tmp_path):
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model, make_mesh(MeshConfig(fsdp=8)))
+    ckpt = Checkpointer(tmp_path / "ck", async_save=False)
+    ckpt.save(state, None, cfg)
+    mesh2 = make_mesh(MeshConfig(fsdp=2, tensor=4))
+    _, target = make_state(cfg.model, mesh2, seed=3)
+    restored, _ = ckpt.restore(7, target, None, cfg)
+    leaves_equal(restored.params, state.params)
+    q = restored.params["layers"]["attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.mesh.shape["tensor"] == 4 and q.sharding.spec == P(None, "fsdp", "tensor", None)
+
+
+def test_params_only(tmp_path):
+    model = create_model(ModelConfig(), seed=0)
+    save_params(tmp_path / "p", nnx.state(model))
+    abstract = abstract_model(ModelConfig())
+    shardings = state_shardings(abstract, make_mesh(MeshConfig(fsdp=4), jax.devices()[:4]))
+    target = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+                          nnx.state(abstract), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    loaded = load_params(tmp_path / "p", target)
+    leaves_equal(loaded, nnx.state(model))
+    with pytest.raises(FileNotFoundError, match="no parameter checkpoint"):
+        load_params(tmp_path / "missing", target)
+
+
+def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path):
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model)
+    ckpt = Checkpointer(tmp_path / "ck", async_save=False)
+    ckpt.save(state, None, cfg)
+    other = Config(model=ModelConfig(hidden_size=96, intermediate_size=160))
+    _, target = make_state(other.model)
+    with pytest.raises(CheckpointMismatch) as e:
+        ckpt.restore(7, target, None, other)
+    msg = str(e.value)
+    assert "model.hidden_size: checkpoint 64, this run 96" in msg
+    assert "tensor embed.embedding: checkpoint (512, 64), this run (512, 96)" in msg
+    # the checkpoint is intact and still restores into the right model
+    restored, _ = ckpt.restore(7, make_state(cfg.model, seed=2)[1], None, cfg)
+    leaves_equal(restored.params, state.params)
+
+
+def test_keep_n(tmp_path):
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model)
+    ckpt = Checkpointer(tmp_path / "ck", keep=2, async_save=True)
+    for i in range(4):
+        ckpt.save(TrainState(state.params, state.opt_state, state.step + i, state.rng), None, cfg)
+    ckpt.wait()
+    assert ckpt.all_steps() == [9, 10] and ckpt.latest_step() == 10

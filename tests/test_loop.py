@@ -1,0 +1,99 @@
+"""The training loop: hook cadence, non-finite policies, SIGTERM, run-directory artifacts."""
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.config_loader import load_config
+from core.data import make_pipeline
+from core.loop import NonFiniteLoss, Trainer
+from core.mesh import make_mesh
+from core.models import create_model
+from core.objectives import next_token_loss
+
+RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
+
+
+def config(tmp_path, *overrides):
+    return load_config("recipes/configs/pretrain_tiny.yml", [
+        f"run.run_dir={tmp_path}", "train.steps=8", "train.batch_size=2", "train.log_every=2",
+        "train.eval_every=4", "data.seq_len=32", "data.packing=false", "data.shuffle=false",
+        "data.eval_fraction=0.1",
+        "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=1", "model.head_dim=16",
+        "checkpoint.every_steps=3", "checkpoint.async_save=false", "logging.peak_tflops=1.0", *overrides,
+    ])
+
+
+def trainer(cfg, tokenizer, loss_fn=next_token_loss, on_batch=None):
+    mesh = make_mesh(cfg.mesh)
+    model = create_model(cfg.model, mesh)
+    data = make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer)
+    eval_fn = lambda: make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS,  # noqa: E731
+                                    tokenizer_dir=tokenizer, split="eval")
+    return Trainer(cfg, model, loss_fn, data, mesh=mesh, eval_data_fn=eval_fn, tokenizer_dir=tokenizer,
+                   on_batch=on_batch)
+
+
+def poisoned_loss(model, batch, rng):
+    """NaN whenever example 4 is in the batch (step 3 with batch 2, no shuffle)."""
+    loss, m = next_token_loss(model, batch, rng)
+    return loss * jnp.where((batch["example_ids"] == 4).any(), jnp.nan, 1.0), m
+
+
+def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
+    cfg = config(tmp_path)
+    trainer(cfg, arithmetic_tokenizer).fit()
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]
+    assert all(k in rows[0] for k in ("grad_norm", "learning_rate", "tokens_per_s", "tflops_per_s", "mfu"))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]  # every 3 steps + final, keep 2
+    for name in ("config.yaml", "run_info.json", "loss.png", "hf/config.json", "hf/tokenizer.json"):
+        assert (tmp_path / name).exists(), name
+    assert list((tmp_path / "tensorboard").iterdir())
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["param_count"] > 0 and "jax" in info["versions"] and info["memory_after_first_step"]
+
+
+def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
+    cfg = config(tmp_path, "checkpoint.every_steps=2")
+    t = trainer(cfg, arithmetic_tokenizer, poisoned_loss)
+    with pytest.raises(NonFiniteLoss, match="step 3: loss nan"):
+        t.fit()
+    # checkpoint 3 holds the state from before the bad update (== checkpoint 2), data positioned after it
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
+    after_abort, _ = t.ckpt.restore(3, t.state, None, cfg)
+    good, _ = t.ckpt.restore(2, t.state, None, cfg)
+    for a, b in zip(jax.tree.leaves(after_abort.params), jax.tree.leaves(good.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):
+    cfg = config(tmp_path, "train.nan_policy=skip")
+    state = trainer(cfg, arithmetic_tokenizer, poisoned_loss).fit()
+    assert int(state.step) == 8
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped_steps"] for r in rows if "skipped_steps" in r}
+    assert skipped[4] == 1.0 and skipped[2] == 0.0  # the window (3, 4] held the poisoned step
+    assert "step 3: non-finite loss" in capsys.readouterr().out
+
+
+def test_sigterm_saves_and_resumes(tmp_path, arithmetic_tokenizer, capsys):
+    cfg = config(tmp_path, "checkpoint.every_steps=100")
+
+    def terminate_at_step_5(step, batch):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    state = trainer(cfg, arithmetic_tokenizer, on_batch=terminate_at_step_5).fit()
+    assert int(state.step) == 5
+    assert "SIGTERM: checkpoint saved at step 5" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
+    state = trainer(cfg, arithmetic_tokenizer).fit()
+    assert int(state.step) == 8
+    assert "resumed from" in capsys.readouterr().out

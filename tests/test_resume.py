@@ -1,0 +1,81 @@
+"""Exact resume: SIGKILL a training process after a checkpoint, restart it on the same run directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "train_worker.py"
+OVERRIDES = [
+    "train.steps=48", "train.log_every=1", "train.eval_every=0", "train.batch_size=4",
+    "data.num_examples=2000", "data.eval_fraction=0", "data.seq_len=64",
+    "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.head_dim=16",
+    "checkpoint.every_steps=8", "checkpoint.async_save=true", "checkpoint.export_hf=false",
+    "logging.tensorboard=false", "logging.peak_tflops=1.0",
+]
+
+
+def start(run_dir: Path, ids: Path, tokenizer: str) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(ids), tokenizer, f"run.run_dir={run_dir}", *OVERRIDES],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def ids_by_step(path: Path) -> dict[int, list[int]]:
+    out = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["ids"]  # a redone step overwrites the killed run's record
+    return out
+
+
+@pytest.mark.integration
+def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
+    ref_dir, ref_ids = tmp_path / "ref", tmp_path / "ref_ids.jsonl"
+    ref = start(ref_dir, ref_ids, arithmetic_tokenizer)
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out
+
+    run_dir, run_ids = tmp_path / "run", tmp_path / "run_ids.jsonl"
+    proc = start(run_dir, run_ids, arithmetic_tokenizer)
+    deadline = time.time() + 300
+    # wait until checkpoint 16 is committed and training has moved past it, then kill -9
+    while not ((run_dir / "checkpoints" / "16").exists() and run_ids.exists()
+               and max(ids_by_step(run_ids)) >= 17):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(ids_by_step(run_ids))
+    assert killed_at < 48, "the run finished before it could be killed"
+
+    resumed = start(run_dir, run_ids, arithmetic_tokenizer)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    resumed_from = int(out.split("resumed from ")[1].split()[0].rsplit("/", 1)[1])
+    assert 16 <= resumed_from < killed_at
+
+    want, got = losses(ref_dir), losses(run_dir)
+    assert sorted(got) == list(range(1, 49)) == sorted(want)  # no gap, no duplicate step in metrics.jsonl
+    for step in want:
+        assert abs(want[step] - got[step]) <= 1e-6, (step, want[step], got[step])
+
+    ref_steps, run_steps = ids_by_step(ref_ids), ids_by_step(run_ids)
+    assert run_steps == ref_steps  # the same examples at every step, before and after the kill
+    assert sorted(ref_steps) == list(range(1, 49))
+    seen = [i for s in sorted(ref_steps) for i in ref_steps[s]]
+    assert len(seen) == len(set(seen)) and all(0 <= i < 2000 for i in seen)  # first epoch: no repeats
