@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test demo demo-hf bench clean
 
 install: $(STAMP)
 
@@ -23,10 +23,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
+	$(PY) -m recipes.pretrain
+
+demo-hf: $(STAMP)
 	$(PY) -m recipes.hf_parity_demo
 
 bench: $(STAMP)
 	$(PY) bench/logprobs_memory.py
+	$(PY) bench/train_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
