@@ -119,32 +119,42 @@ def make_train_step(
         (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return loss_sum, metrics, grads
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        rng, step_rng = jax.random.split(state.rng)
+    def summed(params, batch, step_rng):
+        """Loss, metric and gradient sums over the micro-batches (float32)."""
         k = jax.tree.leaves(batch)[0].shape[0]
-        first = jax.tree.map(lambda x: x[0], batch)
-        shapes = jax.eval_shape(grads_of, state.params, first, step_rng)
+        to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+        if k == 1:  # no accumulation buffers for the common case
+            first = jax.tree.map(lambda x: x[0], batch)
+            return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0)))
+        shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], batch), step_rng)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
         def accumulate(carry, inputs):
             micro_batch, i = inputs
-            loss_sum, metrics, grads = grads_of(state.params, micro_batch, jax.random.fold_in(step_rng, i))
-            out = (loss_sum, metrics, grads)
-            return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, out), None
+            out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i)))
+            return jax.tree.map(jnp.add, carry, out), None
 
-        (loss_sum, sums, grads), _ = jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))
+        return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        rng, step_rng = jax.random.split(state.rng)
+        loss_sum, sums, grads = summed(state.params, batch, step_rng)
         denom = jnp.maximum(sums.pop("loss_denominator"), 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
         grad_norm = global_norm(grads)
-
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            params = jax.tree.map(keep, params, state.params)
-            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+
+        def update(operands):
+            params, opt_state = operands
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        operands = (state.params, state.opt_state)
+        if skip_nonfinite:  # only the taken branch runs: no extra pass over the state
+            params, opt_state = jax.lax.cond(finite, update, lambda ops: ops, operands)
+        else:
+            params, opt_state = update(operands)
         # The step counter advances even when an update is skipped: it indexes batches and the schedule.
         new_state = TrainState(params, opt_state, state.step + 1, rng)
         metrics = {k: v / denom for k, v in sums.items()}
