@@ -42,7 +42,7 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
 
     cfg = ModelConfig(family="llama", scan_layers=scan, remat_policy="full" if remat else "none",
-                      attention_impl=args.attention, **CONFIGS[name])
+                      attention_impl=args.attention, vocab_chunk_size=args.vocab_chunk, **CONFIGS[name])
     model = create_model(cfg, seed=0)
     tx = make_optimizer(OptimConfig(name="adamw", schedule="constant", learning_rate=1e-4), 100, nnx.state(model))
     graphdef, state = init_train_state(model, tx, seed=0)
@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--attention", default="xla", choices=["xla", "dot_product"])
+    p.add_argument("--vocab-chunk", type=int, default=8192, help="model.vocab_chunk_size (>= vocab: full logits)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
     args = p.parse_args()
 
@@ -87,7 +88,8 @@ def main() -> None:
     from core.metrics import measure_matmul_peak
 
     peak = max(measure_matmul_peak(n=2048), measure_matmul_peak(n=4096, repeats=3))
-    print(f"device: {jax.devices()[0].device_kind}, measured float32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"device: {jax.devices()[0].device_kind}, measured float32 matmul peak {peak / 1e9:.1f} GFLOP/s, "
+          f"vocab chunk {args.vocab_chunk}, attention {args.attention}")
     results = []
     print(f"{'config':<7}{'scan':<6}{'remat':<7}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'vs peak':>9}{'compile s':>11}")
     for name in args.configs:

@@ -74,6 +74,9 @@ class ModelConfig(Section):
     scan_layers: bool = True
     remat_policy: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     attention_impl: Literal["xla", "dot_product", "cudnn"] = "xla"
+    # Vocabulary tile of the log-prob kernel (core/kernels/logprobs.py); >= vocab_size is one tile
+    # (full float32 logits: fastest on CPU for small vocabularies, most memory).
+    vocab_chunk_size: int = Field(8192, gt=0)
 
     @property
     def resolved_head_dim(self) -> int:

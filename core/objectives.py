@@ -15,7 +15,7 @@ def target_mask(batch: dict) -> jax.Array:
     return same_doc & (batch["loss_mask"][:, 1:] > 0)
 
 
-def next_token_loss(model, batch: dict, rng: jax.Array, chunk_size: int = 8192):
+def next_token_loss(model, batch: dict, rng: jax.Array):
     """Summed next-token negative log-likelihood over target tokens, with vocabulary-tiled log-probs.
 
     Returns `(nll_sum, {"loss_denominator": n_targets})`; the train step divides
@@ -26,7 +26,8 @@ def next_token_loss(model, batch: dict, rng: jax.Array, chunk_size: int = 8192):
     hidden = model.hidden_states(tokens, batch["positions"], batch["segment_ids"])  # [B, T, D]
     weight, layout = model.output_weight()
     logp, _ = chunked_logprobs_and_entropy(
-        hidden[:, :-1], weight.astype(hidden.dtype), tokens[:, 1:], chunk_size=chunk_size, layout=layout
+        hidden[:, :-1], weight.astype(hidden.dtype), tokens[:, 1:], chunk_size=model.cfg.vocab_chunk_size,
+        layout=layout,
     )  # [B, T-1]
     mask = target_mask(batch).astype(jnp.float32)
     return -(logp * mask).sum(), {"loss_denominator": mask.sum()}

@@ -34,7 +34,7 @@ def test_values_match_numpy(chunk, temperature):
 
 
 @pytest.mark.parametrize("layout", ["dv", "vd"])
-@pytest.mark.parametrize("chunk", [64, 100])
+@pytest.mark.parametrize("chunk", [64, 100, 300])  # 300 = V: a single tile
 def test_gradients_match_naive(layout, chunk):
     h, w, y = data(1)
     if layout == "vd":

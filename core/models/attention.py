@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from core.config import ModelConfig
@@ -31,9 +32,28 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
         self.impl = cfg.attention_impl
 
+    def project_qkv(self, x: jax.Array):
+        """q [B, T, N, H], k, v [B, T, K, H] from one fused matmul.
+
+        The three kernels are concatenated at compute time ([D, (N + 2K) H], a
+        cheap copy) so the CPU/GPU runs one wide matmul instead of three narrow
+        ones; the parameters stay separate, in the Hugging Face split.
+        """
+        b, t, d = x.shape
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        heads = [p.kernel.shape[1] for p in projs]
+        h = projs[0].kernel.shape[2]
+        dt = self.q_proj.dtype
+        w = jnp.concatenate([p.kernel[...].reshape(d, -1).astype(dt) for p in projs], axis=1)
+        y = x.reshape(b * t, d) @ w  # [B*T, (N + 2K) H]
+        if self.q_proj.bias is not None:
+            y = y + jnp.concatenate([p.bias[...].reshape(-1).astype(dt) for p in projs])
+        q, k, v = jnp.split(y, [heads[0] * h, (heads[0] + heads[1]) * h], axis=1)
+        return tuple(z.reshape(b, t, n, h) for z, n in zip((q, k, v), heads))
+
     def qkv(self, x: jax.Array, positions: jax.Array):
         """Projected, normalised and rotated q [B, T, N, H], k, v [B, T, K, H]."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
