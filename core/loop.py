@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
+from core.hf import save_hf
 from core.metrics import (
     MetricsLogger,
     device_memory,
@@ -34,6 +35,7 @@ from core.metrics import (
     model_flops_per_token,
     peak_flops_per_device,
     plot_curves,
+    read_metrics,
     update_run_info,
 )
 from core.models import param_count
@@ -236,13 +238,13 @@ class Trainer:
             self._save_if_new()
             self.ckpt.wait()
         if self.cfg.checkpoint.export_hf:
-            from core.hf import save_hf
-
             model = nnx.merge(self.graphdef, self.state.params)
             out = save_hf(model, self.model_cfg, self.run_dir / "hf", tokenizer_dir=self.tokenizer_dir)
             print(f"exported Hugging Face model to {out}", flush=True)
-        plot = plot_curves(self.run_dir)
-        rows = [m for m in _read_train_rows(self.run_dir)]
+        plot, rows = None, []
+        if self.cfg.logging.jsonl:  # the plot and the summary read metrics.jsonl
+            plot = plot_curves(self.run_dir)
+            rows = [r for r in read_metrics(self.run_dir) if "loss" in r]
         update_run_info(
             self.run_dir,
             final_loss=rows[-1]["loss"] if rows else None,
@@ -287,12 +289,3 @@ def _pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, jnp.ndarray
         k: np.concatenate([v, np.full((rows - n, *v.shape[1:]), -1 if k == "example_ids" else 0, v.dtype)])
         for k, v in batch.items()
     }
-
-
-def _read_train_rows(run_dir: Path) -> list[dict]:
-    from core.metrics import read_metrics
-
-    try:
-        return [r for r in read_metrics(run_dir) if "loss" in r]
-    except FileNotFoundError:
-        return []

@@ -183,8 +183,3 @@ def memory_analysis_line(compiled) -> str:
     total = arg + out + tmp - alias
     return (f"memory analysis: arguments {arg / gib:.3f} GiB, outputs {out / gib:.3f} GiB, "
             f"temp {tmp / gib:.3f} GiB, aliased {alias / gib:.3f} GiB, total {total / gib:.3f} GiB per device")
-
-
-def abstract_like(tree: Any) -> Any:
-    """ShapeDtypeStructs (with shardings) standing in for concrete arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
