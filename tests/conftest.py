@@ -56,3 +56,26 @@ def arithmetic_tokenizer(tmp_path_factory):
 
     texts = [r["text"] for r in reasoning_gym_records("basic_arithmetic", 300, seed=123)]
     return str(build_tokenizer(texts, tmp_path_factory.mktemp("tokenizer"), vocab_size=512))
+
+
+@pytest.fixture(scope="session")
+def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
+    """Factory: (family, seed) -> a tiny HF model directory with a tokenizer, servable by vLLM (head_dim 32)."""
+    import shutil
+    from pathlib import Path
+
+    from core.tiny import save_tiny_hf_model
+
+    cache: dict = {}
+
+    def make(family: str = "llama", seed: int = 0, tied: bool = False):
+        key = (family, seed, tied)
+        if key not in cache:
+            path = save_tiny_hf_model(tmp_path_factory.mktemp(f"rollout_{family}_{seed}"), family, tied,
+                                      seed=seed, head_dim=32)
+            for f in Path(arithmetic_tokenizer).iterdir():
+                shutil.copy(f, path / f.name)
+            cache[key] = path
+        return cache[key]
+
+    return make

@@ -67,3 +67,17 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         out = attention(q, k, v, mask, self.impl)  # [B, T, N, H]
         return self.o_proj(out)
+
+    def with_cache(self, x, positions, cache_k, cache_v, mask):
+        """Attention against a KV cache whose slot index is the token position.
+
+        x [B, T, D], positions [B, T]; cache_k/v [B, S, K, H]; mask [B, T, S].
+        The new keys/values are written at their positions first, so a token
+        also attends to itself. Returns (out [B, T, D], cache_k, cache_v).
+        """
+        q, k, v = self.qkv(x, positions)
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype))
+        cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype))
+        out = attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, self.impl)
+        return self.o_proj(out), cache_k, cache_v

@@ -38,6 +38,12 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
+    def with_cache(self, x, positions, cache_k, cache_v, mask):
+        h, cache_k, cache_v = self.attn.with_cache(self.input_norm(x), positions, cache_k, cache_v, mask)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return constrain(x, ("batch", "length", "act_embed")), cache_k, cache_v
+
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     """One DecoderLayer whose parameters carry a leading [L] axis named `layers`."""
@@ -73,11 +79,48 @@ class Decoder(nnx.Module):
         self.lm_head = nnx.data(head)
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        hidden = self.hidden_states(tokens, positions, segment_ids)
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] from final hidden states [B, T, D]."""
         weight, layout = self.output_weight()
         eq = "BTD,DV->BTV" if layout == "dv" else "BTD,VD->BTV"
         logits = jnp.einsum(eq, hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """Zeroed KV cache (k, v), each [L, B, S, K, H], slot index = token position."""
+        c = self.cfg
+        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.resolved_head_dim)
+        dtype = dtype or dtype_of(c.dtype)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def with_cache(self, tokens, positions, cache_k, cache_v):
+        """Run `tokens` [B, T] at `positions` [B, T] against the KV cache (prefill or one decode step).
+
+        Returns final-norm hidden states [B, T, D] and the updated caches. Keys at
+        slots after a token's position are masked, so stale slots never leak in.
+        """
+        slots = jnp.broadcast_to(jnp.arange(cache_k.shape[2], dtype=jnp.int32), (tokens.shape[0], cache_k.shape[2]))
+        mask = make_mask(positions, slots, sliding_window=self.cfg.sliding_window)  # [B, T, S]
+        x = self.embed(tokens)
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(h, layer):
+                st, k, v = layer
+                h, k, v = nnx.merge(graphdef, st).with_cache(h, positions, k, v, mask)
+                return h, (k, v)
+
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (state, cache_k, cache_v))
+        else:
+            ks, vs = [], []
+            for i, layer in enumerate(self.layers):
+                x, k, v = layer.with_cache(x, positions, cache_k[i], cache_v[i], mask)
+                ks.append(k)
+                vs.append(v)
+            cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
+        return self.final_norm(x), cache_k, cache_v
 
     def output_weight(self) -> tuple[jax.Array, str]:
         """The output projection and its layout: ([D, V], "dv") or the tied embedding ([V, D], "vd")."""

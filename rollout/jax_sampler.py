@@ -1,0 +1,192 @@
+"""The native JAX sampler: batched prefill, then KV-cache decode under one `jax.jit`.
+
+    sampler = JaxSampler(model, tokenizer_dir, mesh=mesh, max_model_len=1024)
+    completions = sampler.generate(["Calculate 2 + 3."], SamplingParams(temperature=0.0, max_tokens=16))
+
+Prompts of different lengths are right-padded into one batch; the KV cache's
+slot index is the token position, so each row decodes at its own position and
+padding slots are overwritten before any query can see them. Sampling applies
+temperature, then top-k, then top-p (the vLLM order), and the returned
+log-probs are those of the distribution actually sampled. Batch and prompt
+length are bucketed to powers of two to bound recompilation. On a mesh with a
+`tensor` axis the model runs tensor-parallel (parameters sharded by their
+logical axes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from core.models.decoder import Decoder
+from rollout.sampler import (
+    Completion,
+    Prompt,
+    SamplingParams,
+    apply_stop_strings,
+    check_prompt_lengths,
+    encode_prompts,
+)
+
+
+def process_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Logits [B, V] of the distribution sampled from: / temperature, top-k, top-p (masked to -inf)."""
+    logits = logits / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each token
+        keep_sorted = before < top_p  # the smallest prefix reaching top_p (always the first token)
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
+def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float):
+    """(token [B], log-prob [B]). Temperature 0 is greedy with the model's own log-probs."""
+    if temperature == 0.0:
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        tok = jnp.argmax(logits, axis=-1)
+    else:
+        processed = process_logits(logits, temperature, top_k, top_p)
+        logp = jax.nn.log_softmax(processed, axis=-1)
+        tok = jax.random.categorical(key, processed, axis=-1)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "cache_len", "temperature", "top_k", "top_p", "stop_ids"))
+def _generate(graphdef, params, prompts, lengths, key, *, max_new, cache_len, temperature, top_k, top_p, stop_ids):
+    """prompts [B, P] right-padded, lengths [B] -> (tokens [B, max_new], logprobs, n_generated [B], stopped [B])."""
+    model: Decoder = nnx.merge(graphdef, params)
+    b, p = prompts.shape
+    cache_k, cache_v = model.init_cache(b, cache_len)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, cache_k, cache_v = model.with_cache(prompts, positions, cache_k, cache_v)
+    last = hidden[jnp.arange(b), lengths - 1][:, None]  # [B, 1, D]
+    logits = model.logits(last)[:, 0]
+    stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else jnp.zeros((0,), jnp.int32)
+
+    def cond(carry):
+        t, done = carry[0], carry[4]
+        return (t < max_new) & ~done.all()
+
+    def body(carry):
+        t, key, logits, tokens, done, n_gen, logps, cache_k, cache_v = carry
+        key, sub = jax.random.split(key)
+        tok, lp = sample_token(logits, sub, temperature, top_k, top_p)
+        tok = jnp.where(done, 0, tok)
+        tokens = tokens.at[:, t].set(tok)
+        logps = logps.at[:, t].set(jnp.where(done, 0.0, lp))
+        n_gen = n_gen + (~done).astype(jnp.int32)
+        done = done | (tok[:, None] == stop[None, :]).any(axis=-1)
+        hidden, cache_k, cache_v = model.with_cache(tok[:, None], (lengths + t)[:, None], cache_k, cache_v)
+        logits = model.logits(hidden)[:, 0]
+        return t + 1, key, logits, tokens, done, n_gen, logps, cache_k, cache_v
+
+    init = (
+        jnp.int32(0), key, logits, jnp.zeros((b, max_new), jnp.int32), jnp.zeros((b,), bool),
+        jnp.zeros((b,), jnp.int32), jnp.zeros((b, max_new), jnp.float32), cache_k, cache_v,
+    )
+    _, _, _, tokens, done, n_gen, logps, _, _ = jax.lax.while_loop(cond, body, init)
+    return tokens, logps, n_gen, done
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+class JaxSampler:
+    """Generation on the core model, on its own mesh (single-controller mode)."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        tokenizer_dir: str,
+        *,
+        mesh: Mesh | None = None,
+        max_model_len: int = 1024,
+        seed: int = 0,
+    ):
+        from transformers import AutoTokenizer
+
+        self.graphdef, self.params = nnx.split(model)
+        self.model_cfg = model.cfg
+        self.mesh = mesh
+        self.max_model_len = max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id} - {None}))
+        self.policy_version = 0
+        self._key = jax.random.key(seed)
+
+    # ---------------------------------------------------------------- generate
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        check_prompt_lengths(prompt_ids, params.max_tokens, self.max_model_len)
+        rows = [ids for ids in prompt_ids for _ in range(params.n)]
+        b, p = _bucket(len(rows)), _bucket(max(len(r) for r in rows), 8)
+        tokens = np.zeros((b, p), np.int32)
+        lengths = np.ones((b,), np.int32)
+        for i, ids in enumerate(rows):
+            tokens[i, : len(ids)] = ids
+            lengths[i] = len(ids)
+        if params.seed is not None:
+            key = jax.random.key(params.seed)
+        else:
+            self._key, key = jax.random.split(self._key)
+        stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            out, logps, n_gen, stopped = _generate(
+                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), key,
+                max_new=params.max_tokens, cache_len=p + params.max_tokens,
+                temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
+                stop_ids=stop_ids,
+            )
+        out, logps, n_gen, stopped = (np.asarray(x) for x in jax.device_get((out, logps, n_gen, stopped)))
+        return [self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
+                for i in range(len(rows))]
+
+    def _completion(self, prompt, tokens, logps, stopped, params) -> Completion:
+        ids = [int(t) for t in tokens]
+        ids, text, hit = apply_stop_strings(self.tokenizer, ids, params.stop)
+        return Completion(
+            prompt_ids=list(prompt),
+            token_ids=ids,
+            logprobs=[float(x) for x in logps[: len(ids)]] if params.logprobs else None,
+            finish_reason="stop" if (stopped or hit) else "length",
+            text=text,
+            policy_version=self.policy_version,
+        )
+
+    # ----------------------------------------------------------------- weights
+
+    def update_weights(self, params: nnx.State, version: int | None = None) -> None:
+        """Swap in new parameters (already placed, e.g. by `rollout.weight_sync`).
+
+        The new state must match the current one tensor for tensor (path, shape,
+        dtype); otherwise nothing changes and the error lists the differences.
+        """
+        old = dict(nnx.to_flat_state(self.params))
+        new = dict(nnx.to_flat_state(params))
+        problems = [f"missing {'.'.join(map(str, k))}" for k in old.keys() - new.keys()]
+        problems += [f"unexpected {'.'.join(map(str, k))}" for k in new.keys() - old.keys()]
+        for k in old.keys() & new.keys():
+            a, b = old[k].get_value(), new[k].get_value()
+            if a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(f"{'.'.join(map(str, k))}: expected {a.shape} {a.dtype}, got {b.shape} {b.dtype}")
+        if problems:
+            raise ValueError("update_weights: new weights do not match the sampler's model; "
+                             "keeping the previous weights:\n  " + "\n  ".join(sorted(problems)))
+        self.params = params
+        self.policy_version = self.policy_version + 1 if version is None else version

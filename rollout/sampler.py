@@ -1,0 +1,104 @@
+"""The sampler protocol shared by the native JAX sampler and the vLLM sampler.
+
+    completions = sampler.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=128))
+    sampler.update_weights(...)   # new policy weights, in place; bumps `policy_version`
+
+A prompt is a list of token ids, a string, or a chat (a list of
+`{"role", "content"}` messages, rendered with the tokenizer's chat template
+and a generation prompt). `generate` returns `n` completions per prompt,
+prompt-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Sequence, Union
+
+Prompt = Union[Sequence[int], str, Sequence[dict]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    # log p(token) under the distribution actually sampled (after temperature, top-k, top-p)
+    logprobs: list[float] | None
+    finish_reason: Literal["stop", "length"]
+    text: str
+    policy_version: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Sampler(Protocol):
+    policy_version: int
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]: ...
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> None: ...
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Token ids for every prompt; chats get the chat template with a generation prompt."""
+    if not prompts:
+        raise ValueError("generate() got an empty prompt list")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        elif len(p) and isinstance(p[0], dict):
+            ids = tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        out.append(list(ids))
+    return out
+
+
+def check_prompt_lengths(prompt_ids: Sequence[Sequence[int]], max_tokens: int, max_model_len: int) -> None:
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} it needs "
+                f"{len(ids) + max_tokens} > max_model_len={max_model_len}"
+            )
+
+
+def apply_stop_strings(tokenizer: Any, token_ids: list[int], stop: Sequence[str]) -> tuple[list[int], str, bool]:
+    """Cut a completion at the first stop string: (tokens through the one completing it, text before it, hit)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if not stop or not any(s in text for s in stop):
+        return token_ids, text, False
+    for n in range(1, len(token_ids) + 1):
+        prefix = tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+        hits = [prefix.find(s) for s in stop if s in prefix]
+        if hits:
+            return token_ids[:n], prefix[: min(hits)], True
+    return token_ids, text, False

@@ -1,0 +1,175 @@
+"""The vLLM sampler: a `vllm.LLM` engine in this process, with in-place weight updates.
+
+    sampler = VLLMSampler("runs/x/hf", cfg.rollout)          # an HF directory from core.hf.save_hf
+    completions = sampler.generate(prompts, SamplingParams(n=4, max_tokens=64))
+    sampler.receive_weights(chunk)  ...  sampler.commit_weights(version)   # see rollout/weight_sync.py
+    sampler.shutdown()
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the
+worker is reachable and weights arrive as arrays, not pickled RPC arguments.
+In a Ray actor (`rollout.vllm_actor`) that means arrays come through the
+object store. Log-probs are those of the distribution actually sampled
+(`logprobs_mode="processed_logprobs"`).
+
+Weight updates are all-or-nothing: chunks are copied into receive buffers
+that persist between syncs; `commit_weights` checks that every tensor arrived
+with the right shape before touching the engine, then calls the worker's
+`reload_weights` with Hugging Face names, re-packs a tied `lm_head` (the CPU
+backend keeps a packed copy of it) and resets the prefix cache. A bad update
+raises and the engine keeps serving the previous weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from core.config import RolloutConfig
+from core.hf_config import model_section_from_hf
+from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts
+
+
+class WeightUpdateError(ValueError):
+    """Weights that do not match the served model; the engine still serves the previous ones."""
+
+
+def expected_hf_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape the model in `model_dir` needs, from its config.json."""
+    from core.config import ModelConfig
+    from core.hf_layout import param_map
+    from core.models import abstract_model
+    from flax import nnx
+
+    section = model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    cfg = ModelConfig(**section)
+    flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
+    out = {}
+    for m in param_map(cfg):
+        shape = tuple(flat[m.core_path].shape)
+        core = shape[1:] if m.layer is not None else shape
+        out[m.hf_name] = tuple(m.to_hf(np.broadcast_to(np.float32(0), core)).shape)
+    return out
+
+
+class VLLMSampler:
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, seed: int = 0):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: reachable worker
+        if cfg.omp_threads_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
+        from vllm import LLM
+
+        self.model_dir = str(model_dir)
+        self.cfg = cfg
+        self.llm = LLM(
+            model=self.model_dir,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager,
+            kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
+            logprobs_mode="processed_logprobs",
+            seed=seed,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.expected = expected_hf_shapes(self.model_dir)
+        self.tied = json.loads((Path(self.model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+        self.policy_version = 0
+        self._buffers: dict[str, np.ndarray] = {}  # receive buffers, reused between syncs
+        self._received: set[str] = set()
+        self.last_sync: dict = {}
+
+    # ---------------------------------------------------------------- generate
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        from vllm import SamplingParams as VLLMParams
+
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        check_prompt_lengths(prompt_ids, params.max_tokens, self.cfg.max_model_len)
+        sp = VLLMParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_tokens, stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed,
+            logprobs=0 if params.logprobs else None,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp, use_tqdm=False)
+        completions = []
+        for ids, out in zip(prompt_ids, outputs):
+            for c in out.outputs:
+                logprobs = None
+                if params.logprobs:
+                    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
+                completions.append(Completion(
+                    prompt_ids=list(ids), token_ids=list(c.token_ids), logprobs=logprobs,
+                    finish_reason="stop" if c.finish_reason == "stop" else "length", text=c.text,
+                    policy_version=self.policy_version,
+                ))
+        return completions
+
+    # ----------------------------------------------------------------- weights
+
+    def receive_weights(self, tensors: Mapping[str, np.ndarray]) -> int:
+        """Copy one chunk of HF-named tensors into the receive buffers; returns bytes received."""
+        problems = []
+        for name, value in tensors.items():
+            want = self.expected.get(name)
+            if want is None:
+                problems.append(f"unexpected tensor {name}")
+            elif tuple(value.shape) != want:
+                problems.append(f"{name}: expected shape {want}, got {tuple(value.shape)}")
+        if problems:
+            self._received.clear()
+            raise WeightUpdateError("weight update rejected, previous weights kept:\n  " + "\n  ".join(problems))
+        nbytes = 0
+        for name, value in tensors.items():
+            buf = self._buffers.get(name)
+            if buf is None or buf.dtype != value.dtype:
+                buf = self._buffers[name] = np.empty(value.shape, value.dtype)
+            np.copyto(buf, value)
+            self._received.add(name)
+            nbytes += value.nbytes
+        return nbytes
+
+    def commit_weights(self, version: int | None = None) -> None:
+        """Load the received tensors into the engine, if and only if every tensor arrived."""
+        import torch
+
+        missing = sorted(set(self.expected) - self._received)
+        self._received = set()
+        if missing:
+            raise WeightUpdateError(
+                f"weight update incomplete, previous weights kept: {len(missing)} tensor(s) missing: "
+                + ", ".join(missing[:20])
+            )
+        start = time.perf_counter()
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        worker.reload_weights(weights_iterator=[(n, _to_torch(b)) for n, b in self._buffers.items()])
+        if self.tied:
+            # The CPU backend keeps a packed copy of the output projection; re-pack it from the new embedding.
+            model = worker.model_runner.get_model()
+            with torch.no_grad():
+                model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        self.llm.reset_prefix_cache()
+        self.policy_version = self.policy_version + 1 if version is None else version
+        self.last_sync = {"load_seconds": time.perf_counter() - start}
+
+    def update_weights(self, tensors: Mapping[str, np.ndarray], version: int | None = None) -> None:
+        """All tensors at once: `receive_weights` + `commit_weights`."""
+        self.receive_weights(tensors)
+        self.commit_weights(version)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (frees its shared memory)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    if array.dtype.name == "bfloat16":  # numpy has no bf16: reinterpret the bits
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
