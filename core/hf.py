@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from core.config import ModelConfig
 from core.hf_config import hf_config_from_model, model_section_from_hf
-from core.hf_layout import ParamMapping, param_map
+from core.hf_layout import param_map
 from core.models.build import abstract_model, model_from_arrays
 from core.models.decoder import Decoder
 
@@ -171,11 +171,6 @@ def _core_arrays(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> dic
     return arrays
 
 
-def _expected_hf_shape(m: ParamMapping, core_shape: tuple[int, ...]) -> tuple[int, ...]:
-    # A zero-stride view has the right shape and costs no memory.
-    return tuple(m.to_hf(np.broadcast_to(np.float32(0), core_shape)).shape)
-
-
 def _check_tensors(cfg, mappings, flat, tensors: _SafetensorsDir, source: str) -> None:
     expected = {m.hf_name: m for m in mappings}
     found = set(tensors.where)
@@ -186,7 +181,7 @@ def _check_tensors(cfg, mappings, flat, tensors: _SafetensorsDir, source: str) -
     )
     wrong = []
     for name in sorted(set(expected) & found):
-        want = _expected_hf_shape(expected[name], tuple(flat[expected[name].core_path].shape))
+        want = expected[name].hf_shape(tuple(flat[expected[name].core_path].shape))
         got = tensors.shape(name)
         if got != want:
             wrong.append(f"{name}: expected {want}, got {got}")

@@ -72,6 +72,11 @@ class ParamMapping:
         x = core_value if self.layer is None else core_value[self.layer]
         return LAYOUTS[self.kind][0](x)
 
+    def hf_shape(self, core_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape, given the (possibly stacked) core parameter's shape."""
+        # A zero-stride view has the right shape and costs no memory.
+        return tuple(self.to_hf(np.broadcast_to(np.float32(0), core_shape)).shape)
+
     def from_hf(self, hf_value: np.ndarray, core_shape: tuple[int, ...]) -> np.ndarray:
         """The core-layout value for one layer (`core_shape` without the `layers` axis)."""
         return LAYOUTS[self.kind][1](hf_value, core_shape)

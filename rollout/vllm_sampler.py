@@ -48,12 +48,7 @@ def expected_hf_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     section = model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
     cfg = ModelConfig(**section)
     flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
-    out = {}
-    for m in param_map(cfg):
-        shape = tuple(flat[m.core_path].shape)
-        core = shape[1:] if m.layer is not None else shape
-        out[m.hf_name] = tuple(m.to_hf(np.broadcast_to(np.float32(0), core)).shape)
-    return out
+    return {m.hf_name: m.hf_shape(tuple(flat[m.core_path].shape)) for m in param_map(cfg)}
 
 
 class VLLMSampler:

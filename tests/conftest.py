@@ -60,7 +60,7 @@ def arithmetic_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
-    """Factory: (family, seed) -> a tiny HF model directory with a tokenizer, servable by vLLM (head_dim 32)."""
+    """Factory: (family, seed) -> a tiny HF model directory with a tokenizer, servable by vLLM (hidden 128, head_dim 32: the CPU attention kernels need head_dim >= 32)."""
     import shutil
     from pathlib import Path
 
@@ -72,7 +72,7 @@ def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
         key = (family, seed, tied)
         if key not in cache:
             path = save_tiny_hf_model(tmp_path_factory.mktemp(f"rollout_{family}_{seed}"), family, tied,
-                                      seed=seed, head_dim=32)
+                                      seed=seed, hidden_size=128, head_dim=32)
             for f in Path(arithmetic_tokenizer).iterdir():
                 shutil.copy(f, path / f.name)
             cache[key] = path

@@ -1,0 +1,94 @@
+"""A vLLM sampler in its own Ray actor (one engine per process), and the client that drives it.
+
+    sampler = RemoteVLLMSampler.start("runs/x/hf", cfg.rollout)
+    completions = sampler.generate(prompts, SamplingParams(...))
+    sampler.update_weights(chunks)        # iterable of {hf_name: array} chunks, via the object store
+    sampler.shutdown()
+
+vLLM keeps process-global state (its distributed groups), so each engine gets
+its own process: a Ray actor running `VLLMSampler` in-process. Weight chunks
+travel through the Ray object store and are read zero-copy on the receiving
+side, then copied into receive buffers that persist between syncs. Every call
+has a timeout, so a dead or wedged actor surfaces as an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from core.config import RolloutConfig
+from rollout.sampler import Completion, Prompt, SamplingParams
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Attach to the running Ray cluster (inside `ray job submit`) or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+class RemoteVLLMSampler:
+    """Client side of a `VLLMSampler` running in a Ray actor; implements the Sampler protocol."""
+
+    def __init__(self, handle, timeout_s: float):
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self.policy_version = 0
+        self.last_sync: dict = {}
+
+    @classmethod
+    def start(cls, model_dir: str, cfg: RolloutConfig, seed: int = 0, num_cpus: float = 0,
+              timeout_s: float = 600.0) -> "RemoteVLLMSampler":
+        import ray
+
+        from rollout.vllm_sampler import VLLMSampler
+
+        ensure_ray()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+        actor = ray.remote(VLLMSampler).options(
+            num_cpus=num_cpus, runtime_env={"env_vars": env}, max_concurrency=1
+        ).remote(model_dir, cfg, seed)
+        client = cls(actor, timeout_s)
+        client._get(actor.__ray_ready__.remote())  # surface start-up errors here
+        return client
+
+    def _get(self, ref):
+        import ray
+
+        return ray.get(ref, timeout=self.timeout_s)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self._get(self.handle.generate.remote(list(prompts), params))
+
+    def update_weights(self, chunks: Iterable[Mapping[str, np.ndarray]], version: int | None = None) -> dict:
+        """Stream chunks into the actor's receive buffers, then commit all-or-nothing."""
+        import ray
+
+        start = time.perf_counter()
+        nbytes = 0
+        for chunk in chunks:
+            nbytes += self._get(self.handle.receive_weights.remote(ray.put(dict(chunk))))
+        version = self.policy_version + 1 if version is None else version
+        self._get(self.handle.commit_weights.remote(version))
+        self.policy_version = version
+        seconds = time.perf_counter() - start
+        self.last_sync = {"bytes": nbytes, "seconds": seconds, "version": version}
+        return self.last_sync
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self._get(self.handle.shutdown.remote())
+        finally:
+            ray.kill(self.handle)
