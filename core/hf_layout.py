@@ -69,8 +69,11 @@ class ParamMapping:
 
     def to_hf(self, core_value: np.ndarray) -> np.ndarray:
         """This tensor in HF layout, from the (possibly stacked) core parameter value."""
-        x = core_value if self.layer is None else core_value[self.layer]
-        return LAYOUTS[self.kind][0](x)
+        return self.layer_to_hf(core_value if self.layer is None else core_value[self.layer])
+
+    def layer_to_hf(self, value: np.ndarray) -> np.ndarray:
+        """HF layout of this tensor's own value (one layer of a stacked parameter)."""
+        return LAYOUTS[self.kind][0](value)
 
     def hf_shape(self, core_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The HF tensor's shape, given the (possibly stacked) core parameter's shape."""

@@ -81,8 +81,7 @@ class RemoteVLLMSampler:
         version = self.policy_version + 1 if version is None else version
         self._get(self.handle.commit_weights.remote(version))
         self.policy_version = version
-        seconds = time.perf_counter() - start
-        self.last_sync = {"bytes": nbytes, "seconds": seconds, "version": version}
+        self.last_sync = {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": version}
         return self.last_sync
 
     def shutdown(self) -> None:

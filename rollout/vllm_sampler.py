@@ -25,7 +25,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -152,10 +152,12 @@ class VLLMSampler:
         self.policy_version = self.policy_version + 1 if version is None else version
         self.last_sync = {"load_seconds": time.perf_counter() - start}
 
-    def update_weights(self, tensors: Mapping[str, np.ndarray], version: int | None = None) -> None:
-        """All tensors at once: `receive_weights` + `commit_weights`."""
-        self.receive_weights(tensors)
+    def update_weights(self, chunks: Iterable[Mapping[str, np.ndarray]], version: int | None = None) -> dict:
+        """`receive_weights` for every chunk, then `commit_weights` (in-process use)."""
+        start = time.perf_counter()
+        nbytes = sum(self.receive_weights(chunk) for chunk in chunks)
         self.commit_weights(version)
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": self.policy_version}
 
     def shutdown(self) -> None:
         """Stop the engine core (frees its shared memory)."""

@@ -91,11 +91,17 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
     sampler = engine(src)
     try:
         before = sampler.generate(PROMPTS, params)
-        model, cfg = load_hf(new)
+        # trainer-side model sharded over 4 devices, streamed in 64 KiB chunks
+        from jax import devices
+        from flax import nnx
+
+        from core.config import MeshConfig
+        from core.mesh import make_mesh
+        from rollout.weight_sync import sync_to_vllm
+
+        model, cfg = load_hf(new, mesh=make_mesh(MeshConfig(fsdp=4), devices()[:4]))
         tensors = dict(hf_tensors(model, cfg))
-        names = list(tensors)
-        chunks = [{k: tensors[k] for k in names[i : i + 5]} for i in range(0, len(names), 5)]
-        sync = sampler.update_weights(chunks, version=7)
+        sync = sync_to_vllm(nnx.state(model), cfg, sampler, chunk_bytes=64 * 1024, version=7)
         got = sampler.generate(PROMPTS, params)
     finally:
         sampler.shutdown()
@@ -103,7 +109,7 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.logprobs for c in got] == [c.logprobs for c in want]
     assert all(c.policy_version == 7 for c in got)
-    assert sync["bytes"] == sum(v.nbytes for v in tensors.values()) and sync["version"] == 7
+    assert sync.bytes == sum(v.nbytes for v in tensors.values()) and sync.version == 7 and sync.chunks > 3
 
 
 def test_bad_updates_keep_serving_previous_weights(llama_engine, rollout_model_dir):

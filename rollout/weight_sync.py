@@ -1,0 +1,177 @@
+"""Trainer parameters -> sampler weights, a bounded chunk at a time.
+
+One planner (`plan_chunks`) groups tensors into chunks of at most
+`rollout.reshard_chunk_bytes` (or `max_tensors`); two deliveries use it:
+
+- `reshard_to_jax_sampler`: to a JAX sampler on another sub-mesh of this
+  process. Each chunk is moved by `jax.device_put` straight into the
+  sampler's `NamedSharding`s, and the sampler's old buffers for that chunk are
+  freed at once, so the extra memory stays near one chunk.
+- `sync_to_vllm`: to a vLLM actor. Each Hugging Face tensor is gathered from
+  the trainer mesh (one layer of a stacked parameter at a time), converted to
+  the `[out, in]` layout by the shared table in `core.hf_layout`, grouped into
+  chunks and streamed through the Ray object store into the actor's reusable
+  receive buffers; the actor commits only a complete, well-shaped set.
+
+Every sync bumps the policy version and returns (and logs) its bytes and time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from core.config import ModelConfig
+from core.hf_layout import param_map
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int
+    seconds: float
+    chunks: int
+    peak_extra_bytes: int = 0
+
+    def line(self) -> str:
+        rate = self.bytes / max(self.seconds, 1e-9) / 1e9
+        return (f"weight sync v{self.version}: {self.bytes / 2**20:.1f} MiB in {self.chunks} chunk(s), "
+                f"{self.seconds:.3f}s ({rate:.2f} GB/s)")
+
+
+def plan_chunks(
+    sizes: Sequence[tuple[Hashable, int]], chunk_bytes: int, max_tensors: int | None = None
+) -> list[list[Hashable]]:
+    """Group (key, nbytes) in order into chunks of <= chunk_bytes (a bigger tensor travels alone)."""
+    chunks: list[list[Hashable]] = []
+    current: list[Hashable] = []
+    size = 0
+    for key, nbytes in sizes:
+        full = current and (size + nbytes > chunk_bytes or (max_tensors and len(current) >= max_tensors))
+        if full:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _live_bytes(devices: set) -> int:
+    """Memory held on `devices` by live arrays, every shard and replica counted.
+
+    Computed from shard shapes (touching `shard.data` would itself create
+    arrays). Only arrays living entirely on `devices` count: a cross-mesh
+    `device_put` exposes the source's shards as single-device views on the
+    source devices, which are not new memory.
+    """
+    total = 0
+    for x in jax.live_arrays():
+        if not x.is_deleted() and x.sharding.device_set <= devices:
+            shard = np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)
+            total += int(shard) * x.dtype.itemsize * len(x.sharding.device_set)
+    return total
+
+
+# ------------------------------------------------------------- JAX -> JAX
+
+
+def reshard_to_jax_sampler(
+    params: nnx.State,
+    sampler: Any,
+    chunk_bytes: int,
+    max_tensors: int | None = None,
+    version: int | None = None,
+    measure_memory: bool = False,
+) -> SyncStats:
+    """Copy trainer `params` into a `JaxSampler`'s shardings chunk by chunk, freeing its old buffers.
+
+    With `measure_memory`, `peak_extra_bytes` is the most memory the sync held on
+    the sampler's devices beyond the sampler's own weights (a debugging aid:
+    it walks all live arrays after every chunk).
+    """
+    start = time.perf_counter()
+    src = dict(nnx.to_flat_state(params))
+    dst = dict(nnx.to_flat_state(sampler.params))
+    problems = [str(k) for k in src.keys() ^ dst.keys()]
+    problems += [
+        f"{'.'.join(map(str, k))}: {src[k].shape} vs {dst[k].shape}"
+        for k in src.keys() & dst.keys() if src[k].shape != dst[k].shape
+    ]
+    if problems:
+        raise ValueError("trainer and sampler parameters differ; nothing copied:\n  " + "\n  ".join(problems))
+    sampler_devices = set().union(*(v.get_value().sharding.device_set for v in dst.values()))
+    baseline = _live_bytes(sampler_devices) if measure_memory else 0
+    peak = 0
+    total = 0
+    keys = list(src)
+    plan = plan_chunks([(k, src[k].get_value().nbytes) for k in keys], chunk_bytes, max_tensors)
+    for chunk in plan:
+        values = [src[k].get_value() for k in chunk]
+        targets = [dst[k].get_value().sharding for k in chunk]
+        moved = jax.block_until_ready(jax.device_put(values, targets))
+        if measure_memory:
+            peak = max(peak, _live_bytes(sampler_devices) - baseline)
+        for k, new in zip(chunk, moved):
+            old = dst[k].get_value()
+            dst[k] = dst[k].replace(new if new.dtype == old.dtype else new.astype(old.dtype))
+            old.delete()  # the sampler's previous copy goes as soon as its replacement exists
+            total += new.nbytes
+    sampler.update_weights(nnx.from_flat_state(dst), version)
+    stats = SyncStats(sampler.policy_version, total, time.perf_counter() - start, len(plan), peak)
+    print(stats.line(), flush=True)
+    return stats
+
+
+# ------------------------------------------------------------ JAX -> vLLM
+
+
+def hf_chunks(params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None,
+              dtype: Any | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Chunks of {HF name: host array in HF layout}, gathered one tensor (one layer) at a time."""
+    flat = dict(nnx.to_flat_state(params))
+    mappings = {m.hf_name: m for m in param_map(cfg)}
+    sizes = []
+    for name, m in mappings.items():
+        value = flat[m.core_path].get_value()
+        sizes.append((name, value.nbytes // (value.shape[0] if m.layer is not None else 1)))
+    for chunk in plan_chunks(sizes, chunk_bytes, max_tensors):
+        out = {}
+        for name in chunk:
+            m = mappings[name]
+            value = flat[m.core_path].get_value()
+            host = np.asarray(jax.device_get(value if m.layer is None else value[m.layer]))
+            host = np.ascontiguousarray(m.layer_to_hf(host))
+            out[name] = host.astype(dtype) if dtype is not None else host
+        yield out
+
+
+def sync_to_vllm(
+    params: nnx.State, cfg: ModelConfig, sampler: Any, chunk_bytes: int, version: int | None = None,
+    max_tensors: int | None = None, dtype: Any | None = None,
+) -> SyncStats:
+    """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`)."""
+    start = time.perf_counter()
+    counted = _Counted(hf_chunks(params, cfg, chunk_bytes, max_tensors, dtype))
+    info = sampler.update_weights(counted, version)
+    stats = SyncStats(info["version"], info["bytes"], time.perf_counter() - start, counted.n)
+    print(stats.line(), flush=True)
+    return stats
+
+
+class _Counted:
+    """An iterable that counts what it yields (the number of chunks sent)."""
+
+    def __init__(self, items):
+        self.items, self.n = items, 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.n += 1
+            yield item

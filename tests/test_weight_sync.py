@@ -1,0 +1,84 @@
+"""Chunked weight sync: planning, JAX -> JAX resharding across sub-meshes, JAX -> HF chunks."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.config import MeshConfig
+from core.hf import hf_tensors, load_hf
+from core.mesh import make_mesh
+from rollout.jax_sampler import JaxSampler
+from rollout.sampler import SamplingParams
+from rollout.weight_sync import hf_chunks, plan_chunks, reshard_to_jax_sampler
+
+
+def test_plan_chunks():
+    sizes = [("a", 40), ("b", 40), ("c", 30), ("d", 200), ("e", 10)]
+    assert plan_chunks(sizes, 100) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert plan_chunks(sizes, 1000, max_tensors=2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_reshard_between_sub_meshes_is_exact_and_bounded(rollout_model_dir):
+    devices = jax.devices()
+    trainer_mesh = make_mesh(MeshConfig(fsdp=4), devices[:4])
+    sampler_mesh = make_mesh(MeshConfig(fsdp=1, tensor=4), devices[4:])
+    trained, _ = load_hf(rollout_model_dir("llama", seed=1), mesh=trainer_mesh)
+    start, _ = load_hf(rollout_model_dir("llama", seed=0), mesh=sampler_mesh)
+    sampler = JaxSampler(start, str(rollout_model_dir("llama")), mesh=sampler_mesh, max_model_len=128)
+
+    params = nnx.state(trained)
+    sizes = [v.get_value().nbytes for _, v in nnx.to_flat_state(params)]
+    chunk = 128 * 1024
+    stats = reshard_to_jax_sampler(params, sampler, chunk_bytes=chunk, measure_memory=True)
+    assert stats.version == 1 == sampler.policy_version and stats.bytes == sum(sizes) and stats.chunks > 4
+    print(f"peak extra memory {stats.peak_extra_bytes} B, chunk {chunk} B, largest tensor {max(sizes)} B, "
+          f"all parameters {sum(sizes)} B")
+    assert stats.peak_extra_bytes <= chunk + max(sizes)
+    assert stats.peak_extra_bytes < sum(sizes) / 2
+
+    for (path, a), (_, b) in zip(nnx.to_flat_state(params), nnx.to_flat_state(sampler.params)):
+        assert set(b.get_value().sharding.device_set) <= set(devices[4:]), path
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+    q = sampler.params["layers"]["attn"]["q_proj"]["kernel"].get_value()
+    assert q.sharding.spec[2] == "tensor"  # the sampler's own layout, not the trainer's
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    fresh_model, _ = load_hf(rollout_model_dir("llama", seed=1))
+    fresh = JaxSampler(fresh_model, str(rollout_model_dir("llama")), max_model_len=128)
+    prompts = [[5, 17, 99, 3], [42]]
+    assert [c.token_ids for c in sampler.generate(prompts, greedy)] == [c.token_ids for c in fresh.generate(prompts, greedy)]
+
+
+def test_reshard_refuses_a_different_model(rollout_model_dir):
+    a, _ = load_hf(rollout_model_dir("llama"))
+    b, _ = load_hf(rollout_model_dir("llama"), scan_layers=False)
+    sampler = JaxSampler(a, str(rollout_model_dir("llama")), max_model_len=128)
+    with pytest.raises(ValueError, match="nothing copied"):
+        reshard_to_jax_sampler(nnx.state(b), sampler, chunk_bytes=1 << 20)
+    assert sampler.policy_version == 0
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_hf_chunks_equal_the_export_and_respect_the_bound(rollout_model_dir, scan):
+    model, cfg = load_hf(rollout_model_dir("qwen2", tied=True), mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]),
+                         scan_layers=scan)
+    want = dict(hf_tensors(model, cfg))
+    got, largest = {}, max(v.nbytes for v in want.values())
+    for chunk in hf_chunks(nnx.state(model), cfg, chunk_bytes=50_000):
+        assert len(chunk) == 1 or sum(v.nbytes for v in chunk.values()) <= 50_000 + largest
+        got.update(chunk)
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert got[name].flags["C_CONTIGUOUS"]
+
+
+@pytest.mark.gpu_only
+def test_gpu_sync_path_matches_host_path(rollout_model_dir):
+    """On a GPU machine the same chunks come from device memory; values must equal the host export."""
+    model, cfg = load_hf(rollout_model_dir("llama"))
+    want = dict(hf_tensors(model, cfg))
+    got = {k: v for c in hf_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20) for k, v in c.items()}
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
