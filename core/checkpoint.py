@@ -161,3 +161,31 @@ def load_params(path: str | Path, target: nnx.State) -> nnx.State:
     params = nnx.State(target)
     nnx.replace_by_pure_dict(params, restored)
     return params
+
+
+def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
+    """(model, Config) from a Temper run directory or its `checkpoints/` folder: parameters only.
+
+    The model is rebuilt from the config stored with the checkpoint, so no other
+    file is needed; `step` defaults to the latest.
+    """
+    from core.models import abstract_model, state_shardings
+    from core.mesh import single_device_mesh
+
+    path = Path(path).absolute()
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint found in {directory}")
+    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    config = Config.model_validate(saved)
+    abstract = abstract_model(config.model)
+    graphdef, params = nnx.split(abstract)
+    shardings = state_shardings(abstract, mesh or single_device_mesh())
+    target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), _pure(params),
+                          _pure(shardings))
+    restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    nnx.replace_by_pure_dict(params, restored)
+    manager.close()
+    return nnx.merge(graphdef, params), config

@@ -116,3 +116,12 @@ def test_bad_input(rollout_model_dir):
         sampler.update_weights(state)
     after = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
     assert [c.token_ids for c in before] == [c.token_ids for c in after] and sampler.policy_version == 0
+
+
+def test_decode_cli(rollout_model_dir, capsys):
+    from recipes.decode import main
+
+    assert main([str(rollout_model_dir("llama")), "--prompt", "Calculate 1 + 2.", "--prompt", "Calculate 3 + 4.",
+                 "--max-tokens", "5", "--n", "2", "--temperature", "0.9", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[1.1] (" in out and "tokens/s (jax sampler)" in out

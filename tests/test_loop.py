@@ -58,6 +58,11 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
     assert list((tmp_path / "tensorboard").iterdir())
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["param_count"] > 0 and "jax" in info["versions"] and info["memory_after_first_step"]
+    # the run decodes straight from its checkpoint (recipes.decode on a run directory)
+    from recipes.decode import main as decode
+
+    assert decode([str(tmp_path), "--tokenizer", arithmetic_tokenizer, "--prompt", "Calculate 1 * 3.",
+                   "--max-tokens", "4"]) == 0
 
 
 def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
