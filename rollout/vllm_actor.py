@@ -76,12 +76,25 @@ class RemoteVLLMSampler:
 
         start = time.perf_counter()
         nbytes = 0
-        for chunk in chunks:
+        prepare = transfer = 0.0
+        iterator = iter(chunks)
+        while True:
+            t0 = time.perf_counter()
+            chunk = next(iterator, None)  # gathering and layout happen in the producer
+            t1 = time.perf_counter()
+            prepare += t1 - t0
+            if chunk is None:
+                break
             nbytes += self._get(self.handle.receive_weights.remote(ray.put(dict(chunk))))
+            transfer += time.perf_counter() - t1
         version = self.policy_version + 1 if version is None else version
+        t2 = time.perf_counter()
         self._get(self.handle.commit_weights.remote(version))
         self.policy_version = version
-        self.last_sync = {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": version}
+        self.last_sync = {
+            "bytes": nbytes, "seconds": time.perf_counter() - start, "version": version,
+            "prepare_s": prepare, "transfer_s": transfer, "commit_s": time.perf_counter() - t2,
+        }
         return self.last_sync
 
     def shutdown(self) -> None:

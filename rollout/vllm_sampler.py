@@ -156,8 +156,10 @@ class VLLMSampler:
         """`receive_weights` for every chunk, then `commit_weights` (in-process use)."""
         start = time.perf_counter()
         nbytes = sum(self.receive_weights(chunk) for chunk in chunks)
+        received = time.perf_counter()
         self.commit_weights(version)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": self.policy_version}
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": self.policy_version,
+                "transfer_s": received - start, "commit_s": time.perf_counter() - received}
 
     def shutdown(self) -> None:
         """Stop the engine core (frees its shared memory)."""

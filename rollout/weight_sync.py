@@ -37,11 +37,15 @@ class SyncStats:
     seconds: float
     chunks: int
     peak_extra_bytes: int = 0
+    phases: dict | None = None  # seconds per phase (prepare: gather + layout, transfer, commit)
 
     def line(self) -> str:
         rate = self.bytes / max(self.seconds, 1e-9) / 1e9
+        phases = ""
+        if self.phases:
+            phases = " [" + ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in self.phases.items()) + "]"
         return (f"weight sync v{self.version}: {self.bytes / 2**20:.1f} MiB in {self.chunks} chunk(s), "
-                f"{self.seconds:.3f}s ({rate:.2f} GB/s)")
+                f"{self.seconds:.3f}s ({rate:.2f} GB/s){phases}")
 
 
 def plan_chunks(
@@ -160,7 +164,8 @@ def sync_to_vllm(
     start = time.perf_counter()
     counted = _Counted(hf_chunks(params, cfg, chunk_bytes, max_tensors, dtype))
     info = sampler.update_weights(counted, version)
-    stats = SyncStats(info["version"], info["bytes"], time.perf_counter() - start, counted.n)
+    phases = {k: v for k, v in info.items() if k.endswith("_s")} or None
+    stats = SyncStats(info["version"], info["bytes"], time.perf_counter() - start, counted.n, phases=phases)
     print(stats.line(), flush=True)
     return stats
 
