@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from core.models import state_mismatches
 from core.models.decoder import Decoder
 from rollout.sampler import (
     Completion,

@@ -28,6 +28,7 @@ from flax import nnx
 
 from core.config import ModelConfig
 from core.hf_layout import param_map
+from core.models import state_mismatches
 
 
 @dataclass
@@ -101,15 +102,11 @@ def reshard_to_jax_sampler(
     it walks all live arrays after every chunk).
     """
     start = time.perf_counter()
-    src = dict(nnx.to_flat_state(params))
-    dst = dict(nnx.to_flat_state(sampler.params))
-    problems = [str(k) for k in src.keys() ^ dst.keys()]
-    problems += [
-        f"{'.'.join(map(str, k))}: {src[k].shape} vs {dst[k].shape}"
-        for k in src.keys() & dst.keys() if src[k].shape != dst[k].shape
-    ]
+    problems = state_mismatches(sampler.params, params, check_dtype=False)  # dtypes are cast per tensor
     if problems:
         raise ValueError("trainer and sampler parameters differ; nothing copied:\n  " + "\n  ".join(problems))
+    src = dict(nnx.to_flat_state(params))
+    dst = dict(nnx.to_flat_state(sampler.params))
     sampler_devices = set().union(*(v.get_value().sharding.device_set for v in dst.values()))
     baseline = _live_bytes(sampler_devices) if measure_memory else 0
     peak = 0

@@ -7,6 +7,7 @@ from core.models.build import (
     model_from_arrays,
     param_count,
     shard_model,
+    state_mismatches,
     state_shardings,
 )
 from core.models.decoder import Decoder
@@ -19,5 +20,6 @@ __all__ = [
     "model_from_arrays",
     "param_count",
     "shard_model",
+    "state_mismatches",
     "state_shardings",
 ]

@@ -94,5 +94,18 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     return model
 
 
+def state_mismatches(expected: nnx.State, given: nnx.State, check_dtype: bool = True) -> list[str]:
+    """Every path missing from, unexpected in, or of another shape (or dtype) in `given`; empty if they match."""
+    old, new = dict(nnx.to_flat_state(expected)), dict(nnx.to_flat_state(given))
+    name = lambda k: ".".join(map(str, k))  # noqa: E731
+    problems = [f"missing {name(k)}" for k in old.keys() - new.keys()]
+    problems += [f"unexpected {name(k)}" for k in new.keys() - old.keys()]
+    for k in old.keys() & new.keys():
+        a, b = old[k].get_value(), new[k].get_value()
+        if a.shape != b.shape or (check_dtype and a.dtype != b.dtype):
+            problems.append(f"{name(k)}: expected {a.shape} {a.dtype}, got {b.shape} {b.dtype}")
+    return sorted(problems)
+
+
 def param_count(model: nnx.Module) -> int:
     return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
