@@ -131,3 +131,18 @@ def test_bad_updates_keep_serving_previous_weights(llama_engine, rollout_model_d
         llama_engine.generate([[3] * 120], SamplingParams(max_tokens=16))
     after = llama_engine.generate(PROMPTS, params)
     assert [c.token_ids for c in after] == [c.token_ids for c in before] and llama_engine.policy_version == 0
+
+
+def test_shutdown_releases_the_actor_and_shared_memory(ray_cluster, rollout_model_dir):
+    import shutil
+
+    import ray
+
+    used = lambda: shutil.disk_usage("/dev/shm").used  # noqa: E731
+    before = used()
+    sampler = engine(rollout_model_dir("llama"))
+    assert sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    sampler.shutdown()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(sampler.handle.generate.remote(PROMPTS[:1], SamplingParams(max_tokens=2)), timeout=60)
+    assert used() - before < 16 * 2**20  # an engine left running would hold hundreds of MB here
