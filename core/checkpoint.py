@@ -169,8 +169,8 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
     The model is rebuilt from the config stored with the checkpoint, so no other
     file is needed; `step` defaults to the latest.
     """
-    from core.models import abstract_model, state_shardings
     from core.mesh import single_device_mesh
+    from core.models import abstract_sharded_state
 
     path = Path(path).absolute()
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -180,11 +180,8 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
         raise FileNotFoundError(f"no checkpoint found in {directory}")
     saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     config = Config.model_validate(saved)
-    abstract = abstract_model(config.model)
-    graphdef, params = nnx.split(abstract)
-    shardings = state_shardings(abstract, mesh or single_device_mesh())
-    target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), _pure(params),
-                          _pure(shardings))
+    graphdef, params = abstract_sharded_state(config.model, mesh or single_device_mesh())
+    target = _pure(params)
     restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     nnx.replace_by_pure_dict(params, restored)
     manager.close()

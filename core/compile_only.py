@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.config import Config
-from core.models import abstract_model, state_shardings
+from core.models import abstract_sharded_state
 from core.optim import make_optimizer, make_schedule
 from core.train import (
     LossFn,
@@ -29,13 +28,7 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 def compile_train_step(cfg: Config, loss_fn: LossFn, mesh: Mesh, batch_keys=BATCH_KEYS):
     """The compiled step (an XLA executable); prints and returns it."""
-    model = abstract_model(cfg.model)
-    graphdef, params = nnx.split(model)
-    shardings = state_shardings(model, mesh)
-    params = jax.tree.map(
-        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
-        params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    graphdef, params = abstract_sharded_state(cfg.model, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps, params)
     abstract_opt = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

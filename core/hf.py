@@ -110,14 +110,24 @@ def save_hf(
     return path
 
 
-def hf_tensors(model: nnx.Module, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array in HF layout) for every tensor, gathering each parameter once."""
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    cached: tuple[tuple, np.ndarray] | None = None
+def hf_tensors(params: nnx.Module | nnx.State, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, contiguous host array in HF layout) for every tensor, in HF order.
+
+    Gathered one tensor at a time (one layer of a stacked parameter), so host
+    memory stays bounded by the largest tensor; export and weight sync both use it.
+    """
+    state = nnx.state(params, nnx.Param) if isinstance(params, nnx.Module) else params
+    flat = dict(nnx.to_flat_state(state))
     for m in param_map(cfg):
-        if cached is None or cached[0] != m.core_path:
-            cached = (m.core_path, np.asarray(jax.device_get(flat[m.core_path][...])))
-        yield m.hf_name, m.to_hf(cached[1])
+        value = flat[m.core_path].get_value()
+        host = np.asarray(jax.device_get(value if m.layer is None else value[m.layer]))
+        yield m.hf_name, np.ascontiguousarray(m.layer_to_hf(host))
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every Hugging Face tensor of a model with this config."""
+    flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
+    return {m.hf_name: m.hf_shape(tuple(flat[m.core_path].shape)) for m in param_map(cfg)}
 
 
 # ----------------------------------------------------------------- internals
@@ -155,7 +165,7 @@ def _core_arrays(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> dic
     """Host arrays keyed by core path, after checking names and shapes against the config."""
     flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
     mappings = param_map(cfg)
-    _check_tensors(cfg, mappings, flat, tensors, source)
+    _check_tensors(cfg, tensors, source)
 
     np_dtype = _NP_DTYPES[cfg.param_dtype]
     arrays: dict[tuple, np.ndarray] = {}
@@ -171,8 +181,8 @@ def _core_arrays(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> dic
     return arrays
 
 
-def _check_tensors(cfg, mappings, flat, tensors: _SafetensorsDir, source: str) -> None:
-    expected = {m.hf_name: m for m in mappings}
+def _check_tensors(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> None:
+    expected = hf_shapes(cfg)
     found = set(tensors.where)
     missing = sorted(set(expected) - found)
     unexpected = sorted(
@@ -181,8 +191,7 @@ def _check_tensors(cfg, mappings, flat, tensors: _SafetensorsDir, source: str) -
     )
     wrong = []
     for name in sorted(set(expected) & found):
-        want = expected[name].hf_shape(tuple(flat[expected[name].core_path].shape))
-        got = tensors.shape(name)
+        want, got = expected[name], tensors.shape(name)
         if got != want:
             wrong.append(f"{name}: expected {want}, got {got}")
     if missing or unexpected or wrong:

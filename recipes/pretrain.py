@@ -71,13 +71,11 @@ def main(argv: list[str]) -> int:
                           process_index=jax.process_index(), process_count=jax.process_count())
     if train.skipped:
         print(f"skipped {len(train.skipped)} malformed rows; first: {train.skipped[0]}")
-    eval_fn = None
-    if cfg.data.eval_fraction > 0:
-        def eval_fn():
-            return make_pipeline(cfg.data, cfg.train.batch_size, records=records,
-                                 tokenizer_dir=tokenizer_dir, split="eval")
+    def eval_pipeline():
+        return make_pipeline(cfg.data, cfg.train.batch_size, records=records, tokenizer_dir=tokenizer_dir,
+                             split="eval")
 
-    trainer = Trainer(cfg, model, next_token_loss, train, mesh=mesh, eval_data_fn=eval_fn,
+    trainer = Trainer(cfg, model, next_token_loss, train, mesh=mesh, eval_data_fn=eval_pipeline if cfg.data.eval_fraction > 0 else None,
                       tokenizer_dir=tokenizer_dir)
     trainer.fit()
     print(f"done: run directory {run_dir} (config.yaml, checkpoints/, metrics.jsonl, tensorboard/, loss.png, hf/)")

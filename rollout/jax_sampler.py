@@ -178,16 +178,9 @@ class JaxSampler:
         The new state must match the current one tensor for tensor (path, shape,
         dtype); otherwise nothing changes and the error lists the differences.
         """
-        old = dict(nnx.to_flat_state(self.params))
-        new = dict(nnx.to_flat_state(params))
-        problems = [f"missing {'.'.join(map(str, k))}" for k in old.keys() - new.keys()]
-        problems += [f"unexpected {'.'.join(map(str, k))}" for k in new.keys() - old.keys()]
-        for k in old.keys() & new.keys():
-            a, b = old[k].get_value(), new[k].get_value()
-            if a.shape != b.shape or a.dtype != b.dtype:
-                problems.append(f"{'.'.join(map(str, k))}: expected {a.shape} {a.dtype}, got {b.shape} {b.dtype}")
+        problems = state_mismatches(self.params, params)
         if problems:
             raise ValueError("update_weights: new weights do not match the sampler's model; "
-                             "keeping the previous weights:\n  " + "\n  ".join(sorted(problems)))
+                             "keeping the previous weights:\n  " + "\n  ".join(problems))
         self.params = params
         self.policy_version = self.policy_version + 1 if version is None else version

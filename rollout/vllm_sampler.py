@@ -41,14 +41,10 @@ class WeightUpdateError(ValueError):
 def expected_hf_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape the model in `model_dir` needs, from its config.json."""
     from core.config import ModelConfig
-    from core.hf_layout import param_map
-    from core.models import abstract_model
-    from flax import nnx
+    from core.hf import hf_shapes
 
     section = model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
-    cfg = ModelConfig(**section)
-    flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
-    return {m.hf_name: m.hf_shape(tuple(flat[m.core_path].shape)) for m in param_map(cfg)}
+    return hf_shapes(ModelConfig(**section))
 
 
 class VLLMSampler:

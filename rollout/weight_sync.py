@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import jax
 import numpy as np
 from flax import nnx
 
 from core.config import ModelConfig
-from core.hf_layout import param_map
+from core.hf import hf_tensors
 from core.models import state_mismatches
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,23 +51,28 @@ class SyncStats:
                 f"{self.seconds:.3f}s ({rate:.2f} GB/s){phases}")
 
 
+def group_by_bytes(
+    items: Iterable[T], nbytes: Callable[[T], int], chunk_bytes: int, max_tensors: int | None = None
+) -> Iterator[list[T]]:
+    """Consecutive groups of <= chunk_bytes (and <= max_tensors items); a bigger item travels alone."""
+    group: list[T] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if group and (size + n > chunk_bytes or (max_tensors and len(group) >= max_tensors)):
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += n
+    if group:
+        yield group
+
+
 def plan_chunks(
     sizes: Sequence[tuple[Hashable, int]], chunk_bytes: int, max_tensors: int | None = None
 ) -> list[list[Hashable]]:
     """Group (key, nbytes) in order into chunks of <= chunk_bytes (a bigger tensor travels alone)."""
-    chunks: list[list[Hashable]] = []
-    current: list[Hashable] = []
-    size = 0
-    for key, nbytes in sizes:
-        full = current and (size + nbytes > chunk_bytes or (max_tensors and len(current) >= max_tensors))
-        if full:
-            chunks.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += nbytes
-    if current:
-        chunks.append(current)
-    return chunks
+    return [[k for k, _ in g] for g in group_by_bytes(sizes, lambda kv: kv[1], chunk_bytes, max_tensors)]
 
 
 def _live_bytes(devices: set) -> int:
@@ -136,21 +143,11 @@ def reshard_to_jax_sampler(
 def hf_chunks(params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None,
               dtype: Any | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Chunks of {HF name: host array in HF layout}, gathered one tensor (one layer) at a time."""
-    flat = dict(nnx.to_flat_state(params))
-    mappings = {m.hf_name: m for m in param_map(cfg)}
-    sizes = []
-    for name, m in mappings.items():
-        value = flat[m.core_path].get_value()
-        sizes.append((name, value.nbytes // (value.shape[0] if m.layer is not None else 1)))
-    for chunk in plan_chunks(sizes, chunk_bytes, max_tensors):
-        out = {}
-        for name in chunk:
-            m = mappings[name]
-            value = flat[m.core_path].get_value()
-            host = np.asarray(jax.device_get(value if m.layer is None else value[m.layer]))
-            host = np.ascontiguousarray(m.layer_to_hf(host))
-            out[name] = host.astype(dtype) if dtype is not None else host
-        yield out
+    tensors = hf_tensors(params, cfg)
+    if dtype is not None:
+        tensors = ((name, value.astype(dtype)) for name, value in tensors)
+    for group in group_by_bytes(tensors, lambda item: item[1].nbytes, chunk_bytes, max_tensors):
+        yield dict(group)
 
 
 def sync_to_vllm(

@@ -11,7 +11,7 @@ from core.config import Config, MeshConfig, ModelConfig, OptimConfig
 from core.data import make_pipeline
 from core.config import DataConfig
 from core.mesh import make_mesh
-from core.models import abstract_model, create_model, state_shardings
+from core.models import abstract_sharded_state, create_model
 from core.optim import make_optimizer
 from core.train import TrainState, init_train_state
 
@@ -78,10 +78,7 @@ def test_restore_onto_a_different_mesh(tmp_path):
 def test_params_only(tmp_path):
     model = create_model(ModelConfig(), seed=0)
     save_params(tmp_path / "p", nnx.state(model))
-    abstract = abstract_model(ModelConfig())
-    shardings = state_shardings(abstract, make_mesh(MeshConfig(fsdp=4), jax.devices()[:4]))
-    target = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
-                          nnx.state(abstract), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    _, target = abstract_sharded_state(ModelConfig(), make_mesh(MeshConfig(fsdp=4), jax.devices()[:4]))
     loaded = load_params(tmp_path / "p", target)
     leaves_equal(loaded, nnx.state(model))
     with pytest.raises(FileNotFoundError, match="no parameter checkpoint"):

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from core.config import LoggingConfig, ModelConfig
 from core.metrics import MetricsLogger, measure_matmul_peak, model_flops_per_token, read_metrics

@@ -1,7 +1,6 @@
 """The generic train step: exact gradient accumulation, the non-finite guard, sharded == single device."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

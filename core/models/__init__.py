@@ -1,6 +1,7 @@
 """Flax NNX decoder family (Llama, Qwen2/2.5, Qwen3, Mistral) with logical axis names on every parameter."""
 
 from core.models.build import (
+    abstract_sharded_state,
     abstract_model,
     create_model,
     logical_axes,
@@ -14,6 +15,7 @@ from core.models.decoder import Decoder
 
 __all__ = [
     "Decoder",
+    "abstract_sharded_state",
     "abstract_model",
     "create_model",
     "logical_axes",

@@ -20,6 +20,18 @@ def abstract_model(cfg: ModelConfig) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(params=0)))
 
 
+def abstract_sharded_state(cfg: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and a State of `ShapeDtypeStruct`s carrying each parameter's sharding on
+    `mesh`: a compile or restore target that allocates nothing."""
+    model = abstract_model(cfg)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+        state, state_shardings(model, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return graphdef, state
+
+
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
     """Parameter path -> logical axis names, read from each parameter's metadata."""
     return {
