@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -282,9 +282,20 @@ class DistillConfig(Section):
 
 
 class RewardFn(Section):
+    """One reward function: a built-in name, `package.module:function`, `path/file.py:function` or an entry point."""
+
     fn: str
     weight: float = 1.0
     kwargs: dict = Field(default_factory=dict)
+
+    @field_validator("fn")
+    @classmethod
+    def _resolvable(cls, fn: str) -> str:
+        # A typo should fail when the config loads, not after the first rollout.
+        from rewards.registry import resolve
+
+        resolve(fn)
+        return fn
 
 
 class RewardConfig(Section):

@@ -26,6 +26,8 @@ exact next batch.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -66,12 +68,14 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 
 
 def reasoning_gym_records(task: str, size: int, seed: int) -> list[dict]:
-    """Problems generated offline by reasoning-gym: question, answer, and a `text` rendering."""
+    """Problems generated offline by reasoning-gym: question, answer, a `text` rendering, and the
+    task's metadata as JSON (the `reasoning_gym` reward scores with the task's own checker from it)."""
     import reasoning_gym
 
     ds = reasoning_gym.create_dataset(task, size=size, seed=seed)
     return [
-        {"question": e["question"], "answer": str(e["answer"]), "text": f"{e['question']}\nAnswer: {e['answer']}"}
+        {"question": e["question"], "answer": str(e["answer"]), "text": f"{e['question']}\nAnswer: {e['answer']}",
+         "metadata": json.dumps(e["metadata"], default=str)}
         for e in ds
     ]
 

@@ -1,0 +1,1 @@
+"""Reward-function plugins: registry, built-ins and a process-pool runner (see docs/rewards.md)."""

@@ -1,0 +1,164 @@
+"""A pool of reward worker processes that survives the reward functions it runs.
+
+    pool = WorkerPool(num_procs=2)
+    values, errors = pool.run("math_verify", kwargs, prompts, completions, columns, timeout=10.0)
+    pool.close()
+
+The batch is cut into one contiguous shard per worker. A shard whose function
+raises, returns something other than one number per completion, overruns the
+timeout (the worker is killed) or kills its worker (the worker is replaced)
+comes back as `None` values with a message; everything else is returned in
+the original order. Workers are processes, not threads, because math-verify
+times out with `signal.alarm`, which only works in a main thread; they fork
+from a clean forkserver (never from a process that already runs JAX threads).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import signal
+import time
+from multiprocessing.connection import wait
+from typing import Any, Mapping, Sequence
+
+# Imported once in the forkserver, so a replacement worker starts in milliseconds.
+_PRELOAD = ["rewards.registry", "rewards.mathverify", "rewards.gsm8k", "rewards.shaping", "math_verify", "sympy"]
+
+
+def _as_numbers(out: Any, n: int) -> tuple[list[float | None], str | None]:
+    """One finite float per completion; None (and the first complaint) for anything else."""
+    try:
+        out = list(out)
+    except TypeError:
+        return [None] * n, f"returned {type(out).__name__}, not a list of floats"
+    if len(out) != n:
+        return [None] * n, f"returned {len(out)} values for {n} completions"
+    values, first = [], None
+    for i, v in enumerate(out):
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            x = math.nan
+        if not math.isfinite(x):
+            values.append(None)
+            first = first or f"item {i}: {v!r} is not a finite number"
+        else:
+            values.append(x)
+    return values, first
+
+
+def _worker_main(conn) -> None:
+    from rewards.registry import resolve
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        spec, kwargs, prompts, completions, columns = task
+        try:
+            out = resolve(spec)(prompts, completions, **{**columns, **kwargs})
+            reply = ("ok", *_as_numbers(out, len(completions)))
+        except BaseException as e:  # noqa: BLE001 - user code: report everything, including SystemExit
+            reply = ("error", None, f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class _Worker:
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="temper-reward-worker")
+        self.process.start()
+        child.close()
+
+    def kill(self) -> int | None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+        return self.process.exitcode
+
+
+class WorkerPool:
+    def __init__(self, num_procs: int):
+        if num_procs < 1:
+            raise ValueError(f"num_procs must be >= 1, got {num_procs}")
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(_PRELOAD)
+        self._workers = [_Worker(self._ctx) for _ in range(num_procs)]
+        self.restarts = 0
+
+    @property
+    def num_procs(self) -> int:
+        return len(self._workers)
+
+    def run(self, spec: str, kwargs: Mapping[str, Any], prompts: Sequence[str], completions: Sequence[str],
+            columns: Mapping[str, Sequence], timeout: float) -> tuple[list[float | None], list[str]]:
+        """Score a batch; returns per-item values (None = failed) and one message per failed shard."""
+        n = len(completions)
+        bounds = _shards(n, self.num_procs)
+        values: list[float | None] = [None] * n
+        errors: list[str] = []
+        pending = {}
+        for worker, (lo, hi) in zip(self._workers, bounds):
+            task = (spec, dict(kwargs), list(prompts[lo:hi]), list(completions[lo:hi]),
+                    {k: list(v[lo:hi]) for k, v in columns.items()})
+            try:
+                worker.conn.send(task)
+                pending[worker.conn] = (worker, lo, hi)
+            except (BrokenPipeError, OSError):  # died between batches
+                errors.append(self._replace(worker, f"items {lo}-{hi - 1}: worker was dead"))
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for worker, lo, hi in pending.values():
+                    errors.append(self._replace(worker, f"items {lo}-{hi - 1}: timed out after {timeout:g} s"))
+                break
+            for conn in ready:
+                worker, lo, hi = pending.pop(conn)
+                try:
+                    status, shard_values, message = conn.recv()
+                except (EOFError, OSError):
+                    worker.process.join(timeout=5)
+                    code = worker.process.exitcode
+                    errors.append(self._replace(worker, f"items {lo}-{hi - 1}: worker died (exit code {code})"))
+                    continue
+                if status == "ok":
+                    values[lo:hi] = shard_values
+                if message is not None:
+                    errors.append(f"items {lo}-{hi - 1}: {message}")
+        return values, errors
+
+    def _replace(self, worker: _Worker, message: str) -> str:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx)
+        self.restarts += 1
+        return message
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=2)
+            if worker.process.is_alive():
+                worker.kill()
+        self._workers = []
+
+
+def _shards(n: int, k: int) -> list[tuple[int, int]]:
+    """Up to k contiguous [lo, hi) ranges covering n items, as even as possible."""
+    k = max(1, min(k, n))
+    step, extra = divmod(n, k)
+    bounds, lo = [], 0
+    for i in range(k):
+        hi = lo + step + (i < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds

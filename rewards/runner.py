@@ -1,0 +1,100 @@
+"""Score completions with the configured reward functions and combine them.
+
+    with RewardRunner(cfg.reward) as runner:
+        batch = runner.score(prompts, completions, columns={"answer": answers}, completion_ids=ids)
+    batch.total            # [N] weighted sum of the functions
+    batch.metrics()        # reward/mean, reward/<name>/mean, reward/<name>/failure_rate, ...
+
+Every function runs in the worker pool (`rewards.pool`) with the
+`reward.math_verify_timeout` deadline per batch. Items a function failed on
+(it raised, hung, killed its worker, or returned the wrong length / NaN /
+non-numbers) get `reward.failure_reward` as that function's value; they are
+counted, the first message is logged, and the next batch scores normally.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from core.config import RewardConfig
+from rewards.pool import WorkerPool
+from rewards.registry import canonical, resolve
+
+log = logging.getLogger("temper.rewards")
+
+
+@dataclass
+class RewardBatch:
+    total: np.ndarray                      # [N] float32 weighted sum
+    values: dict[str, np.ndarray]          # name -> [N] unweighted values (failure_reward where failed)
+    failed: dict[str, np.ndarray]          # name -> [N] bool
+    errors: dict[str, list[str]] = field(default_factory=dict)  # name -> messages of failed shards
+
+    def metrics(self) -> dict[str, float]:
+        out = {"reward/mean": float(self.total.mean()) if self.total.size else 0.0,
+               "reward/std": float(self.total.std()) if self.total.size else 0.0}
+        for name, v in self.values.items():
+            out[f"reward/{name}/mean"] = float(v.mean()) if v.size else 0.0
+            out[f"reward/{name}/failure_rate"] = float(self.failed[name].mean()) if v.size else 0.0
+        return out
+
+
+def function_names(specs: Sequence[str]) -> list[str]:
+    """Short unique labels for metrics: the built-in or function name, suffixed when repeated."""
+    names, seen = [], {}
+    for spec in specs:
+        base = spec.rsplit(":", 1)[-1]
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+    return names
+
+
+class RewardRunner:
+    def __init__(self, cfg: RewardConfig, num_procs: int | None = None):
+        if not cfg.functions:
+            raise ValueError("reward.functions is empty: name at least one reward function")
+        self.cfg = cfg
+        self.specs = [canonical(f.fn) for f in cfg.functions]
+        for spec in self.specs:
+            resolve(spec)  # fail here, in the caller's process, on a name that does not resolve
+        self.names = function_names([f.fn for f in cfg.functions])
+        self.pool = WorkerPool(num_procs or cfg.math_verify_num_procs)
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str],
+              columns: Mapping[str, Sequence] | None = None,
+              completion_ids: Sequence[Sequence[int]] | None = None) -> RewardBatch:
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts for {n} completions")
+        columns = dict(columns or {})
+        if completion_ids is not None:
+            columns["completion_ids"] = [list(map(int, ids)) for ids in completion_ids]
+        for key, col in columns.items():
+            if len(col) != n:
+                raise ValueError(f"reward column {key!r} has {len(col)} values for {n} completions")
+        total = np.zeros(n, np.float32)
+        values, failed, errors = {}, {}, {}
+        for fn_cfg, spec, name in zip(self.cfg.functions, self.specs, self.names):
+            raw, messages = self.pool.run(spec, fn_cfg.kwargs, prompts, completions, columns,
+                                          timeout=self.cfg.math_verify_timeout)
+            bad = np.array([v is None for v in raw], bool)
+            v = np.array([self.cfg.failure_reward if x is None else x for x in raw], np.float32)
+            if messages:
+                errors[name] = messages
+                log.warning("reward %s failed on %d/%d items (first: %s)", name, int(bad.sum()), n, messages[0])
+            values[name], failed[name] = v, bad
+            total += fn_cfg.weight * v
+        return RewardBatch(total=total, values=values, failed=failed, errors=errors)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""Reward plugins for tests/test_rewards.py: some behave, some misbehave when a completion asks them to."""
+
+import os
+import time
+
+
+def char_count(prompts, completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def uses_answer(prompts, completions, answer, bonus=0.0, **_):
+    return [float(c == a) + bonus for c, a in zip(completions, answer)]
+
+
+def raises_on_trigger(prompts, completions, **_):
+    if any("raise" in c for c in completions):
+        raise RuntimeError("plugin exploded")
+    return [1.0] * len(completions)
+
+
+def hangs_on_trigger(prompts, completions, **_):
+    if any("hang" in c for c in completions):
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def aborts_on_trigger(prompts, completions, **_):
+    if any("abort" in c for c in completions):
+        os.abort()
+    return [1.0] * len(completions)
+
+
+def wrong_length_on_trigger(prompts, completions, **_):
+    extra = 1 if any("long" in c for c in completions) else 0
+    return [1.0] * (len(completions) + extra)
+
+
+def nan_on_trigger(prompts, completions, **_):
+    return [float("nan") if "nan" in c else 1.0 for c in completions]
+
+
+def words_on_trigger(prompts, completions, **_):
+    return ["high" if "word" in c else 1.0 for c in completions]
+
+
+not_a_function = 3
