@@ -1,0 +1,133 @@
+"""Pure policy-gradient losses for GRPO / GSPO and their DAPO / Dr.GRPO variants (JAX).
+
+Everything here works on per-token arrays aligned with the completion tokens:
+
+    logp        [B, T]  log pi_theta(y_t) under the policy being trained (carries the gradient)
+    old_logp    [B, T]  the same under the policy that started this step (pi_old; constant)
+    sampler_logp[B, T]  what the sampler reported for the tokens it drew (vLLM / JAX sampler)
+    ref_logp    [B, T]  the reference policy, only when beta > 0
+    advantages  [B]     one per completion (posttrain.advantages)
+    mask        [B, T]  1 on completion tokens that count
+
+Ratios
+    GRPO   r_t = exp(logp_t - old_logp_t)                                    (token level)
+    GSPO   s   = exp(mean_t(logp_t - old_logp_t)) per sequence; broadcast to tokens as
+           s_t = sg(s) * exp(logp_t - sg(logp_t)), whose value is s and whose gradient is
+           s * d logp_t: the sequence ratio's gradient, spread over its tokens.
+PPO clip   loss_t = max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high))   (DAPO: epsilon_high > epsilon)
+dual clip  for A < 0: loss_t = min(loss_t, -A c)                           (c = dual_clip > 1)
+TIS        loss_t *= min(exp(old_logp_t - sampler_logp_t), tis_cap)        (sampler/trainer mismatch; constant)
+           GSPO uses the sequence's length-normalised (geometric-mean) ratio, like its policy ratio
+KL         loss_t += beta * k(logp_t, ref_logp_t), k1 / k2 / k3 estimators of KL(pi_theta || pi_ref)
+
+Aggregation returns `(loss_sum, denominator)` in the core train-step contract
+(sums over the micro-batch; the step divides once by the global denominator,
+so micro-batching is exact):
+
+    token-mean                     sum_it loss / #completion tokens in the whole batch
+    sequence-mean-token-mean       sum_i (sum_t loss / n_i) / #sequences
+    sequence-mean-token-sum-norm   sum_i (sum_t loss / max_tokens) / #sequences     (Dr.GRPO)
+
+Sequences with no counted token (masked groups) count in no denominator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    algorithm: Literal["grpo", "gspo"] = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    dual_clip: float | None = None
+    tis_cap: float | None = 2.0  # None: no truncated importance sampling
+    beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    loss_agg: LossAgg = "token-mean"
+    max_tokens: int = 1  # Dr.GRPO's constant normaliser (the generation budget)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: KLEstimator) -> jax.Array:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3)."""
+    log_ratio = logp - ref_logp  # log pi_theta / pi_ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # unbiased and >= 0: r - log r - 1 with r = pi_ref / pi_theta
+        return jnp.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:
+    """[B, T] ratio pi_theta / pi_old per token (GRPO) or the broadcast sequence ratio (GSPO)."""
+    if algorithm == "grpo":
+        return jnp.exp(logp - old_logp)
+    if algorithm == "gspo":
+        n = jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
+        seq_log_ratio = ((logp - old_logp) * mask).sum(axis=-1, keepdims=True) / n  # [B, 1]
+        return jnp.exp(jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp))
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAgg, max_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(sum over the micro-batch, its share of the global denominator); see the module docstring."""
+    lengths = mask.sum(axis=-1)  # [B]
+    token_sums = (per_token * mask).sum(axis=-1)  # [B]
+    sequences = (lengths > 0).sum().astype(jnp.float32)
+    if mode == "token-mean":
+        return token_sums.sum(), mask.sum()
+    if mode == "sequence-mean-token-mean":
+        return (token_sums / jnp.maximum(lengths, 1.0)).sum(), sequences
+    if mode == "sequence-mean-token-sum-norm":
+        return token_sums.sum() / max_tokens, sequences
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    settings: PolicyLossSettings,
+    sampler_logp: jax.Array | None = None,
+    ref_logp: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`(loss_sum, sums)`: sums holds `loss_denominator` and token-summed statistics (see module doc)."""
+    mask = mask.astype(jnp.float32)
+    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
+    ratio = importance_ratio(logp, old_logp, mask, settings.algorithm)
+    high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - settings.epsilon, 1.0 + high)
+    per_token = jnp.maximum(unclipped, clipped)
+    if settings.dual_clip is not None:
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * settings.dual_clip), per_token)
+    sums = {"clipped_tokens": ((clipped > unclipped) * mask).sum(), "completion_tokens": mask.sum()}
+    if settings.tis_cap is not None and sampler_logp is not None:
+        log_w = old_logp - sampler_logp.astype(jnp.float32)  # [B, T] log pi_old / pi_sampler
+        if settings.algorithm == "gspo":
+            log_w = jnp.broadcast_to((log_w * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0),
+                                     log_w.shape)
+        weight = jnp.minimum(jnp.exp(log_w), settings.tis_cap)
+        per_token = per_token * jax.lax.stop_gradient(weight)
+        sums["tis_weight"] = (weight * mask).sum()
+    if settings.beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs the reference log-probs (ref_logp)")
+        kl = kl_penalty(logp, ref_logp.astype(jnp.float32), settings.kl_estimator)
+        per_token = per_token + settings.beta * kl
+        sums["kl"] = (kl * mask).sum()
+    loss_sum, denominator = aggregate(per_token, mask, settings.loss_agg, settings.max_tokens)
+    sums["loss_denominator"] = denominator
+    return loss_sum, sums
