@@ -44,10 +44,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, state: TrainState, data_iterator: Any | None, config: Config, extra: dict | None = None) -> int:
-        """Save at `state.step` (async when enabled). Returns the step."""
-        step = int(state.step)
-        meta = {"step": step, "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), **(extra or {})}
+    def save(self, state: TrainState, data_iterator: Any | None, config: Config, extra: dict | None = None,
+             step: int | None = None) -> int:
+        """Save as checkpoint `step` (default: `state.step`; async when enabled). Returns the step."""
+        step = int(state.step) if step is None else step
+        meta = {"step": int(state.step), "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), **(extra or {})}
         items = dict(
             params=ocp.args.StandardSave(_pure(state.params)),
             opt_state=ocp.args.StandardSave(state.opt_state),

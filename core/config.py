@@ -239,22 +239,50 @@ class RolloutConfig(Section):
     # Cores for vLLM's OpenMP threads per sampler, e.g. "0" or "0-1"; None lets vLLM choose.
     omp_threads_bind: str | None = None
     reshard_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    rollout_data_parallelism: int = Field(1, gt=0)  # vLLM sampler actors, each with the whole model
+    sampler_timeout_s: float = Field(600.0, gt=0.0)  # a sampler call slower than this counts as dead
 
 
 # ---------------------------------------------------------------------------- rl
 
 
 class RLConfig(Section):
+    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md)."""
+
     algorithm: Literal["grpo", "gspo"] = "grpo"
-    num_generations: int = Field(4, gt=1)
+    # Initial policy: an HF directory or a Temper run / checkpoint directory; None = random init (tests).
+    policy_path: str | None = None
+    prompt_template: str = "{question}"  # formatted with each dataset row
+    use_chat_template: bool = False
+    prompts_per_step: int = Field(4, gt=0)
+    num_generations: int = Field(4, gt=1)  # completions per prompt (the group)
     advantage: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
+    std_floor: float = Field(1e-6, gt=0.0)
     beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     epsilon: float = Field(0.2, ge=0.0)
     epsilon_high: float | None = None  # DAPO clip-higher; None = epsilon
+    dual_clip: float | None = Field(None, gt=1.0)
+    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
     loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
-    num_iterations: int = Field(1, gt=0)
-    off_policy_steps: int = Field(0, ge=0)
+    num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
+    mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
+    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no loss tokens
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
+    max_sampling_rounds: int = Field(4, gt=0)
+    off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
+    accuracy_fn: str = "math_verify"  # reward function that defines "correct" (value > 0) for metrics / eval
+    eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
+    eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
+
+    @model_validator(mode="after")
+    def _check(self) -> "RLConfig":
+        if (self.prompts_per_step * self.num_generations) % self.mini_batches:
+            raise ValueError(
+                f"rl.prompts_per_step * rl.num_generations ({self.prompts_per_step * self.num_generations}) "
+                f"must be divisible by rl.mini_batches ({self.mini_batches})"
+            )
+        return self
 
 
 # --------------------------------------------------------------- dpo / sft / kd

@@ -189,7 +189,8 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
     return info
 
 
-def plot_curves(run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png") -> Path | None:
+def plot_curves(run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png",
+                ylabel: str = "loss") -> Path | None:
     """A PNG of the logged curves (matplotlib, headless)."""
     import matplotlib
 
@@ -208,7 +209,7 @@ def plot_curves(run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss
         plt.close(fig)
         return None
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -64,6 +64,17 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     return out
 
 
+def tokenizer_for_run(tokenizer_dir: str | None, texts: Iterable[str], run_dir: str | Path, vocab_size: int) -> str:
+    """`tokenizer_dir` if set; else a BPE tokenizer trained on `texts` into `run_dir/tokenizer` (reused on resume)."""
+    if tokenizer_dir is not None:
+        return str(tokenizer_dir)
+    out = Path(run_dir) / "tokenizer"
+    if not (out / "tokenizer.json").exists():
+        build_tokenizer(texts, out, vocab_size=vocab_size)
+        print(f"trained a {vocab_size}-token BPE tokenizer -> {out}")
+    return str(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="Train an offline byte-level BPE tokenizer.")
     p.add_argument("out_dir")

@@ -50,17 +50,12 @@ def main(argv: list[str]) -> int:
     from core.metrics import device_memory
     from core.models import create_model
     from core.models.summary import parameter_summary
-    from core.tokenizer import build_tokenizer
+    from core.tokenizer import tokenizer_for_run
 
     run_dir = Path(cfg.run.run_dir)
     records = load_records(cfg.data.source, cfg.data)
-    tokenizer_dir = cfg.data.tokenizer_dir
-    if tokenizer_dir is None:
-        tokenizer_dir = str(run_dir / "tokenizer")
-        if not (Path(tokenizer_dir) / "tokenizer.json").exists():
-            texts = (r[cfg.data.text_field] for r in records if isinstance(r.get(cfg.data.text_field), str))
-            build_tokenizer(texts, tokenizer_dir, vocab_size=cfg.model.vocab_size)
-            print(f"trained a {cfg.model.vocab_size}-token BPE tokenizer -> {tokenizer_dir}")
+    texts = (r[cfg.data.text_field] for r in records if isinstance(r.get(cfg.data.text_field), str))
+    tokenizer_dir = tokenizer_for_run(cfg.data.tokenizer_dir, texts, run_dir, cfg.model.vocab_size)
     _check_vocab(cfg.model.vocab_size, tokenizer_dir)
 
     model = create_model(cfg.model, mesh, seed=cfg.run.seed)

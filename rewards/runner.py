@@ -90,6 +90,17 @@ class RewardRunner:
             total += fn_cfg.weight * v
         return RewardBatch(total=total, values=values, failed=failed, errors=errors)
 
+    def score_fn(self, fn: str, prompts: Sequence[str], completions: Sequence[str],
+                 columns: Mapping[str, Sequence] | None = None, kwargs: Mapping | None = None) -> np.ndarray:
+        """One function's values through the same pool (e.g. accuracy for metrics); NaN where it failed."""
+        spec = canonical(fn)
+        resolve(spec)
+        raw, messages = self.pool.run(spec, dict(kwargs or {}), prompts, completions, dict(columns or {}),
+                                      timeout=self.cfg.math_verify_timeout)
+        if messages:
+            log.warning("%s failed on %d/%d items (first: %s)", fn, sum(v is None for v in raw), len(raw), messages[0])
+        return np.array([np.nan if v is None else v for v in raw], np.float32)
+
     def close(self) -> None:
         self.pool.close()
 

@@ -48,7 +48,7 @@ class RemoteVLLMSampler:
 
     @classmethod
     def start(cls, model_dir: str, cfg: RolloutConfig, seed: int = 0, num_cpus: float = 0,
-              timeout_s: float = 600.0) -> "RemoteVLLMSampler":
+              timeout_s: float = 600.0, scheduling_strategy=None) -> "RemoteVLLMSampler":
         import ray
 
         from rollout.vllm_sampler import VLLMSampler
@@ -56,7 +56,8 @@ class RemoteVLLMSampler:
         ensure_ray()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         actor = ray.remote(VLLMSampler).options(
-            num_cpus=num_cpus, runtime_env={"env_vars": env}, max_concurrency=1
+            num_cpus=num_cpus, runtime_env={"env_vars": env}, max_concurrency=1,
+            scheduling_strategy=scheduling_strategy,
         ).remote(model_dir, cfg, seed)
         client = cls(actor, timeout_s)
         client._get(actor.__ray_ready__.remote())  # surface start-up errors here
@@ -69,6 +70,13 @@ class RemoteVLLMSampler:
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self._get(self.handle.generate.remote(list(prompts), params))
+
+    def generate_async(self, prompts: Sequence[Prompt], params: SamplingParams):
+        """Start generating; `result(ref)` waits for the completions (calls run in submission order)."""
+        return self.handle.generate.remote(list(prompts), params)
+
+    def result(self, ref) -> list[Completion]:
+        return self._get(ref)
 
     def update_weights(self, chunks: Iterable[Mapping[str, np.ndarray]], version: int | None = None) -> dict:
         """Stream chunks into the actor's receive buffers, then commit all-or-nothing."""

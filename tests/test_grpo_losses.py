@@ -256,3 +256,20 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
     diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)))
     update = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(start)))
     assert diff <= 1e-5 * update, (diff, update)
+
+
+def test_pass_at_k_matches_enumeration():
+    from itertools import combinations
+
+    from posttrain.evaluation import majority_correct, pass_at_k
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                samples = [True] * c + [False] * (n - c)
+                subsets = list(combinations(range(n), k))
+                expected = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert majority_correct(["4", " 4", "5", None], [True, True, False, False])
+    assert not majority_correct(["5", "5", "4"], [False, False, True])
+    assert not majority_correct([None, None], [False, False])

@@ -1,0 +1,33 @@
+"""Held-out evaluation for RL: greedy pass@1, and pass@k (unbiased) and maj@k from sampled completions.
+
+pass@k is the probability that at least one of k completions drawn without
+replacement from the n sampled ones is correct (Chen et al., 2021):
+    pass@k = 1 - C(n - c, k) / C(n, k)
+maj@k: the most frequent final answer among k samples (ties: the first one
+seen) is correct.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from math import comb
+from typing import Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """Is the most common (non-empty) answer correct? Answers are compared as normalised strings."""
+    normalised = [None if a is None else " ".join(a.split()) for a in answers]
+    votes = Counter(a for a in normalised if a)
+    if not votes:
+        return False
+    top = votes.most_common(1)[0][0]
+    return any(ok for a, ok in zip(normalised, correct) if a == top)

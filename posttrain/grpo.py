@@ -1,0 +1,353 @@
+"""GRPO / GSPO: sample -> reward -> advantages -> train -> sync weights, on Ray or in one process.
+
+    summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
+
+Modes (`rollout.sampler`):
+- `vllm`: the trainer is a Ray actor and `rollout.rollout_data_parallelism`
+  vLLM samplers are Ray actors, all in one placement group; weights stream
+  from the trainer actor to the sampler actors after every update.
+- `jax`: single controller: the trainer and a native JAX sampler share this
+  process on disjoint sub-meshes (`mesh.trainer_devices_fraction` /
+  `sampler_devices_fraction`; a sampler fraction of 0 shares the trainer's
+  devices); weights move by `jax.device_put`, a chunk at a time.
+
+Sync mode (`rl.off_policy_steps = 0`) trains on completions of the current
+policy. Async mode (`off_policy_steps = d > 0`, vLLM only) keeps d batches
+in flight: samplers generate the next batches while the trainer trains, so
+a completion is at most d policy versions old (checked every step).
+
+Per step the run logs reward mean/std (total and per function), accuracy,
+completion length, truncation rate, clip fraction, KL, entropy, the
+sampler/trainer mismatch, zero-variance groups, staleness and a time
+breakdown; evaluates on the held-out split every `train.eval_every` steps;
+checkpoints every `checkpoint.every_steps` (policy, optimizer, step, policy
+version, prompt-stream position) and resumes from the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.config import Config, RewardConfig
+from core.config_loader import save_config
+from core.metrics import MetricsLogger, plot_curves, update_run_info
+from posttrain.advantages import group_advantages
+from posttrain.cluster import reserve, start_trainer, start_vllm_sampler
+from posttrain.evaluation import majority_correct, pass_at_k
+from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from posttrain.rl_batch import build_rl_batch
+from posttrain.sampling import SamplerGroup
+from rewards.extract import final_answer
+from rewards.runner import RewardRunner
+from rollout.sampler import Completion, SamplingParams
+
+log = logging.getLogger("temper.rl")
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int
+    policy_version: int
+    final_eval: dict | None
+    hf_dir: Path | None
+
+
+class StalenessError(RuntimeError):
+    """A completion older than `rl.off_policy_steps` policy versions reached the trainer."""
+
+
+def check_staleness(completions: list[Completion], trainer_version: int, bound: int) -> int:
+    """The largest staleness in the batch; raises if it exceeds `bound`."""
+    worst = max(trainer_version - c.policy_version for c in completions)
+    if worst > bound:
+        raise StalenessError(f"a completion from policy version {trainer_version - worst} reached the trainer at "
+                             f"version {trainer_version}: {worst} > rl.off_policy_steps={bound}")
+    return worst
+
+
+class GRPORun:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yml")
+        rl, rollout = cfg.rl, cfg.rollout
+        if rl.off_policy_steps and rollout.sampler != "vllm":
+            raise ValueError("rl.off_policy_steps > 0 (async) needs rollout.sampler=vllm: "
+                             "the JAX sampler shares the trainer's process")
+        self.train_rows, self.eval_rows = prompt_rows(cfg)
+        self.stream = PromptStream(self.train_rows, rl.prompts_per_step, seed=cfg.data.seed,
+                                   shuffle=cfg.data.shuffle)
+        self.rewards = RewardRunner(cfg.reward)
+        self.tokenizer_dir = cfg.data.tokenizer_dir or _tokenizer_dir_of(rl.policy_path)
+        self.pg = None
+        if rollout.sampler == "vllm":
+            from rollout.vllm_actor import ensure_ray
+
+            ensure_ray()
+            self.pg = reserve(cfg)
+        self.trainer = start_trainer(cfg, self.run_dir, self.pg)
+        self.seq_len = rollout.max_model_len
+        self.start_step = 0
+        self._requests = 0  # generation requests so far (seeds the sampler)
+        latest = self.trainer.call("latest_step")
+        if latest is not None:
+            meta = self.trainer.call("restore", latest)
+            self.stream.set_state(meta["prompt_stream"])
+            self.start_step = int(meta["rl_step"])
+            self._requests = int(meta["requests"])
+            print(f"resumed from {self.run_dir / 'checkpoints' / str(latest)} at step {self.start_step} "
+                  f"(policy version {meta['policy_version']})", flush=True)
+        self.samplers = self._start_samplers()
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
+
+    # ---------------------------------------------------------------- set-up
+
+    def _start_samplers(self) -> SamplerGroup:
+        cfg = self.cfg
+        if cfg.rollout.sampler == "jax":
+            sampler = self._jax_sampler()
+        else:
+            self.init_hf = Path(self.trainer.call("export_hf", str(self.run_dir / "rollout_init_hf"),
+                                                  self.tokenizer_dir))
+            k = cfg.rollout.rollout_data_parallelism
+            samplers = [start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)]
+            group = SamplerGroup(samplers, restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg),
+                                 resync=lambda s: self._sync([s]))
+            self._sync(group.samplers)
+            return group
+        group = SamplerGroup([sampler])
+        self._sync(group.samplers)
+        return group
+
+    def _jax_sampler(self):
+        import jax
+
+        from core.mesh import make_mesh, split_devices
+        from core.models import create_model
+        from core.config import MeshConfig
+        from rollout.jax_sampler import JaxSampler
+
+        local = self.trainer.target  # LocalTrainer: same process
+        mesh_cfg = self.cfg.mesh
+        _, sampler_devices = split_devices(jax.devices(), mesh_cfg.trainer_devices_fraction,
+                                           mesh_cfg.sampler_devices_fraction)
+        mesh = make_mesh(MeshConfig(fsdp=1, tensor=-1), sampler_devices) if sampler_devices else local.mesh
+        with jax.set_mesh(mesh):
+            model = create_model(local.cfg.model, mesh, seed=0)  # placeholder weights, replaced by the first sync
+        return JaxSampler(model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len,
+                          seed=self.cfg.run.seed)
+
+    def _sync(self, samplers: list) -> float:
+        start = time.perf_counter()
+        stats = self.trainer.call("sync", samplers)
+        for sampler, s in zip(samplers, stats):
+            sampler.policy_version = s["version"]
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ steps
+
+    def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=n, temperature=r.temperature if temperature is None else temperature,
+                              top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, logprobs=True, seed=seed)
+
+    def _submit(self, rows: list[dict]):
+        # One seed per generation request, derived from the run seed and a counter that a resumed run
+        # restores: a restarted run draws the same completions as an uninterrupted one.
+        self._requests += 1
+        seed = (self.cfg.run.seed * 1_000_003 + self._requests) % 2**31
+        prompts = [render_prompt(r, self.cfg.rl) for r in rows]
+        return rows, self.samplers.submit(prompts, self.sampling_params(self.cfg.rl.num_generations, seed))
+
+    def _score(self, rows: list[dict], completions: list[Completion]):
+        g = self.cfg.rl.num_generations
+        prompts = [p for r in rows for p in [render_prompt(r, self.cfg.rl)] * g]
+        prompts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        texts = [c.text for c in completions]
+        columns = columns_of(rows, g)
+        batch = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
+        correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns)
+        return batch, correct
+
+    def run(self, on_step=None) -> RunSummary:
+        """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
+        cfg, rl = self.cfg, self.cfg.rl
+        in_flight: deque = deque()
+        final_eval = None
+        step = self.start_step
+        try:
+            for step in range(self.start_step + 1, cfg.train.steps + 1):
+                t0 = time.perf_counter()
+                while len(in_flight) < 1 + rl.off_policy_steps:
+                    in_flight.append(self._submit(next(self.stream)))
+                rows, pending = in_flight.popleft()
+                completions = self.samplers.collect(pending)
+                gen_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                version = self.trainer.call("version")
+                staleness = check_staleness(completions, version, rl.off_policy_steps)
+                reward_batch, correct = self._score(rows, completions)
+                adv = group_advantages(reward_batch.total, rl.num_generations, rl.advantage, rl.std_floor)
+                rounds = 1
+                if rl.dynamic_sampling:
+                    rows, completions, reward_batch, correct, adv, rounds = self._refill(
+                        rows, completions, reward_batch, correct, adv)
+                reward_s = time.perf_counter() - t1
+                t2 = time.perf_counter()
+                batch = build_rl_batch(completions, adv.values, adv.keep, self.seq_len, rl.mask_truncated)
+                train_metrics = self.trainer.call("train", batch)
+                train_s = time.perf_counter() - t2
+                sync_s = self._sync(self.samplers.samplers)
+                metrics = self._step_metrics(completions, reward_batch, correct, adv, staleness, rounds)
+                metrics.update(train_metrics)
+                step_s = time.perf_counter() - t0
+                tokens = sum(len(c.token_ids) for c in completions)
+                metrics.update({"time/generate_s": gen_s, "time/reward_s": reward_s, "time/train_s": train_s,
+                                "time/sync_s": sync_s, "time/step_s": step_s,
+                                "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
+                                "tokens_per_s": tokens / max(step_s, 1e-9),
+                                "policy_version": float(self.samplers.policy_versions[0]),
+                                "sampler_restarts": float(self.samplers.restarts)})
+                self.metrics.log(step, metrics, console=False)
+                print(self._line(step, metrics), flush=True)
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    final_eval = self.evaluate(step)
+                if cfg.checkpoint.enabled and (step % cfg.checkpoint.every_steps == 0 or step == cfg.train.steps):
+                    self._save(step, in_flight)
+                if on_step is not None:
+                    on_step(self, step, metrics)
+        finally:
+            self.metrics.close()
+        hf_dir = None
+        if cfg.checkpoint.export_hf:
+            hf_dir = Path(self.trainer.call("export_hf", str(self.run_dir / "hf"), self.tokenizer_dir))
+        plot_curves(self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png",
+                    ylabel="reward / accuracy")
+        update_run_info(self.run_dir, steps=step, policy_version=self.trainer.call("version"),
+                        final_eval=final_eval)
+        return RunSummary(self.run_dir, step, self.trainer.call("version"), final_eval, hf_dir)
+
+    def _save(self, step: int, in_flight: deque) -> None:
+        # Batches already drawn for the in-flight generations are drawn (and seeded) again after a restart.
+        state = self.stream.get_state()
+        state = {**state, "next_index": state["next_index"] - len(in_flight)}
+        self.trainer.call("save", step, {"rl_step": step, "prompt_stream": state,
+                                         "requests": self._requests - len(in_flight)})
+
+    def _refill(self, rows, completions, reward_batch, correct, adv):
+        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full."""
+        g, want = self.cfg.rl.num_generations, self.cfg.rl.prompts_per_step
+        keep_groups = adv.keep.reshape(-1, g)[:, 0]
+        groups = [(rows[i], completions[i * g:(i + 1) * g], reward_batch, i) for i in range(len(rows)) if keep_groups[i]]
+        kept_rows = [r for r, *_ in groups]
+        kept_completions = [c for _, cs, *_ in groups for c in cs]
+        rounds = 1
+        while len(kept_rows) < want and rounds < self.cfg.rl.max_sampling_rounds:
+            more_rows = next(self.stream)
+            _, pending = self._submit(more_rows)
+            more = self.samplers.collect(pending)
+            more_batch, _ = self._score(more_rows, more)
+            more_adv = group_advantages(more_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
+            for i, ok in enumerate(more_adv.keep.reshape(-1, g)[:, 0]):
+                if ok and len(kept_rows) < want:
+                    kept_rows.append(more_rows[i])
+                    kept_completions.extend(more[i * g:(i + 1) * g])
+            rounds += 1
+        if len(kept_rows) < want:  # not enough signal even after refilling: train on what there is, padded
+            extra = [i for i in range(len(rows)) if not keep_groups[i]][: want - len(kept_rows)]
+            kept_rows += [rows[i] for i in extra]
+            kept_completions += [c for i in extra for c in completions[i * g:(i + 1) * g]]
+        reward_batch, correct = self._score(kept_rows, kept_completions)
+        adv = group_advantages(reward_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
+        return kept_rows, kept_completions, reward_batch, correct, adv, rounds
+
+    def _step_metrics(self, completions, reward_batch, correct, adv, staleness, rounds) -> dict:
+        lengths = np.array([len(c.token_ids) for c in completions], float)
+        out = reward_batch.metrics()
+        out.update({
+            "accuracy": float(np.nan_to_num(correct > 0).mean()),
+            "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
+            "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
+            "zero_variance_groups": float(adv.zero_variance_groups), "staleness_max": float(staleness),
+            "sampling_rounds": float(rounds),
+        })
+        return out
+
+    @staticmethod
+    def _line(step: int, m: dict) -> str:
+        return (f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
+                f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
+                f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e} | "
+                f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s")
+
+    # ------------------------------------------------------------- evaluation
+
+    def evaluate(self, step: int | None = None) -> dict:
+        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts."""
+        rl = self.cfg.rl
+        rows = self.eval_rows[: rl.eval_prompts]
+        if not rows:
+            return {}
+        prompts = [render_prompt(r, rl) for r in rows]
+        greedy = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)))
+        k = rl.eval_samples
+        sampled = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)))
+        texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
+        ok_sampled = (self.rewards.score_fn(rl.accuracy_fn, [t for t in texts for _ in range(k)],
+                                            [c.text for c in sampled], columns_of(rows, k)) > 0).reshape(-1, k)
+        answers = [final_answer(c.text) for c in sampled]
+        result = {
+            "eval/pass@1": float(ok_greedy.mean()),
+            f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in ok_sampled])),
+            "eval/sampled_pass@1": float(ok_sampled.mean()),
+            f"eval/maj@{k}": float(np.mean([majority_correct(answers[i * k:(i + 1) * k], ok_sampled[i])
+                                             for i in range(len(rows))])),
+        }
+        if step is not None:
+            self.metrics.log(step, result, console=False)
+            print(f"eval @ step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()),
+                  flush=True)
+        return result
+
+    def close(self) -> None:
+        self.rewards.close()
+        for s in self.samplers.samplers:
+            if hasattr(s, "shutdown"):
+                try:
+                    s.shutdown()
+                except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
+                    print(f"sampler shutdown: {type(e).__name__}: {e}", flush=True)
+        self.trainer.call("close")
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            if self.trainer.remote:
+                import ray
+
+                ray.kill(self.trainer.target)
+
+
+def _tokenizer_dir_of(policy_path: str | None) -> str:
+    if policy_path and (Path(policy_path) / "tokenizer.json").exists():
+        return policy_path
+    raise ValueError("no tokenizer: set data.tokenizer_dir (or use an rl.policy_path HF directory with a tokenizer)")
+
+
+def run_grpo(cfg: Config) -> RunSummary:
+    run = GRPORun(cfg)
+    try:
+        return run.run()
+    finally:
+        run.close()

@@ -1,0 +1,140 @@
+"""The trainer side of RL: the policy (and reference) on the trainer mesh, the optimizer, the jitted step.
+
+    learner = PolicyLearner(cfg, model, mesh, total_steps=cfg.train.steps)
+    metrics = learner.train(batch)        # a `posttrain.rl_batch` batch; one RL step
+    learner.params, learner.version       # what weight sync sends, and its policy version
+
+One RL step: the log-probs of the sampled tokens under the current policy
+(pi_old) and the reference are computed once; then `rl.num_iterations`
+passes over the batch, each cut into `rl.mini_batches` optimizer updates
+(each accumulated over `train.micro_batches`). Used in-process
+(single-controller mode) or inside `posttrain.cluster.TrainerActor`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from core.checkpoint import Checkpointer
+from core.config import Config
+from core.loop import NonFiniteLoss
+from core.mesh import logical_to_spec
+from core.optim import make_optimizer, make_schedule
+from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
+from posttrain.losses import PolicyLossSettings
+from posttrain.objective import make_policy_objective, target_logprobs
+from posttrain.rl_batch import mismatch_stats
+
+
+def loss_settings(cfg: Config) -> PolicyLossSettings:
+    rl = cfg.rl
+    return PolicyLossSettings(
+        algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, dual_clip=rl.dual_clip,
+        tis_cap=rl.tis_cap, beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg=rl.loss_agg,
+        max_tokens=cfg.rollout.max_tokens,
+    )
+
+
+class PolicyLearner:
+    def __init__(self, cfg: Config, model, mesh: Mesh, total_steps: int):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.model_cfg = model.cfg
+        updates = total_steps * cfg.rl.num_iterations * cfg.rl.mini_batches
+        with jax.set_mesh(mesh):
+            tx = make_optimizer(cfg.optim, updates, nnx.state(model))
+            # The reference is the starting policy, frozen: a copy of its parameters (beta = 0: none at all).
+            self.ref_params = jax.tree.map(jnp.copy, nnx.state(model)) if cfg.rl.beta > 0 else None
+            self.graphdef, self.state = init_train_state(model, tx, cfg.run.seed)
+        objective = make_policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0)
+        self._step = jit_train_step(
+            make_train_step(self.graphdef, objective, tx, make_schedule(cfg.optim, updates),
+                            skip_nonfinite=True), self.state)
+        temperature = cfg.rollout.temperature or 1.0
+        self._logp = jax.jit(lambda p, b: target_logprobs(nnx.merge(self.graphdef, p), b, temperature)[0])
+        self.version = 0
+        self.skipped_updates = 0
+
+    @property
+    def params(self) -> nnx.State:
+        return self.state.params
+
+    # ------------------------------------------------------------------ train
+
+    def logprobs(self, params: nnx.State, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """[B, L-1] log-probs of every target token, one micro-batch at a time."""
+        keys = ("tokens", "positions", "segment_ids")
+        k = self.cfg.train.micro_batches
+        chunks = split_micro_batches({key: batch[key] for key in keys}, k)
+        out = []
+        with jax.set_mesh(self.mesh):
+            for i in range(k):
+                part = {key: self._put(chunks[key][i]) for key in keys}
+                out.append(np.asarray(jax.device_get(self._logp(params, part))))
+        return np.concatenate(out).astype(np.float32)
+
+    def train(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """One RL step on a rollout batch; returns its metrics (means over the updates)."""
+        batch = dict(batch)
+        completion_mask = batch.pop("completion_mask")
+        batch["old_logp"] = self.logprobs(self.state.params, batch) * (completion_mask > 0)
+        if self.ref_params is not None:
+            batch["ref_logp"] = self.logprobs(self.ref_params, batch) * (completion_mask > 0)
+        stats = mismatch_stats(batch["old_logp"], batch["sampler_logp"], completion_mask)
+        rows = batch["tokens"].shape[0]
+        per_mini = rows // self.cfg.rl.mini_batches
+        collected: list[dict] = []
+        with jax.set_mesh(self.mesh):
+            for _ in range(self.cfg.rl.num_iterations):
+                for m in range(self.cfg.rl.mini_batches):
+                    mini = {k: v[m * per_mini:(m + 1) * per_mini] for k, v in batch.items()}
+                    micro = split_micro_batches(mini, self.cfg.train.micro_batches)
+                    micro = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in micro.items()}
+                    self.state, metrics = self._step(self.state, micro)
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if not metrics["finite"]:
+                        if self.cfg.train.nan_policy == "abort":
+                            raise NonFiniteLoss(
+                                f"RL step {self.version + 1}: loss {metrics['loss']} / grad norm "
+                                f"{metrics['grad_norm']} is not finite; the update was not applied")
+                        self.skipped_updates += 1
+                    collected.append(metrics)
+        self.version += 1
+        out = {k: float(np.mean([m[k] for m in collected])) for k in ("loss", "grad_norm", "learning_rate")
+               if k in collected[0]}
+        tokens = sum(m["completion_tokens"] for m in collected)
+        out["clip_fraction"] = sum(m["clipped_tokens"] for m in collected) / max(tokens, 1e-9)
+        out["entropy"] = sum(m["entropy"] for m in collected) / max(tokens, 1e-9)
+        if "kl" in collected[0]:
+            out["kl"] = sum(m["kl"] for m in collected) / max(tokens, 1e-9)
+        if "tis_weight" in collected[0]:
+            out["tis_weight_mean"] = sum(m["tis_weight"] for m in collected) / max(tokens, 1e-9)
+        out["skipped_updates"] = float(self.skipped_updates)
+        out.update(stats)
+        return out
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        spec = logical_to_spec(("batch",), x.shape[:1], dict(self.mesh.shape))
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(*spec, *([None] * (x.ndim - 1)))))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
+        checkpointer.save(self.state, None, self.cfg, {**extra, "policy_version": self.version}, step=step)
+
+    def restore(self, checkpointer: Checkpointer, step: int) -> dict:
+        with jax.set_mesh(self.mesh):
+            self.state, meta = checkpointer.restore(step, self.state, None, self.cfg)
+        self.version = int(meta["policy_version"])
+        return meta
+
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        from core.hf import save_hf
+
+        return save_hf(nnx.merge(self.graphdef, self.state.params), self.model_cfg, path, tokenizer_dir=tokenizer_dir)

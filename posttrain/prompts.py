@@ -1,0 +1,86 @@
+"""RL prompts: dataset rows -> rendered prompts, a resumable shuffled stream, and a held-out split.
+
+    train_rows, eval_rows = prompt_rows(cfg)
+    stream = PromptStream(train_rows, cfg.rl.prompts_per_step, seed=cfg.data.seed)
+    rows = next(stream)                   # list of row dicts; stream.get_state() / set_state() for resume
+    prompt = render_prompt(rows[0], cfg.rl)
+
+Every row must have the fields `rl.prompt_template` names (e.g. `{question}`);
+the other fields (e.g. `answer`, `metadata`) travel with it to the reward
+functions as columns. `data.eval_fraction` of the rows (the last ones) are
+held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Sequence
+
+import grain
+
+from core.config import Config, RLConfig
+from core.data import MalformedRow, load_records
+
+
+def template_fields(template: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows) of `data.source`, checked against the prompt template."""
+    if cfg.data.source is None:
+        raise ValueError("data.source is not set: RL needs prompts")
+    records = load_records(cfg.data.source, cfg.data)
+    fields = template_fields(cfg.rl.prompt_template)
+    rows, skipped = [], 0
+    for i in range(len(records)):
+        row = dict(records[i])
+        missing = [f for f in fields if not isinstance(row.get(f), str) or not row[f].strip()]
+        if missing:
+            message = f"{cfg.data.source}: row {i}: field '{missing[0]}' (used by rl.prompt_template) is missing or empty"
+            if not cfg.data.skip_malformed:
+                raise MalformedRow(message + " (set data.skip_malformed=true to skip such rows)")
+            skipped += 1
+            continue
+        rows.append(row)
+    if not rows:
+        raise MalformedRow(f"{cfg.data.source}: no usable rows ({skipped} malformed)")
+    n_eval = int(round(cfg.data.eval_fraction * len(rows)))
+    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+
+
+def render_prompt(row: dict, rl: RLConfig) -> str | list[dict]:
+    """The prompt the sampler gets: the formatted template, as a user turn when the chat template is on."""
+    text = rl.prompt_template.format(**row)
+    return [{"role": "user", "content": text}] if rl.use_chat_template else text
+
+
+def columns_of(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
+    """Reward columns: every row field, each value repeated for the row's `repeat` completions."""
+    keys = set().union(*(r.keys() for r in rows))
+    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in sorted(keys)}
+
+
+class PromptStream:
+    """Batches of rows, reshuffled every epoch (Grain), with a JSON-serialisable position."""
+
+    def __init__(self, rows: Sequence[dict], batch_size: int, seed: int, shuffle: bool = True):
+        if len(rows) < batch_size:
+            raise ValueError(f"{len(rows)} training prompts cannot fill a batch of {batch_size}")
+        ds = grain.MapDataset.source(list(range(len(rows))))
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        self._rows = rows
+        self._it = iter(ds.repeat(None).batch(batch_size, drop_remainder=True))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        return [self._rows[int(i)] for i in next(self._it)]
+
+    def get_state(self) -> dict:
+        return self._it.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state)
