@@ -187,3 +187,17 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
     nnx.replace_by_pure_dict(params, restored)
     manager.close()
     return nnx.merge(graphdef, params), config
+
+
+def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
+    """A model from an HF directory (config.json + safetensors) or a Temper run / checkpoint directory."""
+    from core.hf import load_hf
+
+    p = Path(path)
+    if (p / "config.json").exists():
+        model, _ = load_hf(p, dtype=dtype, mesh=mesh)
+        return model
+    if p.exists():
+        model, _ = load_checkpoint_model(p, mesh=mesh)
+        return model
+    raise FileNotFoundError(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")

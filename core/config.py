@@ -214,6 +214,9 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
+    # Start from these weights (an HF directory or a Temper run / checkpoint; parameters only), e.g. SFT
+    # after pretraining. The model shape comes from the checkpoint. Resuming a run takes precedence.
+    init_from: str | None = None
     enabled: bool = True
     every_steps: int = Field(100, gt=0)
     keep: int = Field(2, gt=0)

@@ -1,4 +1,4 @@
-"""An offline byte-level BPE tokenizer, trained on a corpus with the `tokenizers` library.
+"""An offline byte-level BPE tokenizer (digits split one by one), trained with the `tokenizers` library.
 
 The embedded default has no hub access, so it trains its own tokenizer and
 saves an ordinary Hugging Face tokenizer directory (tokenizer.json,
@@ -41,7 +41,9 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} special tokens")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one (as Qwen2 and DeepSeek do): numbers stay arithmetic-friendly, never "1994" as one token.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

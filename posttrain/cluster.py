@@ -22,21 +22,15 @@ from core.config import Config
 
 def load_policy(cfg: Config, mesh):
     """The starting policy on `mesh`: `rl.policy_path` (HF or Temper checkpoint) or a random init."""
-    from core.checkpoint import load_checkpoint_model
-    from core.hf import load_hf
+    from core.checkpoint import load_model_from
     from core.models import create_model
 
-    path = cfg.rl.policy_path
-    if path is None:
+    if cfg.rl.policy_path is None:
         return create_model(cfg.model, mesh, seed=cfg.run.seed)
-    p = Path(path)
-    if (p / "config.json").exists():
-        model, _ = load_hf(p, dtype=cfg.model.param_dtype, mesh=mesh)
-        return model
-    if p.exists():
-        model, _ = load_checkpoint_model(p, mesh=mesh)
-        return model
-    raise FileNotFoundError(f"rl.policy_path {path!r}: neither an HF directory (config.json) nor a Temper checkpoint")
+    try:
+        return load_model_from(cfg.rl.policy_path, mesh, dtype=cfg.model.param_dtype)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"rl.policy_path: {e}") from e
 
 
 class LocalTrainer:

@@ -204,7 +204,8 @@ class GRPORun:
                         rows, completions, reward_batch, correct, adv)
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
-                batch = build_rl_batch(completions, adv.values, adv.keep, self.seq_len, rl.mask_truncated)
+                batch = build_rl_batch(completions, adv.values, adv.keep, self._padded_length(completions),
+                                       rl.mask_truncated)
                 train_metrics = self.trainer.call("train", batch)
                 train_s = time.perf_counter() - t2
                 sync_s = self._sync(self.samplers.samplers)
@@ -236,6 +237,12 @@ class GRPORun:
         update_run_info(self.run_dir, steps=step, policy_version=self.trainer.call("version"),
                         final_eval=final_eval)
         return RunSummary(self.run_dir, step, self.trainer.call("version"), final_eval, hf_dir)
+
+    def _padded_length(self, completions: list[Completion]) -> int:
+        """Rows are padded to the next power of two >= the longest prompt + completion (at least 16, at most
+        `rollout.max_model_len`): few distinct shapes to compile, little compute spent on padding."""
+        longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+        return min(max(16, 1 << (longest - 1).bit_length()), self.seq_len)
 
     def _save(self, step: int, in_flight: deque) -> None:
         # Batches already drawn for the in-flight generations are drawn (and seeded) again after a restart.

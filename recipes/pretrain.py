@@ -5,6 +5,10 @@
     python -m recipes.pretrain recipes/configs/pretrain_tiny.yml train.compile_only=true \
         model.preset=llama3.1-8b mesh.fsdp=8 data.seq_len=2048     # memory analysis, no run
 
+With `checkpoint.init_from` it fine-tunes existing weights instead, and with
+`data.format=prompt_completion` only completion tokens carry loss (SFT), which
+is how `recipes.quickstart` fine-tunes on formatted solutions.
+
 Textbook pretraining: AdamW, cosine schedule with warm-up, documents packed
 with `segment_ids` so no token attends across a document boundary. When
 `data.tokenizer_dir` is unset, a byte-level BPE tokenizer is trained on the
@@ -56,9 +60,17 @@ def main(argv: list[str]) -> int:
     records = load_records(cfg.data.source, cfg.data)
     texts = (r[cfg.data.text_field] for r in records if isinstance(r.get(cfg.data.text_field), str))
     tokenizer_dir = tokenizer_for_run(cfg.data.tokenizer_dir, texts, run_dir, cfg.model.vocab_size)
-    _check_vocab(cfg.model.vocab_size, tokenizer_dir)
 
-    model = create_model(cfg.model, mesh, seed=cfg.run.seed)
+    if cfg.checkpoint.init_from is not None:
+        from core.checkpoint import load_model_from
+
+        with jax.set_mesh(mesh):
+            model = load_model_from(cfg.checkpoint.init_from, mesh, dtype=cfg.model.param_dtype)
+        cfg = cfg.model_copy(update={"model": model.cfg})  # the checkpoint decides the shape
+        print(f"initialised from {cfg.checkpoint.init_from}")
+    else:
+        model = create_model(cfg.model, mesh, seed=cfg.run.seed)
+    _check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
     print(device_memory() + " (after model init)")

@@ -1,0 +1,124 @@
+"""GRPO step time: Temper (vLLM sampler on Ray + JAX trainer) vs TRL's GRPOTrainer, same machine, same run.
+
+    python bench/grpo_step.py                      # tiny and ~100M models
+    python bench/grpo_step.py --sizes tiny --steps 3
+
+For each model size the same step is run by both: `prompts` prompts x
+`generations` completions of at most `max_tokens` tokens, a math-verify reward
+on reasoning-gym arithmetic, one optimizer update, no KL, float32, 2 CPU
+cores. Temper's step time and its breakdown (generate / reward / train /
+sync) come from its metrics; TRL runs in its own virtual environment
+(`.venv-trl`, created on first use with `pip install trl`) so it never touches
+Temper's dependencies. The first step of each (compilation, warm-up) is left
+out of the means. Goal (issue 6): Temper's step <= 0.5x TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    # name: model overrides (vocab 512, tied embeddings, Qwen2 family as in grpo_tiny.yml)
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
+    "100M": dict(hidden_size=768, intermediate_size=2560, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64),
+}
+
+
+def trl_python() -> Path:
+    python = ROOT / ".venv-trl" / "bin" / "python"
+    if not python.exists():
+        print("creating .venv-trl (pip install trl) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(ROOT / ".venv-trl")], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "trl", "math-verify"], check=True)
+    return python
+
+
+def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
+    """An HF model directory for `size` and a prompts file."""
+    from core.config_loader import load_config
+    from core.data import reasoning_gym_records
+    from core.hf import save_hf
+    from core.models import create_model, param_count
+
+    cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml",
+                      [f"model.{k}={v}" for k, v in SIZES[size].items()])
+    model = create_model(cfg.model, seed=0)
+    print(f"{size}: {param_count(model) / 1e6:.1f}M parameters", flush=True)
+    hf = save_hf(model, cfg.model, work / f"{size}_hf", tokenizer_dir=tokenizer)
+    rows = reasoning_gym_records("basic_arithmetic", 256, seed=0)
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"],
+                                           "prompt": f"{r['question']}\nAnswer:"}) + "\n" for r in rows))
+    return hf, prompts
+
+
+def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
+    from core.config_loader import load_config
+    from core.metrics import read_metrics
+    from posttrain.grpo import run_grpo
+
+    run_dir = work / f"temper_{size}"
+    cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml", [
+        f"run.run_dir={run_dir}", f"rl.policy_path={hf}", f"data.source={prompts}", f"data.tokenizer_dir={tokenizer}",
+        f"train.steps={args.steps + 1}", f"rl.prompts_per_step={args.prompts}", f"rl.num_generations={args.generations}",
+        f"rollout.max_tokens={args.max_tokens}", "checkpoint.enabled=false", "checkpoint.export_hf=false",
+        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5",
+    ])
+    run_grpo(cfg)
+    rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    return {k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s",
+                                                "time/sync_s")}
+
+
+def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
+    out = work / "trl.json"
+    cmd = [str(trl_python()), str(ROOT / "bench" / "trl_grpo_step.py"), "--model", str(hf), "--prompts", str(prompts),
+           "--steps", str(args.steps + 1), "--prompts-per-step", str(args.prompts), "--generations",
+           str(args.generations), "--max-tokens", str(args.max_tokens), "--out", str(out)]
+    subprocess.run(cmd, check=True)
+    times = json.loads(out.read_text())["step_times"][1:]
+    return {"step_s": sum(times) / len(times)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo_step.json"))
+    args = p.parse_args()
+
+    from core.data import reasoning_gym_records
+    from core.tokenizer import build_tokenizer
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer = str(build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 500, 0)],
+                                        work / "tok", 512))
+        for size in args.sizes:
+            hf, prompts = build(size, work, tokenizer)
+            ours = temper_step(size, hf, prompts, tokenizer, args, work)
+            theirs = trl_step(hf, prompts, args, work)
+            ratio = ours["step_s"] / theirs["step_s"]
+            results[size] = {"temper": ours, "trl": theirs, "ratio": ratio}
+            print(f"{size}: Temper {ours['step_s']:.2f} s/step (generate {ours['generate_s']:.2f}, reward "
+                  f"{ours['reward_s']:.2f}, train {ours['train_s']:.2f}, sync {ours['sync_s']:.2f}) | "
+                  f"TRL {theirs['step_s']:.2f} s/step | ratio {ratio:.2f}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

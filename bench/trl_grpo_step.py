@@ -1,0 +1,76 @@
+"""TRL's GRPOTrainer step time on a model and prompt file, for bench/grpo_step.py (runs in the TRL venv).
+
+    .venv-trl/bin/python bench/trl_grpo_step.py --model HF_DIR --prompts prompts.jsonl --steps 4 \
+        --prompts-per-step 4 --generations 4 --max-tokens 16 --out result.json
+
+Same work per step as a Temper step: prompts_per_step prompts x generations
+completions of at most max_tokens tokens, a math-verify reward, one optimizer
+update (no KL, beta = 0), float32 on CPU. Generation is TRL's default
+(transformers `generate`). Times every step with a callback; the first step
+(warm-up) is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from math_verify import parse, verify
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(torch.get_num_threads())
+    rows = [json.loads(l) for l in open(args.prompts)]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def reward(prompts, completions, answer, **_):
+        out = []
+        for c, a in zip(completions, answer):
+            try:
+                out.append(float(verify(parse(a), parse(c))))
+            except Exception:  # noqa: BLE001 - a reward of 0 for anything math-verify cannot handle
+                out.append(0.0)
+        return out
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    batch = args.prompts_per_step * args.generations
+    config = GRPOConfig(
+        output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=args.generations, max_completion_length=args.max_tokens, max_steps=args.steps,
+        learning_rate=1e-5, beta=0.0, logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
+        bf16=False, temperature=1.0, dataloader_num_workers=0, seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer.padding_side = "left"
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    json.dump({"step_times": times, "torch_threads": torch.get_num_threads()}, open(args.out, "w"))
+
+
+if __name__ == "__main__":
+    main()

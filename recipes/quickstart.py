@@ -1,0 +1,138 @@
+"""The quickstart: from nothing to a model that GRPO visibly improves, on 2 CPU cores.
+
+    python -m recipes.quickstart [--run-dir runs/quickstart] [--grpo-steps N]     # `make demo`
+
+1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
+2. build a byte-level BPE tokenizer on them;
+3. pretrain a tiny Qwen2-shaped model from scratch on "question / Answer: N" text (the core loop);
+4. fine-tune it on formatted solutions: prompt "question\\nAnswer:", completion " N" (SFT);
+5. GRPO it with the vLLM sampler on Ray and the math_verify reward, evaluating held-out
+   greedy accuracy before and after.
+
+Prints the accuracies, and leaves in the run directory each stage's run
+(`pretrain/`, `sft/`, `grpo/`), the GRPO reward / accuracy curves
+(`grpo/reward.png`, `quickstart.png`) and the final Hugging Face export (`grpo/hf`).
+Configs: recipes/configs/quickstart/*.yml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).parent / "configs" / "quickstart"
+TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
+            allow_parentheses=False, allow_negation=False)
+
+
+def problems(n: int, seed: int) -> list[dict]:
+    import reasoning_gym
+
+    return [{"question": e["question"], "answer": str(e["answer"]), "metadata": json.dumps(e["metadata"], default=str)}
+            for e in reasoning_gym.create_dataset("basic_arithmetic", size=n, seed=seed, **TASK)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", default="runs/quickstart")
+    p.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO config's train.steps")
+    args = p.parse_args(argv)
+    out = Path(args.run_dir)
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    print("== 1/5 problems (reasoning-gym, offline)", flush=True)
+    pretrain_rows = problems(20000, seed=1)
+    sft_rows = problems(4000, seed=2)
+    rl_rows = problems(4000, seed=3)
+    # Pretraining documents are worksheets of four problems, so the pretrained model runs on past an answer
+    # into the next problem; fine-tuning and then GRPO teach it to answer and stop.
+    worked = [f"{r['question']}\nAnswer: {r['answer']}" for r in pretrain_rows]
+    corpus = write_jsonl(data / "pretrain.jsonl", [{"text": "\n".join(worked[i:i + 4])}
+                                                   for i in range(0, len(worked), 4)])
+    sft = write_jsonl(data / "sft.jsonl", [{"prompt": f"{r['question']}\nAnswer:", "completion": f" {r['answer']}"}
+                                           for r in sft_rows])
+    rl = write_jsonl(data / "rl.jsonl", rl_rows)
+
+    print("== 2/5 tokenizer", flush=True)
+    from core.tokenizer import tokenizer_for_run
+
+    tokenizer = tokenizer_for_run(None, (json.loads(l)["text"] for l in open(corpus)), out, 512)
+
+    from recipes.pretrain import main as train_main
+
+    print("== 3/5 pretraining", flush=True)
+    _check(train_main([str(CONFIGS / "pretrain.yml"), f"run.run_dir={out / 'pretrain'}", f"data.source={corpus}",
+                       f"data.tokenizer_dir={tokenizer}"]))
+    print("== 4/5 fine-tuning on formatted solutions", flush=True)
+    _check(train_main([str(CONFIGS / "sft.yml"), f"run.run_dir={out / 'sft'}", f"data.source={sft}",
+                       f"data.tokenizer_dir={tokenizer}", f"checkpoint.init_from={out / 'pretrain'}"]))
+
+    print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
+    from core.config_loader import load_config
+    from posttrain.grpo import GRPORun
+
+    overrides = [f"run.run_dir={out / 'grpo'}", f"data.source={rl}", f"data.tokenizer_dir={tokenizer}",
+                 f"rl.policy_path={out / 'sft' / 'hf'}"]
+    if args.grpo_steps is not None:
+        overrides.append(f"train.steps={args.grpo_steps}")
+    cfg = load_config(CONFIGS / "grpo.yml", overrides)
+    run = GRPORun(cfg)
+    try:
+        before = run.evaluate(step=run.start_step) if run.start_step == 0 else None
+        summary = run.run()
+        after = summary.final_eval or run.evaluate()
+    finally:
+        run.close()
+    minutes = (time.perf_counter() - start) / 60
+    if before is not None:
+        print(f"\nheld-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
+              f"after {summary.steps} GRPO steps ({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)")
+    print(f"sampled pass@{cfg.rl.eval_samples}: {after[f'eval/pass@{cfg.rl.eval_samples}']:.1%}, "
+          f"maj@{cfg.rl.eval_samples}: {after[f'eval/maj@{cfg.rl.eval_samples}']:.1%}; total {minutes:.1f} min")
+    _plot(out, before, after)
+    print(f"curves: {out / 'quickstart.png'}; model: {summary.hf_dir}")
+    return 0
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise SystemExit(rc)
+
+
+def _plot(out: Path, before: dict | None, after: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from core.metrics import read_metrics
+
+    rows = read_metrics(out / "grpo")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("accuracy", "train accuracy (sampled)"), ("eval/pass@1", "held-out greedy accuracy")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), label=label, marker="o" if key.startswith("eval") else None)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("quickstart: GRPO on 2-term arithmetic")
+    fig.tight_layout()
+    fig.savefig(out / "quickstart.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
