@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install test demo demo-hf bench clean
+.PHONY: install test demo demo-pretrain demo-hf bench bench-grpo clean
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
+	$(PY) -m recipes.quickstart
+
+demo-pretrain: $(STAMP)
 	$(PY) -m recipes.pretrain
 
 demo-hf: $(STAMP)
@@ -31,6 +34,10 @@ demo-hf: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/logprobs_memory.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/rewards_throughput.py
+
+bench-grpo: $(STAMP)
+	$(PY) bench/grpo_step.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-trl runs .pytest_cache

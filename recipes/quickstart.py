@@ -43,8 +43,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default="runs/quickstart")
-    p.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO config's train.steps")
+    p.add_argument("--pretrain-steps", type=int, default=None, help="override pretrain.yml's train.steps")
+    p.add_argument("--sft-steps", type=int, default=None, help="override sft.yml's train.steps")
+    p.add_argument("--grpo-steps", type=int, default=None, help="override grpo.yml's train.steps")
+    p.add_argument("--eval-prompts", type=int, default=None, help="override grpo.yml's rl.eval_prompts")
     args = p.parse_args(argv)
+
+    def steps(flag: int | None, key: str = "train.steps") -> list[str]:
+        return [] if flag is None else [f"{key}={flag}"]
+
     out = Path(args.run_dir)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -72,19 +79,19 @@ def main(argv: list[str]) -> int:
 
     print("== 3/5 pretraining", flush=True)
     _check(train_main([str(CONFIGS / "pretrain.yml"), f"run.run_dir={out / 'pretrain'}", f"data.source={corpus}",
-                       f"data.tokenizer_dir={tokenizer}"]))
+                       f"data.tokenizer_dir={tokenizer}", *steps(args.pretrain_steps)]))
     print("== 4/5 fine-tuning on formatted solutions", flush=True)
     _check(train_main([str(CONFIGS / "sft.yml"), f"run.run_dir={out / 'sft'}", f"data.source={sft}",
-                       f"data.tokenizer_dir={tokenizer}", f"checkpoint.init_from={out / 'pretrain'}"]))
+                       f"data.tokenizer_dir={tokenizer}", f"checkpoint.init_from={out / 'pretrain'}",
+                       *steps(args.sft_steps)]))
 
     print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
     from posttrain.grpo import GRPORun
 
     overrides = [f"run.run_dir={out / 'grpo'}", f"data.source={rl}", f"data.tokenizer_dir={tokenizer}",
-                 f"rl.policy_path={out / 'sft' / 'hf'}"]
-    if args.grpo_steps is not None:
-        overrides.append(f"train.steps={args.grpo_steps}")
+                 f"rl.policy_path={out / 'sft' / 'hf'}", *steps(args.grpo_steps),
+                 *steps(args.eval_prompts, "rl.eval_prompts")]
     cfg = load_config(CONFIGS / "grpo.yml", overrides)
     run = GRPORun(cfg)
     try:

@@ -44,3 +44,8 @@ def words_on_trigger(prompts, completions, **_):
 
 
 not_a_function = 3
+
+
+def by_prompt_length(prompts, completions, **_):
+    """The same reward for every completion of a prompt: every group has zero variance."""
+    return [float(len(p) % 2) for p in prompts]

@@ -120,3 +120,40 @@ def test_sampler_group_restarts_a_dead_sampler_and_keeps_order():
     no_restart = SamplerGroup([_FakeRemote("c", dead=True)])  # without a restart function the failure surfaces
     with pytest.raises(ray.exceptions.RayActorError):
         no_restart.collect(no_restart.submit(["p"], SamplingParams()))
+
+
+def _jax_run(tmp_path, tokenizer, *overrides):
+    from posttrain.grpo import GRPORun
+
+    cfg = load_config("recipes/configs/grpo_tiny.yml", [
+        f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={tokenizer}", "rollout.sampler=jax",
+        "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides])
+    return GRPORun(cfg)
+
+
+@pytest.mark.integration
+def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic_tokenizer):
+    run = _jax_run(tmp_path, arithmetic_tokenizer, "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+                   "rl.num_iterations=2", "rl.mini_batches=2", "optim.learning_rate=1.0e-2")
+    try:
+        seen = []
+        run.run(on_step=lambda r, step, m: seen.append(m))
+        assert int(run.trainer.target.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
+        # Later updates of a step see a policy that already moved: pi_theta != pi_old, so ratios leave 1.
+        assert any(m["clip_fraction"] > 0 for m in seen)
+    finally:
+        run.close()
+
+
+@pytest.mark.integration
+def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tokenizer):
+    run = _jax_run(tmp_path, arithmetic_tokenizer, "reward.functions=[{fn: tests.reward_plugins:by_prompt_length}]",
+                   "rl.dynamic_sampling=true", "rl.max_sampling_rounds=3")
+    try:
+        seen = []
+        run.run(on_step=lambda r, step, m: seen.append(m))
+        # No group ever has reward variance: every step draws the maximum rounds, then trains on what it has.
+        assert [m["sampling_rounds"] for m in seen] == [3.0, 3.0]
+        assert all(m["zero_variance_groups"] == 4 for m in seen)
+    finally:
+        run.close()

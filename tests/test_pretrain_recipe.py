@@ -28,7 +28,8 @@ def test_pretrain_tiny_learns_and_exports(tmp_path):
 
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
-    assert losses[0] > 4.5 and losses[-1] < 0.6 * losses[0]  # from ~ln(512) down clearly
+    # A random model starts near ln(512) = 6.2; the first logged loss is already after `log_every` steps.
+    assert losses[-1] < 0.6 * np.log(512) and losses[-1] < losses[0], losses
     assert "memory analysis: arguments" in res.stdout and "device memory in use" in res.stdout
 
     import torch
