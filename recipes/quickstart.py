@@ -126,7 +126,8 @@ def _plot(out: Path, before: dict | None, after: dict) -> None:
 
     rows = read_metrics(out / "grpo")
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("accuracy", "train accuracy (sampled)"), ("eval/pass@1", "held-out greedy accuracy")):
+    for key, label in (("accuracy", "train accuracy (sampled)"), ("eval/pass@1", "held-out greedy accuracy"),
+                       ("eval/sampled_pass@1", "held-out sampled accuracy")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), label=label, marker="o" if key.startswith("eval") else None)
