@@ -26,9 +26,6 @@ version, prompt-stream position) and resumes from the run directory.
 
 from __future__ import annotations
 
-import json
-import logging
-import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.config import Config, RewardConfig
+from core.config import Config
 from core.config_loader import save_config
 from core.metrics import MetricsLogger, plot_curves, update_run_info
 from posttrain.advantages import group_advantages
@@ -48,8 +45,6 @@ from posttrain.sampling import SamplerGroup
 from rewards.extract import final_answer
 from rewards.runner import RewardRunner
 from rollout.sampler import Completion, SamplingParams
-
-log = logging.getLogger("temper.rl")
 
 
 @dataclass
@@ -200,8 +195,7 @@ class GRPORun:
                 adv = group_advantages(reward_batch.total, rl.num_generations, rl.advantage, rl.std_floor)
                 rounds = 1
                 if rl.dynamic_sampling:
-                    rows, completions, reward_batch, correct, adv, rounds = self._refill(
-                        rows, completions, reward_batch, correct, adv)
+                    rows, completions, reward_batch, correct, adv, rounds = self._refill(rows, completions, adv)
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
                 batch = build_rl_batch(completions, adv.values, adv.keep, self._padded_length(completions),
@@ -251,13 +245,13 @@ class GRPORun:
         self.trainer.call("save", step, {"rl_step": step, "prompt_stream": state,
                                          "requests": self._requests - len(in_flight)})
 
-    def _refill(self, rows, completions, reward_batch, correct, adv):
+    def _refill(self, rows, completions, adv):
         """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full."""
         g, want = self.cfg.rl.num_generations, self.cfg.rl.prompts_per_step
         keep_groups = adv.keep.reshape(-1, g)[:, 0]
-        groups = [(rows[i], completions[i * g:(i + 1) * g], reward_batch, i) for i in range(len(rows)) if keep_groups[i]]
-        kept_rows = [r for r, *_ in groups]
-        kept_completions = [c for _, cs, *_ in groups for c in cs]
+        kept = [i for i in range(len(rows)) if keep_groups[i]]
+        kept_rows = [rows[i] for i in kept]
+        kept_completions = [c for i in kept for c in completions[i * g:(i + 1) * g]]
         rounds = 1
         while len(kept_rows) < want and rounds < self.cfg.rl.max_sampling_rounds:
             more_rows = next(self.stream)
@@ -274,7 +268,7 @@ class GRPORun:
             extra = [i for i in range(len(rows)) if not keep_groups[i]][: want - len(kept_rows)]
             kept_rows += [rows[i] for i in extra]
             kept_completions += [c for i in extra for c in completions[i * g:(i + 1) * g]]
-        reward_batch, correct = self._score(kept_rows, kept_completions)
+        reward_batch, correct = self._score(kept_rows, kept_completions)  # scored again: one batch, one set of stats
         adv = group_advantages(reward_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
         return kept_rows, kept_completions, reward_batch, correct, adv, rounds
 
