@@ -67,12 +67,13 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
     return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
 
 
-def reasoning_gym_records(task: str, size: int, seed: int) -> list[dict]:
+def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
     """Problems generated offline by reasoning-gym: question, answer, a `text` rendering, and the
-    task's metadata as JSON (the `reasoning_gym` reward scores with the task's own checker from it)."""
+    task's metadata as JSON (the `reasoning_gym` reward scores with the task's own checker from it).
+    `task_options` go to the task's dataset config (e.g. `max_digits=2`)."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_options)
     return [
         {"question": e["question"], "answer": str(e["answer"]), "text": f"{e['question']}\nAnswer: {e['answer']}",
          "metadata": json.dumps(e["metadata"], default=str)}

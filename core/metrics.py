@@ -191,7 +191,7 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
 
 def plot_curves(run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png",
                 ylabel: str = "loss") -> Path | None:
-    """A PNG of the logged curves (matplotlib, headless)."""
+    """A PNG of the logged curves (matplotlib, headless); `out` is relative to `run_dir`, or absolute."""
     import matplotlib
 
     matplotlib.use("Agg")

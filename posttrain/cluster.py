@@ -179,15 +179,10 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerClient:
 def start_vllm_sampler(cfg: Config, hf_dir: str, index: int, pg=None):
     from rollout.vllm_actor import RemoteVLLMSampler
 
-    bundle = placement_bundles(cfg, _resources())[1 + index] if pg is not None else {"CPU": 0}
+    bundle = pg.bundle_specs[1 + index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
     return RemoteVLLMSampler.start(
         hf_dir, cfg.rollout, seed=cfg.run.seed + index, num_cpus=bundle["CPU"],
         timeout_s=cfg.rollout.sampler_timeout_s,
         scheduling_strategy=in_bundle(pg, 1 + index) if pg is not None else None,
     )
 
-
-def _resources() -> dict:
-    import ray
-
-    return ray.cluster_resources()

@@ -39,11 +39,11 @@ from core.metrics import MetricsLogger, plot_curves, update_run_info
 from posttrain.advantages import group_advantages
 from posttrain.cluster import reserve, start_trainer, start_vllm_sampler
 from posttrain.evaluation import majority_correct, pass_at_k
-from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from posttrain.prompts import PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
 from posttrain.rl_batch import build_rl_batch
 from posttrain.sampling import SamplerGroup
 from rewards.extract import final_answer
-from rewards.runner import RewardRunner
+from rewards.runner import RewardBatch, RewardRunner
 from rollout.sampler import Completion, SamplingParams
 
 
@@ -166,12 +166,11 @@ class GRPORun:
 
     def _score(self, rows: list[dict], completions: list[Completion]):
         g = self.cfg.rl.num_generations
-        prompts = [p for r in rows for p in [render_prompt(r, self.cfg.rl)] * g]
-        prompts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        prompts = [prompt_text(r, self.cfg.rl) for r in rows for _ in range(g)]
         texts = [c.text for c in completions]
         columns = columns_of(rows, g)
         batch = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
-        correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns)
+        correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=batch)
         return batch, correct
 
     def run(self, on_step=None) -> RunSummary:
@@ -195,7 +194,8 @@ class GRPORun:
                 adv = group_advantages(reward_batch.total, rl.num_generations, rl.advantage, rl.std_floor)
                 rounds = 1
                 if rl.dynamic_sampling:
-                    rows, completions, reward_batch, correct, adv, rounds = self._refill(rows, completions, adv)
+                    rows, completions, reward_batch, correct, adv, rounds = self._refill(
+                        rows, completions, reward_batch, correct, adv)
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
                 batch = build_rl_batch(completions, adv.values, adv.keep, self._padded_length(completions),
@@ -245,30 +245,32 @@ class GRPORun:
         self.trainer.call("save", step, {"rl_step": step, "prompt_stream": state,
                                          "requests": self._requests - len(in_flight)})
 
-    def _refill(self, rows, completions, adv):
-        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full."""
+    def _refill(self, rows, completions, reward_batch, correct, adv):
+        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
+
+        Groups are picked from the scored batches as they are (no second scoring)."""
         g, want = self.cfg.rl.num_generations, self.cfg.rl.prompts_per_step
-        keep_groups = adv.keep.reshape(-1, g)[:, 0]
-        kept = [i for i in range(len(rows)) if keep_groups[i]]
-        kept_rows = [rows[i] for i in kept]
-        kept_completions = [c for i in kept for c in completions[i * g:(i + 1) * g]]
+        scored = [(rows, completions, reward_batch, correct)]  # every batch drawn this step
+        first = adv.keep.reshape(-1, g)[:, 0]
+        picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
         rounds = 1
-        while len(kept_rows) < want and rounds < self.cfg.rl.max_sampling_rounds:
+        while len(picks) < want and rounds < self.cfg.rl.max_sampling_rounds:
             more_rows = next(self.stream)
             _, pending = self._submit(more_rows)
             more = self.samplers.collect(pending)
-            more_batch, _ = self._score(more_rows, more)
+            more_batch, more_correct = self._score(more_rows, more)
             more_adv = group_advantages(more_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
-            for i, ok in enumerate(more_adv.keep.reshape(-1, g)[:, 0]):
-                if ok and len(kept_rows) < want:
-                    kept_rows.append(more_rows[i])
-                    kept_completions.extend(more[i * g:(i + 1) * g])
+            scored.append((more_rows, more, more_batch, more_correct))
+            ok = more_adv.keep.reshape(-1, g)[:, 0]
+            picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
             rounds += 1
-        if len(kept_rows) < want:  # not enough signal even after refilling: train on what there is, padded
-            extra = [i for i in range(len(rows)) if not keep_groups[i]][: want - len(kept_rows)]
-            kept_rows += [rows[i] for i in extra]
-            kept_completions += [c for i in extra for c in completions[i * g:(i + 1) * g]]
-        reward_batch, correct = self._score(kept_rows, kept_completions)  # scored again: one batch, one set of stats
+        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
+            picks += [(0, i) for i in range(len(rows)) if not first[i]][: want - len(picks)]
+        items = [(scored[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
+        kept_rows = [scored[b][0][i] for b, i in picks]
+        kept_completions = [src[1][j] for src, idx in items for j in idx]
+        reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
+        correct = np.concatenate([src[3][idx] for src, idx in items])
         adv = group_advantages(reward_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
         return kept_rows, kept_completions, reward_batch, correct, adv, rounds
 
@@ -303,7 +305,7 @@ class GRPORun:
         greedy = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)))
         k = rl.eval_samples
         sampled = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)))
-        texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        texts = [prompt_text(r, rl) for r in rows]
         ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
         ok_sampled = (self.rewards.score_fn(rl.accuracy_fn, [t for t in texts for _ in range(k)],
                                             [c.text for c in sampled], columns_of(rows, k)) > 0).reshape(-1, k)

@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.loop import NonFiniteLoss
-from core.mesh import logical_to_spec
 from core.optim import make_optimizer, make_schedule
 from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
 from posttrain.losses import PolicyLossSettings
@@ -67,15 +66,18 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ train
 
-    def logprobs(self, params: nnx.State, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """[B, L-1] log-probs of every target token, one micro-batch at a time."""
+    def place_inputs(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """tokens / positions / segment_ids as [k, B/k, L] micro-batches on the trainer mesh (for `logprobs`)."""
         keys = ("tokens", "positions", "segment_ids")
-        k = self.cfg.train.micro_batches
-        chunks = split_micro_batches({key: batch[key] for key in keys}, k)
+        chunks = split_micro_batches({key: batch[key] for key in keys}, self.cfg.train.micro_batches)
+        return {key: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for key, v in chunks.items()}
+
+    def logprobs(self, params: nnx.State, inputs: dict[str, jax.Array]) -> np.ndarray:
+        """[B, L-1] log-probs of every target token under `params`, one micro-batch at a time."""
         out = []
         with jax.set_mesh(self.mesh):
-            for i in range(k):
-                part = {key: self._put(chunks[key][i]) for key in keys}
+            for i in range(inputs["tokens"].shape[0]):
+                part = {key: v[i] for key, v in inputs.items()}
                 out.append(np.asarray(jax.device_get(self._logp(params, part))))
         return np.concatenate(out).astype(np.float32)
 
@@ -83,9 +85,10 @@ class PolicyLearner:
         """One RL step on a rollout batch; returns its metrics (means over the updates)."""
         batch = dict(batch)
         completion_mask = batch.pop("completion_mask")
-        batch["old_logp"] = self.logprobs(self.state.params, batch) * (completion_mask > 0)
+        inputs = self.place_inputs(batch)
+        batch["old_logp"] = self.logprobs(self.state.params, inputs) * (completion_mask > 0)
         if self.ref_params is not None:
-            batch["ref_logp"] = self.logprobs(self.ref_params, batch) * (completion_mask > 0)
+            batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * (completion_mask > 0)
         stats = mismatch_stats(batch["old_logp"], batch["sampler_logp"], completion_mask)
         rows = batch["tokens"].shape[0]
         per_mini = rows // self.cfg.rl.mini_batches
@@ -118,10 +121,6 @@ class PolicyLearner:
         out["skipped_updates"] = float(self.skipped_updates)
         out.update(stats)
         return out
-
-    def _put(self, x: np.ndarray) -> jax.Array:
-        spec = logical_to_spec(("batch",), x.shape[:1], dict(self.mesh.shape))
-        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(*spec, *([None] * (x.ndim - 1)))))
 
     # ------------------------------------------------------------ checkpoints
 

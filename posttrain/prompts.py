@@ -49,9 +49,14 @@ def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
     return rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
 
 
+def prompt_text(row: dict, rl: RLConfig) -> str:
+    """The formatted template: what reward functions see as the prompt."""
+    return rl.prompt_template.format(**row)
+
+
 def render_prompt(row: dict, rl: RLConfig) -> str | list[dict]:
     """The prompt the sampler gets: the formatted template, as a user turn when the chat template is on."""
-    text = rl.prompt_template.format(**row)
+    text = prompt_text(row, rl)
     return [{"role": "user", "content": text}] if rl.use_chat_template else text
 
 

@@ -29,10 +29,9 @@ TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+"
 
 
 def problems(n: int, seed: int) -> list[dict]:
-    import reasoning_gym
+    from core.data import reasoning_gym_records
 
-    return [{"question": e["question"], "answer": str(e["answer"]), "metadata": json.dumps(e["metadata"], default=str)}
-            for e in reasoning_gym.create_dataset("basic_arithmetic", size=n, seed=seed, **TASK)]
+    return reasoning_gym_records("basic_arithmetic", n, seed, **TASK)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -63,12 +62,12 @@ def main(argv: list[str]) -> int:
     rl_rows = problems(4000, seed=3)
     # Pretraining documents are worksheets of four problems, so the pretrained model runs on past an answer
     # into the next problem; fine-tuning and then GRPO teach it to answer and stop.
-    worked = [f"{r['question']}\nAnswer: {r['answer']}" for r in pretrain_rows]
+    worked = [r["text"] for r in pretrain_rows]  # "question\nAnswer: N"
     corpus = write_jsonl(data / "pretrain.jsonl", [{"text": "\n".join(worked[i:i + 4])}
                                                    for i in range(0, len(worked), 4)])
     sft = write_jsonl(data / "sft.jsonl", [{"prompt": f"{r['question']}\nAnswer:", "completion": f" {r['answer']}"}
                                            for r in sft_rows])
-    rl = write_jsonl(data / "rl.jsonl", rl_rows)
+    rl = write_jsonl(data / "rl.jsonl", [{k: r[k] for k in ("question", "answer", "metadata")} for r in rl_rows])
 
     print("== 2/5 tokenizer", flush=True)
     from core.tokenizer import tokenizer_for_run
@@ -106,7 +105,10 @@ def main(argv: list[str]) -> int:
               f"after {summary.steps} GRPO steps ({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)")
     print(f"sampled pass@{cfg.rl.eval_samples}: {after[f'eval/pass@{cfg.rl.eval_samples}']:.1%}, "
           f"maj@{cfg.rl.eval_samples}: {after[f'eval/maj@{cfg.rl.eval_samples}']:.1%}; total {minutes:.1f} min")
-    _plot(out, before, after)
+    from core.metrics import plot_curves
+
+    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"),
+                out=str((out / "quickstart.png").absolute()), ylabel="accuracy")
     print(f"curves: {out / 'quickstart.png'}; model: {summary.hf_dir}")
     return 0
 
@@ -114,32 +116,6 @@ def main(argv: list[str]) -> int:
 def _check(rc: int) -> None:
     if rc:
         raise SystemExit(rc)
-
-
-def _plot(out: Path, before: dict | None, after: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from core.metrics import read_metrics
-
-    rows = read_metrics(out / "grpo")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("accuracy", "train accuracy (sampled)"), ("eval/pass@1", "held-out greedy accuracy"),
-                       ("eval/sampled_pass@1", "held-out sampled accuracy")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), label=label, marker="o" if key.startswith("eval") else None)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("quickstart: GRPO on 2-term arithmetic")
-    fig.tight_layout()
-    fig.savefig(out / "quickstart.png", dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

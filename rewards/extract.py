@@ -7,6 +7,7 @@ megabytes of garbage), shared by the math_verify, gsm8k and reasoning_gym reward
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 # 1,234.5   -7   3/4   .5 is not matched (GSM8K answers are written with a leading digit)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
@@ -49,9 +50,17 @@ def last_number(text: str) -> str | None:
     return last.group(0) if last else None
 
 
+def last_line(text: str) -> str | None:
+    """The last non-empty line, without an `Answer:` / `Final answer =` prefix, or None."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return None
+    return re.sub(r"^(?:final )?answer\s*[:=]\s*", "", lines[-1].strip(), flags=re.IGNORECASE)
+
+
 def final_answer(text: str, solution_start: str = "<answer>", solution_end: str = "</answer>",
-                 max_chars: int = 256) -> str | None:
-    """The completion's final answer: boxed, else between the solution tags, else the last number.
+                 max_chars: int = 256, fallback: Callable[[str], str | None] = last_number) -> str | None:
+    """The completion's final answer: boxed, else between the solution tags, else `fallback` (the last number).
 
     Returns None when there is none or it is longer than `max_chars` (long "answers"
     are never worth handing to a symbolic parser).
@@ -60,7 +69,7 @@ def final_answer(text: str, solution_start: str = "<answer>", solution_end: str 
     if answer is None:
         answer = between_tags(text, solution_start, solution_end)
     if answer is None:
-        answer = last_number(text)
+        answer = fallback(text)
     if answer is None or not answer or len(answer) > max_chars:
         return None
     return answer

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from rewards.extract import final_answer
+from rewards.extract import final_answer, gsm8k_gold
 
 _POWER = re.compile(r"\^|\*\*")
 _LONG_DIGITS = re.compile(r"\d{40,}")
@@ -83,8 +83,6 @@ def math_verify(
     timeout_seconds: int = 2,
     **_columns,
 ) -> list[float]:
-    from rewards.extract import gsm8k_gold
-
     rewards = []
     for completion, gold in zip(completions, answer):
         extracted = final_answer(completion, solution_start, solution_end, max_answer_chars)

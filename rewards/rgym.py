@@ -3,16 +3,16 @@
 Rows made by `core.data` from `reasoning_gym:TASK` carry `answer` and a JSON
 `metadata` column that names the source task, so every generated dataset gets
 its exact checker. The answer is `\\boxed{...}`, else the text between the
-solution tags, else the completion's last line (without an `Answer:` prefix).
+solution tags, else the completion's last line (without an `Answer:` prefix);
+an empty or over-long answer scores 0.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Sequence
 
-from rewards.extract import between_tags, last_boxed
+from rewards.extract import final_answer, last_line
 
 
 def reasoning_gym(
@@ -32,15 +32,6 @@ def reasoning_gym(
     for completion, gold, meta in zip(completions, answer, metadata):
         meta = json.loads(meta) if isinstance(meta, str) else dict(meta)
         score = rg.get_score_answer_fn(meta["source_dataset"])
-        guess = last_boxed(completion)
-        if guess is None:
-            guess = between_tags(completion, solution_start, solution_end)
-        if guess is None:
-            lines = completion.strip().splitlines()
-            guess = lines[-1].strip() if lines else ""
-            guess = re.sub(r"^(?:final )?answer\s*[:=]\s*", "", guess, flags=re.IGNORECASE)
-        if len(guess) > max_answer_chars:
-            out.append(0.0)
-            continue
-        out.append(float(score(guess, {"answer": gold, "metadata": meta})))
+        guess = final_answer(completion, solution_start, solution_end, max_answer_chars, fallback=last_line)
+        out.append(0.0 if guess is None else float(score(guess, {"answer": gold, "metadata": meta})))
     return out

@@ -34,6 +34,25 @@ class RewardBatch:
     failed: dict[str, np.ndarray]          # name -> [N] bool
     errors: dict[str, list[str]] = field(default_factory=dict)  # name -> messages of failed shards
 
+    def take(self, index: np.ndarray) -> "RewardBatch":
+        """The items at `index` (all shard messages kept)."""
+        return RewardBatch(self.total[index], {k: v[index] for k, v in self.values.items()},
+                           {k: f[index] for k, f in self.failed.items()}, dict(self.errors))
+
+    @staticmethod
+    def concat(batches: Sequence["RewardBatch"]) -> "RewardBatch":
+        """The items of `batches` one after another (same functions in each); messages without repeats
+        (parts taken from one scored batch carry that batch's messages)."""
+        names = batches[0].values
+        errors: dict[str, list[str]] = {}
+        for b in batches:
+            for k, messages in b.errors.items():
+                seen = errors.setdefault(k, [])
+                seen.extend(m for m in messages if m not in seen)
+        return RewardBatch(np.concatenate([b.total for b in batches]),
+                           {k: np.concatenate([b.values[k] for b in batches]) for k in names},
+                           {k: np.concatenate([b.failed[k] for b in batches]) for k in names}, errors)
+
     def metrics(self) -> dict[str, float]:
         out = {"reward/mean": float(self.total.mean()) if self.total.size else 0.0,
                "reward/std": float(self.total.std()) if self.total.size else 0.0}
@@ -79,27 +98,39 @@ class RewardRunner:
         total = np.zeros(n, np.float32)
         values, failed, errors = {}, {}, {}
         for fn_cfg, spec, name in zip(self.cfg.functions, self.specs, self.names):
-            raw, messages = self.pool.run(spec, fn_cfg.kwargs, prompts, completions, columns,
-                                          timeout=self.cfg.math_verify_timeout)
-            bad = np.array([v is None for v in raw], bool)
-            v = np.array([self.cfg.failure_reward if x is None else x for x in raw], np.float32)
+            raw, messages = self._run(name, spec, fn_cfg.kwargs, prompts, completions, columns)
+            bad = np.isnan(raw)
             if messages:
                 errors[name] = messages
-                log.warning("reward %s failed on %d/%d items (first: %s)", name, int(bad.sum()), n, messages[0])
-            values[name], failed[name] = v, bad
-            total += fn_cfg.weight * v
+            values[name], failed[name] = np.where(bad, np.float32(self.cfg.failure_reward), raw), bad
+            total += fn_cfg.weight * values[name]
         return RewardBatch(total=total, values=values, failed=failed, errors=errors)
 
     def score_fn(self, fn: str, prompts: Sequence[str], completions: Sequence[str],
-                 columns: Mapping[str, Sequence] | None = None, kwargs: Mapping | None = None) -> np.ndarray:
-        """One function's values through the same pool (e.g. accuracy for metrics); NaN where it failed."""
+                 columns: Mapping[str, Sequence] | None = None, kwargs: Mapping | None = None,
+                 reuse: RewardBatch | None = None) -> np.ndarray:
+        """One function's values through the same pool (e.g. accuracy for metrics); NaN where it failed.
+
+        With `reuse` (a batch `score` made of the same completions), a configured function with the
+        same spec and kwargs is not run again: its values are read from that batch.
+        """
         spec = canonical(fn)
+        if reuse is not None:
+            for fn_cfg, own, name in zip(self.cfg.functions, self.specs, self.names):
+                if own == spec and fn_cfg.kwargs == dict(kwargs or {}):
+                    return np.where(reuse.failed[name], np.float32(np.nan), reuse.values[name])
         resolve(spec)
-        raw, messages = self.pool.run(spec, dict(kwargs or {}), prompts, completions, dict(columns or {}),
-                                      timeout=self.cfg.math_verify_timeout)
+        return self._run(fn, spec, dict(kwargs or {}), prompts, completions, dict(columns or {}))[0]
+
+    def _run(self, name: str, spec: str, kwargs: Mapping, prompts: Sequence[str], completions: Sequence[str],
+             columns: Mapping[str, Sequence]) -> tuple[np.ndarray, list[str]]:
+        """[N] float32 values (NaN where the function failed) and the failed shards' messages, logged."""
+        raw, messages = self.pool.run(spec, kwargs, prompts, completions, columns, timeout=self.cfg.math_verify_timeout)
+        values = np.array([np.nan if v is None else v for v in raw], np.float32)
         if messages:
-            log.warning("%s failed on %d/%d items (first: %s)", fn, sum(v is None for v in raw), len(raw), messages[0])
-        return np.array([np.nan if v is None else v for v in raw], np.float32)
+            log.warning("reward %s failed on %d/%d items (first: %s)", name, int(np.isnan(values).sum()),
+                        len(values), messages[0])
+        return values, messages
 
     def close(self) -> None:
         self.pool.close()

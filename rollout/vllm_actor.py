@@ -69,7 +69,7 @@ class RemoteVLLMSampler:
         return ray.get(ref, timeout=self.timeout_s)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self._get(self.handle.generate.remote(list(prompts), params))
+        return self.result(self.generate_async(prompts, params))
 
     def generate_async(self, prompts: Sequence[Prompt], params: SamplingParams):
         """Start generating; `result(ref)` waits for the completions (calls run in submission order)."""
