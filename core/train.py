@@ -8,7 +8,8 @@ The loss contract, shared by pretraining, SFT, DPO, GRPO and distillation:
 `metrics["loss_denominator"]` the count it is normalised by (e.g. target
 tokens). The step sums both over micro-batches and divides once, so k
 micro-batches give the gradient of one big batch exactly. Every other metric is
-also a sum, reported divided by the same global denominator.
+also a sum, reported divided by the same global denominator, except those named
+`max/...`: maxima, combined by max over micro-batches and reported as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from core.mesh import logical_to_spec
 from core.optim import global_norm
 
 LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, dict]]
+MAX_PREFIX = "max/"  # metrics reduced by max, not summed and normalised
 
 
 @jax.tree_util.register_dataclass
@@ -128,11 +130,15 @@ def make_train_step(
             return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0)))
         shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], batch), step_rng)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        zeros[1].update({k: jnp.full((), -jnp.inf) for k in zeros[1] if k.startswith(MAX_PREFIX)})
 
         def accumulate(carry, inputs):
             micro_batch, i = inputs
             out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i)))
-            return jax.tree.map(jnp.add, carry, out), None
+            (loss, metrics, grads), (loss_i, metrics_i, grads_i) = carry, out
+            metrics = {k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k])
+                       for k, v in metrics.items()}
+            return (loss + loss_i, metrics, jax.tree.map(jnp.add, grads, grads_i)), None
 
         return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
 
@@ -157,7 +163,7 @@ def make_train_step(
             params, opt_state = update(operands)
         # The step counter advances even when an update is skipped: it indexes batches and the schedule.
         new_state = TrainState(params, opt_state, state.step + 1, rng)
-        metrics = {k: v / denom for k, v in sums.items()}
+        metrics = {k: v if k.startswith(MAX_PREFIX) else v / denom for k, v in sums.items()}
         metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, finite=finite.astype(jnp.float32))
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)

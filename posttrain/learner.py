@@ -4,10 +4,11 @@
     metrics = learner.train(batch)        # a `posttrain.rl_batch` batch; one RL step
     learner.params, learner.version       # what weight sync sends, and its policy version
 
-One RL step: the log-probs of the sampled tokens under the current policy
-(pi_old) and the reference are computed once; then `rl.num_iterations`
-passes over the batch, each cut into `rl.mini_batches` optimizer updates
-(each accumulated over `train.micro_batches`). Used in-process
+One RL step: `rl.num_iterations` passes over the batch, each cut into
+`rl.mini_batches` optimizer updates (each accumulated over
+`train.micro_batches`). The log-probs of the sampled tokens under the
+reference, and under pi_old when there is more than one update, are computed
+once up front; with one update the step's own forward pass is pi_old. Used in-process
 (single-controller mode) or inside `posttrain.cluster.TrainerActor`.
 """
 
@@ -28,7 +29,6 @@ from core.optim import make_optimizer, make_schedule
 from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
 from posttrain.losses import PolicyLossSettings
 from posttrain.objective import make_policy_objective, target_logprobs
-from posttrain.rl_batch import mismatch_stats
 
 
 def loss_settings(cfg: Config) -> PolicyLossSettings:
@@ -38,6 +38,28 @@ def loss_settings(cfg: Config) -> PolicyLossSettings:
         tis_cap=rl.tis_cap, beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg=rl.loss_agg,
         max_tokens=cfg.rollout.max_tokens,
     )
+
+
+def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str, float]:
+    """One step's metrics from its updates' (each normalised by its own denominator `tokens`):
+    loss / grad norm / learning rate averaged, token statistics as ratios of the summed raw sums,
+    and the sampler mismatch over the first pass (pi_old's log-probs, every completion token once)."""
+    total = lambda key, ms=updates: sum(m[key] * m["tokens"] for m in ms)  # noqa: E731
+    out = {k: float(np.mean([m[k] for m in updates])) for k in ("loss", "grad_norm", "learning_rate")
+           if k in updates[0]}
+    tokens = max(total("completion_tokens"), 1e-9)
+    out["clip_fraction"] = total("clipped_tokens") / tokens
+    out["entropy"] = total("entropy") / tokens
+    if "kl" in updates[0]:
+        out["kl"] = total("kl") / tokens
+    if "tis_weight" in updates[0]:
+        out["tis_weight_mean"] = total("tis_weight") / tokens
+    if "mismatch_gap" in updates[0]:
+        first = updates[:len(updates) // passes]
+        out["mismatch/logp_gap_mean"] = total("mismatch_gap", first) / max(total("mismatch_tokens", first), 1e-9)
+        out["mismatch/logp_gap_max"] = max(max(m["max/mismatch_gap"] for m in first), 0.0)
+        out["mismatch/seq_kl"] = total("mismatch_seq_kl", first) / max(total("mismatch_sequences", first), 1e-9)
+    return out
 
 
 class PolicyLearner:
@@ -84,18 +106,22 @@ class PolicyLearner:
     def train(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One RL step on a rollout batch; returns its metrics (means over the updates)."""
         batch = dict(batch)
-        completion_mask = batch.pop("completion_mask")
-        inputs = self.place_inputs(batch)
-        batch["old_logp"] = self.logprobs(self.state.params, inputs) * (completion_mask > 0)
-        if self.ref_params is not None:
-            batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * (completion_mask > 0)
-        stats = mismatch_stats(batch["old_logp"], batch["sampler_logp"], completion_mask)
+        rl = self.cfg.rl
+        # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
+        # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
+        if rl.num_iterations * rl.mini_batches > 1 or self.ref_params is not None:
+            inputs = self.place_inputs(batch)
+            targets = batch["completion_mask"] > 0
+            if rl.num_iterations * rl.mini_batches > 1:
+                batch["old_logp"] = self.logprobs(self.state.params, inputs) * targets
+            if self.ref_params is not None:
+                batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * targets
         rows = batch["tokens"].shape[0]
-        per_mini = rows // self.cfg.rl.mini_batches
+        per_mini = rows // rl.mini_batches
         collected: list[dict] = []
         with jax.set_mesh(self.mesh):
-            for _ in range(self.cfg.rl.num_iterations):
-                for m in range(self.cfg.rl.mini_batches):
+            for _ in range(rl.num_iterations):
+                for m in range(rl.mini_batches):
                     mini = {k: v[m * per_mini:(m + 1) * per_mini] for k, v in batch.items()}
                     micro = split_micro_batches(mini, self.cfg.train.micro_batches)
                     micro = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in micro.items()}
@@ -109,18 +135,7 @@ class PolicyLearner:
                         self.skipped_updates += 1
                     collected.append(metrics)
         self.version += 1
-        out = {k: float(np.mean([m[k] for m in collected])) for k in ("loss", "grad_norm", "learning_rate")
-               if k in collected[0]}
-        tokens = sum(m["completion_tokens"] for m in collected)
-        out["clip_fraction"] = sum(m["clipped_tokens"] for m in collected) / max(tokens, 1e-9)
-        out["entropy"] = sum(m["entropy"] for m in collected) / max(tokens, 1e-9)
-        if "kl" in collected[0]:
-            out["kl"] = sum(m["kl"] for m in collected) / max(tokens, 1e-9)
-        if "tis_weight" in collected[0]:
-            out["tis_weight_mean"] = sum(m["tis_weight"] for m in collected) / max(tokens, 1e-9)
-        out["skipped_updates"] = float(self.skipped_updates)
-        out.update(stats)
-        return out
+        return {**summarise_updates(collected, rl.num_iterations), "skipped_updates": float(self.skipped_updates)}
 
     # ------------------------------------------------------------ checkpoints
 

@@ -7,8 +7,10 @@ An RL batch is prompt + completion rows, right-padded to one length L:
     segment_ids   [B, L] int32    1 on real tokens, 0 on padding
     loss_mask     [B, L-1] f32    1 where target token t+1 is a completion token that counts
     advantages    [B] f32
-    old_logp      [B, L-1] f32    pi_old of each target (0 where loss_mask is 0)
+    old_logp      [B, L-1] f32    pi_old of each target; absent when the step starts from pi_old
+                                  (one update per batch): then pi_old = stop_gradient(logp), no extra pass
     sampler_logp  [B, L-1] f32    what the sampler reported
+    completion_mask [B, L-1] f32  every completion token, counted in the loss or not (mismatch statistics)
     ref_logp      [B, L-1] f32    only when beta > 0
 
 Log-probs are taken at the sampling temperature, as the sampler drew them.
@@ -34,6 +36,17 @@ def target_logprobs(model, batch: dict, temperature: float = 1.0) -> tuple[jax.A
     )
 
 
+def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """Sums for the sampler/trainer mismatch: |gap| over the completion tokens (and its max), and the
+    k1 estimate of KL(sampler || trainer) summed per sequence (tokens were drawn by the sampler).
+    `posttrain.learner` turns them into mean / max gap and the per-sequence KL."""
+    gap = jnp.abs(trainer_logp - sampler_logp) * mask
+    rows = mask.sum(axis=-1) > 0
+    return {"mismatch_gap": gap.sum(), "mismatch_tokens": mask.sum(), "max/mismatch_gap": gap.max(),
+            "mismatch_seq_kl": ((sampler_logp - trainer_logp) * mask).sum(),
+            "mismatch_sequences": rows.sum().astype(jnp.float32)}
+
+
 def make_policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
     """loss_fn(model, batch, rng) -> (loss_sum, sums) for `core.train.make_train_step`."""
 
@@ -41,11 +54,15 @@ def make_policy_objective(settings: PolicyLossSettings, temperature: float = 1.0
         del rng
         logp, entropy = target_logprobs(model, batch, temperature)
         mask = batch["loss_mask"].astype(jnp.float32)
+        # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
+        old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
         loss_sum, sums = policy_loss(
-            logp, batch["old_logp"], batch["advantages"], mask, settings,
+            logp, old_logp, batch["advantages"], mask, settings,
             sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"),
         )
         sums["entropy"] = (jax.lax.stop_gradient(entropy) * mask).sum()
+        if "completion_mask" in batch and "sampler_logp" in batch:
+            sums.update(mismatch_sums(old_logp, batch["sampler_logp"], batch["completion_mask"].astype(jnp.float32)))
         return loss_sum, sums
 
     return loss_fn

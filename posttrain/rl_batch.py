@@ -55,19 +55,3 @@ def build_rl_batch(
         "advantages": np.asarray(advantages, np.float32), "sampler_logp": sampler_logp,
         "completion_mask": completion_mask,
     }
-
-
-def mismatch_stats(trainer_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """Sampler vs trainer log-probs of the sampled tokens: mean / max |gap| and the sequence-level KL.
-
-    The KL is the k1 estimate of KL(sampler || trainer) per sequence (sum over
-    its tokens of log p_sampler - log p_trainer, tokens drawn by the sampler),
-    averaged over sequences.
-    """
-    m = mask > 0
-    if not m.any():
-        return {"mismatch/logp_gap_mean": 0.0, "mismatch/logp_gap_max": 0.0, "mismatch/seq_kl": 0.0}
-    gap = np.abs(trainer_logp - sampler_logp)[m]
-    per_seq = ((sampler_logp - trainer_logp) * mask).sum(axis=1)[m.any(axis=1)]
-    return {"mismatch/logp_gap_mean": float(gap.mean()), "mismatch/logp_gap_max": float(gap.max()),
-            "mismatch/seq_kl": float(per_seq.mean())}

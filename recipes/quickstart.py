@@ -5,9 +5,11 @@
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
 3. pretrain a tiny Qwen2-shaped model from scratch on "question / Answer: N" text (the core loop);
-4. fine-tune it on formatted solutions: prompt "question\\nAnswer:", completion " N" (SFT);
+4. fine-tune it on formatted solutions: prompt "question\\nAnswer:", completion " N" (SFT). The
+   solutions come from a sloppy solver that drops the minus sign of a negative answer 4 times in 5
+   (`--sign-slip`): demonstrations with a systematic slip, an exact checker for the rewards;
 5. GRPO it with the vLLM sampler on Ray and the math_verify reward, evaluating held-out
-   greedy accuracy before and after.
+   greedy accuracy before and after: GRPO undoes what the slip taught.
 
 Prints the accuracies, and leaves in the run directory each stage's run
 (`pretrain/`, `sft/`, `grpo/`), the GRPO reward / accuracy curves
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -26,12 +29,20 @@ from pathlib import Path
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
             allow_parentheses=False, allow_negation=False)
+SIGN_SLIP = 0.8
 
 
 def problems(n: int, seed: int) -> list[dict]:
     from core.data import reasoning_gym_records
 
     return reasoning_gym_records("basic_arithmetic", n, seed, **TASK)
+
+
+def sloppy_answers(rows: list[dict], slip: float, seed: int = 0) -> list[str]:
+    """The fine-tuning solver's answers: right, except that a negative answer loses its sign with
+    probability `slip` (a systematic slip, like a careless student's)."""
+    rng = random.Random(seed)
+    return [r["answer"][1:] if r["answer"].startswith("-") and rng.random() < slip else r["answer"] for r in rows]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -46,7 +57,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sft-steps", type=int, default=None, help="override sft.yml's train.steps")
     p.add_argument("--grpo-steps", type=int, default=None, help="override grpo.yml's train.steps")
     p.add_argument("--eval-prompts", type=int, default=None, help="override grpo.yml's rl.eval_prompts")
+    p.add_argument("--sign-slip", type=float, default=SIGN_SLIP,
+                   help="how often the fine-tuning solutions drop the minus sign of a negative answer (0: clean)")
     args = p.parse_args(argv)
+    if not 0.0 <= args.sign_slip <= 1.0:
+        p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
 
     def steps(flag: int | None, key: str = "train.steps") -> list[str]:
         return [] if flag is None else [f"{key}={flag}"]
@@ -65,8 +80,8 @@ def main(argv: list[str]) -> int:
     worked = [r["text"] for r in pretrain_rows]  # "question\nAnswer: N"
     corpus = write_jsonl(data / "pretrain.jsonl", [{"text": "\n".join(worked[i:i + 4])}
                                                    for i in range(0, len(worked), 4)])
-    sft = write_jsonl(data / "sft.jsonl", [{"prompt": f"{r['question']}\nAnswer:", "completion": f" {r['answer']}"}
-                                           for r in sft_rows])
+    sft = write_jsonl(data / "sft.jsonl", [{"prompt": f"{r['question']}\nAnswer:", "completion": f" {answer}"}
+                                           for r, answer in zip(sft_rows, sloppy_answers(sft_rows, args.sign_slip))])
     rl = write_jsonl(data / "rl.jsonl", [{k: r[k] for k in ("question", "answer", "metadata")} for r in rl_rows])
 
     print("== 2/5 tokenizer", flush=True)

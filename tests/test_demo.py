@@ -38,3 +38,17 @@ def test_quickstart_runs_every_stage(tmp_path):
     for path in ("pretrain/hf/config.json", "sft/hf/config.json", "grpo/hf/config.json", "grpo/metrics.jsonl",
                  "quickstart.png", "grpo/reward.png", "data/rl.jsonl", "tokenizer/tokenizer.json"):
         assert (out / path).exists(), path
+
+
+def test_quickstart_sloppy_solver_only_drops_signs():
+    from recipes.quickstart import main as quickstart, sloppy_answers
+
+    rows = [{"answer": a} for a in ["-4", "7", "-12", "0", "-79"] * 200]
+    assert sloppy_answers(rows, 0.0) == [r["answer"] for r in rows]
+    assert sloppy_answers(rows, 1.0) == [r["answer"].lstrip("-") for r in rows]
+    slipped = sloppy_answers(rows, 0.8)
+    assert all(s == r["answer"] for s, r in zip(slipped, rows) if not r["answer"].startswith("-"))
+    dropped = sum(s != r["answer"] for s, r in zip(slipped, rows)) / 600
+    assert 0.75 < dropped < 0.85 and slipped == sloppy_answers(rows, 0.8)  # seeded
+    with pytest.raises(SystemExit):
+        quickstart(["--sign-slip", "1.5"])

@@ -258,6 +258,60 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
     assert diff <= 1e-5 * update, (diff, update)
 
 
+def _mismatch_reference(trainer, sampler, mask):
+    """NumPy: mean / max |gap| over completion tokens, mean over sequences of sum_t (sampler - trainer)."""
+    m = mask > 0
+    gap = np.abs(trainer - sampler)[m]
+    per_seq = ((sampler - trainer) * mask).sum(axis=1)[m.any(axis=1)]
+    return {"mismatch/logp_gap_mean": gap.mean(), "mismatch/logp_gap_max": gap.max(), "mismatch/seq_kl": per_seq.mean()}
+
+
+def test_one_update_takes_pi_old_from_its_own_forward_pass():
+    """Without `old_logp` the step uses stop_gradient(logp) as pi_old: the same update as a separate
+    pi_old pass, for 1 and 4 micro-batches, and the mismatch statistics (max-reduced across
+    micro-batches) match a NumPy reference on the trainer's log-probs."""
+    from flax import nnx
+
+    from core.config import ModelConfig, OptimConfig
+    from core.models import create_model
+    from core.optim import make_optimizer
+    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+    from posttrain.learner import summarise_updates
+    from posttrain.objective import make_policy_objective, target_logprobs
+
+    settings = PolicyLossSettings(algorithm="grpo", loss_agg="token-mean", tis_cap=2.0)
+    loss_fn = make_policy_objective(settings, temperature=0.7)
+    batch = _rl_batch()
+    batch["completion_mask"] = batch["loss_mask"].copy()
+    batch["completion_mask"][:2, 3:9] = 1.0  # the masked group's tokens still count for the mismatch
+    sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
+    results = {}
+    for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):
+        model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
+        tx = make_optimizer(sgd, 10, nnx.state(model))
+        graphdef, state = init_train_state(model, tx, seed=0)
+        start = jax.device_get(state.params)
+        trainer_logp = np.asarray(target_logprobs(model, batch, 0.7)[0]) * (batch["completion_mask"] > 0)
+        b = {key: v for key, v in batch.items() if key not in ("old_logp", "ref_logp")}
+        b["sampler_logp"] = (trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape)
+                             * batch["completion_mask"]).astype(np.float32)
+        if name == "separate":
+            b["old_logp"] = trainer_logp.astype(np.float32)
+        step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
+        state, metrics = step(state, split_micro_batches(b, k))
+        metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
+        results[name, k] = (jax.device_get(state.params), summarise_updates([metrics], 1))
+        expected = _mismatch_reference(trainer_logp, b["sampler_logp"], batch["completion_mask"])
+        for key, value in expected.items():
+            assert results[name, k][1][key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (name, k, key)
+    base = results["separate", 1][0]
+    update = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(start)))
+    assert update > 0
+    for key in (("fused", 1), ("fused", 4)):
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(results[key][0]), jax.tree.leaves(base)))
+        assert diff <= 1e-5 * update, (key, diff, update)
+
+
 def test_pass_at_k_matches_enumeration():
     from itertools import combinations
 

@@ -11,7 +11,7 @@ from core.config_loader import load_config
 from core.data import MalformedRow
 from posttrain.cluster import placement_bundles
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
-from posttrain.rl_batch import build_rl_batch, mismatch_stats
+from posttrain.rl_batch import build_rl_batch
 from posttrain.sampling import SamplerGroup
 from rollout.sampler import Completion, SamplingParams
 
@@ -32,16 +32,6 @@ def test_rl_batch_layout():
     assert not masked["loss_mask"][1].any()  # DAPO: truncated completions add no loss tokens
     with pytest.raises(ValueError, match="completion 0: prompt 3 \\+ completion 2 tokens > seq_len 3"):
         build_rl_batch(comps, np.zeros(3), np.ones(3, bool), 3)
-
-
-def test_mismatch_stats():
-    trainer = np.array([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
-    sampler = np.array([[-1.5, -2.0, 0.0], [-0.25, 0.0, 0.0]])
-    mask = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    s = mismatch_stats(trainer, sampler, mask)
-    assert s["mismatch/logp_gap_mean"] == pytest.approx((0.5 + 0 + 0.25) / 3)
-    assert s["mismatch/logp_gap_max"] == 0.5
-    assert s["mismatch/seq_kl"] == pytest.approx(((-0.5) + 0.25) / 2)
 
 
 def test_prompt_rows_render_and_errors(tmp_path):
