@@ -10,13 +10,16 @@ cores. Temper's step time and its breakdown (generate / reward / train /
 sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
-out of the means. Goal (issue 6): Temper's step <= 0.5x TRL's.
+out of the means. Run it as `make bench-grpo` (Temper with huge-page malloc, see
+core/host_memory.py; TRL without, which is faster for it). Goal (issue 6):
+Temper's step <= 0.5x TRL's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -76,7 +79,7 @@ def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: 
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
     return {k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s",
-                                                "time/sync_s")}
+                                                "time/update_s", "time/sync_s")}
 
 
 def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
@@ -84,7 +87,10 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_grpo_step.py"), "--model", str(hf), "--prompts", str(prompts),
            "--steps", str(args.steps + 1), "--prompts-per-step", str(args.prompts), "--generations",
            str(args.generations), "--max-tokens", str(args.max_tokens), "--out", str(out)]
-    subprocess.run(cmd, check=True)
+    # TRL runs in its default environment: huge-page malloc (core/host_memory.py) makes torch slower here
+    # (100M: 4.77 -> 5.03 s/step), so TRL is measured without it.
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    subprocess.run(cmd, check=True, env=env)
     times = json.loads(out.read_text())["step_times"][1:]
     return {"step_s": sum(times) / len(times)}
 
@@ -92,7 +98,7 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (after one warm-up step)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -114,7 +120,8 @@ def main() -> None:
             ratio = ours["step_s"] / theirs["step_s"]
             results[size] = {"temper": ours, "trl": theirs, "ratio": ratio}
             print(f"{size}: Temper {ours['step_s']:.2f} s/step (generate {ours['generate_s']:.2f}, reward "
-                  f"{ours['reward_s']:.2f}, train {ours['train_s']:.2f}, sync {ours['sync_s']:.2f}) | "
+                  f"{ours['reward_s']:.2f}, train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync "
+                  f"{ours['sync_s']:.2f}) | "
                   f"TRL {theirs['step_s']:.2f} s/step | ratio {ratio:.2f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

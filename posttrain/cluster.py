@@ -165,8 +165,11 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerClient:
         return TrainerClient(LocalTrainer(cfg_json, str(run_dir), fractions), remote=False)
     import ray
 
+    from core.host_memory import malloc_tunables
+
     env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
     env.setdefault("JAX_PLATFORMS", "cpu" if not ray.cluster_resources().get("GPU") else "")
+    env["GLIBC_TUNABLES"] = malloc_tunables()
     actor = ray.remote(LocalTrainer).options(
         num_cpus=1, max_concurrency=1, scheduling_strategy=in_bundle(pg, 0),
         runtime_env={"env_vars": env},

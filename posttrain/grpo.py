@@ -198,8 +198,8 @@ class GRPORun:
                         rows, completions, reward_batch, correct, adv)
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
-                batch = build_rl_batch(completions, adv.values, adv.keep, self._padded_length(completions),
-                                       rl.mask_truncated)
+                padded = self._padded_length(completions)
+                batch = build_rl_batch(completions, adv.values, adv.keep, padded, rl.mask_truncated)
                 train_metrics = self.trainer.call("train", batch)
                 train_s = time.perf_counter() - t2
                 sync_s = self._sync(self.samplers.samplers)
@@ -208,7 +208,7 @@ class GRPORun:
                 step_s = time.perf_counter() - t0
                 tokens = sum(len(c.token_ids) for c in completions)
                 metrics.update({"time/generate_s": gen_s, "time/reward_s": reward_s, "time/train_s": train_s,
-                                "time/sync_s": sync_s, "time/step_s": step_s,
+                                "time/sync_s": sync_s, "time/step_s": step_s, "padded_length": float(padded),
                                 "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
                                 "tokens_per_s": tokens / max(step_s, 1e-9),
                                 "policy_version": float(self.samplers.policy_versions[0]),

@@ -14,6 +14,7 @@ once up front; with one update the step's own forward pass is pi_old. Used in-pr
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import jax
@@ -119,6 +120,7 @@ class PolicyLearner:
         rows = batch["tokens"].shape[0]
         per_mini = rows // rl.mini_batches
         collected: list[dict] = []
+        start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             for _ in range(rl.num_iterations):
                 for m in range(rl.mini_batches):
@@ -135,7 +137,8 @@ class PolicyLearner:
                         self.skipped_updates += 1
                     collected.append(metrics)
         self.version += 1
-        return {**summarise_updates(collected, rl.num_iterations), "skipped_updates": float(self.skipped_updates)}
+        return {**summarise_updates(collected, rl.num_iterations), "skipped_updates": float(self.skipped_updates),
+                "time/update_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------ checkpoints
 

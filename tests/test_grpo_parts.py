@@ -147,3 +147,11 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
         assert all(m["zero_variance_groups"] == 4 for m in seen)
     finally:
         run.close()
+
+
+def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
+    from core.host_memory import malloc_tunables
+
+    assert malloc_tunables("") == "glibc.malloc.hugetlb=1"
+    assert malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's choice stands
