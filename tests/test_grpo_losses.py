@@ -266,7 +266,9 @@ def _mismatch_reference(trainer, sampler, mask):
     return {"mismatch/logp_gap_mean": gap.mean(), "mismatch/logp_gap_max": gap.max(), "mismatch/seq_kl": per_seq.mean()}
 
 
-def test_one_update_takes_pi_old_from_its_own_forward_pass():
+@pytest.mark.parametrize("algorithm,agg", [("grpo", "token-mean"), ("gspo", "sequence-mean-token-mean"),
+                                           ("grpo", "sequence-mean-token-sum-norm")])
+def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     """Without `old_logp` the step uses stop_gradient(logp) as pi_old: the same update as a separate
     pi_old pass, for 1 and 4 micro-batches, and the mismatch statistics (max-reduced across
     micro-batches) match a NumPy reference on the trainer's log-probs."""
@@ -279,7 +281,7 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass():
     from posttrain.learner import summarise_updates
     from posttrain.objective import make_policy_objective, target_logprobs
 
-    settings = PolicyLossSettings(algorithm="grpo", loss_agg="token-mean", tis_cap=2.0)
+    settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
     loss_fn = make_policy_objective(settings, temperature=0.7)
     batch = _rl_batch()
     batch["completion_mask"] = batch["loss_mask"].copy()
