@@ -6,8 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
-# malloc on transparent huge pages: XLA's CPU buffers fault in 2 MiB at a time (core/host_memory.py).
-export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+# malloc on transparent huge pages for the long-running jobs: XLA's CPU buffers fault in 2 MiB at a
+# time (core/host_memory.py). Not for the tests: their many short processes start slower with it.
+demo demo-pretrain bench bench-grpo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: install test demo demo-pretrain demo-hf bench bench-grpo clean
 

@@ -51,12 +51,10 @@ class RemoteVLLMSampler:
               timeout_s: float = 600.0, scheduling_strategy=None) -> "RemoteVLLMSampler":
         import ray
 
-        from core.host_memory import malloc_tunables
         from rollout.vllm_sampler import VLLMSampler
 
         ensure_ray()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false",
-               "GLIBC_TUNABLES": malloc_tunables()}
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         actor = ray.remote(VLLMSampler).options(
             num_cpus=num_cpus, runtime_env={"env_vars": env}, max_concurrency=1,
             scheduling_strategy=scheduling_strategy,
