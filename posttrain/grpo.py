@@ -191,7 +191,7 @@ class GRPORun:
                 version = self.trainer.call("version")
                 staleness = check_staleness(completions, version, rl.off_policy_steps)
                 reward_batch, correct = self._score(rows, completions)
-                adv = group_advantages(reward_batch.total, rl.num_generations, rl.advantage, rl.std_floor)
+                adv = self._advantages(reward_batch)
                 rounds = 1
                 if rl.dynamic_sampling:
                     rows, completions, reward_batch, correct, adv, rounds = self._refill(
@@ -245,6 +245,10 @@ class GRPORun:
         self.trainer.call("save", step, {"rl_step": step, "prompt_stream": state,
                                          "requests": self._requests - len(in_flight)})
 
+    def _advantages(self, rewards: RewardBatch):
+        rl = self.cfg.rl
+        return group_advantages(rewards.total, rl.num_generations, rl.advantage, rl.std_floor)
+
     def _refill(self, rows, completions, reward_batch, correct, adv):
         """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
 
@@ -259,7 +263,7 @@ class GRPORun:
             _, pending = self._submit(more_rows)
             more = self.samplers.collect(pending)
             more_batch, more_correct = self._score(more_rows, more)
-            more_adv = group_advantages(more_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
+            more_adv = self._advantages(more_batch)
             scored.append((more_rows, more, more_batch, more_correct))
             ok = more_adv.keep.reshape(-1, g)[:, 0]
             picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
@@ -271,7 +275,7 @@ class GRPORun:
         kept_completions = [src[1][j] for src, idx in items for j in idx]
         reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
         correct = np.concatenate([src[3][idx] for src, idx in items])
-        adv = group_advantages(reward_batch.total, g, self.cfg.rl.advantage, self.cfg.rl.std_floor)
+        adv = self._advantages(reward_batch)
         return kept_rows, kept_completions, reward_batch, correct, adv, rounds
 
     def _step_metrics(self, completions, reward_batch, correct, adv, staleness, rounds) -> dict:

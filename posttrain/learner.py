@@ -110,10 +110,11 @@ class PolicyLearner:
         rl = self.cfg.rl
         # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
         # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
-        if rl.num_iterations * rl.mini_batches > 1 or self.ref_params is not None:
+        several_updates = rl.num_iterations * rl.mini_batches > 1
+        if several_updates or self.ref_params is not None:
             inputs = self.place_inputs(batch)
             targets = batch["completion_mask"] > 0
-            if rl.num_iterations * rl.mini_batches > 1:
+            if several_updates:
                 batch["old_logp"] = self.logprobs(self.state.params, inputs) * targets
             if self.ref_params is not None:
                 batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * targets
