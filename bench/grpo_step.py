@@ -63,7 +63,7 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     return hf, prompts
 
 
-def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
+def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path, overrides=()) -> dict:
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.grpo import run_grpo
@@ -73,7 +73,7 @@ def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: 
         f"run.run_dir={run_dir}", f"rl.policy_path={hf}", f"data.source={prompts}", f"data.tokenizer_dir={tokenizer}",
         f"train.steps={args.steps + 1}", f"rl.prompts_per_step={args.prompts}", f"rl.num_generations={args.generations}",
         f"rollout.max_tokens={args.max_tokens}", "checkpoint.enabled=false", "checkpoint.export_hf=false",
-        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5",
+        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5", *overrides,
     ])
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]

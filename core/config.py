@@ -271,6 +271,8 @@ class RLConfig(Section):
     num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
     mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
     mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no loss tokens
+    pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
+    pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = rollout.max_model_len
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
     max_sampling_rounds: int = Field(4, gt=0)
     off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old

@@ -62,6 +62,9 @@ class LocalTrainer:
     def version(self) -> int:
         return self.learner.version
 
+    def batch_shards(self) -> int:
+        return self.learner.batch_shards()
+
     def train(self, batch: dict) -> dict:
         return self.learner.train(batch)
 

@@ -40,7 +40,7 @@ from posttrain.advantages import group_advantages
 from posttrain.cluster import reserve, start_trainer, start_vllm_sampler
 from posttrain.evaluation import majority_correct, pass_at_k
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
-from posttrain.rl_batch import build_rl_batch
+from posttrain.rl_batch import build_rl_batch, fill_fraction
 from posttrain.sampling import SamplerGroup
 from rewards.extract import final_answer
 from rewards.runner import RewardBatch, RewardRunner
@@ -91,7 +91,11 @@ class GRPORun:
             ensure_ray()
             self.pg = reserve(cfg)
         self.trainer = start_trainer(cfg, self.run_dir, self.pg)
-        self.seq_len = rollout.max_model_len
+        self.row_len = rl.pack_length or rollout.max_model_len
+        if rl.pack_length and rl.pack_length < rollout.max_model_len:
+            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len ({rollout.max_model_len}): "
+                             "a full-length sequence would not fit in a row")
+        self._row_multiple: int | None = None  # the trainer's data-parallel size, asked once
         self.start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
         latest = self.trainer.call("latest_step")
@@ -198,8 +202,7 @@ class GRPORun:
                         rows, completions, reward_batch, correct, adv)
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
-                padded = self._padded_length(completions)
-                batch = build_rl_batch(completions, adv.values, adv.keep, padded, rl.mask_truncated)
+                batch = self._batch(completions, adv)
                 train_metrics = self.trainer.call("train", batch)
                 train_s = time.perf_counter() - t2
                 sync_s = self._sync(self.samplers.samplers)
@@ -208,7 +211,8 @@ class GRPORun:
                 step_s = time.perf_counter() - t0
                 tokens = sum(len(c.token_ids) for c in completions)
                 metrics.update({"time/generate_s": gen_s, "time/reward_s": reward_s, "time/train_s": train_s,
-                                "time/sync_s": sync_s, "time/step_s": step_s, "padded_length": float(padded),
+                                "time/sync_s": sync_s, "time/step_s": step_s, "pack/rows": float(len(batch["tokens"])),
+                                "pack/fill": fill_fraction(batch),
                                 "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
                                 "tokens_per_s": tokens / max(step_s, 1e-9),
                                 "policy_version": float(self.samplers.policy_versions[0]),
@@ -232,11 +236,21 @@ class GRPORun:
                         final_eval=final_eval)
         return RunSummary(self.run_dir, step, self.trainer.call("version"), final_eval, hf_dir)
 
-    def _padded_length(self, completions: list[Completion]) -> int:
-        """Rows are padded to the next power of two >= the longest prompt + completion (at least 16, at most
-        `rollout.max_model_len`): few distinct shapes to compile, little compute spent on padding."""
-        longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
-        return min(max(16, 1 << (longest - 1).bit_length()), self.seq_len)
+    def _batch(self, completions: list[Completion], adv) -> dict:
+        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
+        a multiple of the trainer's data-parallel size."""
+        rl = self.cfg.rl
+        if self._row_multiple is None:
+            self._row_multiple = int(self.trainer.call("batch_shards"))
+        row_len = self.row_len
+        if not rl.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+        return build_rl_batch(completions, adv.values, adv.keep, row_len=row_len,
+                              max_tokens=self.cfg.rollout.max_tokens,
+                              groups=rl.mini_batches * self.cfg.train.micro_batches,
+                              row_multiple=self._row_multiple, pack=rl.pack_sequences,
+                              mask_truncated=rl.mask_truncated)
 
     def _save(self, step: int, in_flight: deque) -> None:
         # Batches already drawn for the in-flight generations are drawn (and seeded) again after a restart.

@@ -27,6 +27,7 @@ from core.checkpoint import Checkpointer
 from core.config import Config
 from core.loop import NonFiniteLoss
 from core.optim import make_optimizer, make_schedule
+from core.mesh import logical_to_spec
 from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
 from posttrain.losses import PolicyLossSettings
 from posttrain.objective import make_policy_objective, target_logprobs
@@ -63,6 +64,12 @@ def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str,
     return out
 
 
+def mini_batch(x: np.ndarray, m: int, mini_batches: int) -> np.ndarray:
+    """Mini-batch m of an array's first axis (rows and completions alike: `rl_batch` packs per group)."""
+    n = x.shape[0] // mini_batches
+    return x[m * n:(m + 1) * n]
+
+
 class PolicyLearner:
     def __init__(self, cfg: Config, model, mesh: Mesh, total_steps: int):
         self.cfg = cfg
@@ -87,16 +94,27 @@ class PolicyLearner:
     def params(self) -> nnx.State:
         return self.state.params
 
+    def batch_shards(self) -> int:
+        """How many ways the trainer splits a micro-batch's rows (its data-parallel size): packed row
+        counts are made a multiple of it, so no device holds a copy of another's rows."""
+        shape = dict(self.mesh.shape)
+        size = int(np.prod(list(shape.values())))
+        spec = logical_to_spec(("batch",), (size,), shape)[0]
+        axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+        return int(np.prod([shape[a] for a in axes]))
+
     # ------------------------------------------------------------------ train
 
     def place_inputs(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """tokens / positions / segment_ids as [k, B/k, L] micro-batches on the trainer mesh (for `logprobs`)."""
-        keys = ("tokens", "positions", "segment_ids")
-        chunks = split_micro_batches({key: batch[key] for key in keys}, self.cfg.train.micro_batches)
+        """The model inputs and `target_index` as the batch's packing groups (one per mini-batch x micro-batch)
+        on the trainer mesh (for `logprobs`)."""
+        keys = ("tokens", "positions", "segment_ids", "target_index")
+        groups = self.cfg.rl.mini_batches * self.cfg.train.micro_batches
+        chunks = split_micro_batches({key: batch[key] for key in keys}, groups)
         return {key: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for key, v in chunks.items()}
 
     def logprobs(self, params: nnx.State, inputs: dict[str, jax.Array]) -> np.ndarray:
-        """[B, L-1] log-probs of every target token under `params`, one micro-batch at a time."""
+        """[B, C] log-probs of every completion token under `params`, one micro-batch at a time."""
         out = []
         with jax.set_mesh(self.mesh):
             for i in range(inputs["tokens"].shape[0]):
@@ -118,14 +136,12 @@ class PolicyLearner:
                 batch["old_logp"] = self.logprobs(self.state.params, inputs) * targets
             if self.ref_params is not None:
                 batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * targets
-        rows = batch["tokens"].shape[0]
-        per_mini = rows // rl.mini_batches
         collected: list[dict] = []
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             for _ in range(rl.num_iterations):
                 for m in range(rl.mini_batches):
-                    mini = {k: v[m * per_mini:(m + 1) * per_mini] for k, v in batch.items()}
+                    mini = {k: mini_batch(v, m, rl.mini_batches) for k, v in batch.items()}
                     micro = split_micro_batches(mini, self.cfg.train.micro_batches)
                     micro = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in micro.items()}
                     self.state, metrics = self._step(self.state, micro)

@@ -1,18 +1,20 @@
 """The GRPO/GSPO objective on a core model, in the `core.train` loss contract.
 
-An RL batch is prompt + completion rows, right-padded to one length L:
+An RL batch (`posttrain.rl_batch`) packs prompt + completion sequences into
+rows; every per-token array is in a completion-major `[B, C]` layout:
 
-    tokens        [B, L] int32    prompt then completion, then padding
-    positions     [B, L] int32
-    segment_ids   [B, L] int32    1 on real tokens, 0 on padding
-    loss_mask     [B, L-1] f32    1 where target token t+1 is a completion token that counts
-    advantages    [B] f32
-    old_logp      [B, L-1] f32    pi_old of each target; absent when the step starts from pi_old
-                                  (one update per batch): then pi_old = stop_gradient(logp), no extra pass
-    sampler_logp  [B, L-1] f32    what the sampler reported
-    completion_mask [B, L-1] f32  every completion token, counted in the loss or not (mismatch statistics)
-    ref_logp      [B, L-1] f32    only when beta > 0
+    tokens, positions, segment_ids [R, L]   packed rows (segment 0 = padding)
+    target_index    [B, C] int32   flat index into [R * L] of the position predicting completion token j
+    loss_mask       [B, C] f32     1 where completion token j exists and counts
+    advantages      [B] f32
+    old_logp        [B, C] f32     pi_old of each token; absent when the step starts from pi_old
+                                   (one update per batch): then pi_old = stop_gradient(logp), no extra pass
+    sampler_logp    [B, C] f32     what the sampler reported
+    completion_mask [B, C] f32     every completion token, counted in the loss or not (mismatch statistics)
+    ref_logp        [B, C] f32     only when beta > 0
 
+Only the completion positions' hidden states go through the output projection
+(prompt and padding positions never pay for a vocabulary-sized matmul).
 Log-probs are taken at the sampling temperature, as the sampler drew them.
 """
 
@@ -26,12 +28,15 @@ from posttrain.losses import PolicyLossSettings, policy_loss
 
 
 def target_logprobs(model, batch: dict, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """([B, L-1] log p(token t+1 | tokens <= t), [B, L-1] entropy) under `model` at `temperature`."""
+    """([B, C] log p(completion token j | everything before it), [B, C] entropy) under `model` at `temperature`."""
     tokens = batch["tokens"]
-    hidden = model.hidden_states(tokens, batch["positions"], batch["segment_ids"])  # [B, L, D]
+    hidden = model.hidden_states(tokens, batch["positions"], batch["segment_ids"])  # [R, L, D]
+    index = batch["target_index"]  # [B, C]
+    picked = hidden.reshape(-1, hidden.shape[-1])[index]  # [B, C, D]
+    targets = tokens.reshape(-1)[index + 1]  # the token after each predicting position (same row)
     weight, layout = model.output_weight()
     return chunked_logprobs_and_entropy(
-        hidden[:, :-1], weight.astype(hidden.dtype), tokens[:, 1:], temperature=temperature,
+        picked, weight.astype(hidden.dtype), targets, temperature=temperature,
         chunk_size=model.cfg.vocab_chunk_size, layout=layout,
     )
 

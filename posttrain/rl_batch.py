@@ -1,10 +1,25 @@
-"""Completions + advantages -> the padded arrays the policy objective trains on (pure NumPy).
+"""Completions + advantages -> the packed arrays the policy objective trains on (pure NumPy).
 
-Row i is prompt_i + completion_i, right-padded to `seq_len` (a fixed length,
-so the jitted step compiles once). Targets are tokens[:, 1:], so completion
-token j of a row with prompt length P is target index P - 1 + j; `loss_mask`,
-`sampler_logp` and the log-prob arrays the trainer fills in later are
-indexed by target. See `posttrain/objective.py` for the layout.
+Several prompt + completion sequences share a row of `row_len` tokens
+(first-fit decreasing), each with its own segment id and positions that
+restart at 0, so attention never crosses a sequence and little compute goes
+to padding. Everything per completion token lives in a `[B, C]` layout, one
+row per completion (C = `max_tokens`), and `target_index` says where each
+of those tokens is predicted in the packed rows:
+
+    tokens, positions, segment_ids   [R, row_len]   packed sequences (segment 0 = padding)
+    target_index    [B, C] int32     flat index into the group's [R_g * row_len] positions whose
+                                     hidden state predicts completion token j (its position - 1)
+    loss_mask       [B, C] f32       1 where completion token j exists and counts in the loss
+    completion_mask [B, C] f32       1 where completion token j exists (statistics)
+    sampler_logp    [B, C] f32       the sampler's log-prob of completion token j
+    advantages      [B] f32
+
+Sequences are packed in `groups` contiguous groups (one per optimizer
+mini-batch x micro-batch), each into the same number of rows R_g, so that
+cutting every array into `groups` equal slices along its first axis gives
+self-contained micro-batches; `target_index` is local to its group. See
+`posttrain/objective.py` for how the trainer reads this.
 """
 
 from __future__ import annotations
@@ -16,42 +31,105 @@ import numpy as np
 from rollout.sampler import Completion
 
 
+def pack_sequences(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices per row, each row's lengths summing to <= row_len."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > row_len:
+            raise ValueError(f"sequence {i} has {lengths[i]} tokens > row length {row_len}")
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(row_len - lengths[i])
+    return rows
+
+
+def round_rows(n: int, multiple: int = 1) -> int:
+    """Rows per group, rounded up to four sizes per power of two (1..8, 10, 12, 14, 16, 20, ...) and to
+    `multiple`: a handful of distinct shapes (compilations) over a run, under 25% padding rows."""
+    step = max(1, 1 << max(n.bit_length() - 3, 0))
+    n = -(-n // step) * step
+    return -(-n // multiple) * multiple
+
+
 def build_rl_batch(
     completions: Sequence[Completion],
     advantages: np.ndarray,
     keep: np.ndarray,
-    seq_len: int,
+    *,
+    row_len: int,
+    max_tokens: int,
+    groups: int = 1,
+    row_multiple: int = 1,
+    pack: bool = True,
     mask_truncated: bool = False,
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Arrays for `posttrain.objective`: tokens, positions, segment_ids, loss_mask, advantages, sampler_logp,
-    plus `completion_mask` (every completion token, kept or not: for statistics, not for the loss).
+    """Arrays for `posttrain.objective` (layout in the module docstring).
 
     `keep` (e.g. False for zero-variance groups) and, with `mask_truncated`
     (DAPO), completions that hit the length limit contribute no loss tokens.
+    `pack=False` puts one sequence in each row (rows = completions). `row_multiple`
+    (e.g. the trainer's data-parallel size) divides every group's row count.
     """
     b = len(completions)
-    tokens = np.full((b, seq_len), pad_id, np.int32)
-    segment_ids = np.zeros((b, seq_len), np.int32)
-    loss_mask = np.zeros((b, seq_len - 1), np.float32)
-    completion_mask = np.zeros((b, seq_len - 1), np.float32)
-    sampler_logp = np.zeros((b, seq_len - 1), np.float32)
+    if b % groups:
+        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
     for i, c in enumerate(completions):
         p, n = len(c.prompt_ids), len(c.token_ids)
-        if p + n > seq_len:
-            raise ValueError(f"completion {i}: prompt {p} + completion {n} tokens > seq_len {seq_len}")
-        tokens[i, :p] = c.prompt_ids
-        tokens[i, p:p + n] = c.token_ids
-        segment_ids[i, :p + n] = 1
-        if c.logprobs is not None:
-            sampler_logp[i, p - 1:p - 1 + n] = c.logprobs
-        completion_mask[i, p - 1:p - 1 + n] = 1.0
-        counts = bool(keep[i]) and not (mask_truncated and c.finish_reason == "length")
-        if counts:
-            loss_mask[i, p - 1:p - 1 + n] = 1.0
-    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
+        if p < 1 or n > max_tokens:
+            raise ValueError(f"completion {i}: prompt {p} tokens (need >= 1), completion {n} > max_tokens {max_tokens}")
+        if p + n > row_len:
+            raise ValueError(f"completion {i}: prompt {p} + completion {n} tokens > row length {row_len}")
+    per_group = b // groups
+    lengths = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
+    layouts = []
+    for g in range(groups):
+        members = range(g * per_group, (g + 1) * per_group)
+        rows = pack_sequences([lengths[i] for i in members], row_len) if pack else [[k] for k in range(per_group)]
+        layouts.append([[g * per_group + k for k in row] for row in rows])
+    rows_per_group = round_rows(max(len(rows) for rows in layouts), row_multiple) if pack else per_group
+    if not pack and per_group % row_multiple:
+        rows_per_group = -(-per_group // row_multiple) * row_multiple
+
+    r = rows_per_group * groups
+    tokens = np.full((r, row_len), pad_id, np.int32)
+    positions = np.zeros((r, row_len), np.int32)
+    segment_ids = np.zeros((r, row_len), np.int32)
+    target_index = np.zeros((b, max_tokens), np.int32)
+    loss_mask = np.zeros((b, max_tokens), np.float32)
+    completion_mask = np.zeros((b, max_tokens), np.float32)
+    sampler_logp = np.zeros((b, max_tokens), np.float32)
+    for g, rows in enumerate(layouts):
+        for local_row, members in enumerate(rows):
+            row, offset = g * rows_per_group + local_row, 0
+            for segment, i in enumerate(members, start=1):
+                c = completions[i]
+                p, n = len(c.prompt_ids), len(c.token_ids)
+                tokens[row, offset:offset + p] = c.prompt_ids
+                tokens[row, offset + p:offset + p + n] = c.token_ids
+                positions[row, offset:offset + p + n] = np.arange(p + n)
+                segment_ids[row, offset:offset + p + n] = segment
+                # completion token j sits at offset + p + j and is predicted from the position before it
+                target_index[i, :n] = local_row * row_len + offset + p - 1 + np.arange(n)
+                completion_mask[i, :n] = 1.0
+                if c.logprobs is not None:
+                    sampler_logp[i, :n] = c.logprobs
+                if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
+                    loss_mask[i, :n] = 1.0
+                offset += p + n
     return {
-        "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "loss_mask": loss_mask,
-        "advantages": np.asarray(advantages, np.float32), "sampler_logp": sampler_logp,
-        "completion_mask": completion_mask,
+        "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "target_index": target_index,
+        "loss_mask": loss_mask, "completion_mask": completion_mask, "sampler_logp": sampler_logp,
+        "advantages": np.asarray(advantages, np.float32),
     }
+
+
+def fill_fraction(batch: dict[str, np.ndarray]) -> float:
+    """Share of the packed rows' token slots that hold a real token (1 - padding)."""
+    return float((batch["segment_ids"] > 0).mean())

@@ -5,9 +5,10 @@
 
 Prompts of different lengths are right-padded into one batch; the KV cache's
 slot index is the token position, so each row decodes at its own position and
-padding slots are overwritten before any query can see them. Sampling applies
+padding slots are overwritten before any query can see them. Each prompt is
+prefilled once and its `n` samples decode from copies of its cache. Sampling applies
 temperature, then top-k, then top-p (the vLLM order), and the returned
-log-probs are those of the distribution actually sampled. Batch and prompt
+log-probs are those of the distribution actually sampled. Prompt count and prompt
 length are bucketed to powers of two to bound recompilation. On a mesh with a
 `tensor` axis the model runs tensor-parallel (parameters sharded by their
 logical axes).
@@ -66,16 +67,22 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_k: i
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new", "cache_len", "temperature", "top_k", "top_p", "stop_ids"))
-def _generate(graphdef, params, prompts, lengths, key, *, max_new, cache_len, temperature, top_k, top_p, stop_ids):
-    """prompts [B, P] right-padded, lengths [B] -> (tokens [B, max_new], logprobs, n_generated [B], stopped [B])."""
+@partial(jax.jit, static_argnames=("graphdef", "n", "max_new", "cache_len", "temperature", "top_k", "top_p",
+                                   "stop_ids"))
+def _generate(graphdef, params, prompts, lengths, key, *, n, max_new, cache_len, temperature, top_k, top_p, stop_ids):
+    """prompts [Bp, P] right-padded, lengths [Bp] -> n completions of each, prompt-major rows B = Bp * n:
+    (tokens [B, max_new], logprobs, n_generated [B], stopped [B])."""
     model: Decoder = nnx.merge(graphdef, params)
-    b, p = prompts.shape
-    cache_k, cache_v = model.init_cache(b, cache_len)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    bp, p = prompts.shape
+    cache_k, cache_v = model.init_cache(bp, cache_len)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (bp, p))
     hidden, cache_k, cache_v = model.with_cache(prompts, positions, cache_k, cache_v)
-    last = hidden[jnp.arange(b), lengths - 1][:, None]  # [B, 1, D]
+    last = hidden[jnp.arange(bp), lengths - 1][:, None]  # [Bp, 1, D]
     logits = model.logits(last)[:, 0]
+    # Each prompt is prefilled once; its n samples start from copies of its cache (vLLM shares the prefix).
+    b = bp * n
+    logits, lengths = jnp.repeat(logits, n, axis=0), jnp.repeat(lengths, n, axis=0)
+    cache_k, cache_v = jnp.repeat(cache_k, n, axis=1), jnp.repeat(cache_v, n, axis=1)  # [L, B, S, K, H]
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else jnp.zeros((0,), jnp.int32)
 
     def cond(carry):
@@ -136,10 +143,10 @@ class JaxSampler:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths(prompt_ids, params.max_tokens, self.max_model_len)
         rows = [ids for ids in prompt_ids for _ in range(params.n)]
-        b, p = _bucket(len(rows)), _bucket(max(len(r) for r in rows), 8)
+        b, p = _bucket(len(prompt_ids)), _bucket(max(len(r) for r in prompt_ids), 8)
         tokens = np.zeros((b, p), np.int32)
         lengths = np.ones((b,), np.int32)
-        for i, ids in enumerate(rows):
+        for i, ids in enumerate(prompt_ids):
             tokens[i, : len(ids)] = ids
             lengths[i] = len(ids)
         if params.seed is not None:
@@ -149,7 +156,7 @@ class JaxSampler:
         stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             out, logps, n_gen, stopped = _generate(
-                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), key,
+                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), key, n=params.n,
                 max_new=params.max_tokens, cache_len=p + params.max_tokens,
                 temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
                 stop_ids=stop_ids,

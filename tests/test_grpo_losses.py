@@ -205,24 +205,28 @@ def test_kl_estimators():
 # --------------------------------------------- micro-batches on a real model
 
 
-def _rl_batch(rows=8, t=20, seed=0, vocab=512):
-    """Prompt + completion rows of unequal lengths, right-padded, with sampler / old / ref log-probs."""
+def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
+    """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, or one
+    per row), with sampler / old / ref log-probs; the first two completions are a masked group."""
+    from posttrain.rl_batch import build_rl_batch
+    from rollout.sampler import Completion
+
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, vocab, (rows, t)).astype(np.int32)
-    seg = np.zeros((rows, t), np.int32)
-    loss_mask = np.zeros((rows, t - 1), np.float32)
-    for r in range(rows):
+    max_tokens = 15
+    comps = []
+    for _ in range(rows):
         prompt, total = int(rng.integers(2, 6)), int(rng.integers(8, t + 1))
-        seg[r, :total] = 1
-        loss_mask[r, prompt - 1:total - 1] = 1.0  # targets that are completion tokens
-    loss_mask[:2] = 0.0  # a masked group
-    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t)).copy()
-    old = (-rng.uniform(4, 8, (rows, t - 1)) * loss_mask).astype(np.float32)
+        n = min(total - prompt, max_tokens)
+        comps.append(Completion(list(rng.integers(3, vocab, prompt)), list(rng.integers(3, vocab, n)), None, "stop", ""))
+    keep = np.arange(rows) >= 2
+    batch = build_rl_batch(comps, rng.normal(size=rows).astype(np.float32), keep, row_len=2 * t,
+                           max_tokens=max_tokens, groups=groups, pack=pack)
+    done = batch.pop("completion_mask")
+    old = (-rng.uniform(4, 8, done.shape) * done).astype(np.float32)
     return {
-        "tokens": tokens, "positions": pos, "segment_ids": seg, "loss_mask": loss_mask,
-        "advantages": rng.normal(size=rows).astype(np.float32),
-        "old_logp": old, "sampler_logp": (old + rng.normal(0, 0.1, old.shape) * loss_mask).astype(np.float32),
-        "ref_logp": (old + rng.normal(0, 0.1, old.shape) * loss_mask).astype(np.float32),
+        **batch, "completion_mask": done, "old_logp": old,
+        "sampler_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
+        "ref_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
     }
 
 
@@ -238,10 +242,11 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, beta=0.05, tis_cap=2.0, max_tokens=19)
     loss_fn = make_policy_objective(settings, temperature=0.7)
-    batch = _rl_batch()
     sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
     results, start = [], None
-    for k in (1, 4):
+    # one row per sequence in one micro-batch vs sequences packed four groups' worth of rows, 4 micro-batches
+    for k, pack in ((1, False), (4, True)):
+        batch = _rl_batch(groups=k, pack=pack)
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
         tx = make_optimizer(sgd, 10, nnx.state(model))
         graphdef, state = init_train_state(model, tx, seed=0)
@@ -249,6 +254,7 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(batch, k))
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
+    assert len(batch["tokens"]) < len(batch["advantages"])  # the packed batch really shares rows
     (p1, m1), (p4, m4) = results
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), abs=1e-6)
     assert float(m1["grad_norm"]) > 0
@@ -282,23 +288,24 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
     loss_fn = make_policy_objective(settings, temperature=0.7)
-    batch = _rl_batch()
-    batch["completion_mask"] = batch["loss_mask"].copy()
-    batch["completion_mask"][:2, 3:9] = 1.0  # the masked group's tokens still count for the mismatch
+    # the same sequences packed for 1 and for 4 micro-batches; the masked group's tokens still count for the
+    # mismatch (completion_mask)
+    batches = {k: _rl_batch(groups=k) for k in (1, 4)}
     sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
     model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
-    trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batch))
-    trainer_logp = trainer_logp * (batch["completion_mask"] > 0)
-    b = {key: v for key, v in batch.items() if key not in ("old_logp", "ref_logp")}
-    b["sampler_logp"] = (trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape)
-                         * batch["completion_mask"]).astype(np.float32)
-    expected = _mismatch_reference(trainer_logp, b["sampler_logp"], batch["completion_mask"])
+    mask = batches[1]["completion_mask"]
+    trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batches[1])) * (mask > 0)
+    sampler_logp = (trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape)
+                    * mask).astype(np.float32)
+    expected = _mismatch_reference(trainer_logp, sampler_logp, mask)
     results = {}
     for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
         tx = make_optimizer(sgd, 10, nnx.state(model))
         graphdef, state = init_train_state(model, tx, seed=0)
         start = jax.device_get(state.params)
+        b = {key: v for key, v in batches[k].items() if key not in ("old_logp", "ref_logp")}
+        b["sampler_logp"] = sampler_logp
         inputs = dict(b, old_logp=trainer_logp.astype(np.float32)) if name == "separate" else b
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(inputs, k))

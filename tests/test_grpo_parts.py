@@ -11,7 +11,7 @@ from core.config_loader import load_config
 from core.data import MalformedRow
 from posttrain.cluster import placement_bundles
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
-from posttrain.rl_batch import build_rl_batch
+from posttrain.rl_batch import build_rl_batch, round_rows
 from posttrain.sampling import SamplerGroup
 from rollout.sampler import Completion, SamplingParams
 
@@ -20,18 +20,65 @@ def test_rl_batch_layout():
     comps = [Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", "a"),
              Completion([5], [4, 3, 2], [-1.0, -2.0, -3.0], "length", "b"),
              Completion([1, 2], [3], [-0.125], "stop", "c")]
-    batch = build_rl_batch(comps, np.array([1.0, -1.0, 0.5]), np.array([True, True, False]), 8, mask_truncated=False)
+    adv, keep = np.array([1.0, -1.0, 0.5]), np.array([True, True, False])
+    batch = build_rl_batch(comps, adv, keep, row_len=8, max_tokens=3, pack=False)
     np.testing.assert_array_equal(batch["tokens"][0], [5, 6, 7, 8, 9, 0, 0, 0])
     np.testing.assert_array_equal(batch["segment_ids"][1], [1, 1, 1, 1, 0, 0, 0, 0])
-    # target t predicts token t+1: row 0's completion tokens are targets 2 and 3
-    np.testing.assert_array_equal(batch["loss_mask"][0], [0, 0, 1, 1, 0, 0, 0])
-    np.testing.assert_array_equal(batch["sampler_logp"][0], [0, 0, -0.5, -0.25, 0, 0, 0])
-    np.testing.assert_array_equal(batch["loss_mask"][1], [1, 1, 1, 0, 0, 0, 0])
+    # completion token j of row i is predicted at position prompt_len - 1 + j of row i
+    np.testing.assert_array_equal(batch["target_index"][0, :2], [2, 3])
+    np.testing.assert_array_equal(batch["target_index"][1], [8, 9, 10])
+    np.testing.assert_array_equal(batch["loss_mask"][0], [1, 1, 0])
+    np.testing.assert_array_equal(batch["sampler_logp"][0], [-0.5, -0.25, 0])
+    np.testing.assert_array_equal(batch["loss_mask"][1], [1, 1, 1])
     assert not batch["loss_mask"][2].any() and batch["completion_mask"][2].sum() == 1  # not kept, still counted
-    masked = build_rl_batch(comps, np.zeros(3), np.ones(3, bool), 8, mask_truncated=True)
+    masked = build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=3, mask_truncated=True)
     assert not masked["loss_mask"][1].any()  # DAPO: truncated completions add no loss tokens
-    with pytest.raises(ValueError, match="completion 0: prompt 3 \\+ completion 2 tokens > seq_len 3"):
-        build_rl_batch(comps, np.zeros(3), np.ones(3, bool), 3)
+    with pytest.raises(ValueError, match="completion 0: prompt 3 \\+ completion 2 tokens > row length 4"):
+        build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=4, max_tokens=3)
+    with pytest.raises(ValueError, match="completion 1: .*completion 3 > max_tokens 2"):
+        build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=2)
+    with pytest.raises(ValueError, match="3 completions are not divisible into 2 groups"):
+        build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=3, groups=2)
+
+
+def test_packed_rl_batch_holds_every_sequence_once():
+    """Packed rows: each sequence sits whole in one row under its own segment with positions from 0, and
+    target_index finds its completion tokens; every group is self-contained and rows divide evenly."""
+    rng = np.random.default_rng(0)
+    comps = [Completion(list(rng.integers(1, 50, rng.integers(1, 9))), list(rng.integers(1, 50, rng.integers(0, 6))),
+                        None, "stop", "") for _ in range(32)]
+    for c in comps:
+        c.logprobs = list(-rng.uniform(0, 3, len(c.token_ids)))
+    row_len, groups = 16, 4
+    batch = build_rl_batch(comps, np.zeros(32), np.ones(32, bool), row_len=row_len, max_tokens=5, groups=groups,
+                           row_multiple=2)
+    rows = len(batch["tokens"])
+    assert rows % (groups * 2) == 0 and rows < 32  # several sequences share a row
+    per_group, seqs = rows // groups, 32 // groups
+    for i, c in enumerate(comps):
+        g, n = i // seqs, len(c.token_ids)
+        flat = batch["tokens"][g * per_group:(g + 1) * per_group].reshape(-1)
+        idx = batch["target_index"][i, :n]
+        np.testing.assert_array_equal(flat[idx + 1], c.token_ids)  # the predicted tokens are the completion's
+        seg = batch["segment_ids"][g * per_group:(g + 1) * per_group].reshape(-1)
+        pos = batch["positions"][g * per_group:(g + 1) * per_group].reshape(-1)
+        start = (idx[0] + 1 - len(c.prompt_ids)) if n else None
+        if n:  # the whole sequence: one segment, positions 0..p+n-1, prompt then completion
+            span = slice(start, start + len(c.prompt_ids) + n)
+            assert len(set(seg[span])) == 1 and seg[span][0] > 0
+            np.testing.assert_array_equal(pos[span], np.arange(len(c.prompt_ids) + n))
+            np.testing.assert_array_equal(flat[span], list(c.prompt_ids) + list(c.token_ids))
+            assert (idx // row_len == idx[0] // row_len).all()  # never split across rows
+        np.testing.assert_allclose(batch["sampler_logp"][i, :n], c.logprobs, rtol=1e-6)
+        assert batch["completion_mask"][i].sum() == n
+    total = sum(len(c.prompt_ids) + len(c.token_ids) for c in comps)
+    assert (batch["segment_ids"] > 0).sum() == total  # nothing lost, nothing doubled
+
+
+def test_round_rows():
+    assert [round_rows(n) for n in range(1, 10)] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
+    assert [round_rows(n) for n in (13, 17, 33)] == [14, 20, 40]
+    assert round_rows(5, multiple=4) == 8 and round_rows(9, multiple=4) == 12
 
 
 def test_prompt_rows_render_and_errors(tmp_path):
@@ -155,3 +202,37 @@ def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
     assert malloc_tunables("") == "glibc.malloc.hugetlb=1"
     assert malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's choice stands
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_learner_trains_the_same_on_packed_and_unpacked_rows(beta):
+    """The learner's whole step — pi_old and reference passes, 2 iterations x 2 mini-batches x 2 micro-batches
+    — gives the same parameters whether sequences share rows or have one row each."""
+    import jax
+
+    from core.mesh import single_device_mesh
+    from core.models import create_model
+    from posttrain.learner import PolicyLearner
+
+    cfg = load_config("recipes/configs/grpo_tiny.yml", [
+        "rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", f"rl.beta={beta}",
+        "optim.name=sgd", "optim.learning_rate=1.0", "rollout.max_tokens=6"])
+    rng = np.random.default_rng(1)
+    comps = [Completion(list(rng.integers(3, 512, rng.integers(2, 9))), list(rng.integers(3, 512, rng.integers(1, 7))),
+                        list(-rng.uniform(4, 7, 6)), "stop", "") for _ in range(16)]
+    for c in comps:
+        c.logprobs = c.logprobs[:len(c.token_ids)]
+    adv, keep = rng.normal(size=16), np.arange(16) >= 4
+    params = {}
+    for pack in (False, True):
+        batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=pack)
+        mesh = single_device_mesh()
+        with jax.set_mesh(mesh):
+            model = create_model(cfg.model, mesh, seed=0)
+        learner = PolicyLearner(cfg, model, mesh, total_steps=1)
+        metrics = learner.train(batch)
+        assert np.isfinite(metrics["loss"]) and metrics["clip_fraction"] > 0
+        params[pack] = jax.device_get(learner.params)
+    assert len(build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4)["tokens"]) < 16
+    for a, b in zip(jax.tree.leaves(params[False]), jax.tree.leaves(params[True])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

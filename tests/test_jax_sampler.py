@@ -76,6 +76,11 @@ def test_seeds_topk_topp_and_stops(rollout_model_dir):
     k1 = sampler.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=5))
     greedy = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
     assert [x.token_ids for x in k1] == [x.token_ids for x in greedy]
+    # n samples decode from copies of their prompt's prefill: prompt-major rows, each its prompt's continuation
+    greedy3 = sampler.generate(PROMPTS, SamplingParams(n=3, temperature=0.0, max_tokens=8))
+    assert [x.token_ids for x in greedy3] == [x.token_ids for x in greedy for _ in range(3)]
+    sampled3 = sampler.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=1))
+    assert all(len({tuple(x.token_ids) for x in sampled3[i:i + 3]}) > 1 for i in range(0, len(sampled3), 3))
     assert np.allclose([x.logprobs for x in k1], 0.0)
     # a tiny top_p also keeps only the most likely token
     p = sampler.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=5))
