@@ -1,4 +1,4 @@
-"""GRPO step time: Temper (vLLM sampler on Ray + JAX trainer) vs TRL's GRPOTrainer, same machine, same run.
+"""GRPO step time: Temper (vLLM samplers on Ray, or the JAX sampler in-process) vs TRL's GRPOTrainer, same run.
 
     python bench/grpo_step.py                      # tiny and ~100M models
     python bench/grpo_step.py --sizes tiny --steps 3
@@ -10,7 +10,9 @@ cores. Temper's step time and its breakdown (generate / reward / train /
 sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
-out of the means. Run it as `make bench-grpo` (Temper with huge-page malloc, see
+out of the means; the median is printed too, because the mean also carries
+the compilations of new packed-row counts (`posttrain/rl_batch.py`: each new
+row count costs ~8 s once at 100M on 2 cores, a few per run). Run it as `make bench-grpo` (Temper with huge-page malloc, see
 core/host_memory.py; TRL without, which is faster for it). Goal (issue 6):
 Temper's step <= 0.5x TRL's.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +71,7 @@ def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: 
     from core.metrics import read_metrics
     from posttrain.grpo import run_grpo
 
-    run_dir = work / f"temper_{size}"
+    run_dir = work / f"temper_{size}_{len(list(work.glob('temper_*')))}"
     cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml", [
         f"run.run_dir={run_dir}", f"rl.policy_path={hf}", f"data.source={prompts}", f"data.tokenizer_dir={tokenizer}",
         f"train.steps={args.steps + 1}", f"rl.prompts_per_step={args.prompts}", f"rl.num_generations={args.generations}",
@@ -78,8 +81,10 @@ def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: 
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
-    return {k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s",
-                                                "time/update_s", "time/sync_s")}
+    out = {k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s",
+                                               "time/update_s", "time/sync_s")}
+    return {**out, "median_step_s": statistics.median(r["time/step_s"] for r in rows),
+            "rows": mean("pack/rows"), "fill": mean("pack/fill")}
 
 
 def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
@@ -92,7 +97,7 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     subprocess.run(cmd, check=True, env=env)
     times = json.loads(out.read_text())["step_times"][1:]
-    return {"step_s": sum(times) / len(times)}
+    return {"step_s": sum(times) / len(times), "median_step_s": statistics.median(times)}
 
 
 def main() -> None:
@@ -102,6 +107,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--samplers", nargs="+", default=["vllm", "jax"], choices=["vllm", "jax"],
+                   help="Temper's sampler: vLLM actors on Ray, and/or the JAX sampler in the trainer's process")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo_step.json"))
     args = p.parse_args()
 
@@ -115,14 +122,17 @@ def main() -> None:
                                         work / "tok", 512))
         for size in args.sizes:
             hf, prompts = build(size, work, tokenizer)
-            ours = temper_step(size, hf, prompts, tokenizer, args, work)
             theirs = trl_step(hf, prompts, args, work)
-            ratio = ours["step_s"] / theirs["step_s"]
-            results[size] = {"temper": ours, "trl": theirs, "ratio": ratio}
-            print(f"{size}: Temper {ours['step_s']:.2f} s/step (generate {ours['generate_s']:.2f}, reward "
-                  f"{ours['reward_s']:.2f}, train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync "
-                  f"{ours['sync_s']:.2f}) | "
-                  f"TRL {theirs['step_s']:.2f} s/step | ratio {ratio:.2f}", flush=True)
+            results[size] = {"trl": theirs}
+            for sampler in args.samplers:
+                ours = temper_step(size, hf, prompts, tokenizer, args, work, [f"rollout.sampler={sampler}"])
+                ratio = ours["step_s"] / theirs["step_s"]
+                results[size][sampler] = {"temper": ours, "ratio": ratio}
+                print(f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
+                      f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
+                      f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}) "
+                      f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}) | ratio {ratio:.2f}",
+                      flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -76,9 +76,9 @@ def test_packed_rl_batch_holds_every_sequence_once():
 
 
 def test_round_rows():
-    assert [round_rows(n) for n in range(1, 10)] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
-    assert [round_rows(n) for n in (13, 17, 33)] == [14, 20, 40]
-    assert round_rows(5, multiple=4) == 8 and round_rows(9, multiple=4) == 12
+    assert [round_rows(n) for n in range(1, 10)] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
+    assert [round_rows(n) for n in (13, 17, 33)] == [16, 24, 48]
+    assert round_rows(5, multiple=4) == 8 and round_rows(9, multiple=5) == 15
 
 
 def test_prompt_rows_render_and_errors(tmp_path):
