@@ -66,17 +66,17 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     return hf, prompts
 
 
-def temper_step(size: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path, overrides=()) -> dict:
+def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.grpo import run_grpo
 
-    run_dir = work / f"temper_{size}_{len(list(work.glob('temper_*')))}"
+    run_dir = work / f"temper_{size}_{sampler}"
     cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml", [
         f"run.run_dir={run_dir}", f"rl.policy_path={hf}", f"data.source={prompts}", f"data.tokenizer_dir={tokenizer}",
         f"train.steps={args.steps + 1}", f"rl.prompts_per_step={args.prompts}", f"rl.num_generations={args.generations}",
         f"rollout.max_tokens={args.max_tokens}", "checkpoint.enabled=false", "checkpoint.export_hf=false",
-        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5", *overrides,
+        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5", f"rollout.sampler={sampler}",
     ])
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
@@ -125,7 +125,7 @@ def main() -> None:
             theirs = trl_step(hf, prompts, args, work)
             results[size] = {"trl": theirs}
             for sampler in args.samplers:
-                ours = temper_step(size, hf, prompts, tokenizer, args, work, [f"rollout.sampler={sampler}"])
+                ours = temper_step(size, sampler, hf, prompts, tokenizer, args, work)
                 ratio = ours["step_s"] / theirs["step_s"]
                 results[size][sampler] = {"temper": ours, "ratio": ratio}
                 print(f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "

@@ -14,6 +14,8 @@ also a sum, reported divided by the same global denominator, except those named
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -89,6 +91,15 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     (those that divide B/k)."""
     spec = logical_to_spec(("batch",), shape[1:2], dict(mesh.shape))
     return NamedSharding(mesh, PartitionSpec(None, *spec, *([None] * (len(shape) - 2))))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """Into how many parts `batch_sharding` can split the batch axis at most (the data-parallel size):
+    a micro-batch's row count divisible by it is never replicated across those devices."""
+    shape = dict(mesh.shape)
+    spec = logical_to_spec(("batch",), (math.prod(shape.values()),), shape)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(shape[a] for a in axes)
 
 
 def split_micro_batches(batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, np.ndarray]:

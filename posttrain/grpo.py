@@ -79,6 +79,10 @@ class GRPORun:
         if rl.off_policy_steps and rollout.sampler != "vllm":
             raise ValueError("rl.off_policy_steps > 0 (async) needs rollout.sampler=vllm: "
                              "the JAX sampler shares the trainer's process")
+        if rl.pack_length and rl.pack_length < rollout.max_model_len:
+            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len ({rollout.max_model_len}): "
+                             "a full-length sequence would not fit in a row")
+        self.row_len = rl.pack_length or rollout.max_model_len
         self.train_rows, self.eval_rows = prompt_rows(cfg)
         self.stream = PromptStream(self.train_rows, rl.prompts_per_step, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
@@ -91,11 +95,7 @@ class GRPORun:
             ensure_ray()
             self.pg = reserve(cfg)
         self.trainer = start_trainer(cfg, self.run_dir, self.pg)
-        self.row_len = rl.pack_length or rollout.max_model_len
-        if rl.pack_length and rl.pack_length < rollout.max_model_len:
-            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len ({rollout.max_model_len}): "
-                             "a full-length sequence would not fit in a row")
-        self._row_multiple: int | None = None  # the trainer's data-parallel size, asked once
+        self.row_multiple = int(self.trainer.call("batch_shards"))  # the trainer's data-parallel size
         self.start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
         latest = self.trainer.call("latest_step")
@@ -240,8 +240,6 @@ class GRPORun:
         """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
         a multiple of the trainer's data-parallel size."""
         rl = self.cfg.rl
-        if self._row_multiple is None:
-            self._row_multiple = int(self.trainer.call("batch_shards"))
         row_len = self.row_len
         if not rl.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
             longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
@@ -249,7 +247,7 @@ class GRPORun:
         return build_rl_batch(completions, adv.values, adv.keep, row_len=row_len,
                               max_tokens=self.cfg.rollout.max_tokens,
                               groups=rl.mini_batches * self.cfg.train.micro_batches,
-                              row_multiple=self._row_multiple, pack=rl.pack_sequences,
+                              row_multiple=self.row_multiple, pack=rl.pack_sequences,
                               mask_truncated=rl.mask_truncated)
 
     def _save(self, step: int, in_flight: deque) -> None:

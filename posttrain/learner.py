@@ -27,8 +27,7 @@ from core.checkpoint import Checkpointer
 from core.config import Config
 from core.loop import NonFiniteLoss
 from core.optim import make_optimizer, make_schedule
-from core.mesh import logical_to_spec
-from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
+from core.train import batch_shards, batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
 from posttrain.losses import PolicyLossSettings
 from posttrain.objective import make_policy_objective, target_logprobs
 
@@ -95,13 +94,8 @@ class PolicyLearner:
         return self.state.params
 
     def batch_shards(self) -> int:
-        """How many ways the trainer splits a micro-batch's rows (its data-parallel size): packed row
-        counts are made a multiple of it, so no device holds a copy of another's rows."""
-        shape = dict(self.mesh.shape)
-        size = int(np.prod(list(shape.values())))
-        spec = logical_to_spec(("batch",), (size,), shape)[0]
-        axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-        return int(np.prod([shape[a] for a in axes]))
+        """The trainer's data-parallel size: packed row counts are made a multiple of it."""
+        return batch_shards(self.mesh)
 
     # ------------------------------------------------------------------ train
 

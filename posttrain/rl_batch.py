@@ -56,6 +56,10 @@ def round_rows(n: int, multiple: int = 1) -> int:
     if n > 2:
         p = 1 << (n - 1).bit_length()
         n = 3 * p // 4 if n <= 3 * p // 4 else p
+    return _round_up(n, multiple)
+
+
+def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -95,9 +99,8 @@ def build_rl_batch(
         members = range(g * per_group, (g + 1) * per_group)
         rows = pack_sequences([lengths[i] for i in members], row_len) if pack else [[k] for k in range(per_group)]
         layouts.append([[g * per_group + k for k in row] for row in rows])
-    rows_per_group = round_rows(max(len(rows) for rows in layouts), row_multiple) if pack else per_group
-    if not pack and per_group % row_multiple:
-        rows_per_group = -(-per_group // row_multiple) * row_multiple
+    most = max(len(rows) for rows in layouts)
+    rows_per_group = round_rows(most, row_multiple) if pack else _round_up(most, row_multiple)
 
     r = rows_per_group * groups
     tokens = np.full((r, row_len), pad_id, np.int32)

@@ -117,3 +117,18 @@ def test_optimizer_moments_are_sharded_like_parameters():
         else:
             assert leaf.ndim == 0 and leaf.sharding.is_fully_replicated, key
     assert moments == 2 * len(params)  # mu and nu for every parameter
+
+
+def test_batch_shards_is_what_batch_sharding_splits_rows_into():
+    from core.config import MeshConfig
+    from core.mesh import make_mesh, single_device_mesh
+    from core.train import batch_shards
+
+    assert batch_shards(single_device_mesh()) == 1
+    for mesh_cfg in (MeshConfig(data=2, fsdp=4), MeshConfig(fsdp=2, tensor=4)):
+        mesh = make_mesh(mesh_cfg, jax.devices())
+        n = batch_shards(mesh)
+        sharding = batch_sharding(mesh, (1, n, 16))
+        rows = {(idx[1].start, idx[1].stop) for idx in sharding.devices_indices_map((1, n, 16)).values()}
+        assert len(rows) == n  # each device holds its own row
+    assert batch_shards(make_mesh(MeshConfig(data=2, fsdp=4), jax.devices())) == 8
