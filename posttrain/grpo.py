@@ -36,11 +36,12 @@ import numpy as np
 from core.config import Config
 from core.config_loader import save_config
 from core.metrics import MetricsLogger, plot_curves, update_run_info
+from core.shapes import SizeCache
 from posttrain.advantages import group_advantages
 from posttrain.cluster import reserve, start_trainer, start_vllm_sampler
 from posttrain.evaluation import majority_correct, pass_at_k
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
-from posttrain.rl_batch import build_rl_batch, fill_fraction
+from posttrain.rl_batch import build_rl_batch, fill_fraction, round_rows
 from posttrain.sampling import SamplerGroup
 from rewards.extract import final_answer
 from rewards.runner import RewardBatch, RewardRunner
@@ -96,6 +97,8 @@ class GRPORun:
             self.pg = reserve(cfg)
         self.trainer = start_trainer(cfg, self.run_dir, self.pg)
         self.row_multiple = int(self.trainer.call("batch_shards"))  # the trainer's data-parallel size
+        # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
+        self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
         self.start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
         latest = self.trainer.call("latest_step")
@@ -248,7 +251,7 @@ class GRPORun:
                               max_tokens=self.cfg.rollout.max_tokens,
                               groups=rl.mini_batches * self.cfg.train.micro_batches,
                               row_multiple=self.row_multiple, pack=rl.pack_sequences,
-                              mask_truncated=rl.mask_truncated)
+                              mask_truncated=rl.mask_truncated, choose_rows=self.row_counts.pick)
 
     def _save(self, step: int, in_flight: deque) -> None:
         # Batches already drawn for the in-flight generations are drawn (and seeded) again after a restart.

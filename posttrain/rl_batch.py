@@ -24,7 +24,7 @@ self-contained micro-batches; `target_index` is local to its group. See
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -75,6 +75,7 @@ def build_rl_batch(
     pack: bool = True,
     mask_truncated: bool = False,
     pad_id: int = 0,
+    choose_rows: Callable[[int], int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays for `posttrain.objective` (layout in the module docstring).
 
@@ -82,6 +83,9 @@ def build_rl_batch(
     (DAPO), completions that hit the length limit contribute no loss tokens.
     `pack=False` puts one sequence in each row (rows = completions). `row_multiple`
     (e.g. the trainer's data-parallel size) divides every group's row count.
+    `choose_rows` maps the rows a group needs to the rows it gets (default
+    `round_rows`); `posttrain.grpo` passes a `core.shapes.SizeCache` so that a row
+    count the update was already compiled for is reused.
     """
     b = len(completions)
     if b % groups:
@@ -100,7 +104,13 @@ def build_rl_batch(
         rows = pack_sequences([lengths[i] for i in members], row_len) if pack else [[k] for k in range(per_group)]
         layouts.append([[g * per_group + k for k in row] for row in rows])
     most = max(len(rows) for rows in layouts)
-    rows_per_group = round_rows(most, row_multiple) if pack else _round_up(most, row_multiple)
+    if not pack:
+        rows_per_group = _round_up(most, row_multiple)
+    else:
+        rows_per_group = (choose_rows or (lambda n: round_rows(n, row_multiple)))(most)
+        if rows_per_group < most or rows_per_group % row_multiple:
+            raise ValueError(f"choose_rows({most}) = {rows_per_group}: need at least {most} rows per group, "
+                             f"a multiple of {row_multiple}")
 
     r = rows_per_group * groups
     tokens = np.full((r, row_len), pad_id, np.int32)

@@ -9,7 +9,9 @@ padding slots are overwritten before any query can see them. Each prompt is
 prefilled once and its `n` samples decode from copies of its cache. Sampling applies
 temperature, then top-k, then top-p (the vLLM order), and the returned
 log-probs are those of the distribution actually sampled. Prompt count and prompt
-length are bucketed to powers of two to bound recompilation. On a mesh with a
+length are bucketed to powers of two, and a shape already compiled is reused when
+the batch fits in it within twice its size (`core.shapes.SizeCache`), to bound
+recompilation. On a mesh with a
 `tensor` axis the model runs tensor-parallel (parameters sharded by their
 logical axes).
 """
@@ -27,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from core.models import state_mismatches
+from core.shapes import SizeCache
 from core.models.decoder import Decoder
 from rollout.sampler import (
     Completion,
@@ -136,6 +139,8 @@ class JaxSampler:
         self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id} - {None}))
         self.policy_version = 0
         self._key = jax.random.key(seed)
+        self._counts = SizeCache(_bucket)  # prompts per batch, then prompt length: shapes compiled so far
+        self._lengths = SizeCache(lambda n: _bucket(n, 8))
 
     # ---------------------------------------------------------------- generate
 
@@ -143,7 +148,7 @@ class JaxSampler:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths(prompt_ids, params.max_tokens, self.max_model_len)
         rows = [ids for ids in prompt_ids for _ in range(params.n)]
-        b, p = _bucket(len(prompt_ids)), _bucket(max(len(r) for r in prompt_ids), 8)
+        b, p = self._counts.pick(len(prompt_ids)), self._lengths.pick(max(len(r) for r in prompt_ids))
         tokens = np.zeros((b, p), np.int32)
         lengths = np.ones((b,), np.int32)
         for i, ids in enumerate(prompt_ids):

@@ -11,6 +11,7 @@ from core.config_loader import load_config
 from core.data import MalformedRow
 from posttrain.cluster import placement_bundles
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from core.shapes import SizeCache
 from posttrain.rl_batch import build_rl_batch, round_rows
 from posttrain.sampling import SamplerGroup
 from rollout.sampler import Completion, SamplingParams
@@ -41,9 +42,11 @@ def test_rl_batch_layout():
         build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=3, groups=2)
 
 
-def test_packed_rl_batch_holds_every_sequence_once():
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_packed_rl_batch_holds_every_sequence_once(extra_rows):
     """Packed rows: each sequence sits whole in one row under its own segment with positions from 0, and
-    target_index finds its completion tokens; every group is self-contained and rows divide evenly."""
+    target_index finds its completion tokens; every group is self-contained and rows divide evenly, also when
+    `choose_rows` gives a group more rows than it needs (a row count compiled before)."""
     rng = np.random.default_rng(0)
     comps = [Completion(list(rng.integers(1, 50, rng.integers(1, 9))), list(rng.integers(1, 50, rng.integers(0, 6))),
                         None, "stop", "") for _ in range(32)]
@@ -51,9 +54,9 @@ def test_packed_rl_batch_holds_every_sequence_once():
         c.logprobs = list(-rng.uniform(0, 3, len(c.token_ids)))
     row_len, groups = 16, 4
     batch = build_rl_batch(comps, np.zeros(32), np.ones(32, bool), row_len=row_len, max_tokens=5, groups=groups,
-                           row_multiple=2)
+                           row_multiple=2, choose_rows=lambda n: round_rows(n, 2) + extra_rows)
     rows = len(batch["tokens"])
-    assert rows % (groups * 2) == 0 and rows < 32  # several sequences share a row
+    assert rows % (groups * 2) == 0 and (extra_rows or rows < 32)  # several sequences share a row
     per_group, seqs = rows // groups, 32 // groups
     for i, c in enumerate(comps):
         g, n = i // seqs, len(c.token_ids)
@@ -79,6 +82,18 @@ def test_round_rows():
     assert [round_rows(n) for n in range(1, 10)] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
     assert [round_rows(n) for n in (13, 17, 33)] == [16, 24, 48]
     assert round_rows(5, multiple=4) == 8 and round_rows(9, multiple=5) == 15
+
+
+def test_size_cache_reuses_compiled_sizes_within_slack():
+    sizes = SizeCache(round_rows)
+    assert [sizes.pick(n) for n in (5, 3, 6, 2, 7, 4, 9)] == [6, 6, 6, 2, 8, 6, 12]
+    assert sizes.sizes == {2, 6, 8, 12}  # 3 reused 6 (<= 2 x 3); 2 did not (6 > 2 x 2); 4 took the smallest fit
+    with pytest.raises(ValueError, match="smaller than the size needed"):
+        SizeCache(lambda n: n - 1).pick(4)
+    comps = [Completion([1, 2], [3, 4], None, "stop", "") for _ in range(4)]
+    with pytest.raises(ValueError, match=r"choose_rows\(1\) = 3: need at least 1 rows per group, a multiple of 2"):
+        build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=16, max_tokens=2, row_multiple=2,
+                       choose_rows=lambda n: 3)
 
 
 def test_prompt_rows_render_and_errors(tmp_path):

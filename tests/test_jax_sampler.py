@@ -107,6 +107,24 @@ def test_update_weights_equals_fresh_sampler(rollout_model_dir):
     assert all(c.policy_version == 1 for c in got)
 
 
+def test_shorter_prompts_reuse_the_compiled_shape(rollout_model_dir):
+    """After a batch of long prompts, short ones run in the same compiled shape (padded further) and give
+    what a fresh sampler gives them in its own smaller shape."""
+    from rollout.jax_sampler import _generate
+
+    path = rollout_model_dir("llama")
+    sampler, params = sampler_for(path), SamplingParams(temperature=0.0, max_tokens=6)
+    short = [p[:4] for p in PROMPTS]  # at most 4 tokens: length bucket 8
+    sampler.generate([p * 2 for p in PROMPTS], params)  # up to 14 tokens: length bucket 16
+    compiled = _generate._cache_size()
+    got = sampler.generate(short, params)
+    assert _generate._cache_size() == compiled  # 16 <= 2 x bucket 8: reused, nothing compiled
+    want = sampler_for(path).generate(short, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    np.testing.assert_allclose(np.concatenate([c.logprobs for c in got]),
+                               np.concatenate([c.logprobs for c in want]), atol=1e-5)
+
+
 def test_bad_input(rollout_model_dir):
     from flax import nnx
 

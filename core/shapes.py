@@ -1,0 +1,39 @@
+"""Input sizes that jitted code has already been compiled for, reused when one fits.
+
+    rows = SizeCache(lambda n: round_rows(n, 2))   # how a new size is rounded
+    rows.pick(5)    # -> 6   (new: compiles once)
+    rows.pick(3)    # -> 6   (reuses 6: 3 <= 6 <= 2 * round_rows(3))
+    rows.pick(2)    # -> 2   (6 > 2 * round_rows(2): too much extra work, a new size)
+
+Every new shape of a jitted function's input compiles it again (seconds on
+CPU, tens of seconds for a large model on an accelerator), while padding a
+smaller input up to a size already compiled costs only its extra compute. A
+`SizeCache` turns a needed size into the smallest size already used that
+holds it, if that is at most `slack` times the size it would be bucketed to,
+and otherwise into the new bucketed size, which it remembers. Used for the packed row counts of the RL update
+(`posttrain.grpo`) and the JAX sampler's prompt shapes (`rollout.jax_sampler`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class SizeCache:
+    def __init__(self, bucket: Callable[[int], int], slack: float = 2.0):
+        if slack < 1.0:
+            raise ValueError(f"slack must be >= 1 (got {slack})")
+        self.bucket = bucket
+        self.slack = slack
+        self.sizes: set[int] = set()
+
+    def pick(self, needed: int) -> int:
+        """The size to use for `needed` (>= needed)."""
+        size = self.bucket(needed)
+        if size < needed:
+            raise ValueError(f"bucket({needed}) = {size} is smaller than the size needed")
+        fits = [s for s in self.sizes if needed <= s <= self.slack * size]
+        if fits:
+            return min(fits)
+        self.sizes.add(size)
+        return size
