@@ -10,7 +10,11 @@ CPU, tens of seconds for a large model on an accelerator), while padding a
 smaller input up to a size already compiled costs only its extra compute. A
 `SizeCache` turns a needed size into the smallest size already used that
 holds it, if that is at most `slack` times the size it would be bucketed to,
-and otherwise into the new bucketed size, which it remembers. Used for the packed row counts of the RL update
+and otherwise into the new bucketed size, which it remembers. A bucket that
+keeps being needed is compiled after all: once it has been padded into a
+larger size `patience` times (ski rental: the padding paid by then is about
+what one compilation costs), it gets its own size, so a long run does not pad
+forever and a short run compiles only what it must. Used for the packed row counts of the RL update
 (`posttrain.grpo`) and the JAX sampler's prompt shapes (`rollout.jax_sampler`).
 """
 
@@ -20,12 +24,14 @@ from typing import Callable
 
 
 class SizeCache:
-    def __init__(self, bucket: Callable[[int], int], slack: float = 2.0):
+    def __init__(self, bucket: Callable[[int], int], slack: float = 2.0, patience: int = 8):
         if slack < 1.0:
             raise ValueError(f"slack must be >= 1 (got {slack})")
         self.bucket = bucket
         self.slack = slack
+        self.patience = patience
         self.sizes: set[int] = set()
+        self.padded: dict[int, int] = {}  # bucket -> times it was padded into a larger size
 
     def pick(self, needed: int) -> int:
         """The size to use for `needed` (>= needed)."""
@@ -33,7 +39,9 @@ class SizeCache:
         if size < needed:
             raise ValueError(f"bucket({needed}) = {size} is smaller than the size needed")
         fits = [s for s in self.sizes if needed <= s <= self.slack * size]
-        if fits:
+        if fits and (size in self.sizes or self.padded.get(size, 0) < self.patience):
+            if size not in self.sizes:
+                self.padded[size] = self.padded.get(size, 0) + 1
             return min(fits)
         self.sizes.add(size)
         return size

@@ -88,6 +88,9 @@ def test_size_cache_reuses_compiled_sizes_within_slack():
     sizes = SizeCache(round_rows)
     assert [sizes.pick(n) for n in (5, 3, 6, 2, 7, 4, 9)] == [6, 6, 6, 2, 8, 6, 12]
     assert sizes.sizes == {2, 6, 8, 12}  # 3 reused 6 (<= 2 x 3); 2 did not (6 > 2 x 2); 4 took the smallest fit
+    patient = SizeCache(round_rows, patience=2)
+    assert [patient.pick(n) for n in (8, 6, 5, 6, 6, 8)] == [8, 8, 8, 6, 6, 8]  # bucket 6 padded twice, then its own
+    assert patient.sizes == {6, 8} and patient.padded == {6: 2}
     with pytest.raises(ValueError, match="smaller than the size needed"):
         SizeCache(lambda n: n - 1).pick(4)
     comps = [Completion([1, 2], [3, 4], None, "stop", "") for _ in range(4)]
