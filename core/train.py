@@ -15,7 +15,6 @@ also a sum, reported divided by the same global denominator, except those named
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any, Callable
 

@@ -10,10 +10,9 @@ prefilled once and its `n` samples decode from copies of its cache. Sampling app
 temperature, then top-k, then top-p (the vLLM order), and the returned
 log-probs are those of the distribution actually sampled. Prompt count and prompt
 length are bucketed to powers of two, and a shape already compiled is reused when
-the batch fits in it within twice its size (`core.shapes.SizeCache`), to bound
-recompilation. On a mesh with a
-`tensor` axis the model runs tensor-parallel (parameters sharded by their
-logical axes).
+the batch fits in it at no more than twice its own bucket (`core.shapes.SizeCache`),
+to bound recompilation. On a mesh with a `tensor` axis the model runs
+tensor-parallel (parameters sharded by their logical axes).
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from core.models import state_mismatches
-from core.shapes import SizeCache
 from core.models.decoder import Decoder
+from core.shapes import SizeCache
 from rollout.sampler import (
     Completion,
     Prompt,

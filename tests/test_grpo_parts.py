@@ -9,9 +9,9 @@ import pytest
 
 from core.config_loader import load_config
 from core.data import MalformedRow
+from core.shapes import SizeCache
 from posttrain.cluster import placement_bundles
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
-from core.shapes import SizeCache
 from posttrain.rl_batch import build_rl_batch, round_rows
 from posttrain.sampling import SamplerGroup
 from rollout.sampler import Completion, SamplingParams
@@ -222,7 +222,7 @@ def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
     assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's choice stands
 
 
-def test_learner_trains_the_same_on_packed_and_unpacked_rows(beta=0.05):
+def test_learner_trains_the_same_on_packed_and_unpacked_rows():
     """The learner's whole step — pi_old and reference passes, 2 iterations x 2 mini-batches x 2 micro-batches
     — gives the same parameters whether sequences share rows or have one row each."""
     import jax
@@ -232,7 +232,7 @@ def test_learner_trains_the_same_on_packed_and_unpacked_rows(beta=0.05):
     from posttrain.learner import PolicyLearner
 
     cfg = load_config("recipes/configs/grpo_tiny.yml", [
-        "rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", f"rl.beta={beta}",
+        "rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", "rl.beta=0.05",
         "optim.name=sgd", "optim.learning_rate=1.0", "rollout.max_tokens=6"])
     rng = np.random.default_rng(1)
     comps = [Completion(list(rng.integers(3, 512, rng.integers(2, 9))), list(rng.integers(3, 512, rng.integers(1, 7))),
