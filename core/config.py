@@ -272,6 +272,7 @@ class RLConfig(Section):
     mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
     mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no loss tokens
     pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
+    share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
     pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = rollout.max_model_len
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
     max_sampling_rounds: int = Field(4, gt=0)

@@ -250,7 +250,7 @@ class GRPORun:
         return build_rl_batch(completions, adv.values, adv.keep, row_len=row_len,
                               max_tokens=self.cfg.rollout.max_tokens,
                               groups=rl.mini_batches * self.cfg.train.micro_batches,
-                              row_multiple=self.row_multiple, pack=rl.pack_sequences,
+                              row_multiple=self.row_multiple, pack=rl.pack_sequences, share_prompts=rl.share_prompts,
                               mask_truncated=rl.mask_truncated, choose_rows=self.row_counts.pick)
 
     def _save(self, step: int, in_flight: deque) -> None:

@@ -102,7 +102,7 @@ class PolicyLearner:
     def place_inputs(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """The model inputs and `target_index` as the batch's packing groups (one per mini-batch x micro-batch)
         on the trainer mesh (for `logprobs`)."""
-        keys = ("tokens", "positions", "segment_ids", "target_index")
+        keys = ("tokens", "positions", "segment_ids", "branch_ids", "target_index", "target_ids")
         groups = self.cfg.rl.mini_batches * self.cfg.train.micro_batches
         chunks = split_micro_batches({key: batch[key] for key in keys}, groups)
         return {key: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for key, v in chunks.items()}

@@ -4,7 +4,9 @@ An RL batch (`posttrain.rl_batch`) packs prompt + completion sequences into
 rows; every per-token array is in a completion-major `[B, C]` layout:
 
     tokens, positions, segment_ids [R, L]   packed rows (segment 0 = padding)
+    branch_ids      [R, L] int32   0 = prompt, k >= 1 = k-th completion sharing the segment's prompt
     target_index    [B, C] int32   flat index into [R * L] of the position predicting completion token j
+    target_ids      [B, C] int32   completion token j
     loss_mask       [B, C] f32     1 where completion token j exists and counts
     advantages      [B] f32
     old_logp        [B, C] f32     pi_old of each token; absent when the step starts from pi_old
@@ -29,11 +31,11 @@ from posttrain.losses import PolicyLossSettings, policy_loss
 
 def target_logprobs(model, batch: dict, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """([B, C] log p(completion token j | everything before it), [B, C] entropy) under `model` at `temperature`."""
-    tokens = batch["tokens"]
-    hidden = model.hidden_states(tokens, batch["positions"], batch["segment_ids"])  # [R, L, D]
-    index = batch["target_index"]  # [B, C]
+    hidden = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                 batch.get("branch_ids"))  # [R, L, D]
+    index = batch["target_index"]  # [B, C]; a shared prompt's last position predicts each completion's first token
     picked = hidden.reshape(-1, hidden.shape[-1])[index]  # [B, C, D]
-    targets = tokens.reshape(-1)[index + 1]  # the token after each predicting position (same row)
+    targets = batch["target_ids"]
     weight, layout = model.output_weight()
     return chunked_logprobs_and_entropy(
         picked, weight.astype(hidden.dtype), targets, temperature=temperature,

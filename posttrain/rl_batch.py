@@ -1,15 +1,24 @@
 """Completions + advantages -> the packed arrays the policy objective trains on (pure NumPy).
 
-Several prompt + completion sequences share a row of `row_len` tokens
-(first-fit decreasing), each with its own segment id and positions that
-restart at 0, so attention never crosses a sequence and little compute goes
-to padding. Everything per completion token lives in a `[B, C]` layout, one
-row per completion (C = `max_tokens`), and `target_index` says where each
-of those tokens is predicted in the packed rows:
+Several sequences share a row of `row_len` tokens (first-fit decreasing),
+each with its own segment id and positions that restart at 0, so attention
+never crosses a sequence and little compute goes to padding. With
+`share_prompts` (the default) the completions of one prompt share a single
+copy of it: the segment holds the prompt (branch 0) followed by each
+completion (branch k), which attends to the prompt and to itself only, with
+positions that continue from the prompt's. GRPO samples several completions
+per prompt, so this trains on each prompt token once instead of once per
+completion (same gradient: the prompt's hidden states do not depend on what
+follows). Everything per completion token lives in a `[B, C]` layout, one row
+per completion (C = `max_tokens`), and `target_index` says where each of those
+tokens is predicted in the packed rows:
 
     tokens, positions, segment_ids   [R, row_len]   packed sequences (segment 0 = padding)
+    branch_ids      [R, row_len]     0 = prompt (or padding), k >= 1 = the segment's k-th completion
     target_index    [B, C] int32     flat index into the group's [R_g * row_len] positions whose
-                                     hidden state predicts completion token j (its position - 1)
+                                     hidden state predicts completion token j (the prompt's last
+                                     token for j = 0, else the completion's token j - 1)
+    target_ids      [B, C] int32     completion token j itself
     loss_mask       [B, C] f32       1 where completion token j exists and counts in the loss
     completion_mask [B, C] f32       1 where completion token j exists (statistics)
     sampler_logp    [B, C] f32       the sampler's log-prob of completion token j
@@ -73,6 +82,7 @@ def build_rl_batch(
     groups: int = 1,
     row_multiple: int = 1,
     pack: bool = True,
+    share_prompts: bool = True,
     mask_truncated: bool = False,
     pad_id: int = 0,
     choose_rows: Callable[[int], int] | None = None,
@@ -81,7 +91,9 @@ def build_rl_batch(
 
     `keep` (e.g. False for zero-variance groups) and, with `mask_truncated`
     (DAPO), completions that hit the length limit contribute no loss tokens.
-    `pack=False` puts one sequence in each row (rows = completions). `row_multiple`
+    `pack=False` puts one sequence in each row (rows = completions, no shared
+    prompts). `share_prompts` lets completions with identical prompt tokens
+    in the same packing group share one copy of the prompt. `row_multiple`
     (e.g. the trainer's data-parallel size) divides every group's row count.
     `choose_rows` maps the rows a group needs to the rows it gets (default
     `round_rows`); `posttrain.grpo` passes a `core.shapes.SizeCache` so that a row
@@ -97,12 +109,15 @@ def build_rl_batch(
         if p + n > row_len:
             raise ValueError(f"completion {i}: prompt {p} + completion {n} tokens > row length {row_len}")
     per_group = b // groups
-    lengths = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
-    layouts = []
+    layouts = []  # per group: rows, each a list of segments, each a list of completion indices sharing a prompt
     for g in range(groups):
         members = range(g * per_group, (g + 1) * per_group)
-        rows = pack_sequences([lengths[i] for i in members], row_len) if pack else [[k] for k in range(per_group)]
-        layouts.append([[g * per_group + k for k in row] for row in rows])
+        if not pack:
+            layouts.append([[[i]] for i in members])
+            continue
+        segments = prompt_segments(completions, members, row_len) if share_prompts else [[i] for i in members]
+        lengths = [len(completions[s[0]].prompt_ids) + sum(len(completions[i].token_ids) for i in s) for s in segments]
+        layouts.append([[segments[k] for k in row] for row in pack_sequences(lengths, row_len)])
     most = max(len(rows) for rows in layouts)
     if not pack:
         rows_per_group = _round_up(most, row_multiple)
@@ -116,33 +131,65 @@ def build_rl_batch(
     tokens = np.full((r, row_len), pad_id, np.int32)
     positions = np.zeros((r, row_len), np.int32)
     segment_ids = np.zeros((r, row_len), np.int32)
+    branch_ids = np.zeros((r, row_len), np.int32)
     target_index = np.zeros((b, max_tokens), np.int32)
+    target_ids = np.zeros((b, max_tokens), np.int32)
     loss_mask = np.zeros((b, max_tokens), np.float32)
     completion_mask = np.zeros((b, max_tokens), np.float32)
     sampler_logp = np.zeros((b, max_tokens), np.float32)
     for g, rows in enumerate(layouts):
-        for local_row, members in enumerate(rows):
+        for local_row, segments in enumerate(rows):
             row, offset = g * rows_per_group + local_row, 0
-            for segment, i in enumerate(members, start=1):
-                c = completions[i]
-                p, n = len(c.prompt_ids), len(c.token_ids)
-                tokens[row, offset:offset + p] = c.prompt_ids
-                tokens[row, offset + p:offset + p + n] = c.token_ids
-                positions[row, offset:offset + p + n] = np.arange(p + n)
-                segment_ids[row, offset:offset + p + n] = segment
-                # completion token j sits at offset + p + j and is predicted from the position before it
-                target_index[i, :n] = local_row * row_len + offset + p - 1 + np.arange(n)
-                completion_mask[i, :n] = 1.0
-                if c.logprobs is not None:
-                    sampler_logp[i, :n] = c.logprobs
-                if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
-                    loss_mask[i, :n] = 1.0
-                offset += p + n
+            base = local_row * row_len  # target_index is flat within the group's rows
+            for segment, members in enumerate(segments, start=1):
+                prompt = completions[members[0]].prompt_ids
+                p = len(prompt)
+                tokens[row, offset:offset + p] = prompt
+                positions[row, offset:offset + p] = np.arange(p)
+                segment_ids[row, offset:offset + p] = segment
+                prompt_last, offset = offset + p - 1, offset + p
+                for branch, i in enumerate(members, start=1):
+                    c = completions[i]
+                    n = len(c.token_ids)
+                    tokens[row, offset:offset + n] = c.token_ids
+                    positions[row, offset:offset + n] = p + np.arange(n)
+                    segment_ids[row, offset:offset + n] = segment
+                    branch_ids[row, offset:offset + n] = branch
+                    # token 0 is predicted by the prompt's last token, token j by the completion's token j - 1
+                    target_index[i, :n] = base + np.concatenate(([prompt_last], offset + np.arange(n - 1)))[:n]
+                    target_ids[i, :n] = c.token_ids
+                    completion_mask[i, :n] = 1.0
+                    if c.logprobs is not None:
+                        sampler_logp[i, :n] = c.logprobs
+                    if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
+                        loss_mask[i, :n] = 1.0
+                    offset += n
     return {
-        "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "target_index": target_index,
-        "loss_mask": loss_mask, "completion_mask": completion_mask, "sampler_logp": sampler_logp,
+        "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "branch_ids": branch_ids,
+        "target_index": target_index, "target_ids": target_ids, "loss_mask": loss_mask,
+        "completion_mask": completion_mask, "sampler_logp": sampler_logp,
         "advantages": np.asarray(advantages, np.float32),
     }
+
+
+def prompt_segments(completions: Sequence[Completion], members: Sequence[int], row_len: int) -> list[list[int]]:
+    """Completion indices grouped by identical prompt tokens (first-seen order), each group cut so that one
+    copy of the prompt plus its completions fits in `row_len` tokens."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in members:
+        by_prompt.setdefault(tuple(completions[i].prompt_ids), []).append(i)
+    segments = []
+    for prompt, indices in by_prompt.items():
+        segment, used = [], len(prompt)
+        for i in indices:
+            n = len(completions[i].token_ids)
+            if segment and used + n > row_len:
+                segments.append(segment)
+                segment, used = [], len(prompt)
+            segment.append(i)
+            used += n
+        segments.append(segment)
+    return segments
 
 
 def fill_fraction(batch: dict[str, np.ndarray]) -> float:

@@ -206,18 +206,20 @@ def test_kl_estimators():
 
 
 def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
-    """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, or one
-    per row), with sampler / old / ref log-probs; the first two completions are a masked group."""
+    """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, pairs
+    sharing their prompt, or one per row), with sampler / old / ref log-probs; the first two completions are a
+    masked group."""
     from posttrain.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(seed)
     max_tokens = 15
     comps = []
-    for _ in range(rows):
-        prompt, total = int(rng.integers(2, 6)), int(rng.integers(8, t + 1))
-        n = min(total - prompt, max_tokens)
-        comps.append(Completion(list(rng.integers(3, vocab, prompt)), list(rng.integers(3, vocab, n)), None, "stop", ""))
+    for i in range(rows):
+        if i % 2 == 0:  # each prompt has two completions
+            prompt = list(rng.integers(3, vocab, int(rng.integers(2, 6))))
+        n = min(int(rng.integers(8, t + 1)) - len(prompt), max_tokens)
+        comps.append(Completion(prompt, list(rng.integers(3, vocab, n)), None, "stop", ""))
     keep = np.arange(rows) >= 2
     batch = build_rl_batch(comps, rng.normal(size=rows).astype(np.float32), keep, row_len=2 * t,
                            max_tokens=max_tokens, groups=groups, pack=pack)

@@ -42,40 +42,73 @@ def test_rl_batch_layout():
         build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=3, groups=2)
 
 
-@pytest.mark.parametrize("extra_rows", [0, 2])
-def test_packed_rl_batch_holds_every_sequence_once(extra_rows):
-    """Packed rows: each sequence sits whole in one row under its own segment with positions from 0, and
-    target_index finds its completion tokens; every group is self-contained and rows divide evenly, also when
-    `choose_rows` gives a group more rows than it needs (a row count compiled before)."""
+def test_completions_share_their_prompt():
+    """Completions of one prompt share a single copy of it: each completion continues the prompt's positions in
+    its own branch, and its first token is predicted from the prompt's last position."""
+    comps = [Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", ""), Completion([5, 6, 7], [4], [-1.0], "stop", ""),
+             Completion([1, 2], [3], [-0.125], "stop", ""), Completion([1, 2], [6, 6], [-0.1, -0.2], "stop", "")]
+    batch = build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2)
+    np.testing.assert_array_equal(batch["tokens"], [[5, 6, 7, 8, 9, 4, 0, 0], [1, 2, 3, 6, 6, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["positions"][0], [0, 1, 2, 3, 4, 3, 0, 0])
+    np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(batch["branch_ids"][0], [0, 0, 0, 1, 1, 2, 0, 0])
+    np.testing.assert_array_equal(batch["target_index"], [[2, 3], [2, 0], [1, 0], [1, 3]])  # local to each group
+    np.testing.assert_array_equal(batch["target_ids"], [[8, 9], [4, 0], [3, 0], [6, 6]])
+    unshared = build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2,
+                              share_prompts=False)
+    assert (unshared["segment_ids"] > 0).sum() == 16 and (batch["segment_ids"] > 0).sum() == 11
+
+
+@pytest.mark.parametrize("extra_rows,share", [(0, False), (2, False), (0, True), (2, True)])
+def test_packed_rl_batch_holds_every_sequence_once(extra_rows, share):
+    """Packed rows: each completion sits whole in one row, in the segment of a copy of its prompt (its own
+    copy, or with `share` one shared with other completions of the same prompt, cut to fit the row), with
+    positions continuing the prompt's; target_index finds the position predicting each of its tokens. Every
+    group is self-contained and rows divide evenly, also when `choose_rows` gives a group more rows than it
+    needs (a row count compiled before)."""
     rng = np.random.default_rng(0)
-    comps = [Completion(list(rng.integers(1, 50, rng.integers(1, 9))), list(rng.integers(1, 50, rng.integers(0, 6))),
-                        None, "stop", "") for _ in range(32)]
+    prompts = [list(rng.integers(1, 50, rng.integers(1, 9))) for _ in range(8)]
+    comps = [Completion(prompts[i // 4], list(rng.integers(1, 50, rng.integers(0, 6))), None, "stop", "")
+             for i in range(32)]
     for c in comps:
         c.logprobs = list(-rng.uniform(0, 3, len(c.token_ids)))
     row_len, groups = 16, 4
     batch = build_rl_batch(comps, np.zeros(32), np.ones(32, bool), row_len=row_len, max_tokens=5, groups=groups,
-                           row_multiple=2, choose_rows=lambda n: round_rows(n, 2) + extra_rows)
+                           row_multiple=2, choose_rows=lambda n: round_rows(n, 2) + extra_rows,
+                           share_prompts=share)
     rows = len(batch["tokens"])
     assert rows % (groups * 2) == 0 and (extra_rows or rows < 32)  # several sequences share a row
     per_group, seqs = rows // groups, 32 // groups
     for i, c in enumerate(comps):
-        g, n = i // seqs, len(c.token_ids)
-        flat = batch["tokens"][g * per_group:(g + 1) * per_group].reshape(-1)
+        g, n, p = i // seqs, len(c.token_ids), len(c.prompt_ids)
+        part = slice(g * per_group, (g + 1) * per_group)
+        flat, seg, pos, branch = (batch[k][part].reshape(-1) for k in ("tokens", "segment_ids", "positions",
+                                                                           "branch_ids"))
         idx = batch["target_index"][i, :n]
-        np.testing.assert_array_equal(flat[idx + 1], c.token_ids)  # the predicted tokens are the completion's
-        seg = batch["segment_ids"][g * per_group:(g + 1) * per_group].reshape(-1)
-        pos = batch["positions"][g * per_group:(g + 1) * per_group].reshape(-1)
-        start = (idx[0] + 1 - len(c.prompt_ids)) if n else None
-        if n:  # the whole sequence: one segment, positions 0..p+n-1, prompt then completion
-            span = slice(start, start + len(c.prompt_ids) + n)
-            assert len(set(seg[span])) == 1 and seg[span][0] > 0
-            np.testing.assert_array_equal(pos[span], np.arange(len(c.prompt_ids) + n))
-            np.testing.assert_array_equal(flat[span], list(c.prompt_ids) + list(c.token_ids))
-            assert (idx // row_len == idx[0] // row_len).all()  # never split across rows
+        np.testing.assert_array_equal(batch["target_ids"][i, :n], c.token_ids)
         np.testing.assert_allclose(batch["sampler_logp"][i, :n], c.logprobs, rtol=1e-6)
         assert batch["completion_mask"][i].sum() == n
-    total = sum(len(c.prompt_ids) + len(c.token_ids) for c in comps)
-    assert (batch["segment_ids"] > 0).sum() == total  # nothing lost, nothing doubled
+        if not n:
+            continue
+        row, segment = idx[0] // row_len, seg[idx[0]]
+        assert (idx // row_len == row).all() and segment > 0  # never split across rows
+        # token 0 is predicted from the last token of a copy of the prompt, in the same row and segment
+        in_copy = (seg == segment) & (branch == 0) & (np.arange(len(seg)) // row_len == row)
+        np.testing.assert_array_equal(flat[in_copy], c.prompt_ids)
+        np.testing.assert_array_equal(pos[in_copy], np.arange(p))
+        assert np.flatnonzero(in_copy)[-1] == idx[0]
+        if n > 1:  # token j is predicted from token j - 1: one branch of that segment, positions continuing it
+            span = idx[1] + np.arange(n)
+            np.testing.assert_array_equal(flat[span], c.token_ids)
+            np.testing.assert_array_equal(pos[span], p + np.arange(n))
+            assert (seg[span] == segment).all() and len(set(branch[span])) == 1 and branch[span][0] > 0
+    completion_tokens = sum(len(c.token_ids) for c in comps)
+    prompt_tokens = ((batch["segment_ids"] > 0) & (batch["branch_ids"] == 0)).sum()
+    assert (batch["branch_ids"] > 0).sum() == completion_tokens  # no completion token lost or doubled
+    if share:  # fewer prompt copies than completions
+        assert prompt_tokens < sum(len(c.prompt_ids) for c in comps)
+    else:  # one prompt copy per completion
+        assert prompt_tokens == sum(len(c.prompt_ids) for c in comps)
 
 
 def test_round_rows():
@@ -224,7 +257,7 @@ def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
 
 def test_learner_trains_the_same_on_packed_and_unpacked_rows():
     """The learner's whole step — pi_old and reference passes, 2 iterations x 2 mini-batches x 2 micro-batches
-    — gives the same parameters whether sequences share rows or have one row each."""
+    — gives the same parameters whether sequences have one row each, share rows, or also share their prompt."""
     import jax
 
     from core.mesh import single_device_mesh
@@ -235,21 +268,24 @@ def test_learner_trains_the_same_on_packed_and_unpacked_rows():
         "rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", "rl.beta=0.05",
         "optim.name=sgd", "optim.learning_rate=1.0", "rollout.max_tokens=6"])
     rng = np.random.default_rng(1)
-    comps = [Completion(list(rng.integers(3, 512, rng.integers(2, 9))), list(rng.integers(3, 512, rng.integers(1, 7))),
-                        list(-rng.uniform(4, 7, 6)), "stop", "") for _ in range(16)]
+    prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]  # 4 prompts x 4 completions
+    comps = [Completion(prompts[i // 4], list(rng.integers(3, 512, rng.integers(1, 7))),
+                        list(-rng.uniform(4, 7, 6)), "stop", "") for i in range(16)]
     for c in comps:
         c.logprobs = c.logprobs[:len(c.token_ids)]
     adv, keep = rng.normal(size=16), np.arange(16) >= 4
     params = {}
-    for pack in (False, True):
-        batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=pack)
+    for pack, share in ((False, False), (True, False), (True, True)):
+        batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=pack, share_prompts=share)
+        assert (batch["branch_ids"] > 1).any() == share
         mesh = single_device_mesh()
         with jax.set_mesh(mesh):
             model = create_model(cfg.model, mesh, seed=0)
         learner = PolicyLearner(cfg, model, mesh, total_steps=1)
         metrics = learner.train(batch)
         assert np.isfinite(metrics["loss"]) and metrics["clip_fraction"] > 0
-        params[pack] = jax.device_get(learner.params)
+        params[pack, share] = jax.device_get(learner.params)
     assert len(build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4)["tokens"]) < 16
-    for a, b in zip(jax.tree.leaves(params[False]), jax.tree.leaves(params[True])):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for packed in ((True, False), (True, True)):
+        for a, b in zip(jax.tree.leaves(params[False, False]), jax.tree.leaves(params[packed])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -81,3 +81,27 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     model, cfg = load_hf(path)
     assert cfg.sliding_window == 8
     assert np.abs(np.asarray(model(tokens.astype(np.int32))) - ref).max() <= TOL
+
+
+@pytest.mark.parametrize("family,window", [("qwen2", None), ("mistral", 8)])
+def test_completions_sharing_a_prompt_match_transformers(tmp_path, family, window):
+    """One prompt and three completions in one segment (branch 0 = prompt, branch k = completion k, positions
+    continuing the prompt's): every completion's logits == transformers on prompt + that completion alone,
+    also under a sliding window (measured on positions, not on the row's token order)."""
+    from core.tiny import save_tiny_hf_model
+
+    path = save_tiny_hf_model(tmp_path / family, family, sliding_window=window)
+    rng = np.random.RandomState(6)
+    prompt, completions = rng.randint(3, 512, 7), [rng.randint(3, 512, n) for n in (6, 3, 9)]
+    row = np.concatenate([prompt, *completions])[None].astype(np.int32)
+    branches = np.concatenate([[0] * 7] + [[k] * len(c) for k, c in enumerate(completions, start=1)])[None]
+    positions = np.concatenate([np.arange(7)] + [7 + np.arange(len(c)) for c in completions])[None]
+    model, _ = load_hf(path)
+    out = np.asarray(model(row, positions=positions.astype(np.int32), segment_ids=np.ones_like(row),
+                           branch_ids=branches.astype(np.int32)))
+    start = 7
+    for c in completions:
+        ref = hf_logits(path, np.concatenate([prompt, c])[None])[0]
+        assert np.abs(out[0, :7] - ref[:7]).max() <= TOL  # the shared prompt
+        assert np.abs(out[0, start:start + len(c)] - ref[7:]).max() <= TOL
+        start += len(c)

@@ -28,19 +28,33 @@ def make_mask(
     q_segment: jax.Array | None = None,
     kv_segment: jax.Array | None = None,
     sliding_window: int | None = None,
+    *,
+    q_branch: jax.Array | None = None,
+    kv_branch: jax.Array | None = None,
 ) -> jax.Array:
     """Boolean [B, T, S]: query t may attend key s.
 
     Causal on token *indices* (order within the row), restricted to the same
     segment (packed documents do not see each other; padding is segment 0 and
     only sees padding), and optionally to the last `sliding_window` keys.
+
+    Branches share a prefix (GRPO: one prompt, several completions in one
+    segment): branch 0 is the prefix, seen by every token of its segment;
+    a token of branch k >= 1 also sees the earlier tokens of branch k only.
     """
     mask = kv_index[:, None, :] <= q_index[:, :, None]  # [B, T, S]
     if q_segment is not None and kv_segment is not None:
         mask &= q_segment[:, :, None] == kv_segment[:, None, :]
+    if q_branch is not None and kv_branch is not None:
+        mask &= (kv_branch[:, None, :] == 0) | (kv_branch[:, None, :] == q_branch[:, :, None])
     if sliding_window is not None:
-        mask &= kv_index[:, None, :] > q_index[:, :, None] - sliding_window
+        mask &= window_mask(q_index, kv_index, sliding_window)
     return mask
+
+
+def window_mask(q_position: jax.Array, kv_position: jax.Array, sliding_window: int) -> jax.Array:
+    """Boolean [B, T, S]: key s is among the last `sliding_window` positions up to query t's."""
+    return kv_position[:, None, :] > q_position[:, :, None] - sliding_window
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.config import ModelConfig
-from core.kernels.attention import make_mask
+from core.kernels.attention import make_mask, window_mask
 from core.mesh import constrain
 from core.models.attention import Attention
 from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of
@@ -60,10 +60,14 @@ def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 
 
 class Decoder(nnx.Module):
-    """`model(tokens, positions=None, segment_ids=None) -> float32 logits [B, T, V]`.
+    """`model(tokens, positions=None, segment_ids=None, branch_ids=None) -> float32 logits [B, T, V]`.
 
     `segment_ids` (int [B, T]) separates packed documents; 0 marks padding.
     `positions` restart at 0 for each packed document (default: 0..T-1).
+    `branch_ids` (int [B, T]) lets several continuations share one prefix in
+    a segment: 0 = the shared prefix, k >= 1 = continuation k, which sees the
+    prefix and itself only (`core.kernels.attention.make_mask`); its
+    positions continue from the prefix's.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -78,8 +82,8 @@ class Decoder(nnx.Module):
         head = None if cfg.tie_word_embeddings else Dense("BTD,DV->BTV", (d, v), ("embed", "vocab"), cfg, rngs)
         self.lm_head = nnx.data(head)
 
-    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        return self.logits(self.hidden_states(tokens, positions, segment_ids))
+    def __call__(self, tokens, positions=None, segment_ids=None, branch_ids=None) -> jax.Array:
+        return self.logits(self.hidden_states(tokens, positions, segment_ids, branch_ids))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [B, T, V] from final hidden states [B, T, D]."""
@@ -128,12 +132,16 @@ class Decoder(nnx.Module):
             return self.embed.embedding[...], "vd"
         return self.lm_head.kernel[...], "dv"
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    def hidden_states(self, tokens, positions=None, segment_ids=None, branch_ids=None) -> jax.Array:
         """Final-norm hidden states [B, T, D] in the compute dtype (input of the output projection)."""
         b, t = tokens.shape
         index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions
-        mask = make_mask(index, index, segment_ids, segment_ids, self.cfg.sliding_window)
+        mask = make_mask(index, index, segment_ids, segment_ids, q_branch=branch_ids, kv_branch=branch_ids)
+        if self.cfg.sliding_window is not None:
+            # On positions, not row indices: a branch's tokens sit further from the prefix in the row than
+            # in their sequence (without branches the two differ by a constant within a segment).
+            mask &= window_mask(positions, positions, self.cfg.sliding_window)
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
         x = self._run_layers(x, positions, mask)
         return self.final_norm(x)
