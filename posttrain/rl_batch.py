@@ -155,8 +155,8 @@ def build_rl_batch(
                     positions[row, offset:offset + n] = p + np.arange(n)
                     segment_ids[row, offset:offset + n] = segment
                     branch_ids[row, offset:offset + n] = branch
-                    # token 0 is predicted by the prompt's last token, token j by the completion's token j - 1
-                    target_index[i, :n] = base + np.concatenate(([prompt_last], offset + np.arange(n - 1)))[:n]
+                    if n:  # token 0 is predicted from the prompt's last position, token j from token j - 1
+                        target_index[i, :n] = base + np.r_[prompt_last, offset + np.arange(n - 1)]
                     target_ids[i, :n] = c.token_ids
                     completion_mask[i, :n] = 1.0
                     if c.logprobs is not None:
