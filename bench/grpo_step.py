@@ -11,8 +11,8 @@ sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
 out of the means; the median is printed too, because the mean also carries
-the compilations of new packed-row counts (`posttrain/rl_batch.py`: each new
-row count costs ~8 s once at 100M on 2 cores, a few per run). Run it as `make bench-grpo` (Temper with huge-page malloc, see
+any compilation of a new packed-row count (`posttrain/rl_batch.py`: ~8 s once
+at 100M on 2 cores). Run it as `make bench-grpo` (Temper with huge-page malloc, see
 core/host_memory.py; TRL without, which is faster for it). Goal (issue 6):
 Temper's step <= 0.5x TRL's.
 """

@@ -32,7 +32,7 @@ from posttrain.losses import PolicyLossSettings, policy_loss
 def target_logprobs(model, batch: dict, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """([B, C] log p(completion token j | everything before it), [B, C] entropy) under `model` at `temperature`."""
     hidden = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                 batch.get("branch_ids"))  # [R, L, D]
+                                 batch["branch_ids"])  # [R, L, D]
     index = batch["target_index"]  # [B, C]; a shared prompt's last position predicts each completion's first token
     picked = hidden.reshape(-1, hidden.shape[-1])[index]  # [B, C, D]
     targets = batch["target_ids"]
