@@ -65,7 +65,8 @@ def main() -> None:
     from core.tokenizer import build_tokenizer
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
-    from rollout.vllm_actor import RemoteVLLMSampler, ensure_ray
+    from rollout.ray import ensure_ray
+    from rollout.vllm_actor import RemoteVLLMSampler
 
     rng = np.random.RandomState(0)
     prompts = [rng.randint(5, 500, rng.randint(8, 24)).tolist() for _ in range(args.prompts)]

@@ -57,7 +57,8 @@ def main() -> None:
     from core.hf import save_hf
     from core.models import create_model, param_count
     from core.tokenizer import build_tokenizer
-    from rollout.vllm_actor import RemoteVLLMSampler, ensure_ray
+    from rollout.ray import ensure_ray
+    from rollout.vllm_actor import RemoteVLLMSampler
     from rollout.weight_sync import sync_to_vllm
 
     cfg = load_config(overrides=[f"model.preset={args.preset}", "model.dtype=float32",

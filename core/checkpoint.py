@@ -5,14 +5,24 @@
     state = ckpt.restore(ckpt.latest_step(), abstract_state, data_iterator, config)
 
 Orbax writes each step to a temporary directory and renames it when complete,
-so a process killed mid-save leaves the previous checkpoints intact. Restoring
-takes a target tree (shapes, dtypes and shardings), so a checkpoint written on
-one mesh restores onto another. Before restoring, the saved model config and
-tensor shapes are compared with the target and every difference is reported.
+so a process killed mid-save leaves the previous checkpoints intact (its
+temporary directory is removed at the next start). A committed checkpoint that
+cannot be read back (a truncated or deleted file) is moved aside as
+`corrupt-<step>` by `restore_latest`, with a warning, and the previous one is
+restored instead. Restoring takes a target tree (shapes, dtypes and
+shardings), so a checkpoint written on one mesh restores onto another. Before
+restoring, the saved model config and tensor shapes are compared with the
+target and every difference is reported. Reading a checkpoint never imports
+user code: the saved config is read as data, and only its model section is
+validated.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +32,40 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from core.config import Config
+from core.config import Config, ModelConfig
+from core.errors import CheckpointMismatch, MissingPath, TemperError
 from core.train import TrainState
 
 
-class CheckpointMismatch(ValueError):
-    """A checkpoint that does not fit the model it is being restored into."""
+log = logging.getLogger("temper.checkpoint")
+
+
+class NoUsableCheckpoint(TemperError):
+    """Every checkpoint in the directory failed to restore (each one was moved aside, nothing was lost)."""
 
 
 def _pure(params: nnx.State) -> dict:
     return nnx.to_pure_dict(params)
 
 
+def saved_config(step_dir: str | Path) -> dict:
+    """The config a checkpoint was written with, as plain data (never validated here: no plugin is imported).
+
+    Read from the JSON item directly, so that no other item is opened (a partial Orbax restore logs a
+    warning for every item it skips)."""
+    path = Path(step_dir) / "config" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointMismatch(f"checkpoint {step_dir}: its config ({path}) cannot be read: {err}") from None
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+            cleanup_tmp_directories=True,  # what a process killed mid-save left behind
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -75,6 +102,44 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
+    def restore_latest(
+        self, target: TrainState, data_iterator: Any | None, config: Config
+    ) -> tuple[TrainState, dict, int] | None:
+        """(state, meta, step) of the newest checkpoint that restores whole, or None when there is none.
+
+        A checkpoint that fails to read back (truncated or missing files) is moved aside as
+        `corrupt-<step>` with a warning and the previous one is tried; a checkpoint of another model
+        (`CheckpointMismatch`) is the user's to resolve and raises at once.
+        """
+        failures = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, target, data_iterator, config)
+            except CheckpointMismatch:
+                raise
+            except Exception as err:  # noqa: BLE001 - any read failure: fall back, and say why
+                moved = self._move_aside(step)
+                reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                failures.append(f"{step} ({reason})")
+                message = (f"checkpoint {self.directory / str(step)} cannot be restored ({reason}); "
+                           f"moved to {moved}, trying the previous one")
+                log.warning(message)
+                print(f"warning: {message}", flush=True)
+                continue
+            return state, meta, step
+        if failures:
+            raise NoUsableCheckpoint(f"no checkpoint in {self.directory} could be restored: {'; '.join(failures)}. "
+                                     f"They were moved aside (corrupt-*); start a fresh run or restore one by hand.")
+        return None
+
+    def _move_aside(self, step: int) -> Path:
+        """Rename a step's directory so that Orbax no longer lists it (and a later save may reuse the step)."""
+        src = self.directory / str(step)
+        dst = self.directory / f"corrupt-{step}-{int(time.time())}"
+        shutil.move(str(src), str(dst))
+        self.manager.reload()
+        return dst
+
     def restore(
         self, step: int, target: TrainState, data_iterator: Any | None, config: Config
     ) -> tuple[TrainState, dict]:
@@ -98,7 +163,7 @@ class Checkpointer:
     def check_compatible(self, step: int, target: TrainState, config: Config) -> None:
         """Raise `CheckpointMismatch` naming every model-config key and tensor that differs."""
         where = self.directory / str(step)
-        saved_cfg = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        saved_cfg = saved_config(where)
         ours = config.model.model_dump(mode="json")
         theirs = saved_cfg.get("model", {})
         diffs = [
@@ -156,7 +221,7 @@ def load_params(path: str | Path, target: nnx.State) -> nnx.State:
     """Read parameters written by `save_params` into the shardings of `target`."""
     path = Path(path).absolute()
     if not path.exists():
-        raise FileNotFoundError(f"no parameter checkpoint at {path}")
+        raise MissingPath(f"no parameter checkpoint at {path}")
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path, _abstract(_pure(target)))
     params = nnx.State(target)
@@ -164,11 +229,12 @@ def load_params(path: str | Path, target: nnx.State) -> nnx.State:
     return params
 
 
-def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
-    """(model, Config) from a Temper run directory or its `checkpoints/` folder: parameters only.
+def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) -> tuple[Any, ModelConfig, dict]:
+    """(model, its ModelConfig, the saved config as data) from a Temper run directory or its `checkpoints/`
+    folder: parameters only, `step` defaulting to the latest.
 
-    The model is rebuilt from the config stored with the checkpoint, so no other
-    file is needed; `step` defaults to the latest.
+    Only the saved config's model section is validated (by `ModelConfig`), so nothing the run directory
+    names (reward plugins) is imported, and a config written by another Temper version still loads.
     """
     from core.mesh import single_device_mesh
     from core.models import abstract_sharded_state
@@ -178,15 +244,15 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None):
     manager = ocp.CheckpointManager(directory)
     step = manager.latest_step() if step is None else step
     if step is None:
-        raise FileNotFoundError(f"no checkpoint found in {directory}")
-    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    config = Config.model_validate(saved)
-    graphdef, params = abstract_sharded_state(config.model, mesh or single_device_mesh())
+        raise MissingPath(f"no checkpoint found in {directory}")
+    saved = saved_config(directory / str(step))
+    model_cfg = ModelConfig.model_validate(saved.get("model", {}))
+    graphdef, params = abstract_sharded_state(model_cfg, mesh or single_device_mesh())
     target = _pure(params)
     restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     nnx.replace_by_pure_dict(params, restored)
     manager.close()
-    return nnx.merge(graphdef, params), config
+    return nnx.merge(graphdef, params), model_cfg, saved
 
 
 def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
@@ -198,6 +264,6 @@ def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
         model, _ = load_hf(p, dtype=dtype, mesh=mesh)
         return model
     if p.exists():
-        model, _ = load_checkpoint_model(p, mesh=mesh)
+        model, _, _ = load_checkpoint_model(p, mesh=mesh)
         return model
-    raise FileNotFoundError(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")
+    raise MissingPath(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")

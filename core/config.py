@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -245,12 +245,26 @@ class RolloutConfig(Section):
     rollout_data_parallelism: int = Field(1, gt=0)  # vLLM sampler actors, each with the whole model
     sampler_timeout_s: float = Field(600.0, gt=0.0)  # a sampler call slower than this counts as dead
 
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutConfig":
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        return self
+
 
 # ---------------------------------------------------------------------------- rl
 
 
+# The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
+GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
+
+
 class RLConfig(Section):
-    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md)."""
+    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md).
+
+    `epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
+    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
+    """
 
     algorithm: Literal["grpo", "gspo"] = "grpo"
     # Initial policy: an HF directory or a Temper run / checkpoint directory; None = random init (tests).
@@ -260,17 +274,20 @@ class RLConfig(Section):
     prompts_per_step: int = Field(4, gt=0)
     num_generations: int = Field(4, gt=1)  # completions per prompt (the group)
     advantage: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
-    std_floor: float = Field(1e-6, gt=0.0)
+    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
     beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
+    # and verl); false: only where the policy term applies (Temper before 2026-11).
+    kl_every_token: bool = True
     epsilon: float = Field(0.2, ge=0.0)
-    epsilon_high: float | None = None  # DAPO clip-higher; None = epsilon
+    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
     dual_clip: float | None = Field(None, gt=1.0)
     tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
     loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
     num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
     mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
-    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no loss tokens
+    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
     pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
     share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
     pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = rollout.max_model_len
@@ -281,13 +298,28 @@ class RLConfig(Section):
     eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
     eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data):
+        """Fill the clip range and aggregation the algorithm's paper uses where the user named none."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        gspo = data.get("algorithm") == "gspo"
+        if data.get("epsilon") is None:
+            data["epsilon"] = GSPO_EPSILON if gspo else 0.2
+            if data.get("epsilon_high") is None and gspo:
+                data["epsilon_high"] = GSPO_EPSILON_HIGH
+        if data.get("epsilon_high") is None:
+            data["epsilon_high"] = data["epsilon"]
+        if data.get("loss_agg") is None:
+            data["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "RLConfig":
-        if (self.prompts_per_step * self.num_generations) % self.mini_batches:
-            raise ValueError(
-                f"rl.prompts_per_step * rl.num_generations ({self.prompts_per_step * self.num_generations}) "
-                f"must be divisible by rl.mini_batches ({self.mini_batches})"
-            )
+        if self.epsilon_high < self.epsilon:
+            raise ValueError(f"rl.epsilon_high ({self.epsilon_high}) must be >= rl.epsilon ({self.epsilon})")
         return self
 
 
@@ -316,27 +348,24 @@ class DistillConfig(Section):
 
 
 class RewardFn(Section):
-    """One reward function: a built-in name, `package.module:function`, `path/file.py:function` or an entry point."""
+    """One reward function: a built-in name, `package.module:function`, `path/file.py:function` or an entry point.
+
+    Validation never imports it: a config read back from a run directory (a checkpoint) must not run
+    code. `core.config_loader.load_config` resolves every function once, so a typo fails at load.
+    """
 
     fn: str
     weight: float = 1.0
     kwargs: dict = Field(default_factory=dict)
-
-    @field_validator("fn")
-    @classmethod
-    def _resolvable(cls, fn: str) -> str:
-        # A typo should fail when the config loads, not after the first rollout.
-        from rewards.registry import resolve
-
-        resolve(fn)
-        return fn
 
 
 class RewardConfig(Section):
     functions: list[RewardFn] = Field(default_factory=list)
     math_verify_timeout: float = Field(10.0, gt=0.0)
     math_verify_num_procs: int = Field(2, gt=0)
-    failure_reward: float = 0.0
+    # None: a completion a reward function failed on (raised, hung, NaN) drops its whole group from the loss.
+    # A number: score such failures as that value instead (an explicit opt-in).
+    failure_reward: float | None = None
 
 
 # ----------------------------------------------------------------------- logging
@@ -382,6 +411,28 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+
+    @model_validator(mode="after")
+    def _check_rl(self) -> "Config":
+        """What an RL run needs of several sections at once, checked before anything starts."""
+        rl, rollout = self.rl, self.rollout
+        updates = rl.mini_batches * self.train.micro_batches
+        completions = rl.prompts_per_step * rl.num_generations
+        if completions % updates:
+            raise ValueError(
+                f"rl.prompts_per_step * rl.num_generations ({rl.prompts_per_step} * {rl.num_generations} = "
+                f"{completions}) must be divisible by rl.mini_batches * train.micro_batches "
+                f"({rl.mini_batches} * {self.train.micro_batches} = {updates})")
+        if rollout.max_tokens >= rollout.max_model_len:
+            raise ValueError(f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
+                             f"({rollout.max_model_len}): a prompt needs at least one token of the model length")
+        if rl.off_policy_steps and rollout.sampler != "vllm":
+            raise ValueError(f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
+                             f"the JAX sampler shares the trainer's process")
+        if rl.pack_length and rl.pack_length < rollout.max_model_len:
+            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len "
+                             f"({rollout.max_model_len}): a full-length sequence would not fit in a row")
+        return self
 
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

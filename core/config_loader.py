@@ -19,13 +19,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from core.config import Config, resolve_mesh_shape
+from core.errors import MissingPath, UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESET_DIR = CONFIG_DIR / "models"
 
 
-class ConfigError(ValueError):
-    """A config that cannot be loaded; the message names the file and the dotted key."""
+class ConfigError(UserError, ValueError):
+    """A config that cannot be loaded; the message names the file (and line) or the dotted key."""
 
 
 def load_config(
@@ -34,7 +35,9 @@ def load_config(
     *,
     num_devices: int | None = None,
 ) -> Config:
-    """Read, merge, resolve and validate a config. `num_devices` also checks the mesh product."""
+    """Read, merge, resolve and validate a config; resolve its reward functions and check that the paths it
+    names exist. `num_devices` also checks the mesh product. Every failure is a `ConfigError` (or a
+    `MissingPath`) naming the file, line or dotted key."""
     raw = _read_tree(Path(path)) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
@@ -49,7 +52,32 @@ def load_config(
             resolve_mesh_shape(cfg.mesh, num_devices)
         except ValueError as err:
             raise ConfigError(f"{source}: {err}") from None
+    check_reward_functions(cfg, source)
+    check_paths(cfg, source)
     return cfg
+
+
+def check_reward_functions(cfg: Config, source: str = "<config>") -> None:
+    """Import every configured reward function once, so that a typo fails at load, not after a rollout.
+    (Only here: validating a config read back from a run directory never imports user code.)"""
+    from rewards.registry import UnknownReward, resolve
+
+    for i, fn in enumerate(cfg.reward.functions):
+        try:
+            resolve(fn.fn)
+        except UnknownReward as err:
+            raise ConfigError(f"{source}: reward.functions[{i}].fn: {err}") from None
+
+
+def check_paths(cfg: Config, source: str = "<config>") -> None:
+    """Every local path the config names must exist (checked at load, before any work starts)."""
+    paths = {"rl.policy_path": cfg.rl.policy_path, "checkpoint.init_from": cfg.checkpoint.init_from,
+             "data.tokenizer_dir": cfg.data.tokenizer_dir}
+    if cfg.data.source is not None and not cfg.data.source.startswith("reasoning_gym:"):
+        paths["data.source"] = cfg.data.source
+    for key, value in paths.items():
+        if value is not None and not Path(value).exists():
+            raise MissingPath(f"{source}: {key}: {value} does not exist")
 
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:
@@ -69,7 +97,7 @@ def preset_dict(name: str) -> dict[str, Any]:
     file = PRESET_DIR / f"{name}.yml"
     if not file.exists():
         raise ConfigError(f"unknown model preset {name!r}; available: {', '.join(list_presets())}")
-    return yaml.safe_load(file.read_text()) or {}
+    return read_yaml(file)
 
 
 def hf_config_dict(path: str | Path) -> dict[str, Any]:
@@ -81,7 +109,11 @@ def hf_config_dict(path: str | Path) -> dict[str, Any]:
         file = file / "config.json"
     if not file.exists():
         raise ConfigError(f"Hugging Face config not found: {file}")
-    return model_section_from_hf(json.loads(file.read_text()), source=str(file))
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file}:{err.lineno}: not valid JSON: {err.msg}") from None
+    return model_section_from_hf(hf, source=str(file))
 
 
 # ----------------------------------------------------------------- internals
@@ -97,16 +129,60 @@ def _read_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in _seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(map(str, _seen + (path,)))}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = read_yaml(path)
     base = data.pop("base_config", None)
     if base is None:
         return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base_config must be a file name, got {base!r}")
     base_path = Path(base)
     if not base_path.is_absolute() and (path.parent / base_path).exists():
         base_path = path.parent / base_path
     return _deep_merge(_read_tree(base_path, _seen + (path,)), data)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: duplicate key {key!r} "
+                                  f"(first at line {seen[key] + 1})")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """One config file as a mapping; syntax errors, an empty file, a duplicate key or a top level that is
+    not a mapping are `ConfigError`s naming the file (and line)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    loader = _StrictLoader(text)
+    loader.name = str(path)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = err.problem or ""
+        if err.context:  # where the construct that went wrong began, e.g. an unclosed bracket
+            line = f" at line {err.context_mark.line + 1}" if err.context_mark else ""
+            what += f" ({err.context}{line})"
+        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: YAML error: {err}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty (a config is a YAML mapping of sections, e.g. `train: {{steps: 10}}`)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got a YAML {type(data).__name__}")
+    return data
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +203,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key component")
-    value = yaml.safe_load(text) if text.strip() else ""
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -160,6 +239,8 @@ def _explain(err: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(loc[-1]), valid, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(valid)}"
             lines.append(f"  unknown key '{dotted}': {hint}")
+        elif e["type"] == "value_error":  # a cross-field check: its message names the keys and values
+            lines.append(f"  {dotted + ': ' if dotted else ''}{e['msg'].removeprefix('Value error, ')}")
         else:
             got = e.get("input")
             shown = repr(got) if not isinstance(got, dict) else "a mapping"

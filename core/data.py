@@ -36,9 +36,14 @@ import grain
 import numpy as np
 
 from core.config import DataConfig
+from core.errors import MissingPath, UserError
 
 
-class MalformedRow(ValueError):
+class DataSourceError(UserError, ValueError):
+    """A data source that cannot be read at all (unsupported type, unreadable file)."""
+
+
+class MalformedRow(UserError, ValueError):
     """A dataset row that cannot be used; the message names the source, row and field."""
 
 
@@ -55,16 +60,21 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"data.source {source!r}: no such file or directory")
+        raise MissingPath(f"data.source {source!r}: no such file or directory")
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-        raise ValueError(f"data.source {source!r} is a directory but not a `save_to_disk` dataset")
+        raise DataSourceError(f"data.source {source!r} is a directory but not a `save_to_disk` dataset")
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
     if path.suffix not in builders:
-        raise ValueError(f"data.source {source!r}: unsupported file type {path.suffix!r}; use {sorted(builders)}")
-    return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+        raise DataSourceError(f"data.source {source!r}: unsupported file type {path.suffix!r}; use {sorted(builders)}")
+    try:
+        return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds for an unreadable file; name the file
+        cause = err.__cause__ or err
+        raise DataSourceError(f"data.source {source!r}: cannot be read as {builders[path.suffix]} "
+                              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from None
 
 
 def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
@@ -181,7 +191,7 @@ def _load_tokenizer(tokenizer_dir: str):
     from transformers import AutoTokenizer
 
     if not Path(tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
+        raise MissingPath(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
@@ -244,20 +254,20 @@ def make_pipeline(
     Rows are sharded across JAX processes (`process_index::process_count`)
     after validation, so every process sees a disjoint part.
     """
-    source = cfg.source if records is None else "<records>"
+    source = cfg.source or "<records>"
     if records is None:
         if cfg.source is None:
-            raise ValueError("data.source is not set")
+            raise DataSourceError("data.source is not set")
         records = load_records(cfg.source, cfg)
     tokenizer_dir = tokenizer_dir or cfg.tokenizer_dir
     if tokenizer_dir is None:
-        raise ValueError("data.tokenizer_dir is not set")
+        raise DataSourceError("data.tokenizer_dir is not set")
     keep, skipped = validate(records, cfg, str(source))
     n_eval = int(round(cfg.eval_fraction * len(keep)))
     keep = keep[len(keep) - n_eval:] if split == "eval" else keep[: len(keep) - n_eval]
     keep = keep[process_index::process_count]
     if not keep:
-        raise ValueError(f"{source}: the {split} split is empty (eval_fraction={cfg.eval_fraction})")
+        raise DataSourceError(f"{source}: the {split} split is empty (eval_fraction={cfg.eval_fraction})")
 
     ds = grain.MapDataset.source(keep).map(lambda i: (i, records[i]))
     if split == "train":

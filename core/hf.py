@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from core.config import ModelConfig
+from core.errors import CheckpointMismatch, MissingPath
 from core.hf_config import hf_config_from_model, model_section_from_hf
 from core.hf_layout import param_map
 from core.models.build import abstract_model, model_from_arrays
@@ -31,10 +32,6 @@ _NP_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
 # Tensors some checkpoints carry that the model does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors.index.json"}
-
-
-class CheckpointMismatch(ValueError):
-    """The checkpoint's tensors do not match the model its config describes."""
 
 
 def load_hf(
@@ -52,7 +49,7 @@ def load_hf(
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model directory")
+        raise MissingPath(f"{config_file} not found: not a Hugging Face model directory")
     section = model_section_from_hf(json.loads(config_file.read_text()), source=str(config_file))
     section.update(param_dtype=dtype, dtype=dtype)
     section.update(model_overrides)
@@ -144,7 +141,7 @@ class _SafetensorsDir:
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path}")
+            raise MissingPath(f"no *.safetensors files in {path}")
         self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
         self.where = {k: h for h in self._handles for k in h.keys()}
 
@@ -208,7 +205,7 @@ def _check_tensors(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> N
 def _copy_tokenizer(src: Path, dst: Path) -> dict[str, Any]:
     """Copy tokenizer files; return the special token ids to record in config.json."""
     if not src.is_dir():
-        raise FileNotFoundError(f"tokenizer_dir {src} is not a directory")
+        raise MissingPath(f"tokenizer_dir {src} is not a directory")
     for f in src.iterdir():
         if f.is_file() and f.name not in _TOKENIZER_SKIP and f.suffix != ".safetensors":
             shutil.copy2(f, dst / f.name)

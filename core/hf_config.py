@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.config import ModelConfig
+from core.errors import UserError
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -19,7 +20,7 @@ ARCHITECTURES = {
 }
 
 
-class UnsupportedHFConfig(ValueError):
+class UnsupportedHFConfig(UserError, ValueError):
     pass
 
 

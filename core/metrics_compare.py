@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.errors import UserError
 from core.metrics import read_metrics
 
 
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     a_dir, b_dir = Path(args.run_a), Path(args.run_b)
     try:
         a, b = summarize(a_dir), summarize(b_dir)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, UserError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name_a, name_b = a_dir.name or str(a_dir), b_dir.name or str(b_dir)

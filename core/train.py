@@ -116,12 +116,15 @@ def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
-    skip_nonfinite: bool = True,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """The pure step `(state, micro_batched_batch) -> (state, metrics)`, not yet jitted.
 
-    A step whose loss or gradient norm is not finite leaves the state
-    unchanged (`metrics["finite"] == 0`); the loop decides to skip or abort.
+    A step whose loss or gradient norm is not finite leaves the parameters and
+    optimizer state unchanged (`metrics["finite"] == 0`); the loop decides to
+    skip or abort. So does a step with nothing to learn from (a loss
+    denominator of 0, e.g. a mini-batch whose every token is masked,
+    `metrics["empty"] == 1`): an optimizer step on a zero gradient would still
+    move AdamW's moments and apply weight decay.
     """
 
     def grads_of(params, micro_batch, rng):
@@ -155,7 +158,9 @@ def make_train_step(
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(state.rng)
         loss_sum, sums, grads = summed(state.params, batch, step_rng)
-        denom = jnp.maximum(sums.pop("loss_denominator"), 1.0)
+        raw_denom = sums.pop("loss_denominator")
+        has_tokens = raw_denom > 0
+        denom = jnp.maximum(raw_denom, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
         grad_norm = global_norm(grads)
@@ -167,14 +172,13 @@ def make_train_step(
             return optax.apply_updates(params, updates), opt_state
 
         operands = (state.params, state.opt_state)
-        if skip_nonfinite:  # only the taken branch runs: no extra pass over the state
-            params, opt_state = jax.lax.cond(finite, update, lambda ops: ops, operands)
-        else:
-            params, opt_state = update(operands)
-        # The step counter advances even when an update is skipped: it indexes batches and the schedule.
+        # Only the taken branch runs: no extra pass over the state.
+        params, opt_state = jax.lax.cond(finite & has_tokens, update, lambda ops: ops, operands)
+        # The step counter advances even when an update is skipped: it indexes batches.
         new_state = TrainState(params, opt_state, state.step + 1, rng)
         metrics = {k: v if k.startswith(MAX_PREFIX) else v / denom for k, v in sums.items()}
-        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, finite=finite.astype(jnp.float32))
+        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, finite=finite.astype(jnp.float32),
+                       empty=(~has_tokens).astype(jnp.float32))
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
         return new_state, metrics

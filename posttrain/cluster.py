@@ -1,23 +1,31 @@
 """Where the RL pieces run: the trainer (in this process or a Ray actor), vLLM sampler actors, placement.
 
-    trainer = start_trainer(cfg, run_dir, remote=True)    # TrainerClient over a Ray actor
-    samplers = start_vllm_samplers(cfg, hf_dir, placement) # RemoteVLLMSampler actors
-    trainer.call("sync", samplers)                         # weights: trainer actor -> sampler actors
+    trainer = start_trainer(cfg, run_dir, pg)               # TrainerHandle: in-process or a Ray actor
+    sampler = start_vllm_sampler(cfg, hf_dir, 0, pg)         # a RemoteVLLMSampler actor
+    trainer.sync(sampler)                                     # weights: trainer (actor) -> sampler (actor)
 
 The trainer is one class, `LocalTrainer`, used directly (single-controller
 mode, with the JAX sampler on another sub-mesh of the same process) or as a
-Ray actor that owns the trainer's devices. A placement group reserves the
-trainer's and every sampler's resources up front, so a run that cannot fit
-fails at start with the numbers, not halfway through.
+Ray actor that owns the trainer's devices; the driver talks to either through
+`TrainerHandle`, whose methods mirror `LocalTrainer`'s. A placement group
+reserves the trainer's and every sampler's resources up front, so a run that
+cannot fit fails at start with the numbers, not halfway through.
+
+A trainer actor that dies (or a Ray cluster that goes away under it) raises
+`TrainerUnavailable`: the run stops with that message, and the same command
+resumes it from its last checkpoint. An error raised inside the trainer's
+method comes back as itself (a `NonFiniteLoss`, a sampler's death during a
+weight sync), not wrapped in Ray's `RayTaskError`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from core.config import Config
+from core.errors import MissingPath, TemperError
 
 
 def load_policy(cfg: Config, mesh):
@@ -29,8 +37,8 @@ def load_policy(cfg: Config, mesh):
         return create_model(cfg.model, mesh, seed=cfg.run.seed)
     try:
         return load_model_from(cfg.rl.policy_path, mesh, dtype=cfg.model.param_dtype)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"rl.policy_path: {e}") from e
+    except MissingPath as e:
+        raise MissingPath(f"rl.policy_path: {e}") from None
 
 
 class LocalTrainer:
@@ -68,29 +76,24 @@ class LocalTrainer:
     def train(self, batch: dict) -> dict:
         return self.learner.train(batch)
 
-    def sync(self, samplers: list, version: int | None = None) -> list[dict]:
-        """Push the current weights to every sampler; returns one stats dict per sampler."""
+    def sync(self, sampler: Any) -> dict:
+        """Push the current weights (and policy version) to one sampler; returns its sync statistics."""
         from rollout.weight_sync import reshard_to_jax_sampler, sync_to_vllm
 
-        version = self.learner.version if version is None else version
         chunk = self.cfg.rollout.reshard_chunk_bytes
-        out = []
-        for sampler in samplers:
-            if hasattr(sampler, "generate_async"):  # vLLM actor
-                stats = sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version)
-            else:
-                stats = reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
-            out.append({"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds})
-        return out
-
-    def latest_step(self) -> int | None:
-        return self.checkpointer.latest_step()
+        version = self.learner.version
+        if hasattr(sampler, "generate_async"):  # vLLM actor
+            stats = sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version)
+        else:
+            stats = reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
+        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)
 
-    def restore(self, step: int) -> dict:
-        return self.learner.restore(self.checkpointer, step)
+    def restore_latest(self) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (corrupt ones skipped), or None."""
+        return self.learner.restore_latest(self.checkpointer)
 
     def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
         self.checkpointer.wait()
@@ -100,18 +103,65 @@ class LocalTrainer:
         self.checkpointer.close()
 
 
-class TrainerClient:
-    """Calls `LocalTrainer` methods, in-process or on its Ray actor (with a timeout)."""
+class TrainerUnavailable(TemperError, RuntimeError):
+    """The trainer actor died, or the Ray cluster it ran on went away; the run resumes from its last checkpoint."""
 
-    def __init__(self, target: Any, remote: bool, timeout_s: float = 3600.0):
-        self.target, self.remote, self.timeout_s = target, remote, timeout_s
 
-    def call(self, method: str, *args, **kwargs):
+class TrainerHandle:
+    """The driver's view of the trainer: `LocalTrainer`'s methods, run in this process or on its Ray actor
+    (each remote call with a timeout)."""
+
+    def __init__(self, target: Any, remote: bool, run_dir: str | Path, timeout_s: float = 3600.0):
+        self.target, self.remote, self.run_dir, self.timeout_s = target, remote, Path(run_dir), timeout_s
+
+    def _call(self, method: Callable, *args: Any) -> Any:
         if not self.remote:
-            return getattr(self.target, method)(*args, **kwargs)
+            return method(self.target, *args)
         import ray
 
-        return ray.get(getattr(self.target, method).remote(*args, **kwargs), timeout=self.timeout_s)
+        try:
+            return ray.get(getattr(self.target, method.__name__).remote(*args), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as err:  # the method raised inside a live actor: its own error
+            raise err.cause from None
+        except (ray.exceptions.RayError, ConnectionError) as err:  # the actor (or the cluster) is gone
+            raise TrainerUnavailable(
+                f"the trainer actor is unavailable during {method.__name__}() ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). Nothing after the last checkpoint in "
+                f"{self.run_dir / 'checkpoints'} is kept; run the same command again to resume from it."
+            ) from None
+
+    def model_config(self) -> dict:
+        return self._call(LocalTrainer.model_config)
+
+    def version(self) -> int:
+        return self._call(LocalTrainer.version)
+
+    def batch_shards(self) -> int:
+        return self._call(LocalTrainer.batch_shards)
+
+    def train(self, batch: dict) -> dict:
+        return self._call(LocalTrainer.train, batch)
+
+    def sync(self, sampler: Any) -> dict:
+        return self._call(LocalTrainer.sync, sampler)
+
+    def save(self, step: int, extra: dict) -> None:
+        self._call(LocalTrainer.save, step, extra)
+
+    def restore_latest(self) -> tuple[int, dict] | None:
+        return self._call(LocalTrainer.restore_latest)
+
+    def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
+        return self._call(LocalTrainer.export_hf, path, tokenizer_dir)
+
+    def close(self) -> None:
+        self._call(LocalTrainer.close)
+
+    def local(self) -> "LocalTrainer":
+        """The in-process trainer (single-controller mode only)."""
+        if self.remote:
+            raise RuntimeError("the trainer runs in a Ray actor, not in this process")
+        return self.target
 
 
 # ------------------------------------------------------------------ placement
@@ -160,12 +210,12 @@ def in_bundle(pg, index: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerClient:
+def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
     """The trainer in this process (pg None) or as a Ray actor in bundle 0 of `pg`."""
     cfg_json = cfg.model_dump(mode="json")
     if pg is None:
         fractions = (cfg.mesh.trainer_devices_fraction, cfg.mesh.sampler_devices_fraction)
-        return TrainerClient(LocalTrainer(cfg_json, str(run_dir), fractions), remote=False)
+        return TrainerHandle(LocalTrainer(cfg_json, str(run_dir), fractions), remote=False, run_dir=run_dir)
     import ray
 
     from core.host_memory import malloc_tunables
@@ -177,9 +227,9 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerClient:
         num_cpus=1, max_concurrency=1, scheduling_strategy=in_bundle(pg, 0),
         runtime_env={"env_vars": env},
     ).remote(cfg_json, str(run_dir))
-    client = TrainerClient(actor, remote=True)
-    client.call("version")  # surface start-up errors here
-    return client
+    handle = TrainerHandle(actor, remote=True, run_dir=run_dir)
+    handle.version()  # surface start-up errors here
+    return handle
 
 
 def start_vllm_sampler(cfg: Config, hf_dir: str, index: int, pg=None):

@@ -21,31 +21,42 @@ completion length, truncation rate, clip fraction, KL, entropy, the
 sampler/trainer mismatch, zero-variance groups, staleness and a time
 breakdown; evaluates on the held-out split every `train.eval_every` steps;
 checkpoints every `checkpoint.every_steps` (policy, optimizer, step, policy
-version, prompt-stream position) and resumes from the run directory.
+version, prompt-stream position, sampling-seed counter and, in async mode,
+the completions still in flight) and resumes from the run directory exactly
+where an uninterrupted run would be.
+
+Failures: a reward function that fails on an item drops that item's group
+(`reward/failed_groups`); a sampler that fails is restarted and its share
+redone once (`sampler_restarts`); a dead trainer actor stops the run with
+`TrainerUnavailable`; a non-finite loss follows `train.nan_policy` (skip:
+counted in `skipped_updates`; abort: a checkpoint is written, then
+`NonFiniteLoss`). Each of these is a message, not a traceback, from the recipe.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from core.config import Config
-from core.config_loader import save_config
+from core.config_loader import ConfigError, save_config
+from core.loop import NonFiniteLoss
 from core.metrics import MetricsLogger, plot_curves, update_run_info
 from core.shapes import SizeCache
-from posttrain.advantages import group_advantages
+from posttrain.advantages import Advantages, group_advantages
 from posttrain.cluster import reserve, start_trainer, start_vllm_sampler
 from posttrain.evaluation import majority_correct, pass_at_k
-from posttrain.prompts import PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
+from posttrain.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
 from posttrain.rl_batch import build_rl_batch, fill_fraction, round_rows
-from posttrain.sampling import SamplerGroup
+from posttrain.sampling import Pending, SamplerGroup
 from rewards.extract import final_answer
 from rewards.runner import RewardBatch, RewardRunner
-from rollout.sampler import Completion, SamplingParams
+from rollout.sampler import Completion, SamplingParams, sample_seed
 
 
 @dataclass
@@ -70,19 +81,21 @@ def check_staleness(completions: list[Completion], trainer_version: int, bound: 
     return worst
 
 
+@dataclass
+class InFlight:
+    """A generation request: its prompts, and the completions (once collected) or the pending handle."""
+
+    prompts: PromptBatch
+    result: Pending | list[Completion]
+
+
 class GRPORun:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yml")
+        save_config(cfg, self.run_dir)
         rl, rollout = cfg.rl, cfg.rollout
-        if rl.off_policy_steps and rollout.sampler != "vllm":
-            raise ValueError("rl.off_policy_steps > 0 (async) needs rollout.sampler=vllm: "
-                             "the JAX sampler shares the trainer's process")
-        if rl.pack_length and rl.pack_length < rollout.max_model_len:
-            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len ({rollout.max_model_len}): "
-                             "a full-length sequence would not fit in a row")
         self.row_len = rl.pack_length or rollout.max_model_len
         self.train_rows, self.eval_rows = prompt_rows(cfg)
         self.stream = PromptStream(self.train_rows, rl.prompts_per_step, seed=cfg.data.seed,
@@ -91,23 +104,27 @@ class GRPORun:
         self.tokenizer_dir = cfg.data.tokenizer_dir or _tokenizer_dir_of(rl.policy_path)
         self.pg = None
         if rollout.sampler == "vllm":
-            from rollout.vllm_actor import ensure_ray
+            from rollout.ray import ensure_ray
 
             ensure_ray()
             self.pg = reserve(cfg)
         self.trainer = start_trainer(cfg, self.run_dir, self.pg)
-        self.row_multiple = int(self.trainer.call("batch_shards"))  # the trainer's data-parallel size
+        self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
         self.start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
-        latest = self.trainer.call("latest_step")
-        if latest is not None:
-            meta = self.trainer.call("restore", latest)
+        self._resumed_in_flight: list[InFlight] = []
+        restored = self.trainer.restore_latest()
+        if restored is not None:
+            step, meta = restored
             self.stream.set_state(meta["prompt_stream"])
             self.start_step = int(meta["rl_step"])
             self._requests = int(meta["requests"])
-            print(f"resumed from {self.run_dir / 'checkpoints' / str(latest)} at step {self.start_step} "
+            self._resumed_in_flight = [InFlight(self.stream.batch(f["indices"]),
+                                                [Completion(**c) for c in f["completions"]])
+                                       for f in meta.get("in_flight", [])]
+            print(f"resumed from {self.run_dir / 'checkpoints' / str(step)} at step {self.start_step} "
                   f"(policy version {meta['policy_version']})", flush=True)
         self.samplers = self._start_samplers()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
@@ -117,29 +134,24 @@ class GRPORun:
     def _start_samplers(self) -> SamplerGroup:
         cfg = self.cfg
         if cfg.rollout.sampler == "jax":
-            sampler = self._jax_sampler()
+            group = SamplerGroup([self._jax_sampler()])
         else:
-            self.init_hf = Path(self.trainer.call("export_hf", str(self.run_dir / "rollout_init_hf"),
-                                                  self.tokenizer_dir))
+            self.init_hf = Path(self.trainer.export_hf(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
             k = cfg.rollout.rollout_data_parallelism
-            samplers = [start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)]
-            group = SamplerGroup(samplers, restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg),
-                                 resync=lambda s: self._sync([s]))
-            self._sync(group.samplers)
-            return group
-        group = SamplerGroup([sampler])
-        self._sync(group.samplers)
+            group = SamplerGroup([start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)],
+                                 restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg))
+        group.sync(self._push)
         return group
 
     def _jax_sampler(self):
         import jax
 
+        from core.config import MeshConfig
         from core.mesh import make_mesh, split_devices
         from core.models import create_model
-        from core.config import MeshConfig
         from rollout.jax_sampler import JaxSampler
 
-        local = self.trainer.target  # LocalTrainer: same process
+        local = self.trainer.local()  # single controller: the trainer lives in this process
         mesh_cfg = self.cfg.mesh
         _, sampler_devices = split_devices(jax.devices(), mesh_cfg.trainer_devices_fraction,
                                            mesh_cfg.sampler_devices_fraction)
@@ -149,11 +161,15 @@ class GRPORun:
         return JaxSampler(model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len,
                           seed=self.cfg.run.seed)
 
-    def _sync(self, samplers: list) -> float:
+    def _push(self, sampler: Any) -> dict:
+        """The trainer's current weights and policy version into one sampler."""
+        stats = self.trainer.sync(sampler)
+        sampler.policy_version = stats["version"]
+        return stats
+
+    def _sync(self) -> float:
         start = time.perf_counter()
-        stats = self.trainer.call("sync", samplers)
-        for sampler, s in zip(samplers, stats):
-            sampler.policy_version = s["version"]
+        self.samplers.sync(self._push)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ steps
@@ -163,13 +179,20 @@ class GRPORun:
         return SamplingParams(n=n, temperature=r.temperature if temperature is None else temperature,
                               top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, logprobs=True, seed=seed)
 
-    def _submit(self, rows: list[dict]):
-        # One seed per generation request, derived from the run seed and a counter that a resumed run
-        # restores: a restarted run draws the same completions as an uninterrupted one.
+    def _submit(self, prompts: PromptBatch) -> InFlight:
+        # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
+        # sampler derives one per prompt and sample from it): a restarted run draws what an uninterrupted one would.
         self._requests += 1
-        seed = (self.cfg.run.seed * 1_000_003 + self._requests) % 2**31
-        prompts = [render_prompt(r, self.cfg.rl) for r in rows]
-        return rows, self.samplers.submit(prompts, self.sampling_params(self.cfg.rl.num_generations, seed))
+        seed = sample_seed(self.cfg.run.seed, self._requests)
+        rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
+        return InFlight(prompts, self.samplers.submit(rendered, self.sampling_params(self.cfg.rl.num_generations,
+                                                                                        seed)))
+
+    def _collect(self, request: InFlight) -> list[Completion]:
+        if not isinstance(request.result, Pending):
+            return request.result
+        request.result = self.samplers.collect(request.result, self._push)
+        return request.result
 
     def _score(self, rows: list[dict], completions: list[Completion]):
         g = self.cfg.rl.num_generations
@@ -183,7 +206,7 @@ class GRPORun:
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
         cfg, rl = self.cfg, self.cfg.rl
-        in_flight: deque = deque()
+        in_flight: deque[InFlight] = deque(self._resumed_in_flight)
         final_eval = None
         step = self.start_step
         try:
@@ -191,12 +214,11 @@ class GRPORun:
                 t0 = time.perf_counter()
                 while len(in_flight) < 1 + rl.off_policy_steps:
                     in_flight.append(self._submit(next(self.stream)))
-                rows, pending = in_flight.popleft()
-                completions = self.samplers.collect(pending)
+                request = in_flight.popleft()
+                rows, completions = request.prompts.rows, self._collect(request)
                 gen_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                version = self.trainer.call("version")
-                staleness = check_staleness(completions, version, rl.off_policy_steps)
+                staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
                 reward_batch, correct = self._score(rows, completions)
                 adv = self._advantages(reward_batch)
                 rounds = 1
@@ -206,9 +228,9 @@ class GRPORun:
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
                 batch = self._batch(completions, adv)
-                train_metrics = self.trainer.call("train", batch)
+                train_metrics = self._train(step, batch, in_flight)
                 train_s = time.perf_counter() - t2
-                sync_s = self._sync(self.samplers.samplers)
+                sync_s = self._sync()
                 metrics = self._step_metrics(completions, reward_batch, correct, adv, staleness, rounds)
                 metrics.update(train_metrics)
                 step_s = time.perf_counter() - t0
@@ -219,7 +241,8 @@ class GRPORun:
                                 "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
                                 "tokens_per_s": tokens / max(step_s, 1e-9),
                                 "policy_version": float(self.samplers.policy_versions[0]),
-                                "sampler_restarts": float(self.samplers.restarts)})
+                                "sampler_restarts": float(self.samplers.restarts),
+                                "sampler_redone_prompts": float(self.samplers.redone_prompts)})
                 self.metrics.log(step, metrics, console=False)
                 print(self._line(step, metrics), flush=True)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -232,14 +255,27 @@ class GRPORun:
             self.metrics.close()
         hf_dir = None
         if cfg.checkpoint.export_hf:
-            hf_dir = Path(self.trainer.call("export_hf", str(self.run_dir / "hf"), self.tokenizer_dir))
+            hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
         plot_curves(self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png",
                     ylabel="reward / accuracy")
-        update_run_info(self.run_dir, steps=step, policy_version=self.trainer.call("version"),
-                        final_eval=final_eval)
-        return RunSummary(self.run_dir, step, self.trainer.call("version"), final_eval, hf_dir)
+        version = self.trainer.version()
+        update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=final_eval)
+        return RunSummary(self.run_dir, step, version, final_eval, hf_dir)
 
-    def _batch(self, completions: list[Completion], adv) -> dict:
+    def _train(self, step: int, batch: dict, in_flight: deque[InFlight]) -> dict:
+        """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
+        try:
+            return self.trainer.train(batch)
+        except NonFiniteLoss as err:
+            saved = ""
+            if self.cfg.checkpoint.enabled:
+                self._save(step, in_flight)
+                saved = (f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
+                         f"state without that update (every update applied was finite) and the prompt stream "
+                         f"after this batch: the same command resumes past it.")
+            raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
+
+    def _batch(self, completions: list[Completion], adv: Advantages) -> dict:
         """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
         a multiple of the trainer's data-parallel size."""
         rl = self.cfg.rl
@@ -251,18 +287,20 @@ class GRPORun:
                               max_tokens=self.cfg.rollout.max_tokens,
                               groups=rl.mini_batches * self.cfg.train.micro_batches,
                               row_multiple=self.row_multiple, pack=rl.pack_sequences, share_prompts=rl.share_prompts,
-                              mask_truncated=rl.mask_truncated, choose_rows=self.row_counts.pick)
+                              mask_truncated=rl.mask_truncated, choose_rows=self.row_counts.pick,
+                              kl_keep=adv.trainable if rl.kl_every_token else None)
 
-    def _save(self, step: int, in_flight: deque) -> None:
-        # Batches already drawn for the in-flight generations are drawn (and seeded) again after a restart.
-        state = self.stream.get_state()
-        state = {**state, "next_index": state["next_index"] - len(in_flight)}
-        self.trainer.call("save", step, {"rl_step": step, "prompt_stream": state,
-                                         "requests": self._requests - len(in_flight)})
+    def _save(self, step: int, in_flight: deque[InFlight]) -> None:
+        # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
+        # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
+        stored = [{"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]}
+                  for r in in_flight]
+        self.trainer.save(step, {"rl_step": step, "prompt_stream": self.stream.get_state(),
+                                 "requests": self._requests, "in_flight": stored})
 
-    def _advantages(self, rewards: RewardBatch):
+    def _advantages(self, rewards: RewardBatch) -> Advantages:
         rl = self.cfg.rl
-        return group_advantages(rewards.total, rl.num_generations, rl.advantage, rl.std_floor)
+        return group_advantages(rewards.total, rl.num_generations, rl.advantage, rl.std_eps)
 
     def _refill(self, rows, completions, reward_batch, correct, adv):
         """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
@@ -274,9 +312,8 @@ class GRPORun:
         picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
         rounds = 1
         while len(picks) < want and rounds < self.cfg.rl.max_sampling_rounds:
-            more_rows = next(self.stream)
-            _, pending = self._submit(more_rows)
-            more = self.samplers.collect(pending)
+            request = self._submit(next(self.stream))
+            more_rows, more = request.prompts.rows, self._collect(request)
             more_batch, more_correct = self._score(more_rows, more)
             more_adv = self._advantages(more_batch)
             scored.append((more_rows, more, more_batch, more_correct))
@@ -293,23 +330,24 @@ class GRPORun:
         adv = self._advantages(reward_batch)
         return kept_rows, kept_completions, reward_batch, correct, adv, rounds
 
-    def _step_metrics(self, completions, reward_batch, correct, adv, staleness, rounds) -> dict:
+    def _step_metrics(self, completions, reward_batch, correct, adv: Advantages, staleness, rounds) -> dict:
         lengths = np.array([len(c.token_ids) for c in completions], float)
         out = reward_batch.metrics()
         out.update({
             "accuracy": float(np.nan_to_num(correct > 0).mean()),
             "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
             "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-            "zero_variance_groups": float(adv.zero_variance_groups), "staleness_max": float(staleness),
-            "sampling_rounds": float(rounds),
+            "zero_variance_groups": float(adv.zero_variance_groups), "reward/failed_groups": float(adv.failed_groups),
+            "staleness_max": float(staleness), "sampling_rounds": float(rounds),
         })
         return out
 
     @staticmethod
     def _line(step: int, m: dict) -> str:
+        failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
         return (f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
                 f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-                f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e} | "
+                f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}{failed} | "
                 f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s")
 
     # ------------------------------------------------------------- evaluation
@@ -321,9 +359,11 @@ class GRPORun:
         if not rows:
             return {}
         prompts = [render_prompt(r, rl) for r in rows]
-        greedy = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)))
+        greedy = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)),
+                                       self._push)
         k = rl.eval_samples
-        sampled = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)))
+        sampled = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)),
+                                        self._push)
         texts = [prompt_text(r, rl) for r in rows]
         ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
         ok_sampled = (self.rewards.score_fn(rl.accuracy_fn, [t for t in texts for _ in range(k)],
@@ -343,28 +383,29 @@ class GRPORun:
         return result
 
     def close(self) -> None:
-        self.rewards.close()
-        for s in self.samplers.samplers:
-            if hasattr(s, "shutdown"):
-                try:
-                    s.shutdown()
-                except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
-                    print(f"sampler shutdown: {type(e).__name__}: {e}", flush=True)
-        self.trainer.call("close")
+        """Release the reward workers, samplers, trainer and placement group; each step is best effort (after a
+        failure some are already gone), and what fails is said, not raised over the error that stopped the run."""
+        steps = [("reward workers", self.rewards.close)]
+        steps += [(f"sampler {i}", s.shutdown) for i, s in enumerate(self.samplers.samplers) if hasattr(s, "shutdown")]
+        steps.append(("trainer", self.trainer.close))
         if self.pg is not None:
+            import ray
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
+            steps.append(("placement group", lambda: remove_placement_group(self.pg)))
             if self.trainer.remote:
-                import ray
-
-                ray.kill(self.trainer.target)
+                steps.append(("trainer actor", lambda: ray.kill(self.trainer.target)))
+        for what, action in steps:
+            try:
+                action()
+            except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
+                print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
 
 
 def _tokenizer_dir_of(policy_path: str | None) -> str:
     if policy_path and (Path(policy_path) / "tokenizer.json").exists():
         return policy_path
-    raise ValueError("no tokenizer: set data.tokenizer_dir (or use an rl.policy_path HF directory with a tokenizer)")
+    raise ConfigError("no tokenizer: set data.tokenizer_dir (or use an rl.policy_path HF directory with a tokenizer)")
 
 
 def run_grpo(cfg: Config) -> RunSummary:

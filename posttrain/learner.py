@@ -52,7 +52,7 @@ def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str,
     out["clip_fraction"] = total("clipped_tokens") / tokens
     out["entropy"] = total("entropy") / tokens
     if "kl" in updates[0]:
-        out["kl"] = total("kl") / tokens
+        out["kl"] = total("kl") / max(total("kl_tokens"), 1e-9)
     if "tis_weight" in updates[0]:
         out["tis_weight_mean"] = total("tis_weight") / tokens
     if "mismatch_gap" in updates[0]:
@@ -82,12 +82,12 @@ class PolicyLearner:
             self.graphdef, self.state = init_train_state(model, tx, cfg.run.seed)
         objective = make_policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0)
         self._step = jit_train_step(
-            make_train_step(self.graphdef, objective, tx, make_schedule(cfg.optim, updates),
-                            skip_nonfinite=True), self.state)
+            make_train_step(self.graphdef, objective, tx, make_schedule(cfg.optim, updates)), self.state)
         temperature = cfg.rollout.temperature or 1.0
         self._logp = jax.jit(lambda p, b: target_logprobs(nnx.merge(self.graphdef, p), b, temperature)[0])
         self.version = 0
-        self.skipped_updates = 0
+        self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
+        self.empty_updates = 0  # mini-batches with no loss token: no optimizer step
 
     @property
     def params(self) -> nnx.State:
@@ -132,35 +132,42 @@ class PolicyLearner:
                 batch["ref_logp"] = self.logprobs(self.ref_params, inputs) * targets
         collected: list[dict] = []
         start = time.perf_counter()
+        updates = rl.num_iterations * rl.mini_batches
         with jax.set_mesh(self.mesh):
-            for _ in range(rl.num_iterations):
-                for m in range(rl.mini_batches):
-                    mini = {k: mini_batch(v, m, rl.mini_batches) for k, v in batch.items()}
-                    micro = split_micro_batches(mini, self.cfg.train.micro_batches)
-                    micro = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in micro.items()}
-                    self.state, metrics = self._step(self.state, micro)
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    if not metrics["finite"]:
-                        if self.cfg.train.nan_policy == "abort":
-                            raise NonFiniteLoss(
-                                f"RL step {self.version + 1}: loss {metrics['loss']} / grad norm "
-                                f"{metrics['grad_norm']} is not finite; the update was not applied")
-                        self.skipped_updates += 1
-                    collected.append(metrics)
+            for u in range(updates):
+                m = u % rl.mini_batches
+                mini = {k: mini_batch(v, m, rl.mini_batches) for k, v in batch.items()}
+                micro = split_micro_batches(mini, self.cfg.train.micro_batches)
+                micro = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in micro.items()}
+                self.state, metrics = self._step(self.state, micro)
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not metrics["finite"]:
+                    # The step left parameters and optimizer state as they were (core.train).
+                    if self.cfg.train.nan_policy == "abort":
+                        raise NonFiniteLoss(
+                            f"RL step {self.version + 1}, update {u + 1} of {updates}: loss {metrics['loss']}, "
+                            f"grad norm {metrics['grad_norm']} is not finite; that update was not applied")
+                    self.skipped_updates += 1
+                self.empty_updates += int(metrics["empty"])
+                collected.append(metrics)
         self.version += 1
         return {**summarise_updates(collected, rl.num_iterations), "skipped_updates": float(self.skipped_updates),
-                "time/update_s": time.perf_counter() - start}
+                "empty_updates": float(self.empty_updates), "time/update_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------ checkpoints
 
     def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
         checkpointer.save(self.state, None, self.cfg, {**extra, "policy_version": self.version}, step=step)
 
-    def restore(self, checkpointer: Checkpointer, step: int) -> dict:
+    def restore_latest(self, checkpointer: Checkpointer) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
         with jax.set_mesh(self.mesh):
-            self.state, meta = checkpointer.restore(step, self.state, None, self.cfg)
+            restored = checkpointer.restore_latest(self.state, None, self.cfg)
+        if restored is None:
+            return None
+        self.state, meta, step = restored
         self.version = int(meta["policy_version"])
-        return meta
+        return step, meta
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
         from core.hf import save_hf

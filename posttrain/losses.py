@@ -7,7 +7,8 @@ Everything here works on per-token arrays aligned with the completion tokens:
     sampler_logp[B, T]  what the sampler reported for the tokens it drew (vLLM / JAX sampler)
     ref_logp    [B, T]  the reference policy, only when beta > 0
     advantages  [B]     one per completion (posttrain.advantages)
-    mask        [B, T]  1 on completion tokens that count
+    mask        [B, T]  1 on completion tokens whose policy term counts
+    kl_mask     [B, T]  1 on completion tokens whose KL term counts (beta > 0; default: mask)
 
 Ratios
     GRPO   r_t = exp(logp_t - old_logp_t)                                    (token level)
@@ -18,17 +19,25 @@ PPO clip   loss_t = max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high))   (
 dual clip  for A < 0: loss_t = min(loss_t, -A c)                           (c = dual_clip > 1)
 TIS        loss_t *= min(exp(old_logp_t - sampler_logp_t), tis_cap)        (sampler/trainer mismatch; constant)
            GSPO uses the sequence's length-normalised (geometric-mean) ratio, like its policy ratio
-KL         loss_t += beta * k(logp_t, ref_logp_t), k1 / k2 / k3 estimators of KL(pi_theta || pi_ref)
+KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, with x = log pi_theta / pi_ref:
+             k1  x                          value: unbiased for KL(pi_theta || pi_ref); gradient: zero in
+                                            expectation (E_pi[grad log pi] = 0): as a loss it does nothing
+             k2  x^2 / 2                    gradient: that of KL(pi_theta || pi_ref)
+             k3  exp(-x) + x - 1            value: unbiased for KL(pi_theta || pi_ref), >= 0;
+                                            gradient: that of KL(pi_ref || pi_theta) (the reverse one)
+             low_var_kl  k3 clamped to [-10, 10] (verl's name): k3's gradient where not clamped
+           (the gradients are expectations over tokens sampled from pi_theta; tests/test_grpo_losses.py
+           checks each one by enumeration on a small vocabulary)
 
 Aggregation returns `(loss_sum, denominator)` in the core train-step contract
 (sums over the micro-batch; the step divides once by the global denominator,
-so micro-batching is exact):
+so micro-batching is exact). A token counts when its policy or its KL term
+does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 
-    token-mean                     sum_it loss / #completion tokens in the whole batch
-    sequence-mean-token-mean       sum_i (sum_t loss / n_i) / #sequences
-    sequence-mean-token-sum-norm   sum_i (sum_t loss / max_tokens) / #sequences     (Dr.GRPO)
-
-Sequences with no counted token (masked groups) count in no denominator.
+    token-mean                     sum_it loss / sum_it m           (counted tokens in the whole batch)
+    sequence-mean-token-mean       sum_i (sum_t loss / n_i) / #{i: n_i > 0}   (sequences with a counted token)
+    sequence-mean-token-sum-norm   sum_it loss / (B * max_tokens)   (Dr.GRPO: B = every sequence in the
+                                   batch, counted or not, so the step size never depends on filtering)
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ import jax
 import jax.numpy as jnp
 
 LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+LOW_VAR_KL_CLAMP = 10.0
 
 
 @dataclass(frozen=True)
@@ -57,14 +67,16 @@ class PolicyLossSettings:
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: KLEstimator) -> jax.Array:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3)."""
+    """Per-token KL estimator on samples of pi_theta (Schulman's k1/k2/k3; which divergence each one's
+    gradient follows is in the module docstring)."""
     log_ratio = logp - ref_logp  # log pi_theta / pi_ref
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    if estimator == "k3":  # unbiased and >= 0: r - log r - 1 with r = pi_ref / pi_theta
-        return jnp.exp(-log_ratio) + log_ratio - 1.0
+    if estimator in ("k3", "low_var_kl"):  # r - log r - 1 with r = pi_ref / pi_theta
+        k3 = jnp.exp(-log_ratio) + log_ratio - 1.0
+        return k3 if estimator == "k3" else jnp.clip(k3, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -80,16 +92,16 @@ def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAgg, max_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """(sum over the micro-batch, its share of the global denominator); see the module docstring."""
+    """(sum over the micro-batch, its share of the global denominator); see the module docstring.
+    `per_token` is already zero where `mask` (the counted tokens) is."""
     lengths = mask.sum(axis=-1)  # [B]
-    token_sums = (per_token * mask).sum(axis=-1)  # [B]
-    sequences = (lengths > 0).sum().astype(jnp.float32)
+    token_sums = per_token.sum(axis=-1)  # [B]
     if mode == "token-mean":
         return token_sums.sum(), mask.sum()
     if mode == "sequence-mean-token-mean":
-        return (token_sums / jnp.maximum(lengths, 1.0)).sum(), sequences
-    if mode == "sequence-mean-token-sum-norm":
-        return token_sums.sum() / max_tokens, sequences
+        return (token_sums / jnp.maximum(lengths, 1.0)).sum(), (lengths > 0).sum().astype(jnp.float32)
+    if mode == "sequence-mean-token-sum-norm":  # a constant: every sequence of the micro-batch, counted or not
+        return token_sums.sum(), jnp.asarray(per_token.shape[0] * max_tokens, jnp.float32)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -101,6 +113,7 @@ def policy_loss(
     settings: PolicyLossSettings,
     sampler_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
+    kl_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`(loss_sum, sums)`: sums holds `loss_denominator` and token-summed statistics (see module doc)."""
     mask = mask.astype(jnp.float32)
@@ -122,12 +135,17 @@ def policy_loss(
         weight = jnp.minimum(jnp.exp(log_w), settings.tis_cap)
         per_token = per_token * jax.lax.stop_gradient(weight)
         sums["tis_weight"] = (weight * mask).sum()
+    per_token = per_token * mask
+    counted = mask
     if settings.beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference log-probs (ref_logp)")
+        kl_mask = mask if kl_mask is None else kl_mask.astype(jnp.float32)
         kl = kl_penalty(logp, ref_logp.astype(jnp.float32), settings.kl_estimator)
-        per_token = per_token + settings.beta * kl
-        sums["kl"] = (kl * mask).sum()
-    loss_sum, denominator = aggregate(per_token, mask, settings.loss_agg, settings.max_tokens)
+        per_token = per_token + settings.beta * kl * kl_mask
+        counted = jnp.maximum(mask, kl_mask)
+        sums["kl"] = (kl * kl_mask).sum()
+        sums["kl_tokens"] = kl_mask.sum()
+    loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
     sums["loss_denominator"] = denominator
     return loss_sum, sums

@@ -7,7 +7,8 @@ rows; every per-token array is in a completion-major `[B, C]` layout:
     branch_ids      [R, L] int32   0 = prompt, k >= 1 = k-th completion sharing the segment's prompt
     target_index    [B, C] int32   flat index into [R * L] of the position predicting completion token j
     target_ids      [B, C] int32   completion token j
-    loss_mask       [B, C] f32     1 where completion token j exists and counts
+    loss_mask       [B, C] f32     1 where completion token j exists and its policy term counts
+    kl_mask         [B, C] f32     1 where its KL term counts (beta > 0)
     advantages      [B] f32
     old_logp        [B, C] f32     pi_old of each token; absent when the step starts from pi_old
                                    (one update per batch): then pi_old = stop_gradient(logp), no extra pass
@@ -65,7 +66,7 @@ def make_policy_objective(settings: PolicyLossSettings, temperature: float = 1.0
         old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
         loss_sum, sums = policy_loss(
             logp, old_logp, batch["advantages"], mask, settings,
-            sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"),
+            sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"), kl_mask=batch.get("kl_mask"),
         )
         sums["entropy"] = (jax.lax.stop_gradient(entropy) * mask).sum()
         if "completion_mask" in batch and "sampler_logp" in batch:

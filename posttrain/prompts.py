@@ -2,7 +2,8 @@
 
     train_rows, eval_rows = prompt_rows(cfg)
     stream = PromptStream(train_rows, cfg.rl.prompts_per_step, seed=cfg.data.seed)
-    rows = next(stream)                   # list of row dicts; stream.get_state() / set_state() for resume
+    batch = next(stream)                  # PromptBatch: .indices into train_rows, .rows (dicts)
+    stream.get_state() / set_state(state) # for resume; stream.batch(indices) rebuilds a batch
     prompt = render_prompt(rows[0], cfg.rl)
 
 Every row must have the fields `rl.prompt_template` names (e.g. `{question}`);
@@ -14,12 +15,13 @@ held out for evaluation.
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import grain
 
 from core.config import Config, RLConfig
-from core.data import MalformedRow, load_records
+from core.data import DataSourceError, MalformedRow, load_records
 
 
 def template_fields(template: str) -> list[str]:
@@ -29,7 +31,7 @@ def template_fields(template: str) -> list[str]:
 def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows) of `data.source`, checked against the prompt template."""
     if cfg.data.source is None:
-        raise ValueError("data.source is not set: RL needs prompts")
+        raise DataSourceError("data.source is not set: RL needs prompts")
     records = load_records(cfg.data.source, cfg.data)
     fields = template_fields(cfg.rl.prompt_template)
     rows, skipped = [], 0
@@ -66,12 +68,19 @@ def columns_of(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in sorted(keys)}
 
 
+@dataclass(frozen=True)
+class PromptBatch:
+    indices: list[int]  # positions in the training rows (what a checkpoint stores)
+    rows: list[dict]
+
+
 class PromptStream:
     """Batches of rows, reshuffled every epoch (Grain), with a JSON-serialisable position."""
 
     def __init__(self, rows: Sequence[dict], batch_size: int, seed: int, shuffle: bool = True):
         if len(rows) < batch_size:
-            raise ValueError(f"{len(rows)} training prompts cannot fill a batch of {batch_size}")
+            raise DataSourceError(f"{len(rows)} training prompts cannot fill a batch of {batch_size} "
+                                  f"(rl.prompts_per_step)")
         ds = grain.MapDataset.source(list(range(len(rows))))
         if shuffle:
             ds = ds.shuffle(seed=seed)
@@ -81,8 +90,11 @@ class PromptStream:
     def __iter__(self):
         return self
 
-    def __next__(self) -> list[dict]:
-        return [self._rows[int(i)] for i in next(self._it)]
+    def __next__(self) -> PromptBatch:
+        return self.batch([int(i) for i in next(self._it)])
+
+    def batch(self, indices: Sequence[int]) -> PromptBatch:
+        return PromptBatch(list(indices), [self._rows[i] for i in indices])
 
     def get_state(self) -> dict:
         return self._it.get_state()

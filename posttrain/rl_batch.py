@@ -19,7 +19,8 @@ tokens is predicted in the packed rows:
                                      hidden state predicts completion token j (the prompt's last
                                      token for j = 0, else the completion's token j - 1)
     target_ids      [B, C] int32     completion token j itself
-    loss_mask       [B, C] f32       1 where completion token j exists and counts in the loss
+    loss_mask       [B, C] f32       1 where completion token j exists and its policy term counts
+    kl_mask         [B, C] f32       1 where completion token j exists and its KL term counts
     completion_mask [B, C] f32       1 where completion token j exists (statistics)
     sampler_logp    [B, C] f32       the sampler's log-prob of completion token j
     advantages      [B] f32
@@ -84,13 +85,17 @@ def build_rl_batch(
     pack: bool = True,
     share_prompts: bool = True,
     mask_truncated: bool = False,
+    kl_keep: np.ndarray | None = None,
     pad_id: int = 0,
     choose_rows: Callable[[int], int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays for `posttrain.objective` (layout in the module docstring).
 
     `keep` (e.g. False for zero-variance groups) and, with `mask_truncated`
-    (DAPO), completions that hit the length limit contribute no loss tokens.
+    (DAPO), completions that hit the length limit contribute no policy-loss
+    tokens. `kl_keep` says whose tokens carry the KL term (e.g. every
+    completion but those of failed groups, truncated or not); None: the same
+    tokens as the policy term.
     `pack=False` puts one sequence in each row (rows = completions, no shared
     prompts). `share_prompts` lets completions with identical prompt tokens
     in the same packing group share one copy of the prompt. `row_multiple`
@@ -135,6 +140,7 @@ def build_rl_batch(
     target_index = np.zeros((b, max_tokens), np.int32)
     target_ids = np.zeros((b, max_tokens), np.int32)
     loss_mask = np.zeros((b, max_tokens), np.float32)
+    kl_mask = np.zeros((b, max_tokens), np.float32)
     completion_mask = np.zeros((b, max_tokens), np.float32)
     sampler_logp = np.zeros((b, max_tokens), np.float32)
     for g, rows in enumerate(layouts):
@@ -163,10 +169,11 @@ def build_rl_batch(
                         sampler_logp[i, :n] = c.logprobs
                     if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
                         loss_mask[i, :n] = 1.0
+                    kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i]))
                     offset += n
     return {
         "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "branch_ids": branch_ids,
-        "target_index": target_index, "target_ids": target_ids, "loss_mask": loss_mask,
+        "target_index": target_index, "target_ids": target_ids, "loss_mask": loss_mask, "kl_mask": kl_mask,
         "completion_mask": completion_mask, "sampler_logp": sampler_logp,
         "advantages": np.asarray(advantages, np.float32),
     }

@@ -46,9 +46,9 @@ def _hf_dir_and_tokenizer(model_dir: Path, tokenizer: str | None, tmp: str):
 
     if (model_dir / "config.json").exists():
         return model_dir, tokenizer or str(model_dir), None
-    model, cfg = load_checkpoint_model(model_dir)
-    tok = tokenizer or cfg.data.tokenizer_dir or str(model_dir / "tokenizer")
-    out = save_hf(model, cfg.model, Path(tmp) / "hf", tokenizer_dir=tok)
+    model, model_cfg, saved = load_checkpoint_model(model_dir)
+    tok = tokenizer or saved.get("data", {}).get("tokenizer_dir") or str(model_dir / "tokenizer")
+    out = save_hf(model, model_cfg, Path(tmp) / "hf", tokenizer_dir=tok)
     return out, tok, model
 
 
@@ -91,4 +91,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from core.cli import run_cli
+
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from core.cli import run_recipe
 from core.config_loader import config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_tiny.yml"
@@ -44,4 +45,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, "recipes.grpo"))

@@ -23,7 +23,8 @@ import math
 import sys
 from pathlib import Path
 
-from core.config_loader import config_from_argv
+from core.cli import run_recipe
+from core.config_loader import ConfigError, config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "pretrain_tiny.yml"
 
@@ -41,7 +42,10 @@ def main(argv: list[str]) -> int:
     from core.mesh import make_mesh
     from core.objectives import next_token_loss
 
-    resolve_mesh_shape(cfg.mesh, jax.device_count())  # fail early, with the sizes, on a bad mesh
+    try:  # fail early, with the sizes, on a bad mesh
+        resolve_mesh_shape(cfg.mesh, jax.device_count())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     mesh = make_mesh(cfg.mesh)
     if cfg.train.compile_only:
         from core.compile_only import compile_train_step
@@ -94,8 +98,8 @@ def _check_vocab(vocab_size: int, tokenizer_dir: str) -> None:
 
     n = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     if n > vocab_size:
-        raise ValueError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)")
+        raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, "recipes.pretrain"))

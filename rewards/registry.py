@@ -21,6 +21,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
+from core.errors import UserError
+
 RewardFunction = Callable[..., list]
 
 ENTRY_POINT_GROUP = "temper.rewards"
@@ -36,7 +38,7 @@ BUILTINS: dict[str, str] = {
 }
 
 
-class UnknownReward(ValueError):
+class UnknownReward(UserError, ValueError):
     """A reward name that is not a built-in, an importable function, a file or an entry point."""
 
 

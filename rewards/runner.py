@@ -2,13 +2,17 @@
 
     with RewardRunner(cfg.reward) as runner:
         batch = runner.score(prompts, completions, columns={"answer": answers}, completion_ids=ids)
-    batch.total            # [N] weighted sum of the functions
+    batch.total            # [N] weighted sum of the functions (NaN where an item failed)
+    batch.failed_any       # [N] True where any function failed on the item
     batch.metrics()        # reward/mean, reward/<name>/mean, reward/<name>/failure_rate, ...
 
 Every function runs in the worker pool (`rewards.pool`) with the
 `reward.math_verify_timeout` deadline per batch. Items a function failed on
 (it raised, hung, killed its worker, or returned the wrong length / NaN /
-non-numbers) get `reward.failure_reward` as that function's value; they are
+non-numbers) are marked failed: their value is NaN, so no score stands in for
+a failure, and the RL driver drops every group holding one from the loss
+(`posttrain.advantages`). Only with `reward.failure_reward` set to a number
+are failures scored as that number instead (an explicit opt-in). Failures are
 counted, the first message is logged, and the next batch scores normally.
 """
 
@@ -29,10 +33,18 @@ log = logging.getLogger("temper.rewards")
 
 @dataclass
 class RewardBatch:
-    total: np.ndarray                      # [N] float32 weighted sum
-    values: dict[str, np.ndarray]          # name -> [N] unweighted values (failure_reward where failed)
+    total: np.ndarray                      # [N] float32 weighted sum; NaN where an item failed (no opt-in)
+    values: dict[str, np.ndarray]          # name -> [N] unweighted values (NaN, or failure_reward, where failed)
     failed: dict[str, np.ndarray]          # name -> [N] bool
     errors: dict[str, list[str]] = field(default_factory=dict)  # name -> messages of failed shards
+
+    @property
+    def failed_any(self) -> np.ndarray:
+        """[N] True where at least one function failed on the item."""
+        out = np.zeros(self.total.shape, bool)
+        for f in self.failed.values():
+            out |= f
+        return out
 
     def take(self, index: np.ndarray) -> "RewardBatch":
         """The items at `index` (all shard messages kept)."""
@@ -54,12 +66,23 @@ class RewardBatch:
                            {k: np.concatenate([b.failed[k] for b in batches]) for k in names}, errors)
 
     def metrics(self) -> dict[str, float]:
-        out = {"reward/mean": float(self.total.mean()) if self.total.size else 0.0,
-               "reward/std": float(self.total.std()) if self.total.size else 0.0}
+        """Means and stds over the items that were scored (failed ones excluded), failure rates over all."""
+        out = {"reward/mean": _mean(self.total), "reward/std": _std(self.total),
+               "reward/failure_rate": float(self.failed_any.mean()) if self.total.size else 0.0}
         for name, v in self.values.items():
-            out[f"reward/{name}/mean"] = float(v.mean()) if v.size else 0.0
+            out[f"reward/{name}/mean"] = _mean(v)
             out[f"reward/{name}/failure_rate"] = float(self.failed[name].mean()) if v.size else 0.0
         return out
+
+
+def _mean(x: np.ndarray) -> float:
+    ok = x[np.isfinite(x)]
+    return float(ok.mean()) if ok.size else 0.0
+
+
+def _std(x: np.ndarray) -> float:
+    ok = x[np.isfinite(x)]
+    return float(ok.std()) if ok.size else 0.0
 
 
 def function_names(specs: Sequence[str]) -> list[str]:
@@ -102,7 +125,8 @@ class RewardRunner:
             bad = np.isnan(raw)
             if messages:
                 errors[name] = messages
-            values[name], failed[name] = np.where(bad, np.float32(self.cfg.failure_reward), raw), bad
+            stand_in = np.float32(np.nan if self.cfg.failure_reward is None else self.cfg.failure_reward)
+            values[name], failed[name] = np.where(bad, stand_in, raw), bad
             total += fn_cfg.weight * values[name]
         return RewardBatch(total=total, values=values, failed=failed, errors=errors)
 

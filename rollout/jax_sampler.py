@@ -37,6 +37,7 @@ from rollout.sampler import (
     apply_stop_strings,
     check_prompt_lengths,
     encode_prompts,
+    sample_seeds,
 )
 
 
@@ -57,23 +58,26 @@ def process_logits(logits: jax.Array, temperature: float, top_k: int, top_p: flo
     return logits
 
 
-def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float):
-    """(token [B], log-prob [B]). Temperature 0 is greedy with the model's own log-probs."""
+def sample_token(logits: jax.Array, keys: jax.Array, temperature: float, top_k: int, top_p: float):
+    """(token [B], log-prob [B]), row b drawn with its own key `keys[b]`. Temperature 0 is greedy with the
+    model's own log-probs."""
     if temperature == 0.0:
         logp = jax.nn.log_softmax(logits, axis=-1)
         tok = jnp.argmax(logits, axis=-1)
     else:
         processed = process_logits(logits, temperature, top_k, top_p)
         logp = jax.nn.log_softmax(processed, axis=-1)
-        tok = jax.random.categorical(key, processed, axis=-1)
+        tok = jax.vmap(jax.random.categorical)(keys, processed)
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
 @partial(jax.jit, static_argnames=("graphdef", "n", "max_new", "cache_len", "temperature", "top_k", "top_p",
                                    "stop_ids"))
-def _generate(graphdef, params, prompts, lengths, key, *, n, max_new, cache_len, temperature, top_k, top_p, stop_ids):
-    """prompts [Bp, P] right-padded, lengths [Bp] -> n completions of each, prompt-major rows B = Bp * n:
-    (tokens [B, max_new], logprobs, n_generated [B], stopped [B])."""
+def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_len, temperature, top_k, top_p,
+              stop_ids):
+    """prompts [Bp, P] right-padded, lengths [Bp], seeds [Bp * n] (one per sample) -> n completions of each,
+    prompt-major rows B = Bp * n: (tokens [B, max_new], logprobs, n_generated [B], stopped [B]).
+    Row b's token t is drawn with key fold_in(key(seeds[b]), t): its own stream, whatever else is batched."""
     model: Decoder = nnx.merge(graphdef, params)
     bp, p = prompts.shape
     cache_k, cache_v = model.init_cache(bp, cache_len)
@@ -88,13 +92,15 @@ def _generate(graphdef, params, prompts, lengths, key, *, n, max_new, cache_len,
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else jnp.zeros((0,), jnp.int32)
 
     def cond(carry):
-        t, done = carry[0], carry[4]
+        t, done = carry[0], carry[3]
         return (t < max_new) & ~done.all()
 
+    row_keys = jax.vmap(jax.random.key)(seeds)
+
     def body(carry):
-        t, key, logits, tokens, done, n_gen, logps, cache_k, cache_v = carry
-        key, sub = jax.random.split(key)
-        tok, lp = sample_token(logits, sub, temperature, top_k, top_p)
+        t, logits, tokens, done, n_gen, logps, cache_k, cache_v = carry
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
+        tok, lp = sample_token(logits, step_keys, temperature, top_k, top_p)
         tok = jnp.where(done, 0, tok)
         tokens = tokens.at[:, t].set(tok)
         logps = logps.at[:, t].set(jnp.where(done, 0.0, lp))
@@ -102,13 +108,13 @@ def _generate(graphdef, params, prompts, lengths, key, *, n, max_new, cache_len,
         done = done | (tok[:, None] == stop[None, :]).any(axis=-1)
         hidden, cache_k, cache_v = model.with_cache(tok[:, None], (lengths + t)[:, None], cache_k, cache_v)
         logits = model.logits(hidden)[:, 0]
-        return t + 1, key, logits, tokens, done, n_gen, logps, cache_k, cache_v
+        return t + 1, logits, tokens, done, n_gen, logps, cache_k, cache_v
 
     init = (
-        jnp.int32(0), key, logits, jnp.zeros((b, max_new), jnp.int32), jnp.zeros((b,), bool),
+        jnp.int32(0), logits, jnp.zeros((b, max_new), jnp.int32), jnp.zeros((b,), bool),
         jnp.zeros((b,), jnp.int32), jnp.zeros((b, max_new), jnp.float32), cache_k, cache_v,
     )
-    _, _, _, tokens, done, n_gen, logps, _, _ = jax.lax.while_loop(cond, body, init)
+    _, _, tokens, done, n_gen, logps, _, _ = jax.lax.while_loop(cond, body, init)
     return tokens, logps, n_gen, done
 
 
@@ -137,7 +143,7 @@ class JaxSampler:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id} - {None}))
         self.policy_version = 0
-        self._key = jax.random.key(seed)
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
         self._counts = SizeCache(_bucket)  # prompts per batch, then prompt length: shapes compiled so far
         self._lengths = SizeCache(lambda n: _bucket(n, 8))
 
@@ -153,14 +159,15 @@ class JaxSampler:
         for i, ids in enumerate(prompt_ids):
             tokens[i, : len(ids)] = ids
             lengths[i] = len(ids)
-        if params.seed is not None:
-            key = jax.random.key(params.seed)
-        else:
-            self._key, key = jax.random.split(self._key)
+        per_prompt = sample_seeds(params, len(prompt_ids))
+        if per_prompt is None:  # unseeded: the next draws of this sampler's own stream
+            per_prompt = self._rng.integers(0, 2**31, (len(prompt_ids), params.n)).tolist()
+        seeds = np.zeros((b * params.n,), np.uint32)  # padding prompts' rows keep seed 0
+        seeds[: len(rows)] = np.asarray(per_prompt, np.uint32).reshape(-1)
         stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             out, logps, n_gen, stopped = _generate(
-                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), key, n=params.n,
+                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(seeds), n=params.n,
                 max_new=params.max_tokens, cache_len=p + params.max_tokens,
                 temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
                 stop_ids=stop_ids,

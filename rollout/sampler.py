@@ -7,12 +7,21 @@ A prompt is a list of token ids, a string, or a chat (a list of
 `{"role", "content"}` messages, rendered with the tokenizer's chat template
 and a generation prompt). `generate` returns `n` completions per prompt,
 prompt-major.
+
+Seeds: with `SamplingParams.seed` set, sample j of prompt i draws its noise
+from its own seed, `sample_seed(seed, prompt_offset + i, j)`, so no two
+samples of a request share a random stream (samples of different prompts, or
+of one request and the next, would otherwise be correlated), a sample does not
+depend on which sampler of a group drew it or on what else was in its batch,
+and the same request gives the same samples again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Sequence, Union
+
+import numpy as np
 
 Prompt = Union[Sequence[int], str, Sequence[dict]]
 
@@ -26,8 +35,11 @@ class SamplingParams:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # the request's seed; None: unseeded
     logprobs: bool = True
+    # Index of prompts[0] in the whole request (a sampler group hands each sampler a slice): seeds per sample
+    # are keyed on the prompt's index in the request, not in the slice.
+    prompt_offset: int = 0
 
     def __post_init__(self):
         if self.n < 1:
@@ -52,6 +64,20 @@ class Completion:
     text: str
     policy_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sample_seed(*keys: int) -> int:
+    """A 31-bit seed mixed from integer keys (NumPy's SeedSequence hash): distinct keys give unrelated seeds,
+    unlike `seed + index`, which makes request k's sample 1 and request k + 1's sample 0 the same stream."""
+    return int(np.random.SeedSequence([int(k) % 2**63 for k in keys]).generate_state(1)[0] >> 1)
+
+
+def sample_seeds(params: SamplingParams, num_prompts: int) -> list[list[int]] | None:
+    """[prompt][sample] seeds of a request (None when it is unseeded)."""
+    if params.seed is None:
+        return None
+    return [[sample_seed(params.seed, params.prompt_offset + i, j) for j in range(params.n)]
+            for i in range(num_prompts)]
 
 
 class Sampler(Protocol):

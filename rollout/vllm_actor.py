@@ -14,7 +14,6 @@ has a timeout, so a dead or wedged actor surfaces as an error instead of a hang.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterable, Mapping, Sequence
 
@@ -22,19 +21,6 @@ import numpy as np
 
 from core.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
-
-
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Attach to the running Ray cluster (inside `ray job submit`) or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 class RemoteVLLMSampler:
@@ -51,6 +37,7 @@ class RemoteVLLMSampler:
               timeout_s: float = 600.0, scheduling_strategy=None) -> "RemoteVLLMSampler":
         import ray
 
+        from rollout.ray import ensure_ray
         from rollout.vllm_sampler import VLLMSampler
 
         ensure_ray()
@@ -112,3 +99,17 @@ class RemoteVLLMSampler:
             self._get(self.handle.shutdown.remote())
         finally:
             ray.kill(self.handle)
+
+    def kill(self, grace_s: float = 10.0) -> None:
+        """Stop a sampler that failed: its engine's shutdown if it still answers within `grace_s`, then the
+        actor (never raises)."""
+        import ray
+
+        try:
+            ray.get(self.handle.shutdown.remote(), timeout=grace_s)
+        except Exception:  # noqa: BLE001 - dead or wedged: the kill below is what matters
+            pass
+        try:
+            ray.kill(self.handle)
+        except Exception:  # noqa: BLE001
+            pass

@@ -31,7 +31,7 @@ import numpy as np
 
 from core.config import RolloutConfig
 from core.hf_config import model_section_from_hf
-from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts
+from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
 
 
 class WeightUpdateError(ValueError):
@@ -81,15 +81,26 @@ class VLLMSampler:
 
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths(prompt_ids, params.max_tokens, self.cfg.max_model_len)
-        sp = VLLMParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=params.max_tokens, stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed,
-            logprobs=0 if params.logprobs else None,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp, use_tqdm=False)
+
+        def vllm_params(n: int, seed: int | None) -> VLLMParams:
+            return VLLMParams(
+                n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                max_tokens=params.max_tokens, stop=list(params.stop) or None,
+                stop_token_ids=list(params.stop_token_ids) or None, seed=seed,
+                logprobs=0 if params.logprobs else None,
+            )
+
+        seeds = sample_seeds(params, len(prompt_ids))
+        if seeds is None:  # unseeded: one request per prompt, vLLM fans out its n samples
+            requests = [({"prompt_token_ids": ids}, vllm_params(params.n, None)) for ids in prompt_ids]
+        else:  # one request per sample with its own seed (vLLM would seed a prompt's n samples seed + j)
+            requests = [({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds)
+                        for s in row]
+        outputs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        per_prompt = len(outputs) // len(prompt_ids)
         completions = []
-        for ids, out in zip(prompt_ids, outputs):
+        for k, out in enumerate(outputs):
+            ids = prompt_ids[k // per_prompt]
             for c in out.outputs:
                 logprobs = None
                 if params.logprobs:

@@ -4,9 +4,12 @@ One planner (`plan_chunks`) groups tensors into chunks of at most
 `rollout.reshard_chunk_bytes` (or `max_tensors`); two deliveries use it:
 
 - `reshard_to_jax_sampler`: to a JAX sampler on another sub-mesh of this
-  process. Each chunk is moved by `jax.device_put` straight into the
-  sampler's `NamedSharding`s, and the sampler's old buffers for that chunk are
-  freed at once, so the extra memory stays near one chunk.
+  process (or the trainer's own). Each chunk is copied by `jax.device_put`
+  straight into the sampler's `NamedSharding`s, and the sampler's old buffers
+  for that chunk are freed at once, so the extra memory stays near one chunk.
+  It is always a copy (`may_alias=False`): on the trainer's own mesh
+  `device_put` would otherwise hand back the trainer's buffers, which its next
+  step donates (deletes), and a second sync would delete them itself.
 - `sync_to_vllm`: to a vLLM actor. Each Hugging Face tensor is gathered from
   the trainer mesh (one layer of a stacked parameter at a time), converted to
   the `[out, in]` layout by the shared table in `core.hf_layout`, grouped into
@@ -123,7 +126,7 @@ def reshard_to_jax_sampler(
     for chunk in plan:
         values = [src[k].get_value() for k in chunk]
         targets = [dst[k].get_value().sharding for k in chunk]
-        moved = jax.block_until_ready(jax.device_put(values, targets))
+        moved = jax.block_until_ready(jax.device_put(values, targets, may_alias=False))
         if measure_memory:
             peak = max(peak, _live_bytes(sampler_devices) - baseline)
         for k, new in zip(chunk, moved):

@@ -127,3 +127,48 @@ def test_config_is_immutable():
     cfg = load_config()
     with pytest.raises(Exception):
         cfg.train.steps = 3
+
+
+def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
+    gspo = load_config(overrides=["rl.algorithm=gspo"]).rl
+    assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_agg) == (3e-4, 4e-4, "sequence-mean-token-mean")
+    grpo = load_config().rl
+    assert (grpo.epsilon, grpo.epsilon_high, grpo.loss_agg) == (0.2, 0.2, "token-mean")
+    # what the user names wins, and epsilon_high follows an explicit epsilon
+    mine = load_config(overrides=["rl.algorithm=gspo", "rl.epsilon=1e-3", "rl.loss_agg=token-mean"]).rl
+    assert (mine.epsilon, mine.epsilon_high, mine.loss_agg) == (1e-3, 1e-3, "token-mean")
+    assert load_config(overrides=["rl.algorithm=gspo", "rl.epsilon_high=5e-4"]).rl.epsilon == 3e-4
+    assert load_config(overrides=["rl.epsilon=0.1"]).rl.epsilon_high == 0.1
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rl.epsilon=0.2", "rl.epsilon_high=0.1"], r"rl.epsilon_high \(0.1\) must be >= rl.epsilon \(0.2\)"),
+    (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1, got 0"),
+    (["rollout.top_k=-2"], r"rollout.top_k must be -1 \(off\) or >= 1, got -2"),
+    (["rollout.max_tokens=64", "rollout.max_model_len=64"],
+     r"rollout.max_tokens \(64\) must be < rollout.max_model_len \(64\)"),
+    (["rl.prompts_per_step=3", "rl.num_generations=2", "rl.mini_batches=2", "train.micro_batches=2"],
+     r"rl.prompts_per_step \* rl.num_generations \(3 \* 2 = 6\) must be divisible by rl.mini_batches \* "
+     r"train.micro_batches \(2 \* 2 = 4\)"),
+    (["rl.off_policy_steps=1", "rollout.sampler=jax"], r"rl.off_policy_steps=1 \(async\) needs rollout.sampler=vllm"),
+    (["rl.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"], r"rl.pack_length \(64\) < rollout.max_model_len \(128\)"),
+])
+def test_rl_cross_field_checks_at_load(overrides, message):
+    """Checked when the config loads, before a Ray cluster or an engine starts (they used to surface mid-run)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_saved_config_holds_no_code_and_loading_it_imports_none(tmp_path):
+    """A config read back from a run directory is validated without importing its reward plugins."""
+    plugin = tmp_path / "plugin.py"
+    marker = tmp_path / "imported"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n"
+                      "    return [0.0] * len(completions)\n")
+    cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"])
+    assert marker.exists()  # loading a user's config does resolve the plugin (a typo fails at load)
+    marker.unlink()
+    Config.model_validate(cfg.model_dump(mode="json"))  # what a checkpoint restore does
+    plugin.unlink()  # even a plugin that is gone
+    Config.model_validate(cfg.model_dump(mode="json"))
+    assert not marker.exists()

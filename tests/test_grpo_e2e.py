@@ -44,7 +44,7 @@ def hf_weights(path):
 def ray_cluster():
     import ray
 
-    from rollout.vllm_actor import ensure_ray
+    from rollout.ray import ensure_ray
 
     ensure_ray(num_cpus=2)
     yield
@@ -70,7 +70,7 @@ def test_grpo_on_ray_with_vllm_learns_syncs_and_survives_a_dead_sampler(ray_clus
         summary = run.run(on_step=kill_sampler_after_step_2)
         new_sampler = run.samplers.samplers[0]
         assert new_sampler.handle != killed["handle"]
-        assert new_sampler.policy_version == run.trainer.call("version") == 4
+        assert new_sampler.policy_version == run.trainer.version() == 4
     finally:
         run.close()
 

@@ -18,33 +18,41 @@ AGGS = ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"
 # ------------------------------------------------------------ NumPy references
 
 
-def np_advantages(rewards, g, estimator, floor=1e-6):
-    out, keep, flat_groups = [], [], 0
+def np_advantages(rewards, g, estimator, eps=1e-4):
+    """Advantages, policy keep mask, trainable mask and (flat, failed) group counts; NaN = a failed item."""
+    out, keep, trainable, flat_groups, failed_groups = [], [], [], 0, 0
     for start in range(0, len(rewards), g):
         grp = [float(x) for x in rewards[start:start + g]]
+        failed = any(x != x for x in grp)  # NaN
         mean = sum(grp) / g
-        flat = all(x == grp[0] for x in grp)
+        flat = not failed and all(x == grp[0] for x in grp)
         flat_groups += flat
+        failed_groups += failed
         for i, x in enumerate(grp):
-            if flat:
+            if flat or failed:
                 a = 0.0
             elif estimator == "group_norm":
                 std = (sum((y - mean) ** 2 for y in grp) / (g - 1)) ** 0.5
-                a = (x - mean) / max(std, floor)
+                a = (x - mean) / (std + eps)
             elif estimator == "drgrpo":
                 a = x - mean
             else:  # rloo: baseline = mean of the others
                 a = x - (sum(grp) - x) / (g - 1)
             out.append(a)
-            keep.append(not flat)
-    return np.array(out), np.array(keep), flat_groups
+            keep.append(not (flat or failed))
+            trainable.append(not failed)
+    return np.array(out), np.array(keep), np.array(trainable), flat_groups, failed_groups
 
 
-def np_policy_loss(logp, old, adv, mask, s: PolicyLossSettings, sampler=None, ref=None):
-    """Loss value and d loss / d logp, token by token."""
+def np_policy_loss(logp, old, adv, mask, s: PolicyLossSettings, sampler=None, ref=None, kl_mask=None):
+    """Loss value and d loss / d logp, token by token. The policy term counts on `mask`, the KL term on
+    `kl_mask` (default `mask`); a token counts in the normaliser when either term does."""
     B, T = logp.shape
-    per = np.zeros((B, T))
-    dper = np.zeros((B, T))  # derivative of each token's policy term w.r.t. the ratio's log (GSPO: the sequence's)
+    kl_mask = mask if kl_mask is None else kl_mask
+    counted = np.maximum(mask, kl_mask) if s.beta > 0 else mask
+    pol = np.zeros((B, T))  # each token's policy term
+    dpol = np.zeros((B, T))  # its derivative w.r.t. the ratio's log (GSPO: the sequence's)
+    kl = np.zeros((B, T))
     dkl = np.zeros((B, T))  # derivative of each token's KL term w.r.t. its own logp
     high = s.epsilon if s.epsilon_high is None else s.epsilon_high
     for i in range(B):
@@ -66,50 +74,77 @@ def np_policy_loss(logp, old, adv, mask, s: PolicyLossSettings, sampler=None, re
                     w = min(np.exp(sum(mask[i, u] * (old[i, u] - sampler[i, u]) for u in range(T)) / max(n, 1)),
                             s.tis_cap)
                 loss, d = loss * w, d * w
+            pol[i, t], dpol[i, t] = loss, d
             if s.beta > 0:
                 x = logp[i, t] - ref[i, t]
-                kl, dk = {"k1": (x, 1.0), "k2": (0.5 * x * x, x), "k3": (np.exp(-x) + x - 1, 1 - np.exp(-x))}[
-                    s.kl_estimator]
-                loss, dkl[i, t] = loss + s.beta * kl, s.beta * dk
-            per[i, t], dper[i, t] = loss, d
-    lengths = mask.sum(1)
-    sequences = (lengths > 0).sum()
+                k3 = np.exp(-x) + x - 1
+                value, slope = {"k1": (x, 1.0), "k2": (0.5 * x * x, x), "k3": (k3, 1 - np.exp(-x)),
+                                "low_var_kl": (min(k3, 10.0), 1 - np.exp(-x) if k3 < 10.0 else 0.0)}[s.kl_estimator]
+                kl[i, t], dkl[i, t] = value, s.beta * slope
+    lengths = counted.sum(1)
     if s.loss_agg == "token-mean":
-        weight = mask / mask.sum()
+        weight = np.full((B, T), 1.0 / counted.sum())
     elif s.loss_agg == "sequence-mean-token-mean":
-        weight = mask / np.maximum(lengths, 1)[:, None] / sequences
-    else:
-        weight = mask / s.max_tokens / sequences
-    value = (per * weight).sum()
+        weight = np.repeat(1.0 / np.maximum(lengths, 1)[:, None] / (lengths > 0).sum(), T, axis=1)
+    else:  # Dr.GRPO: every sequence of the batch times the generation budget
+        weight = np.full((B, T), 1.0 / (B * s.max_tokens))
+    value = ((pol * mask + s.beta * kl * kl_mask) * weight).sum()
     if s.algorithm == "grpo":
-        grad = (dper + dkl) * weight
+        grad = (dpol * mask + dkl * kl_mask) * weight
     else:  # d/dlogp_t of sum_t' w_t' loss(s): the sequence ratio depends on every token, d s / d logp_t = s m_t / n
-        grad = np.zeros_like(per)
+        grad = np.zeros_like(pol)
         for i in range(B):
             n = max(mask[i].sum(), 1)
-            total = sum(weight[i, t] * dper[i, t] for t in range(T))
-            grad[i] = total * mask[i] / n + dkl[i] * weight[i]
+            total = sum(weight[i, t] * dpol[i, t] * mask[i, t] for t in range(T))
+            grad[i] = total * mask[i] / n + dkl[i] * kl_mask[i] * weight[i]
     return value, grad
 
 
-def _data(seed, B=6, T=7, spread=0.3):
+def np_branches(logp, old, adv, mask, s: PolicyLossSettings, sampler=None):
+    """How many counted tokens take the PPO clip, the dual clip and the TIS cap (NumPy, for the tests that
+    check that their data reaches each branch)."""
+    high = s.epsilon if s.epsilon_high is None else s.epsilon_high
+    n = np.maximum(mask.sum(1, keepdims=True), 1)
+    log_r = logp - old if s.algorithm == "grpo" else np.broadcast_to(((logp - old) * mask).sum(1, keepdims=True) / n,
+                                                                     logp.shape)
+    r, a = np.exp(log_r), adv[:, None]
+    unclipped, clipped = -a * r, -a * np.clip(r, 1 - s.epsilon, 1 + high)
+    out = {"clip": int(((clipped > unclipped) & (mask > 0)).sum())}
+    if s.dual_clip is not None:
+        out["dual_clip"] = int(((a < 0) & (np.maximum(unclipped, clipped) > -a * s.dual_clip) & (mask > 0)).sum())
+    if s.tis_cap is not None and sampler is not None:
+        log_w = old - sampler
+        if s.algorithm == "gspo":
+            log_w = np.broadcast_to((log_w * mask).sum(1, keepdims=True) / n, log_w.shape)
+        out["tis_cap"] = int(((np.exp(log_w) > s.tis_cap) & (mask > 0)).sum())
+    return out
+
+
+def _data(seed, B=10, T=10, spread=0.8, sampler_spread=0.6):
+    """Log-probs with ratios wide enough to reach every clip and cap; unequal lengths; sequence B-1 has no policy
+    tokens (a zero-variance group) but KL tokens, sequence B-2 no tokens at all (a failed group), and the KL
+    term covers tokens the policy term does not (truncated completions with DAPO's mask)."""
     rng = np.random.default_rng(seed)
     logp = -rng.uniform(0.1, 3.0, (B, T))
     old = logp + rng.normal(0, spread, (B, T))
-    sampler = old + rng.normal(0, 0.2, (B, T))
+    sampler = old + rng.normal(0, sampler_spread, (B, T))
     ref = logp + rng.normal(0, 0.3, (B, T))
     adv = rng.normal(0, 1.0, B)
-    lengths = rng.integers(1, T + 1, B)  # unequal completion lengths
-    lengths[-1] = 0  # a sequence with no counted tokens (a masked group)
+    kl_lengths = rng.integers(2, T + 1, B)
+    lengths = np.minimum(kl_lengths, rng.integers(1, T + 1, B))  # policy tokens: a prefix of the KL tokens
+    lengths[-1] = 0
+    lengths[-2] = kl_lengths[-2] = 0
     mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float64)
-    return logp, old, sampler, ref, adv, mask
+    kl_mask = (np.arange(T)[None] < kl_lengths[:, None]).astype(np.float64)
+    return logp, old, sampler, ref, adv, mask, kl_mask
 
 
-def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None):
+def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None, kl_mask=None):
     def total(lp):
         loss_sum, sums = policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), s,
                                      None if sampler is None else jnp.asarray(sampler),
-                                     None if ref is None else jnp.asarray(ref))
+                                     None if ref is None else jnp.asarray(ref),
+                                     None if kl_mask is None else jnp.asarray(kl_mask))
         return loss_sum / sums["loss_denominator"], sums
 
     (value, sums), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
@@ -127,14 +162,27 @@ def test_advantages_match_numpy(estimator):
         [1.0, 1.0, 1.0, 1.0],               # std = 0: masked out
         [0.0, 0.0, 1.0, 0.0],               # binary rewards
         [-2.0, -2.0, -2.0, -2.0],           # another flat group
-        [3.0, 3.0 + 1e-9, 3.0, 3.0],        # tiny std: the floor keeps it finite
+        [3.0, 3.0 + 1e-9, 3.0, 3.0],        # tiny std: the eps keeps it finite
+        [1.0, np.nan, 0.0, 1.0],            # a failed item: the whole group is dropped
+        [np.nan, np.nan, np.nan, np.nan],   # a crashed worker's shard
     ])
-    adv = group_advantages(rewards, 4, estimator, std_floor=1e-6)
-    ref, keep, flat = np_advantages(rewards, 4, estimator, floor=1e-6)
+    adv = group_advantages(rewards, 4, estimator, std_eps=1e-4)
+    ref, keep, trainable, flat, failed = np_advantages(rewards, 4, estimator, eps=1e-4)
     np.testing.assert_allclose(adv.values, ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(adv.keep, keep)
-    assert adv.zero_variance_groups == flat == 2
+    np.testing.assert_array_equal(adv.trainable, trainable)
+    assert adv.zero_variance_groups == flat == 2 and adv.failed_groups == failed == 2
     assert np.isfinite(adv.values).all()
+
+
+def test_a_failed_item_drops_its_group_not_its_neighbours():
+    """The group's other rewards would be normalised against a missing one: no member keeps an advantage,
+    while the next group is untouched (it is normalised as if the failed group were not there)."""
+    rewards = np.array([1.0, 0.0, np.nan, 1.0, 0.0, 1.0, 1.0, 0.0])
+    adv = group_advantages(rewards, 4)
+    assert not adv.values[:4].any() and not adv.keep[:4].any() and not adv.trainable[:4].any()
+    np.testing.assert_allclose(adv.values[4:], group_advantages(rewards[4:], 4).values)
+    assert adv.keep[4:].all() and adv.failed_groups == 1
 
 
 def test_advantages_reject_bad_shapes():
@@ -148,29 +196,44 @@ CASES = [
     for algo, agg, (high, dual, tis, beta, est) in itertools.product(
         ["grpo", "gspo"], AGGS,
         [(None, None, None, 0.0, "k3"), (0.28, 3.0, 2.0, 0.0, "k3"), (None, None, 1.5, 0.05, "k1"),
-         (0.3, None, None, 0.1, "k2"), (None, 1.5, None, 0.02, "k3")])
+         (0.3, None, None, 0.1, "k2"), (None, 1.5, None, 0.02, "k3"), (None, 1.5, 1.5, 0.05, "low_var_kl")])
 ]
 
 
-@pytest.mark.parametrize("s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{s.tis_cap}-{s.beta}")
+@pytest.mark.parametrize("s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{s.tis_cap}-{s.beta}"
+                                                    f"-{s.kl_estimator}")
 def test_policy_loss_and_gradient_match_numpy(s):
-    logp, old, sampler, ref, adv, mask = _data(1)
-    value, grad, _ = _jax_loss(logp, old, adv, mask, s, sampler, ref)
-    ref_value, ref_grad = np_policy_loss(logp, old, adv, mask, s, sampler, ref)
+    logp, old, sampler, ref, adv, mask, kl_mask = _data(13)
+    # the data must reach every branch the case configures (and not only that branch), or the table tests nothing
+    counted = int(mask.sum())
+    for branch, hits in np_branches(logp, old, adv, mask, s, sampler).items():
+        assert 0 < hits < counted, (branch, hits, counted)
+    value, grad, sums = _jax_loss(logp, old, adv, mask, s, sampler, ref, kl_mask)
+    ref_value, ref_grad = np_policy_loss(logp, old, adv, mask, s, sampler, ref, kl_mask)
     assert value == pytest.approx(ref_value, abs=1e-6)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
+    assert float(sums["clipped_tokens"]) == np_branches(logp, old, adv, mask, s)["clip"]
+    if s.beta > 0:  # the KL term reaches tokens the policy term does not (a zero-variance or truncated sequence)
+        assert np.abs(ref_grad[-1]).sum() > 0 and float(sums["kl_tokens"]) == kl_mask.sum() > mask.sum()
 
 
-def test_clipping_actually_happens_in_the_test_data():
-    logp, old, sampler, ref, adv, mask = _data(1)
-    _, _, sums = _jax_loss(logp, old, adv, mask, PolicyLossSettings())
-    fraction = float(sums["clipped_tokens"] / sums["completion_tokens"])
-    assert 0.05 < fraction < 0.95  # so the table above exercises both branches
+def test_dr_grpo_normaliser_does_not_depend_on_filtering():
+    """Dr.GRPO divides by (sequences in the batch) x max_tokens: masking 3 of 4 groups out (flat rewards) gives
+    the gradient of the same batch with those groups in and zero advantages, not 4x it."""
+    logp, old, sampler, _, adv, _, _ = _data(4, B=8, T=6)
+    full = np.ones_like(logp)
+    flat = np.arange(8) >= 2  # groups 2-4 (2 completions each) have equal rewards
+    adv = np.where(flat, 0.0, adv)
+    s = PolicyLossSettings(loss_agg="sequence-mean-token-sum-norm", max_tokens=6, tis_cap=None)
+    _, masked_grad, _ = _jax_loss(logp, old, adv, np.where(flat[:, None], 0.0, full), s)
+    _, kept_grad, _ = _jax_loss(logp, old, adv, full, s)
+    assert np.abs(kept_grad).sum() > 0
+    np.testing.assert_allclose(masked_grad, kept_grad, atol=1e-7)
 
 
 def test_all_truncated_group_and_zero_advantages():
-    # A group masked out (all-equal rewards) or all truncated with mask_truncated contributes nothing.
-    logp, old, sampler, ref, adv, mask = _data(2)
+    # Sequences with no counted token (masked out or truncated under mask_truncated, no KL) contribute nothing.
+    logp, old, sampler, ref, adv, mask, _ = _data(2)
     mask[:3] = 0.0
     for s in (PolicyLossSettings(loss_agg=a) for a in AGGS):
         value, grad, sums = _jax_loss(logp, old, adv, mask, s)
@@ -182,7 +245,7 @@ def test_all_truncated_group_and_zero_advantages():
 
 
 def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
-    logp, old, _, _, adv, mask = _data(3)
+    logp, old, _, _, adv, mask, _ = _data(3)
     from posttrain.losses import importance_ratio
 
     ratio = np.asarray(importance_ratio(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(mask), "gspo"))
@@ -194,12 +257,43 @@ def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
 
 
 def test_kl_estimators():
-    logp, ref = np.log([0.5, 0.2, 0.9]), np.log([0.4, 0.3, 0.9])
+    logp, ref = np.log([0.5, 0.2, 0.9, 1e-3]), np.log([0.4, 0.3, 0.9, 0.9])
     x = logp - ref
     np.testing.assert_allclose(kl_penalty(logp, ref, "k1"), x, rtol=1e-6)
     np.testing.assert_allclose(kl_penalty(logp, ref, "k2"), 0.5 * x**2, rtol=1e-6)
-    np.testing.assert_allclose(kl_penalty(logp, ref, "k3"), np.exp(-x) + x - 1, rtol=1e-6)
+    k3 = np.exp(-x) + x - 1
+    np.testing.assert_allclose(kl_penalty(logp, ref, "k3"), k3, rtol=1e-6)
     assert (np.asarray(kl_penalty(logp, ref, "k3")) >= 0).all()
+    assert k3[-1] > 10 and k3[:-1].max() < 10  # the last token reaches low_var_kl's clamp, the others do not
+    np.testing.assert_allclose(kl_penalty(logp, ref, "low_var_kl"), np.minimum(k3, 10.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_estimator_gradients_follow_the_documented_divergence(estimator):
+    """Exact expectations over a 6-token vocabulary, tokens drawn from pi_theta (held fixed, as sampled
+    completions are): E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi)
+    (the reverse KL, not the one k3's value estimates); low_var_kl = k3 within its clamp."""
+    rng = np.random.default_rng(7)
+    theta = jnp.asarray(rng.normal(size=6))
+    log_ref = jax.nn.log_softmax(jnp.asarray(rng.normal(size=6)))
+
+    def expected_loss(t):
+        logp = jax.nn.log_softmax(t)
+        weights = jax.lax.stop_gradient(jnp.exp(logp))  # the sampling distribution
+        return (weights * kl_penalty(logp, log_ref, estimator)).sum()
+
+    def forward_kl(t):  # KL(pi || ref)
+        logp = jax.nn.log_softmax(t)
+        return (jnp.exp(logp) * (logp - log_ref)).sum()
+
+    def reverse_kl(t):  # KL(ref || pi)
+        return (jnp.exp(log_ref) * (log_ref - jax.nn.log_softmax(t))).sum()
+
+    got = np.asarray(jax.grad(expected_loss)(theta))
+    want = {"k1": np.zeros(6), "k2": jax.grad(forward_kl)(theta), "k3": jax.grad(reverse_kl)(theta),
+            "low_var_kl": jax.grad(reverse_kl)(theta)}[estimator]
+    assert np.abs(np.asarray(jax.grad(forward_kl)(theta)) - np.asarray(jax.grad(reverse_kl)(theta))).max() > 1e-2
+    np.testing.assert_allclose(got, np.asarray(want), atol=1e-6)
 
 
 # --------------------------------------------- micro-batches on a real model
@@ -208,7 +302,7 @@ def test_kl_estimators():
 def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
     """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, pairs
     sharing their prompt, or one per row), with sampler / old / ref log-probs; the first two completions are a
-    masked group."""
+    zero-variance group (no policy tokens, KL tokens)."""
     from posttrain.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
@@ -221,8 +315,9 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
         n = min(int(rng.integers(8, t + 1)) - len(prompt), max_tokens)
         comps.append(Completion(prompt, list(rng.integers(3, vocab, n)), None, "stop", ""))
     keep = np.arange(rows) >= 2
+    # the masked group still carries the KL term (rl.kl_every_token), so every micro-batch has KL-only tokens
     batch = build_rl_batch(comps, rng.normal(size=rows).astype(np.float32), keep, row_len=2 * t,
-                           max_tokens=max_tokens, groups=groups, pack=pack)
+                           max_tokens=max_tokens, groups=groups, pack=pack, kl_keep=np.ones(rows, bool))
     done = batch.pop("completion_mask")
     old = (-rng.uniform(4, 8, done.shape) * done).astype(np.float32)
     return {

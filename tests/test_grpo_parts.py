@@ -13,7 +13,7 @@ from core.shapes import SizeCache
 from posttrain.cluster import placement_bundles
 from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
 from posttrain.rl_batch import build_rl_batch, round_rows
-from posttrain.sampling import SamplerGroup
+from posttrain.sampling import SamplerFailed, SamplerGroup, SamplerInputError
 from rollout.sampler import Completion, SamplingParams
 
 
@@ -173,41 +173,85 @@ def test_placement_bundles():
 
 
 class _FakeRemote:
-    """A sampler with the Ray client's surface; `dead` makes `result` fail like a killed actor."""
+    """A sampler with the Ray client's surface: `fail` (an exception or None) makes `result` / `update_weights`
+    raise it, as a dead actor (RayActorError) or a failing engine (RayTaskError) would."""
 
-    def __init__(self, tag, dead=False):
-        self.tag, self.dead, self.policy_version = tag, dead, 0
+    def __init__(self, tag, fail=None, fail_sync=None):
+        self.tag, self.fail, self.fail_sync, self.policy_version = tag, fail, fail_sync, 0
+        self.killed, self.offsets = False, []
 
     def generate_async(self, prompts, params):
+        self.offsets.append(params.prompt_offset)
         return list(prompts)
 
     def result(self, ref):
-        if self.dead:
-            import ray.exceptions
-
-            raise ray.exceptions.RayActorError()
+        if self.fail is not None:
+            raise self.fail
         return [Completion([], [], None, "stop", f"{self.tag}:{p}") for p in ref]
 
     def generate(self, prompts, params):
         return self.result(self.generate_async(prompts, params))
 
+    def push(self):
+        if self.fail_sync is not None:
+            raise self.fail_sync
+        return self.tag
 
-def test_sampler_group_restarts_a_dead_sampler_and_keeps_order():
-    restarted, synced = [], []
+    def kill(self):
+        self.killed = True
 
-    def restart(i):
-        restarted.append(i)
-        return _FakeRemote(f"new{i}")
 
-    group = SamplerGroup([_FakeRemote("a"), _FakeRemote("b", dead=True)], restart=restart, resync=synced.append)
-    out = group.collect(group.submit(["p0", "p1", "p2", "p3"], SamplingParams()))
-    assert [c.text for c in out] == ["a:p0", "a:p1", "new1:p2", "new1:p3"]
-    assert restarted == [1] and synced == [group.samplers[1]] and group.restarts == 1
+def _task_error(cause):
     import ray.exceptions
 
-    no_restart = SamplerGroup([_FakeRemote("c", dead=True)])  # without a restart function the failure surfaces
-    with pytest.raises(ray.exceptions.RayActorError):
-        no_restart.collect(no_restart.submit(["p"], SamplingParams()))
+    return ray.exceptions.RayTaskError("generate", "traceback", cause)
+
+
+def test_sampler_group_restarts_a_failed_sampler_and_keeps_order():
+    import ray.exceptions
+
+    for failure in (ray.exceptions.RayActorError(), _task_error(RuntimeError("engine out of memory"))):
+        restarted, pushed = [], []
+
+        def restart(i):
+            restarted.append(i)
+            return _FakeRemote(f"new{i}")
+
+        dead = _FakeRemote("b", fail=failure)
+        group = SamplerGroup([_FakeRemote("a"), dead], restart=restart)
+        pending = group.submit(["p0", "p1", "p2", "p3"], SamplingParams(seed=3))
+        out = group.collect(pending, push=pushed.append)
+        assert [c.text for c in out] == ["a:p0", "a:p1", "new1:p2", "new1:p3"]
+        assert restarted == [1] and pushed == [group.samplers[1]] and dead.killed
+        assert group.restarts == 1 and group.redone_prompts == 2
+        # each sampler's slice carries its offset in the whole request (per-sample seeds do not depend on the split)
+        assert group.samplers[0].offsets == [0] and dead.offsets == [2] and group.samplers[1].offsets == [2]
+
+
+def test_sampler_group_stops_on_a_second_failure_and_passes_bad_input_through():
+    import ray.exceptions
+
+    group = SamplerGroup([_FakeRemote("a", fail=ray.exceptions.RayActorError())],
+                         restart=lambda i: _FakeRemote("again", fail=ray.exceptions.RayActorError()))
+    with pytest.raises(SamplerFailed, match="sampler 0 failed again right after a restart"):
+        group.collect(group.submit(["p"], SamplingParams()), push=lambda s: None)
+    assert group.restarts == 1
+    bad_input = SamplerGroup([_FakeRemote("a", fail=_task_error(ValueError("prompt 0 has 300 tokens")))],
+                             restart=lambda i: pytest.fail("bad input is not a sampler failure"))
+    with pytest.raises(SamplerInputError, match="sampler 0 refused its prompts: prompt 0 has 300 tokens"):
+        bad_input.collect(bad_input.submit(["p"], SamplingParams()), push=lambda s: None)
+    no_restart = SamplerGroup([_FakeRemote("c", fail=ray.exceptions.RayActorError())])
+    with pytest.raises(ray.exceptions.RayActorError):  # without a restart function the failure surfaces
+        no_restart.collect(no_restart.submit(["p"], SamplingParams()), push=lambda s: None)
+
+
+def test_sampler_group_sync_replaces_a_sampler_that_died_since():
+    import ray.exceptions
+
+    dead = _FakeRemote("b", fail_sync=ray.exceptions.RayActorError())
+    group = SamplerGroup([_FakeRemote("a"), dead], restart=lambda i: _FakeRemote(f"new{i}"))
+    assert group.sync(lambda s: s.push()) == ["a", "new1"]
+    assert dead.killed and group.restarts == 1 and group.samplers[1].tag == "new1"
 
 
 def _jax_run(tmp_path, tokenizer, *overrides):

@@ -134,7 +134,7 @@ def test_reasoning_gym_reward_uses_the_task_checker():
 # ---------------------------------------------------------------- runner
 
 
-def _runner(*fns, timeout=10.0, procs=2, failure=-3.0):
+def _runner(*fns, timeout=10.0, procs=2, failure=None):
     cfg = RewardConfig(functions=list(fns), math_verify_timeout=timeout, math_verify_num_procs=procs,
                        failure_reward=failure)
     return RewardRunner(cfg)
@@ -167,6 +167,7 @@ def test_weighted_sum_order_and_metrics():
     ("words_on_trigger", "word", "item 1: 'high' is not a finite number"),
 ])
 def test_misbehaving_plugin_fails_its_items_and_the_pool_recovers(plugin, trigger, message):
+    """Failed items are marked (NaN: no score stands in for a failure), the others score, the pool recovers."""
     with _runner({"fn": f"{PLUGINS}:char_count"}, {"fn": f"{PLUGINS}:{plugin}", "weight": 1.0},
                  timeout=2.0, procs=2) as runner:
         # 8 completions, 2 workers: items 0-3 and 4-7; the trigger sits in item 5 (shard item 1).
@@ -179,14 +180,43 @@ def test_misbehaving_plugin_fails_its_items_and_the_pool_recovers(plugin, trigge
         shard_level = plugin not in ("nan_on_trigger", "words_on_trigger")
         expected_bad = [4, 5, 6, 7] if shard_level else [5]
         assert np.flatnonzero(bad).tolist() == expected_bad
-        np.testing.assert_allclose(batch.values[plugin][bad], -3.0)
+        assert np.isnan(batch.values[plugin][bad]).all() and np.isnan(batch.total[bad]).all()
+        np.testing.assert_array_equal(batch.failed_any, bad)
         np.testing.assert_allclose(batch.values[plugin][~bad], 1.0)
-        assert batch.metrics()[f"reward/{plugin}/failure_rate"] == len(expected_bad) / 8
+        m = batch.metrics()
+        assert m[f"reward/{plugin}/failure_rate"] == m["reward/failure_rate"] == len(expected_bad) / 8
+        good = [len(c) + 1.0 for i, c in enumerate(comps) if i not in expected_bad]
+        assert m["reward/mean"] == pytest.approx(np.mean(good))  # over the scored items only
         assert message in batch.errors[plugin][0]
         # The pool recovered: the next (benign) batch scores normally.
         again = runner.score(["p"] * 8, [f"ok{i}" for i in range(8)])
         assert not again.failed[plugin].any() and not again.errors
         np.testing.assert_allclose(again.values[plugin], 1.0)
+
+
+def test_failure_reward_is_an_explicit_opt_in():
+    with _runner({"fn": f"{PLUGINS}:raises_on_trigger", "weight": 2.0}, timeout=2.0, procs=1, failure=-3.0) as runner:
+        batch = runner.score(["p"] * 3, ["a", "raise", "b"])
+    assert batch.failed["raises_on_trigger"].all()  # one worker: the whole batch was its shard
+    np.testing.assert_allclose(batch.values["raises_on_trigger"], -3.0)
+    np.testing.assert_allclose(batch.total, -6.0)
+
+
+def test_a_crashed_shard_drops_every_group_it_touches():
+    """9 completions in groups of 3, two workers (items 0-4 and 5-8): a worker that dies on item 5 fails items
+    5-8, which straddle groups 1 and 2; both groups are dropped from the loss, group 0 trains."""
+    from posttrain.advantages import group_advantages
+
+    with _runner({"fn": f"{PLUGINS}:aborts_on_trigger"}, timeout=5.0, procs=2) as runner:
+        comps = [f"c{i}" + (" abort" if i == 5 else "") for i in range(9)]
+        batch = runner.score(["p"] * 9, comps)
+    assert np.flatnonzero(batch.failed_any).tolist() == [5, 6, 7, 8]
+    rewards = batch.total.copy()
+    rewards[:3] = [0.0, 1.0, 0.0]  # give group 0 some variance (the plugin scores 1.0 everywhere)
+    adv = group_advantages(rewards, 3)
+    assert adv.failed_groups == 2
+    assert adv.trainable.tolist() == [True] * 3 + [False] * 6 and not adv.values[3:].any()
+    assert adv.keep[:3].all() and adv.values[:3].any()
 
 
 def _adversarial() -> list[str]:
@@ -230,7 +260,7 @@ def test_builtins_resolve_and_unknown_names_list_them():
         resolve(f"{PLUGINS}:not_a_function")
     with pytest.raises(UnknownReward, match="does not exist"):
         resolve("no/such/file.py:f")
-    with pytest.raises(ConfigError, match=r"reward\.functions\.0\.fn.*Built-ins: math_verify"):
+    with pytest.raises(ConfigError, match=r"reward\.functions\[0\]\.fn.*Built-ins: math_verify"):
         load_config(overrides=["reward.functions=[{fn: mathverify}]"])
 
 

@@ -87,6 +87,34 @@ def test_non_finite_step_leaves_state_untouched():
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)))
 
 
+def test_a_batch_without_loss_tokens_takes_no_optimizer_step():
+    """Every token masked (e.g. a mini-batch of zero-variance groups): AdamW with weight decay would still move the
+    parameters and its moments on a zero gradient; the step leaves both untouched, and the next real batch
+    updates as if the empty one had never been there."""
+    cfg = ModelConfig()
+    adamw = OptimConfig(name="adamw", learning_rate=1e-2, schedule="constant", weight_decay=0.1)
+    batch = make_batch()
+    empty = {**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}
+    states = []
+    for batches in ([empty, batch], [batch]):
+        model = create_model(cfg, seed=0)
+        tx = make_optimizer(adamw, 10, nnx.state(model))
+        graphdef, state = init_train_state(model, tx, seed=0)
+        step = jax.jit(make_train_step(graphdef, next_token_loss, tx))
+        start = jax.tree.map(np.asarray, (state.params, state.opt_state))
+        for i, b in enumerate(batches):
+            state, m = step(state, split_micro_batches(b, 1))
+            if b is empty:
+                assert float(m["empty"]) == 1.0 and float(m["finite"]) == 1.0
+                after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+                for a, c in zip(jax.tree.leaves(start), jax.tree.leaves(after)):
+                    np.testing.assert_array_equal(a, c)
+            else:
+                assert float(m["empty"]) == 0.0
+        states.append(state)
+    assert max_param_diff(states[0], states[1]) == 0.0
+
+
 @pytest.mark.parametrize("mesh_cfg,micro", [(MeshConfig(fsdp=8), 1), (MeshConfig(data=2, fsdp=2, tensor=2), 2)])
 def test_sharded_training_matches_single_device(mesh_cfg, micro):
     cfg = ModelConfig(family="llama")

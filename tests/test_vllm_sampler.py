@@ -19,7 +19,7 @@ CFG = RolloutConfig(max_model_len=128, max_num_seqs=8, kv_cache_gib=0.25, dtype=
 def ray_cluster():
     import ray
 
-    from rollout.vllm_actor import ensure_ray
+    from rollout.ray import ensure_ray
 
     ensure_ray(num_cpus=2)
     yield
