@@ -35,6 +35,7 @@ counted in `skipped_updates`; abort: a checkpoint is written, then
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -382,11 +383,12 @@ class GRPORun:
                   flush=True)
         return result
 
-    def close(self) -> None:
-        """Release the reward workers, samplers, trainer and placement group; each step is best effort (after a
-        failure some are already gone), and what fails is said, not raised over the error that stopped the run."""
-        steps = [("reward workers", self.rewards.close)]
-        steps += [(f"sampler {i}", s.shutdown) for i, s in enumerate(self.samplers.samplers) if hasattr(s, "shutdown")]
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Release the reward workers, samplers, trainer and placement group. Each step is best effort (after a
+        failure some are already gone) and what fails is said, not raised over the error that stopped the run;
+        the Ray steps get `timeout_s` in all, so a cluster that went away cannot keep the run from ending."""
+        self.rewards.close()
+        steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers) if hasattr(s, "stop")]
         steps.append(("trainer", self.trainer.close))
         if self.pg is not None:
             import ray
@@ -395,11 +397,21 @@ class GRPORun:
             steps.append(("placement group", lambda: remove_placement_group(self.pg)))
             if self.trainer.remote:
                 steps.append(("trainer actor", lambda: ray.kill(self.trainer.target)))
-        for what, action in steps:
-            try:
-                action()
-            except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
-                print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+
+        def release():
+            for what, action in steps:
+                try:
+                    action()
+                except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
+                    print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                          flush=True)
+
+        worker = threading.Thread(target=release, name="temper-close", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            print(f"closing: Ray did not answer within {timeout_s:.0f} s (is the cluster gone?); leaving the rest "
+                  f"of the clean-up to Ray", flush=True)
 
 
 def _tokenizer_dir_of(policy_path: str | None) -> str:

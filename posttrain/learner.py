@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -70,13 +71,15 @@ def mini_batch(x: np.ndarray, m: int, mini_batches: int) -> np.ndarray:
 
 
 class PolicyLearner:
-    def __init__(self, cfg: Config, model, mesh: Mesh, total_steps: int):
+    def __init__(self, cfg: Config, model, mesh: Mesh, total_steps: int,
+                 tx: optax.GradientTransformation | None = None):
+        """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
         self.cfg = cfg
         self.mesh = mesh
         self.model_cfg = model.cfg
         updates = total_steps * cfg.rl.num_iterations * cfg.rl.mini_batches
         with jax.set_mesh(mesh):
-            tx = make_optimizer(cfg.optim, updates, nnx.state(model))
+            tx = tx or make_optimizer(cfg.optim, updates, nnx.state(model))
             # The reference is the starting policy, frozen: a copy of its parameters (beta = 0: none at all).
             self.ref_params = jax.tree.map(jnp.copy, nnx.state(model)) if cfg.rl.beta > 0 else None
             self.graphdef, self.state = init_train_state(model, tx, cfg.run.seed)

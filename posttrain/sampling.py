@@ -126,7 +126,7 @@ class SamplerGroup:
             first = str(error).splitlines()[0] if str(error) else ""
             log.warning("sampler %d failed (%s: %s); restarting it", i, type(error).__name__, first)
             print(f"sampler {i} failed ({type(error).__name__}); restarting it", flush=True)
-            failed.kill()  # an engine that raised may still hold its memory
+            failed.stop()  # an engine that raised may still hold its memory
             self.samplers[i] = self._once(i, lambda: self._restart(i))
             self.restarts += 1
             stats = self._once(i, lambda: push(self.samplers[i]))

@@ -1,6 +1,6 @@
 """The quickstart: from nothing to a model that GRPO visibly improves, on 2 CPU cores.
 
-    python -m recipes.quickstart [--run-dir runs/quickstart] [--grpo-steps N]     # `make demo`
+    python -m recipes.quickstart [--run-dir runs/quickstart] [--seed S] [--grpo-steps N]     # `make demo`
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -13,7 +13,9 @@
 
 Prints the accuracies, and leaves in the run directory each stage's run
 (`pretrain/`, `sft/`, `grpo/`), the GRPO reward / accuracy curves
-(`grpo/reward.png`, `quickstart.png`) and the final Hugging Face export (`grpo/hf`).
+(`grpo/reward.png`, `quickstart.png`), the final Hugging Face export (`grpo/hf`)
+and the result (`quickstart.json`). An interrupted quickstart resumes where it
+stopped; a finished one says so and prints its result again.
 Configs: recipes/configs/quickstart/*.yml.
 """
 
@@ -25,6 +27,8 @@ import random
 import sys
 import time
 from pathlib import Path
+
+from core.errors import UserError
 
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
@@ -50,9 +54,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+SUMMARY = "quickstart.json"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m recipes.quickstart", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default="runs/quickstart")
+    p.add_argument("--seed", type=int, default=0,
+                   help="added to every stage's run.seed (model init, data order, sampling); the problems stay")
     p.add_argument("--pretrain-steps", type=int, default=None, help="override pretrain.yml's train.steps")
     p.add_argument("--sft-steps", type=int, default=None, help="override sft.yml's train.steps")
     p.add_argument("--grpo-steps", type=int, default=None, help="override grpo.yml's train.steps")
@@ -62,11 +71,41 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
+    return args
+
+
+def report(summary: dict) -> None:
+    """The quickstart's result: held-out accuracy before and after GRPO, pass@k, maj@k, where things are."""
+    before, after, k = summary["before"], summary["after"], summary["eval_samples"]
+    if before is not None:
+        print(f"held-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
+              f"after {summary['grpo_steps']} GRPO steps "
+              f"({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)")
+    print(f"sampled pass@{k}: {after[f'eval/pass@{k}']:.1%}, maj@{k}: {after[f'eval/maj@{k}']:.1%}; "
+          f"total {summary['minutes']:.1f} min")
+    print(f"curves: {summary['plot']}; model: {summary['hf_dir']}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    out = Path(args.run_dir)
+    settings = {k: v for k, v in vars(args).items() if k != "run_dir"}
+    done = out / SUMMARY
+    if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)
+        summary = json.loads(done.read_text())
+        if summary["settings"] != settings:
+            raise UserError(f"{out} holds a quickstart run with other settings ({summary['settings']}); "
+                             f"use another --run-dir")
+        print(f"the quickstart in {out} is complete ({done}); its result:")
+        report(summary)
+        return 0
 
     def steps(flag: int | None, key: str = "train.steps") -> list[str]:
         return [] if flag is None else [f"{key}={flag}"]
 
-    out = Path(args.run_dir)
+    def seed(stage_seed: int) -> list[str]:
+        return [f"run.seed={stage_seed + args.seed}"]
+
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -93,38 +132,41 @@ def main(argv: list[str]) -> int:
 
     print("== 3/5 pretraining", flush=True)
     _check(train_main([str(CONFIGS / "pretrain.yml"), f"run.run_dir={out / 'pretrain'}", f"data.source={corpus}",
-                       f"data.tokenizer_dir={tokenizer}", *steps(args.pretrain_steps)]))
+                       f"data.tokenizer_dir={tokenizer}", *seed(0), *steps(args.pretrain_steps)]))
     print("== 4/5 fine-tuning on formatted solutions", flush=True)
     _check(train_main([str(CONFIGS / "sft.yml"), f"run.run_dir={out / 'sft'}", f"data.source={sft}",
                        f"data.tokenizer_dir={tokenizer}", f"checkpoint.init_from={out / 'pretrain'}",
-                       *steps(args.sft_steps)]))
+                       *seed(1), *steps(args.sft_steps)]))
 
     print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
     from posttrain.grpo import GRPORun
 
     overrides = [f"run.run_dir={out / 'grpo'}", f"data.source={rl}", f"data.tokenizer_dir={tokenizer}",
-                 f"rl.policy_path={out / 'sft' / 'hf'}", *steps(args.grpo_steps),
+                 f"rl.policy_path={out / 'sft' / 'hf'}", *seed(2), *steps(args.grpo_steps),
                  *steps(args.eval_prompts, "rl.eval_prompts")]
     cfg = load_config(CONFIGS / "grpo.yml", overrides)
+    before_file = out / "grpo" / "before.json"  # the fine-tuned model's accuracy, kept for a resumed GRPO stage
     run = GRPORun(cfg)
     try:
-        before = run.evaluate(step=run.start_step) if run.start_step == 0 else None
+        if run.start_step == 0:
+            before_file.write_text(json.dumps(run.evaluate(step=0)))
+        before = json.loads(before_file.read_text()) if before_file.exists() else None
         summary = run.run()
         after = summary.final_eval or run.evaluate()
     finally:
         run.close()
-    minutes = (time.perf_counter() - start) / 60
-    if before is not None:
-        print(f"\nheld-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
-              f"after {summary.steps} GRPO steps ({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)")
-    print(f"sampled pass@{cfg.rl.eval_samples}: {after[f'eval/pass@{cfg.rl.eval_samples}']:.1%}, "
-          f"maj@{cfg.rl.eval_samples}: {after[f'eval/maj@{cfg.rl.eval_samples}']:.1%}; total {minutes:.1f} min")
     from core.metrics import plot_curves
 
-    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"),
-                out=str((out / "quickstart.png").absolute()), ylabel="accuracy")
-    print(f"curves: {out / 'quickstart.png'}; model: {summary.hf_dir}")
+    plot = (out / "quickstart.png").absolute()
+    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"), out=str(plot),
+                ylabel="accuracy")
+    result = {"settings": settings, "before": before, "after": after, "grpo_steps": summary.steps,
+              "eval_samples": cfg.rl.eval_samples, "minutes": (time.perf_counter() - start) / 60,
+              "plot": str(plot), "hf_dir": str(summary.hf_dir)}
+    print()
+    report(result)
+    done.write_text(json.dumps(result, indent=2))
     return 0
 
 
@@ -134,4 +176,6 @@ def _check(rc: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from core.cli import run_cli
+
+    sys.exit(run_cli(main, sys.argv[1:]))

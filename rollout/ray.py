@@ -2,28 +2,35 @@
 
     ensure_ray()            # inside `ray job submit` (RAY_ADDRESS set): attach; else a local cluster
 
-Attaching leaves the cluster as its owner set it up: Temper never changes
-`RAY_AUTH_MODE` or any other setting of a cluster it did not start, so a
+Attaching leaves the cluster as its owner set it up: Temper never sets
+`RAY_AUTH_MODE`, tokens or any other setting of a cluster, so a
 token-authenticated cluster keeps its tokens (docs/grpo.md says how to submit
-to one). A local cluster is Temper's own: it listens on 127.0.0.1 only, starts
-no dashboard unless `TEMPER_RAY_DASHBOARD=1`, and runs with token auth off
-unless `RAY_AUTH_MODE` is already set (Ray 2.60 turns token auth on for every
-local cluster once `~/.ray/auth_token` exists).
+to one). A local cluster is Temper's own: it keeps Ray's defaults (Ray 2.60
+turns token auth on for local clusters), listens on 127.0.0.1 only, and
+starts no dashboard unless `TEMPER_RAY_DASHBOARD=1`.
+
+Loopback only: Ray picks a node's address when it is imported, and binds its
+servers to it; `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's own switch for
+a single-machine cluster (its default on macOS and Windows), which makes that
+address 127.0.0.1. `ensure_ray` sets it before importing Ray; if Ray was
+imported earlier in the process, the local cluster listens where Ray decided,
+and a warning says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
-LOCAL_HOST = "127.0.0.1"
+SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def local_cluster_options(num_cpus: int | None = None) -> dict:
     """The `ray.init` keyword arguments of a private local cluster."""
     return dict(num_cpus=num_cpus, include_dashboard=os.environ.get("TEMPER_RAY_DASHBOARD") == "1",
-                dashboard_host=LOCAL_HOST, _node_ip_address=LOCAL_HOST, log_to_driver=False)
+                dashboard_host="127.0.0.1", log_to_driver=False)
 
 
 @contextlib.contextmanager
@@ -38,14 +45,20 @@ def _quiet_fork_exec():
 
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Attach to the running Ray cluster (`RAY_ADDRESS`, as `ray job submit` sets) or start a local one."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address and "ray" not in sys.modules:
+        os.environ.setdefault(SINGLE_MACHINE, "0")  # read by Ray at import: node address 127.0.0.1
     import ray
 
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster on the loopback interface
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        print("warning: Ray was imported before rollout.ray.ensure_ray, so the local Ray cluster listens on "
+              "this machine's network address, not on 127.0.0.1 only", file=sys.stderr, flush=True)
     with _quiet_fork_exec():
         ray.init(**local_cluster_options(num_cpus))

@@ -100,9 +100,9 @@ class RemoteVLLMSampler:
         finally:
             ray.kill(self.handle)
 
-    def kill(self, grace_s: float = 10.0) -> None:
-        """Stop a sampler that failed: its engine's shutdown if it still answers within `grace_s`, then the
-        actor (never raises)."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Shut the engine down if it answers within `grace_s` (frees its shared memory), then kill the actor;
+        never raises (for a sampler that failed, or a cluster going away)."""
         import ray
 
         try:

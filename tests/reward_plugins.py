@@ -49,3 +49,17 @@ not_a_function = 3
 def by_prompt_length(prompts, completions, **_):
     """The same reward for every completion of a prompt: every group has zero variance."""
     return [float(len(p) % 2) for p in prompts]
+
+
+def digit_share(prompts, completions, **_):
+    """Share of a completion's non-space characters that are digits: a reward a random tiny model can learn."""
+    out = []
+    for c in completions:
+        chars = [ch for ch in c if not ch.isspace()]
+        out.append(sum(ch.isdigit() for ch in chars) / max(len(chars), 1))
+    return out
+
+
+def fails_on_first_prompt(prompts, completions, **_):
+    """NaN (a failure) for the completions of the batch's first prompt, the completion's length elsewhere."""
+    return [float("nan") if p == prompts[0] else float(len(c)) for p, c in zip(prompts, completions)]

@@ -110,3 +110,97 @@ def test_keep_n(tmp_path):
         ckpt.save(TrainState(state.params, state.opt_state, state.step + i, state.rng), None, cfg)
     ckpt.wait()
     assert ckpt.all_steps() == [9, 10] and ckpt.latest_step() == 10
+
+
+def _two_checkpoints(directory):
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model)
+    ckpt = Checkpointer(directory, keep=3, async_save=False)
+    first = ckpt.save(state, None, cfg)
+    later = TrainState(jax.tree.map(lambda p: p + 1.0, state.params), state.opt_state, state.step + 1, state.rng)
+    second = ckpt.save(later, None, cfg)
+    return cfg, state, ckpt, first, second
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
+    cfg, state, ckpt, first, second = _two_checkpoints(tmp_path / "ck")
+    files = sorted((p for p in (tmp_path / "ck" / str(second) / "params").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+    biggest = files[-1]
+    if damage == "truncate":
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    else:
+        biggest.unlink()
+    _, target = make_state(cfg.model, seed=5)
+    restored, meta, step = Checkpointer(tmp_path / "ck").restore_latest(target, None, cfg)
+    assert step == first and meta["step"] == first
+    leaves_equal(restored.params, state.params)
+    out = capsys.readouterr().out
+    assert f"checkpoint {tmp_path / 'ck' / str(second)} cannot be restored" in out and "moved to" in out
+    again = Checkpointer(tmp_path / "ck")
+    assert again.all_steps() == [first] and list((tmp_path / "ck").glob(f"corrupt-{second}-*"))
+    again.save(TrainState(state.params, state.opt_state, state.step + 1, state.rng), None, cfg)  # step reusable
+    assert again.latest_step() == second
+
+
+def test_only_corrupt_checkpoints_is_a_clear_error(tmp_path):
+    from core.checkpoint import NoUsableCheckpoint
+
+    cfg, state, ckpt, first, second = _two_checkpoints(tmp_path / "ck")
+    for step in (first, second):
+        (tmp_path / "ck" / str(step) / "meta" / "metadata").write_text("{not json")
+    with pytest.raises(NoUsableCheckpoint, match=f"no checkpoint in {tmp_path / 'ck'} could be restored"):
+        Checkpointer(tmp_path / "ck").restore_latest(make_state(cfg.model)[1], None, cfg)
+
+
+def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    directory = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(root / "tests" / "ckpt_worker.py"), str(directory)], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    leftovers = [p.name for p in directory.iterdir() if p.name != "1"]
+    assert leftovers and all("tmp" in name for name in leftovers), leftovers  # killed mid-save, not after
+    ckpt = Checkpointer(directory)
+    assert ckpt.all_steps() == [1]
+    target = TrainState(nnx.State({"w": jax.numpy.zeros((2048, 8192))}), {"m": jax.numpy.ones((4,))},
+                        jax.numpy.asarray(0, jax.numpy.int32), jax.random.key(1))
+    restored, _, step = ckpt.restore_latest(target, None, Config(model=ModelConfig()))
+    assert step == 1 and float(restored.params["w"].max()) == float(restored.params["w"].min()) == 1.0
+    ckpt.close()
+    assert sorted(p.name for p in directory.iterdir()) == ["1"]  # the half-written one is cleaned up
+
+
+def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
+    """A run directory is not trusted: its saved config names a reward plugin (here one that leaves a marker when
+    imported, then one that is gone); loading the model reads the config as data and imports nothing."""
+    from core.checkpoint import load_checkpoint_model, load_model_from
+    from core.config_loader import load_config
+
+    plugin = tmp_path / "plugin.py"
+    marker = tmp_path / "imported"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n"
+                      "    return [0.0] * len(completions)\n")
+    cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"])
+    marker.unlink()
+    _, state = make_state(cfg.model)
+    Checkpointer(tmp_path / "run" / "checkpoints", async_save=False).save(state, None, cfg)
+    for gone in (False, True):
+        if gone:
+            plugin.unlink()
+        model, model_cfg, saved = load_checkpoint_model(tmp_path / "run")
+        assert model_cfg == cfg.model and saved["reward"]["functions"][0]["fn"] == f"{plugin}:fn"
+        leaves_equal(nnx.state(load_model_from(tmp_path / "run")), state.params)
+        restored, _ = Checkpointer(tmp_path / "run" / "checkpoints").restore(7, make_state(cfg.model, seed=1)[1],
+                                                                            None, cfg)
+        leaves_equal(restored.params, state.params)
+        assert not marker.exists()

@@ -23,7 +23,8 @@ def test_demo_rejects_unknown_key(tmp_path):
 
 @pytest.mark.integration
 def test_quickstart_runs_every_stage(tmp_path):
-    """`make demo` in miniature: every stage runs and the run directory holds what the docs promise."""
+    """`make demo` in miniature: every stage runs and the run directory holds what the docs promise; run again
+    on the same directory, it says that it is complete and prints the same result, with no warnings."""
     import subprocess
     import sys
     from pathlib import Path
@@ -36,8 +37,18 @@ def test_quickstart_runs_every_stage(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "held-out greedy accuracy:" in done.stdout and "after 2 GRPO steps" in done.stdout
     for path in ("pretrain/hf/config.json", "sft/hf/config.json", "grpo/hf/config.json", "grpo/metrics.jsonl",
-                 "quickstart.png", "grpo/reward.png", "data/rl.jsonl", "tokenizer/tokenizer.json"):
+                 "quickstart.png", "grpo/reward.png", "data/rl.jsonl", "tokenizer/tokenizer.json", "quickstart.json"):
         assert (out / path).exists(), path
+    noise = ("could not be restored", "os.fork() was called", "Traceback")
+    assert not [line for line in (done.stdout + done.stderr).splitlines() if any(n in line for n in noise)]
+    result = done.stdout[done.stdout.index("held-out greedy accuracy:"):].splitlines()[:2]
+    again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"the quickstart in {out} is complete" in again.stdout
+    assert again.stdout.splitlines()[1:3] == result  # the same accuracy lines
+    assert not [line for line in (again.stdout + again.stderr).splitlines() if any(n in line for n in noise)]
+    other = subprocess.run(cmd + ["--seed", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "holds a quickstart run with other settings" in other.stderr
 
 
 def test_quickstart_sloppy_solver_only_drops_signs():

@@ -28,9 +28,10 @@ def tiny_cfg(run_dir, tokenizer, *overrides):
     return load_config(TINY, [f"run.run_dir={run_dir}", f"data.tokenizer_dir={tokenizer}", VARIED_REWARD, *overrides])
 
 
-def read_metrics(run_dir):
+def metric_rows(run_dir):
+    """(training-step rows in file order, eval rows): raw lists, so a duplicated step shows."""
     rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return {r["step"]: r for r in rows if "reward/mean" in r}, [r for r in rows if "eval/pass@1" in r]
+    return [r for r in rows if "reward/mean" in r], [r for r in rows if "eval/pass@1" in r]
 
 
 def hf_weights(path):
@@ -51,60 +52,115 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_grpo_on_ray_with_vllm_learns_syncs_and_survives_a_dead_sampler(ray_cluster, tmp_path, arithmetic_tokenizer):
+LEARNABLE = ["reward.functions=[{fn: tests.reward_plugins:digit_share}]", "rl.accuracy_fn=tests.reward_plugins:digit_share",
+             "optim.learning_rate=1.0e-2", "rollout.max_tokens=8"]
+
+
+def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_trainer(
+        ray_cluster, tmp_path, arithmetic_tokenizer):
+    """Real Ray, real vLLM. After step 2 the sampler actor is killed: the next step restarts it, loads the
+    current weights and redoes its prompts. After step 4 (a checkpoint) the trainer actor is killed: the run
+    stops with TrainerUnavailable, and the same config resumes from checkpoint 4. The reward (share of digits,
+    which a random tiny model can learn) goes up over the 8 steps."""
     import ray
 
+    from posttrain.cluster import TrainerUnavailable
     from posttrain.grpo import GRPORun
 
-    cfg = tiny_cfg(tmp_path / "run", arithmetic_tokenizer, "train.steps=4", "train.eval_every=4",
-                   "rl.eval_prompts=4", "rl.eval_samples=2")
+    cfg = tiny_cfg(tmp_path / "run", arithmetic_tokenizer, *LEARNABLE, "train.steps=8", "train.eval_every=8",
+                   "rl.eval_prompts=4", "rl.eval_samples=2", "checkpoint.every_steps=2", "checkpoint.keep=3")
     killed = {}
 
-    def kill_sampler_after_step_2(run, step, metrics):
+    def kill_sampler_then_trainer(run, step, metrics):
         if step == 2:
-            killed["handle"] = run.samplers.samplers[0].handle
-            ray.kill(killed["handle"])
+            killed["sampler"] = run.samplers.samplers[0].handle
+            ray.kill(killed["sampler"])
+        if step == 4:
+            ray.kill(run.trainer.target)
 
     run = GRPORun(cfg)
     try:
-        summary = run.run(on_step=kill_sampler_after_step_2)
-        new_sampler = run.samplers.samplers[0]
-        assert new_sampler.handle != killed["handle"]
-        assert new_sampler.policy_version == run.trainer.version() == 4
+        with pytest.raises(TrainerUnavailable, match=r"the trainer actor is unavailable during version\(\).*"
+                                                     r"run the same command again to resume"):
+            run.run(on_step=kill_sampler_then_trainer)
+        assert run.samplers.samplers[0].handle != killed["sampler"]
+    finally:
+        run.close()
+    run = GRPORun(cfg)
+    try:
+        assert run.start_step == 4
+        summary = run.run()
+        assert run.samplers.samplers[0].policy_version == run.trainer.version() == 8
     finally:
         run.close()
 
-    steps, evals = read_metrics(summary.run_dir)
-    assert sorted(steps) == [1, 2, 3, 4]
-    for s, m in steps.items():
-        assert m["policy_version"] == s  # the sampler follows the trainer after every sync
-        assert m["staleness_max"] == 0
+    steps, evals = metric_rows(summary.run_dir)
+    assert [m["step"] for m in steps] == list(range(1, 9))  # each step once, in order, across the restart
+    for m in steps:
+        assert m["policy_version"] == m["step"]  # the sampler follows the trainer after every sync
+        assert m["staleness_max"] == 0 and m["reward/failed_groups"] == 0
         assert 0 <= m["mismatch/logp_gap_mean"] < 1e-4 and m["mismatch/logp_gap_max"] < 1e-3  # float32 vLLM vs JAX
-        for key in ("reward/std", "reward/char_count/mean", "reward/char_count/failure_rate", "accuracy",
-                    "completion_length/mean", "truncation_rate", "clip_fraction", "entropy", "zero_variance_groups",
-                    "time/generate_s", "time/reward_s", "time/train_s", "time/sync_s", "tokens_per_s"):
+        for key in ("reward/std", "reward/digit_share/mean", "accuracy", "completion_length/mean", "truncation_rate",
+                    "clip_fraction", "entropy", "zero_variance_groups", "time/generate_s", "time/reward_s",
+                    "time/train_s", "time/sync_s", "tokens_per_s"):
             assert np.isfinite(m[key]), key
-    assert [steps[s]["sampler_restarts"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
-    assert evals and {"eval/pass@1", "eval/pass@2", "eval/maj@2"} <= set(evals[0])
-
+    assert [m["sampler_restarts"] for m in steps] == [0, 0, 1, 1, 0, 0, 0, 0]  # the second run starts afresh
+    assert [m["sampler_redone_prompts"] for m in steps][:4] == [0, 0, 4, 4]
+    first, last = np.mean([m["reward/mean"] for m in steps[:2]]), np.mean([m["reward/mean"] for m in steps[-2:]])
+    print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}")
+    assert last > first + 0.5  # measured on 4 seeds (JAX sampler, same task): +0.92 or more by step 8
+    assert evals and {"eval/pass@1", "eval/pass@2", "eval/maj@2"} <= set(evals[-1])
     before, after = hf_weights(run.init_hf), hf_weights(summary.hf_dir)
-    assert before.keys() == after.keys()
-    changed = [k for k in before if not np.array_equal(before[k], after[k])]
-    assert len(changed) > len(before) // 2, changed
+    assert before.keys() == after.keys()  # the export round-trips every tensor
     assert (summary.run_dir / "reward.png").exists()
 
 
-def test_async_mode_keeps_completions_within_the_staleness_bound(ray_cluster, tmp_path, arithmetic_tokenizer):
-    from posttrain.grpo import run_grpo
+def _kill_tree(pid):
+    """SIGKILL a process and everything it started (a node going down: Ray's daemons and actors included)."""
+    import psutil
 
-    cfg = tiny_cfg(tmp_path / "run", arithmetic_tokenizer, "train.steps=4", "rl.off_policy_steps=1",
-                   "checkpoint.export_hf=false")
-    summary = run_grpo(cfg)
-    steps, _ = read_metrics(summary.run_dir)
-    # Step 1 trains on a batch of version 0 with the trainer at 0; from then on the next batch was
-    # generated while the trainer trained, one version behind: exactly the bound, never more.
-    assert [steps[s]["staleness_max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
-    assert summary.policy_version == 4
+    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def test_async_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmetic_tokenizer):
+    """Async mode (off_policy_steps=1) with real vLLM on Ray, killed with SIGKILL two steps after checkpoint 4
+    (driver, Ray and actors all at once) and started again with the same command: steps 5-6 are redone with the
+    losses and rewards the killed run had logged for them (the in-flight completions are stored with the
+    checkpoint), and every step is logged once, staleness within the bound."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recipes.grpo", str(TINY), f"run.run_dir={run_dir}",
+           f"data.tokenizer_dir={arithmetic_tokenizer}", VARIED_REWARD, "rl.off_policy_steps=1", "train.steps=8",
+           "checkpoint.every_steps=2", "checkpoint.keep=3", "checkpoint.export_hf=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "checkpoints" / "4").exists() and metrics.exists() and '"step": 6' in metrics.read_text():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    _kill_tree(proc.pid)
+    before_kill, _ = metric_rows(run_dir)
+    killed_at = before_kill[-1]["step"]
+    assert 6 <= killed_at < 8, "the run finished before it could be killed"
+    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    steps, _ = metric_rows(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    assert [m["staleness_max"] for m in steps] == [0] + [1] * 7  # one version behind, never more
+    for old in before_kill[4:]:  # steps 5 .. killed_at, before the kill and after the resume
+        new = steps[old["step"] - 1]
+        for key in ("reward/mean", "loss", "completion_length/mean", "policy_version", "mismatch/logp_gap_mean"):
+            assert new[key] == pytest.approx(old[key], abs=1e-6), (old["step"], key)
 
 
 def test_staleness_check_refuses_old_completions():
@@ -144,11 +200,11 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path, arithmetic_t
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
 
-    whole, _ = read_metrics(tmp_path / "whole")
-    again, _ = read_metrics(tmp_path / "killed")
-    assert sorted(again) == list(range(1, steps + 1))  # one uninterrupted-looking history
-    for s in range(1, steps + 1):
+    whole, _ = metric_rows(tmp_path / "whole")
+    again, _ = metric_rows(tmp_path / "killed")
+    assert [m["step"] for m in again] == list(range(1, steps + 1))  # each step once, in order: no gap, no repeat
+    for w, a in zip(whole, again):
         for key in ("reward/mean", "loss", "completion_length/mean", "policy_version"):
-            assert again[s][key] == pytest.approx(whole[s][key], abs=1e-6), (s, key)
+            assert a[key] == pytest.approx(w[key], abs=1e-6), (w["step"], key)
     a, b = hf_weights(tmp_path / "whole" / "hf"), hf_weights(tmp_path / "killed" / "hf")
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-6

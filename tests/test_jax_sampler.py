@@ -148,3 +148,69 @@ def test_decode_cli(rollout_model_dir, capsys):
                  "--max-tokens", "5", "--n", "2", "--temperature", "0.9", "--seed", "1"]) == 0
     out = capsys.readouterr().out
     assert "[1.1] (" in out and "tokens/s (jax sampler)" in out
+
+
+# ------------------------------------------------- processed log-probs vs an independent reference
+
+
+def np_processed_logp(logits, temperature, top_k, top_p):
+    """NumPy, from the definitions: temperature, then keep the top_k logits, then the smallest set of the most
+    likely remaining tokens whose probability reaches top_p; log-softmax over what is kept (-inf elsewhere)."""
+    x = np.asarray(logits, np.float64) / temperature
+    keep = np.ones_like(x, bool)
+    if top_k > 0:
+        keep &= x >= np.sort(x)[-top_k]
+    probs = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    in_p = np.zeros_like(keep)
+    in_p[order] = mass_before < top_p
+    keep &= in_p
+    out = np.full_like(x, -np.inf)
+    out[keep] = x[keep] - np.log(np.exp(x[keep] - x[keep].max()).sum()) - x[keep].max()
+    return out
+
+
+def hf_logits(path, ids):
+    """[len(ids), V] float64 logits from transformers (an implementation independent of the core model)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def check_processed_logprobs(path, completions, temperature, top_k, top_p):
+    """Every sampled token lies in the reference's kept set and carries its processed log-prob; returns how
+    many of the steps had top-p cut into the top-k set (so the test can assert that the branch ran)."""
+    cut_by_p, gaps = 0, []
+    for c in completions:
+        logits = hf_logits(path, c.prompt_ids + c.token_ids)
+        for j, tok in enumerate(c.token_ids):
+            ref = np_processed_logp(logits[len(c.prompt_ids) - 1 + j], temperature, top_k, top_p)
+            assert np.isfinite(ref[tok]), (c.token_ids, j)  # sampled from inside the kept set
+            gaps.append(abs(c.logprobs[j] - ref[tok]))
+            cut_by_p += int(np.isfinite(ref).sum() < min(top_k, len(ref)))
+    assert max(gaps) < 1e-4, max(gaps)
+    return cut_by_p
+
+
+def test_top_k_top_p_logprobs_match_a_numpy_reference(rollout_model_dir):
+    path = rollout_model_dir("llama")
+    outs = sampler_for(path).generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7,
+                                                              max_tokens=8, seed=4))
+    assert check_processed_logprobs(path, outs, 0.9, 20, 0.7) > 0
+
+
+def test_seeds_are_per_sample_and_independent_of_the_batch(rollout_model_dir):
+    """Each sample has its own stream (sample_seed(seed, prompt index, sample index)): the same prompt twice in
+    one request gives different samples, the same request gives the same samples again, and a prompt's
+    samples do not depend on what else is in the batch, given its index in the request (`prompt_offset`)."""
+    sampler = sampler_for(rollout_model_dir("llama"))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
+    twice = sampler.generate([PROMPTS[0], PROMPTS[0]], params)
+    assert len({tuple(c.token_ids) for c in twice}) == 4
+    assert [c.token_ids for c in sampler.generate([PROMPTS[0], PROMPTS[0]], params)] == [c.token_ids for c in twice]
+    whole = sampler.generate(PROMPTS, params)
+    alone = sampler.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11,
+                                                          prompt_offset=2))
+    assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]

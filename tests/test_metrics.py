@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from core.config import LoggingConfig, ModelConfig
 from core.metrics import MetricsLogger, measure_matmul_peak, model_flops_per_token, read_metrics
@@ -71,3 +72,29 @@ def test_compare_missing_run(tmp_path):
     res = subprocess.run([sys.executable, "-m", "core.metrics", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "metrics.jsonl not found" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_last_line_cut_short_by_a_kill_does_not_stop_resume_or_compare(tmp_path):
+    fake_run(tmp_path / "a", [3.0, 2.0, 1.5], [0.2, 0.2, 0.2], 1000)
+    fake_run(tmp_path / "b", [3.0, 1.9, 1.25], [0.1, 0.1, 0.1], 1000)
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 1.1, "tokens_')  # killed mid-write
+    res = subprocess.run([sys.executable, "-m", "core.metrics", "compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                          "--out", str(tmp_path / "c.html")], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "metrics.jsonl:4: the last line is cut short" in res.stderr and "1.25" in res.stdout
+    log = MetricsLogger(tmp_path / "b", LoggingConfig(tensorboard=False), total_steps=10, resume_step=3)
+    log.log(4, {"loss": 1.0}, console=False)
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "b")][-2:] == [(3, 1.25), (4, 1.0)]
+
+
+def test_a_corrupt_line_inside_the_file_is_named(tmp_path):
+    from core.metrics import CorruptMetrics
+
+    fake_run(tmp_path / "a", [3.0, 2.0, 1.5], [0.2, 0.2, 0.2], 1000)
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:10]
+    (tmp_path / "a" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(CorruptMetrics, match=r"metrics.jsonl:2: not a JSON line"):
+        read_metrics(tmp_path / "a")

@@ -29,17 +29,15 @@ def start(run_dir: Path, ids: Path, tokenizer: str) -> subprocess.Popen:
     )
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every logged training row, in file order: a duplicated step shows."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def ids_by_step(path: Path) -> dict[int, list[int]]:
-    out = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r["ids"]  # a redone step overwrites the killed run's record
-    return out
+def id_records(path: Path) -> list[tuple[int, list[int]]]:
+    """(step, example ids) of every batch the worker trained on, in order, across the kill and the resume."""
+    return [(r["step"], r["ids"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
 @pytest.mark.integration
@@ -54,13 +52,14 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
     deadline = time.time() + 300
     # wait until checkpoint 16 is committed and training has moved past it, then kill -9
     while not ((run_dir / "checkpoints" / "16").exists() and run_ids.exists()
-               and max(ids_by_step(run_ids)) >= 17):
+               and id_records(run_ids) and id_records(run_ids)[-1][0] >= 17):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = max(ids_by_step(run_ids))
+    before_kill = id_records(run_ids)
+    killed_at = before_kill[-1][0]
     assert killed_at < 48, "the run finished before it could be killed"
 
     resumed = start(run_dir, run_ids, arithmetic_tokenizer)
@@ -70,12 +69,14 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
     assert 16 <= resumed_from < killed_at
 
     want, got = losses(ref_dir), losses(run_dir)
-    assert sorted(got) == list(range(1, 49)) == sorted(want)  # no gap, no duplicate step in metrics.jsonl
-    for step in want:
-        assert abs(want[step] - got[step]) <= 1e-6, (step, want[step], got[step])
+    assert [s for s, _ in got] == list(range(1, 49)) == [s for s, _ in want]  # no gap, no repeat in metrics.jsonl
+    for (step, a), (_, b) in zip(want, got):
+        assert abs(a - b) <= 1e-6, (step, a, b)
 
-    ref_steps, run_steps = ids_by_step(ref_ids), ids_by_step(run_ids)
-    assert run_steps == ref_steps  # the same examples at every step, before and after the kill
-    assert sorted(ref_steps) == list(range(1, 49))
-    seen = [i for s in sorted(ref_steps) for i in ref_steps[s]]
+    ref_records, run_records = id_records(ref_ids), id_records(run_ids)
+    assert [s for s, _ in ref_records] == list(range(1, 49))
+    # the killed run trained steps 1..killed_at, the resumed one redid resumed_from+1..48, on the same examples
+    assert [s for s, _ in run_records] == list(range(1, killed_at + 1)) + list(range(resumed_from + 1, 49))
+    assert run_records == ref_records[:killed_at] + ref_records[resumed_from:]
+    seen = [i for _, ids in ref_records for i in ids]
     assert len(seen) == len(set(seen)) and all(0 <= i < 2000 for i in seen)  # first epoch: no repeats

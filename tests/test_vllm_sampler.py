@@ -145,3 +145,28 @@ def test_shutdown_releases_the_actor_and_shared_memory(ray_cluster, rollout_mode
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(sampler.handle.generate.remote(PROMPTS[:1], SamplingParams(max_tokens=2)), timeout=60)
     assert used() - before < 16 * 2**20  # an engine left running would hold hundreds of MB here
+
+
+def test_top_k_top_p_logprobs_match_a_numpy_reference(llama_engine, rollout_model_dir):
+    """vLLM's processed log-probs (temperature, top-k, top-p) against the NumPy reference on transformers'
+    logits, every sampled token inside the kept set; top-p really cuts into the top-k set on some steps."""
+    from tests.test_jax_sampler import check_processed_logprobs
+
+    path = rollout_model_dir("llama")
+    outs = llama_engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7,
+                                                         max_tokens=8, seed=4))
+    assert check_processed_logprobs(path, outs, 0.9, 20, 0.7) > 0
+
+
+def test_seeds_are_per_sample_and_independent_of_the_split(llama_engine):
+    """vLLM seeds a request's n samples seed + j, so one seed for a whole batch gave every prompt the same
+    noise (and request k's sample 1 the noise of request k + 1's sample 0). Each sample now has its own seed."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
+    twice = llama_engine.generate([PROMPTS[0], PROMPTS[0]], params)
+    assert len({tuple(c.token_ids) for c in twice}) == 4
+    assert [c.token_ids for c in llama_engine.generate([PROMPTS[0], PROMPTS[0]], params)] == \
+        [c.token_ids for c in twice]
+    whole = llama_engine.generate(PROMPTS, params)
+    alone = llama_engine.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11,
+                                                               prompt_offset=2))
+    assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]

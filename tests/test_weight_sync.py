@@ -82,3 +82,39 @@ def test_gpu_sync_path_matches_host_path(rollout_model_dir):
     got = {k: v for c in hf_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20) for k, v in c.items()}
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_alive(rollout_model_dir):
+    """Trainer and JAX sampler on one mesh (single controller, sampler fraction 0): the sync copies. Before,
+    `device_put` onto the same sharding handed the sampler the trainer's own buffers: a second sync then
+    deleted them as "the sampler's old copy", and the trainer's next (donating) step found them gone."""
+    from core.config import OptimConfig
+    from core.objectives import next_token_loss
+    from core.optim import make_optimizer
+    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+
+    path = rollout_model_dir("llama")
+    mesh = make_mesh(MeshConfig(fsdp=2), jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        model, _ = load_hf(path, mesh=mesh)
+        placeholder, _ = load_hf(rollout_model_dir("llama", seed=1), mesh=mesh)
+        sampler = JaxSampler(placeholder, str(path), mesh=mesh, max_model_len=128)
+        tx = make_optimizer(OptimConfig(name="sgd", learning_rate=0.1, schedule="constant"), 10, nnx.state(model))
+        graphdef, state = init_train_state(model, tx, seed=0)
+        step = jit_train_step(make_train_step(graphdef, next_token_loss, tx), state)
+        reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
+        reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
+        before = jax.tree.map(np.asarray, state.params)
+        tokens = np.random.default_rng(0).integers(3, 500, (2, 16)).astype(np.int32)
+        batch = {"tokens": tokens, "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+                 "segment_ids": np.ones((2, 16), np.int32), "loss_mask": np.ones((2, 16), np.int32)}
+        state, metrics = step(state, split_micro_batches(batch, 1))  # donates the trainer's buffers
+        assert np.isfinite(float(metrics["loss"]))
+        greedy = SamplingParams(temperature=0.0, max_tokens=6)
+        got = sampler.generate([[5, 17, 99, 3]], greedy)  # the sampler still holds the pre-step weights
+    fresh_model, _ = load_hf(path)
+    want = JaxSampler(fresh_model, str(path), max_model_len=128).generate([[5, 17, 99, 3]], greedy)
+    assert got[0].token_ids == want[0].token_ids
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(before), jax.tree.leaves(state.params)))  # the trainer trained
+    reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)  # and syncs again

@@ -1,0 +1,56 @@
+"""Ray start-up: a local cluster listens on loopback only and keeps Ray's auth; attaching changes nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LISTENERS = """
+import os, sys, psutil
+from rollout.ray import ensure_ray
+ensure_ray(num_cpus=1)
+import ray
+addresses = set()
+for p in psutil.Process(os.getpid()).children(recursive=True):
+    try:
+        addresses |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    except psutil.Error:
+        pass
+print("listening on", sorted(addresses))
+print("auth mode", os.environ.get("RAY_AUTH_MODE"))
+ray.shutdown()
+"""
+
+
+def test_a_local_cluster_listens_on_loopback_only_and_keeps_rays_auth():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", LISTENERS], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("listening on"))
+    addresses = eval(line.removeprefix("listening on "))  # a list literal of IP strings
+    assert addresses and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip in addresses), addresses
+    assert "auth mode token" in out.stdout  # Ray 2.60's default for a local cluster, which Temper no longer turns off
+    assert "warning" not in out.stderr
+
+
+def test_attaching_leaves_the_clusters_settings_alone(monkeypatch):
+    import ray
+
+    from rollout import ray as temper_ray
+
+    calls = []
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head.example:10001")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv(temper_ray.SINGLE_MACHINE, raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    before = dict(os.environ)
+    temper_ray.ensure_ray()
+    assert calls == [{"address": "ray://head.example:10001", "log_to_driver": False}]
+    assert dict(os.environ) == before  # no auth mode, no token, no node-address switch
