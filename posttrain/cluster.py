@@ -113,6 +113,7 @@ class TrainerHandle:
 
     def __init__(self, target: Any, remote: bool, run_dir: str | Path, timeout_s: float = 3600.0):
         self.target, self.remote, self.run_dir, self.timeout_s = target, remote, Path(run_dir), timeout_s
+        self.lost = False  # set once a call found the actor (or its cluster) gone
 
     def _call(self, method: Callable, *args: Any) -> Any:
         if not self.remote:
@@ -124,6 +125,7 @@ class TrainerHandle:
         except ray.exceptions.RayTaskError as err:  # the method raised inside a live actor: its own error
             raise err.cause from None
         except (ray.exceptions.RayError, ConnectionError) as err:  # the actor (or the cluster) is gone
+            self.lost = True
             raise TrainerUnavailable(
                 f"the trainer actor is unavailable during {method.__name__}() ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}). Nothing after the last checkpoint in "

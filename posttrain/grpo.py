@@ -383,10 +383,12 @@ class GRPORun:
                   flush=True)
         return result
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Release the reward workers, samplers, trainer and placement group. Each step is best effort (after a
         failure some are already gone) and what fails is said, not raised over the error that stopped the run;
-        the Ray steps get `timeout_s` in all, so a cluster that went away cannot keep the run from ending."""
+        the Ray steps get `timeout_s` in all (30 s; 10 s once the trainer was found gone, when the cluster may be
+        gone too), so a cluster that went away cannot keep the run from ending."""
+        timeout_s = timeout_s if timeout_s is not None else (10.0 if self.trainer.lost else 30.0)
         self.rewards.close()
         steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers) if hasattr(s, "stop")]
         steps.append(("trainer", self.trainer.close))

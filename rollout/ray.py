@@ -5,16 +5,18 @@
 Attaching leaves the cluster as its owner set it up: Temper never sets
 `RAY_AUTH_MODE`, tokens or any other setting of a cluster, so a
 token-authenticated cluster keeps its tokens (docs/grpo.md says how to submit
-to one). A local cluster is Temper's own: it keeps Ray's defaults (Ray 2.60
-turns token auth on for local clusters), listens on 127.0.0.1 only, and
-starts no dashboard unless `TEMPER_RAY_DASHBOARD=1`.
+to one). A local cluster is Temper's own: it uses token auth, Ray 2.60's
+default for local clusters (`RAY_AUTH_MODE=token` unless you set the mode
+yourself; said explicitly, Ray does not warn about its default on every run;
+the token is `~/.ray/auth_token`, generated when missing), listens on
+127.0.0.1 only, and starts no dashboard unless `TEMPER_RAY_DASHBOARD=1`.
 
 Loopback only: Ray picks a node's address when it is imported, and binds its
 servers to it; `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's own switch for
 a single-machine cluster (its default on macOS and Windows), which makes that
-address 127.0.0.1. `ensure_ray` sets it before importing Ray; if Ray was
-imported earlier in the process, the local cluster listens where Ray decided,
-and a warning says so.
+address 127.0.0.1. `ensure_ray` sets it (and the auth mode) before importing
+Ray; if Ray was imported earlier in the process, the local cluster listens
+where Ray decided, and a warning says so.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def _quiet_fork_exec():
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Attach to the running Ray cluster (`RAY_ADDRESS`, as `ray job submit` sets) or start a local one."""
     address = os.environ.get("RAY_ADDRESS")
-    if not address and "ray" not in sys.modules:
-        os.environ.setdefault(SINGLE_MACHINE, "0")  # read by Ray at import: node address 127.0.0.1
+    if not address and "ray" not in sys.modules:  # both are read by Ray when it is imported
+        os.environ.setdefault(SINGLE_MACHINE, "0")  # node address 127.0.0.1
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's default for a local cluster, said explicitly
     import ray
 
     if ray.is_initialized():

@@ -208,3 +208,37 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path, arithmetic_t
             assert a[key] == pytest.approx(w[key], abs=1e-6), (w["step"], key)
     a, b = hf_weights(tmp_path / "whole" / "hf"), hf_weights(tmp_path / "killed" / "hf")
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-6
+
+
+def test_a_lost_ray_head_stops_the_run_with_a_message_and_the_same_command_resumes(tmp_path, arithmetic_tokenizer):
+    """The local Ray cluster's GCS and raylet die under a running job (vLLM on Ray): the driver stops within a
+    minute with exit code 2 and one message (no traceback) saying how to resume, and the same command resumes
+    from the last checkpoint."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recipes.grpo", str(TINY), f"run.run_dir={run_dir}",
+           f"data.tokenizer_dir={arithmetic_tokenizer}", VARIED_REWARD, "train.steps=6", "checkpoint.every_steps=2",
+           "checkpoint.export_hf=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "2").exists():
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    head = [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))]
+    assert len(head) == 2
+    for p in head:
+        p.kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-2000:] + err[-2000:]
+    assert "Traceback" not in err
+    message = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert "the trainer actor is unavailable" in message and "run the same command again to resume" in message
+    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    steps, _ = metric_rows(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, 7))

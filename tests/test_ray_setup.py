@@ -36,7 +36,7 @@ def test_a_local_cluster_listens_on_loopback_only_and_keeps_rays_auth():
     addresses = eval(line.removeprefix("listening on "))  # a list literal of IP strings
     assert addresses and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip in addresses), addresses
     assert "auth mode token" in out.stdout  # Ray 2.60's default for a local cluster, which Temper no longer turns off
-    assert "warning" not in out.stderr
+    assert "warning" not in out.stderr.lower()  # neither ours (Ray imported early) nor Ray's about its default
 
 
 def test_attaching_leaves_the_clusters_settings_alone(monkeypatch):
