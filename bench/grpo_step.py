@@ -54,15 +54,20 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     from core.hf import save_hf
     from core.models import create_model, param_count
 
-    cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml",
-                      [f"model.{k}={v}" for k, v in SIZES[size].items()])
+    cfg = load_config(
+        ROOT / "recipes" / "configs" / "grpo_tiny.yml", [f"model.{k}={v}" for k, v in SIZES[size].items()]
+    )
     model = create_model(cfg.model, seed=0)
     print(f"{size}: {param_count(model) / 1e6:.1f}M parameters", flush=True)
     hf = save_hf(model, cfg.model, work / f"{size}_hf", tokenizer_dir=tokenizer)
     rows = reasoning_gym_records("basic_arithmetic", 256, seed=0)
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"],
-                                           "prompt": f"{r['question']}\nAnswer:"}) + "\n" for r in rows))
+    prompts.write_text(
+        "".join(
+            json.dumps({"question": r["question"], "answer": r["answer"], "prompt": f"{r['question']}\nAnswer:"}) + "\n"
+            for r in rows
+        )
+    )
     return hf, prompts
 
 
@@ -72,26 +77,59 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
     from posttrain.grpo import run_grpo
 
     run_dir = work / f"temper_{size}_{sampler}"
-    cfg = load_config(ROOT / "recipes" / "configs" / "grpo_tiny.yml", [
-        f"run.run_dir={run_dir}", f"rl.policy_path={hf}", f"data.source={prompts}", f"data.tokenizer_dir={tokenizer}",
-        f"train.steps={args.steps + 1}", f"rl.prompts_per_step={args.prompts}", f"rl.num_generations={args.generations}",
-        f"rollout.max_tokens={args.max_tokens}", "checkpoint.enabled=false", "checkpoint.export_hf=false",
-        "data.eval_fraction=0.0", "optim.learning_rate=1.0e-5", f"rollout.sampler={sampler}",
-    ])
+    cfg = load_config(
+        ROOT / "recipes" / "configs" / "grpo_tiny.yml",
+        [
+            f"run.run_dir={run_dir}",
+            f"rl.policy_path={hf}",
+            f"data.source={prompts}",
+            f"data.tokenizer_dir={tokenizer}",
+            f"train.steps={args.steps + 1}",
+            f"rl.prompts_per_step={args.prompts}",
+            f"rl.num_generations={args.generations}",
+            f"rollout.max_tokens={args.max_tokens}",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            "data.eval_fraction=0.0",
+            "optim.learning_rate=1.0e-5",
+            f"rollout.sampler={sampler}",
+        ],
+    )
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
-    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
-    out = {k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s",
-                                               "time/update_s", "time/sync_s")}
-    return {**out, "median_step_s": statistics.median(r["time/step_s"] for r in rows),
-            "rows": mean("pack/rows"), "fill": mean("pack/fill")}
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    out = {
+        k.split("/")[1]: mean(k)
+        for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s", "time/update_s", "time/sync_s")
+    }
+    return {
+        **out,
+        "median_step_s": statistics.median(r["time/step_s"] for r in rows),
+        "rows": mean("pack/rows"),
+        "fill": mean("pack/fill"),
+    }
 
 
 def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
     out = work / "trl.json"
-    cmd = [str(trl_python()), str(ROOT / "bench" / "trl_grpo_step.py"), "--model", str(hf), "--prompts", str(prompts),
-           "--steps", str(args.steps + 1), "--prompts-per-step", str(args.prompts), "--generations",
-           str(args.generations), "--max-tokens", str(args.max_tokens), "--out", str(out)]
+    cmd = [
+        str(trl_python()),
+        str(ROOT / "bench" / "trl_grpo_step.py"),
+        "--model",
+        str(hf),
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(args.steps + 1),
+        "--prompts-per-step",
+        str(args.prompts),
+        "--generations",
+        str(args.generations),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--out",
+        str(out),
+    ]
     # TRL runs in its default environment: huge-page malloc (core/host_memory.py) makes torch slower here
     # (100M: 4.77 -> 5.03 s/step), so TRL is measured without it.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -107,8 +145,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--samplers", nargs="+", default=["vllm", "jax"], choices=["vllm", "jax"],
-                   help="Temper's sampler: vLLM actors on Ray, and/or the JAX sampler in the trainer's process")
+    p.add_argument(
+        "--samplers",
+        nargs="+",
+        default=["vllm", "jax"],
+        choices=["vllm", "jax"],
+        help="Temper's sampler: vLLM actors on Ray, and/or the JAX sampler in the trainer's process",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo_step.json"))
     args = p.parse_args()
 
@@ -118,8 +161,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        tokenizer = str(build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 500, 0)],
-                                        work / "tok", 512))
+        tokenizer = str(
+            build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 500, 0)], work / "tok", 512)
+        )
         for size in args.sizes:
             hf, prompts = build(size, work, tokenizer)
             theirs = trl_step(hf, prompts, args, work)
@@ -128,11 +172,13 @@ def main() -> None:
                 ours = temper_step(size, sampler, hf, prompts, tokenizer, args, work)
                 ratio = ours["step_s"] / theirs["step_s"]
                 results[size][sampler] = {"temper": ours, "ratio": ratio}
-                print(f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
-                      f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
-                      f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}) "
-                      f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}) | ratio {ratio:.2f}",
-                      flush=True)
+                print(
+                    f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
+                    f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
+                    f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}) "
+                    f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}) | ratio {ratio:.2f}",
+                    flush=True,
+                )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -6,7 +6,8 @@
 Each variant runs in its own process so peak RSS is its own. Two memory
 figures per variant: XLA's compiled memory analysis (temp + output bytes:
 what the computation allocates beyond its inputs) and the process's peak RSS
-above its RSS once the inputs exist (this one also counts compilation). Time is the median of `--repeats` runs after a warm-up.
+above its RSS once the inputs exist (this one also counts compilation). Time is the median of `--repeats` runs
+after a warm-up.
 Goal (issue 2): chunked forward+backward peak <= 0.25x naive at <= 1.3x the time.
 """
 
@@ -38,9 +39,9 @@ def run_variant(args) -> dict:
     w = jax.random.normal(k2, (args.hidden, args.vocab), jnp.float32) / args.hidden**0.5
     y = jax.random.randint(k3, (args.batch, args.seq), 0, args.vocab)
     if args.impl == "naive":
-        fn = lambda h, w: naive_logprobs_and_entropy(h, w, y)  # noqa: E731
+        fn = lambda h, w: naive_logprobs_and_entropy(h, w, y)
     else:
-        fn = lambda h, w: chunked_logprobs_and_entropy(h, w, y, chunk_size=args.chunk)  # noqa: E731
+        fn = lambda h, w: chunked_logprobs_and_entropy(h, w, y, chunk_size=args.chunk)
 
     def objective(h, w):
         logp, ent = fn(h, w)
@@ -94,19 +95,23 @@ def main() -> None:
             results.append(json.loads(out.strip().splitlines()[-1]))
 
     gib = 2**30
-    print(f"\nB={args.batch} T={args.seq} D={args.hidden} V={args.vocab} chunk={args.chunk}, float32, "
-          "CPU")
+    print(f"\nB={args.batch} T={args.seq} D={args.hidden} V={args.vocab} chunk={args.chunk}, float32, CPU")
     print(f"{'variant':<26}{'XLA temp+out GiB':>18}{'peak RSS GiB':>14}{'seconds':>10}")
     for r in results:
         name = f"{r['impl']} {'fwd+bwd' if r['grad'] else 'fwd'}"
-        print(f"{name:<26}{r['xla_temp_plus_output_bytes'] / gib:>18.3f}"
-              f"{r['peak_rss_growth_bytes'] / gib:>14.3f}{r['seconds']:>10.2f}")
+        print(
+            f"{name:<26}{r['xla_temp_plus_output_bytes'] / gib:>18.3f}"
+            f"{r['peak_rss_growth_bytes'] / gib:>14.3f}{r['seconds']:>10.2f}"
+        )
     for grad in (False, True):
         n, c = (next(r for r in results if r["impl"] == i and r["grad"] == grad) for i in ("naive", "chunked"))
         label = "fwd+bwd" if grad else "fwd"
-        print(f"{label}: chunked/naive memory (XLA) {c['xla_temp_plus_output_bytes'] / n['xla_temp_plus_output_bytes']:.3f}x, "
-              f"(RSS) {c['peak_rss_growth_bytes'] / max(n['peak_rss_growth_bytes'], 1):.3f}x, "
-              f"time {c['seconds'] / n['seconds']:.2f}x")
+        print(
+            f"{label}: chunked/naive memory (XLA) "
+            f"{c['xla_temp_plus_output_bytes'] / n['xla_temp_plus_output_bytes']:.3f}x, "
+            f"(RSS) {c['peak_rss_growth_bytes'] / max(n['peak_rss_growth_bytes'], 1):.3f}x, "
+            f"time {c['seconds'] / n['seconds']:.2f}x"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -33,11 +33,13 @@ def completions(n: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]
         guess = gold if rng.random() < 0.5 else gold + rng.choice([-10, -1, 1, 7])
         style = rng.randrange(5)
         work = "Let me work through it step by step. " * rng.randint(1, 8)
-        text = [f"{work}So the answer is \\boxed{{{guess}}}.",
-                f"<reasoning>{work}</reasoning><answer>{guess}</answer>",
-                f"{work}The total is {guess:,} dollars.",
-                f"{work}I am not sure.",
-                f"{work}\\boxed{{\\frac{{{2 * guess}}}{{2}}}}"][style]
+        text = [
+            f"{work}So the answer is \\boxed{{{guess}}}.",
+            f"<reasoning>{work}</reasoning><answer>{guess}</answer>",
+            f"{work}The total is {guess:,} dollars.",
+            f"{work}I am not sure.",
+            f"{work}\\boxed{{\\frac{{{2 * guess}}}{{2}}}}",
+        ][style]
         prompts.append(row["question"])
         comps.append(text)
         golds.append(row["answer"])
@@ -64,8 +66,10 @@ def main() -> None:
             batch = runner.score(prompts, comps, {"answer": golds})
             seconds = time.perf_counter() - start
         rate = args.n / seconds
-        print(f"{workers} worker(s): {seconds:.2f} s, {rate:,.0f} completions/s, "
-              f"accuracy {batch.values['math_verify'].mean():.3f}, failures {int(batch.failed['math_verify'].sum())}")
+        print(
+            f"{workers} worker(s): {seconds:.2f} s, {rate:,.0f} completions/s, "
+            f"accuracy {batch.values['math_verify'].mean():.3f}, failures {int(batch.failed['math_verify'].sum())}"
+        )
         result[f"workers_{workers}"] = {"seconds": seconds, "completions_per_s": rate}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -23,10 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512),
-    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, head_dim=64, vocab_size=32000),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+    ),
+    "100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -64,8 +78,8 @@ def main() -> None:
     from core.models import param_count
     from core.tokenizer import build_tokenizer
     from rollout.jax_sampler import JaxSampler
-    from rollout.sampler import SamplingParams
     from rollout.ray import ensure_ray
+    from rollout.sampler import SamplingParams
     from rollout.vllm_actor import RemoteVLLMSampler
 
     rng = np.random.RandomState(0)
@@ -74,19 +88,22 @@ def main() -> None:
     results = []
     ensure_ray(num_cpus=2)
     with tempfile.TemporaryDirectory() as tmp:
-        tok = build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 300, 0)],
-                              Path(tmp) / "tok", 512)
+        tok = build_tokenizer(
+            [r["text"] for r in reasoning_gym_records("basic_arithmetic", 300, 0)], Path(tmp) / "tok", 512
+        )
         for name in args.models:
             path = build(name, Path(tmp), tok)
             row = {"model": name}
-            model, cfg = load_hf(path)
+            model, _cfg = load_hf(path)
             row["params"] = param_count(model)
             jax_sampler = JaxSampler(model, str(path), max_model_len=1024)
             out, secs = timed(jax_sampler.generate, prompts, params)
             row["jax"] = sum(len(c.token_ids) for c in out) / secs
 
-            vllm = RemoteVLLMSampler.start(str(path), RolloutConfig(max_model_len=1024, kv_cache_gib=1.0,
-                                                                    max_num_seqs=args.prompts, dtype="float32"))
+            vllm = RemoteVLLMSampler.start(
+                str(path),
+                RolloutConfig(max_model_len=1024, kv_cache_gib=1.0, max_num_seqs=args.prompts, dtype="float32"),
+            )
             out, secs = timed(vllm.generate, prompts, params)
             vllm.shutdown()
             row["vllm"] = sum(len(c.token_ids) for c in out) / secs
@@ -96,16 +113,25 @@ def main() -> None:
             ids = torch.tensor([[0] * (width - len(q)) + q for q in prompts])  # left padding
             mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
 
-            def hf_generate():
+            def hf_generate(hf=hf, ids=ids, mask=mask):
                 with torch.no_grad():
-                    return hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_tokens, do_sample=False,
-                                       min_new_tokens=args.max_tokens, pad_token_id=0)
+                    return hf.generate(
+                        ids,
+                        attention_mask=mask,
+                        max_new_tokens=args.max_tokens,
+                        do_sample=False,
+                        min_new_tokens=args.max_tokens,
+                        pad_token_id=0,
+                    )
 
             gen, secs = timed(hf_generate)
             row["transformers"] = (gen.shape[1] - width) * len(prompts) / secs
             results.append(row)
-            print(f"{name} ({row['params'] / 1e6:.1f}M params): JAX {row['jax']:,.0f} tok/s, vLLM {row['vllm']:,.0f} "
-                  f"tok/s, transformers {row['transformers']:,.0f} tok/s", flush=True)
+            print(
+                f"{name} ({row['params'] / 1e6:.1f}M params): JAX {row['jax']:,.0f} tok/s, vLLM {row['vllm']:,.0f} "
+                f"tok/s, transformers {row['transformers']:,.0f} tok/s",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

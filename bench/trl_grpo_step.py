@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(torch.get_num_threads())
-    rows = [json.loads(l) for l in open(args.prompts)]
+    rows = [json.loads(l) for l in Path(args.prompts).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def reward(prompts, completions, answer, **_):
@@ -43,7 +44,7 @@ def main() -> None:
         for c, a in zip(completions, answer):
             try:
                 out.append(float(verify(parse(a), parse(c))))
-            except Exception:  # noqa: BLE001 - a reward of 0 for anything math-verify cannot handle
+            except Exception:
                 out.append(0.0)
         return out
 
@@ -58,18 +59,36 @@ def main() -> None:
 
     batch = args.prompts_per_step * args.generations
     config = GRPOConfig(
-        output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        num_generations=args.generations, max_completion_length=args.max_tokens, max_steps=args.steps,
-        learning_rate=1e-5, beta=0.0, logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
-        bf16=False, temperature=1.0, dataloader_num_workers=0, seed=0,
+        output_dir="/tmp/trl_grpo_bench",
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.generations,
+        max_completion_length=args.max_tokens,
+        max_steps=args.steps,
+        learning_rate=1e-5,
+        beta=0.0,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        dataloader_num_workers=0,
+        seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
     trainer.train()
-    json.dump({"step_times": times, "torch_threads": torch.get_num_threads()}, open(args.out, "w"))
+    Path(args.out).write_text(json.dumps({"step_times": times, "torch_threads": torch.get_num_threads()}))
 
 
 if __name__ == "__main__":

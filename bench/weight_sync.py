@@ -61,19 +61,22 @@ def main() -> None:
     from rollout.vllm_actor import RemoteVLLMSampler
     from rollout.weight_sync import sync_to_vllm
 
-    cfg = load_config(overrides=[f"model.preset={args.preset}", "model.dtype=float32",
-                                 "model.param_dtype=float32"]).model
+    cfg = load_config(
+        overrides=[f"model.preset={args.preset}", "model.dtype=float32", "model.param_dtype=float32"]
+    ).model
     print(f"building {args.preset} ({cfg.num_layers} layers, hidden {cfg.hidden_size}) ...", flush=True)
     model = create_model(cfg, seed=0)
     params = nnx.state(model)
     ensure_ray(num_cpus=2)
     with tempfile.TemporaryDirectory() as tmp:
-        tok = build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 200, 0)],
-                              Path(tmp) / "tok", 512)
+        tok = build_tokenizer(
+            [r["text"] for r in reasoning_gym_records("basic_arithmetic", 200, 0)], Path(tmp) / "tok", 512
+        )
         hf_dir = save_hf(model, cfg, Path(tmp) / "hf", tokenizer_dir=tok)
         print("starting vLLM ...", flush=True)
-        sampler = RemoteVLLMSampler.start(str(hf_dir), RolloutConfig(max_model_len=256, kv_cache_gib=0.25,
-                                                                     max_num_seqs=4, dtype="float32"))
+        sampler = RemoteVLLMSampler.start(
+            str(hf_dir), RolloutConfig(max_model_len=256, kv_cache_gib=0.25, max_num_seqs=4, dtype="float32")
+        )
         shutil.rmtree(hf_dir)
         try:
             mem = memcpy_gbps()
@@ -83,8 +86,10 @@ def main() -> None:
         finally:
             sampler.shutdown()
     rows = {"first": first, "warm": warm}
-    print(f"\n{args.preset}: {param_count(model) / 1e6:.0f}M parameters, {first.bytes / 2**30:.2f} GiB float32, "
-          f"chunks of {args.chunk_mib} MiB; memcpy {mem:.2f} GB/s")
+    print(
+        f"\n{args.preset}: {param_count(model) / 1e6:.0f}M parameters, {first.bytes / 2**30:.2f} GiB float32, "
+        f"chunks of {args.chunk_mib} MiB; memcpy {mem:.2f} GB/s"
+    )
     result = {"preset": args.preset, "params": param_count(model), "memcpy_gbps": mem}
     for name, s in rows.items():
         gbps = s.bytes / s.seconds / 1e9

@@ -36,7 +36,6 @@ from core.config import Config, ModelConfig
 from core.errors import CheckpointMismatch, MissingPath, TemperError
 from core.train import TrainState
 
-
 log = logging.getLogger("temper.checkpoint")
 
 
@@ -64,15 +63,23 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
             cleanup_tmp_directories=True,  # what a process killed mid-save left behind
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # ------------------------------------------------------------ saving
 
-    def save(self, state: TrainState, data_iterator: Any | None, config: Config, extra: dict | None = None,
-             step: int | None = None) -> int:
+    def save(
+        self,
+        state: TrainState,
+        data_iterator: Any | None,
+        config: Config,
+        extra: dict | None = None,
+        step: int | None = None,
+    ) -> int:
         """Save as checkpoint `step` (default: `state.step`; async when enabled). Returns the step."""
         step = int(state.step) if step is None else step
         meta = {"step": int(state.step), "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), **(extra or {})}
@@ -117,19 +124,23 @@ class Checkpointer:
                 state, meta = self.restore(step, target, data_iterator, config)
             except CheckpointMismatch:
                 raise
-            except Exception as err:  # noqa: BLE001 - any read failure: fall back, and say why
+            except Exception as err:
                 moved = self._move_aside(step)
                 reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 failures.append(f"{step} ({reason})")
-                message = (f"checkpoint {self.directory / str(step)} cannot be restored ({reason}); "
-                           f"moved to {moved}, trying the previous one")
+                message = (
+                    f"checkpoint {self.directory / str(step)} cannot be restored ({reason}); "
+                    f"moved to {moved}, trying the previous one"
+                )
                 log.warning(message)
                 print(f"warning: {message}", flush=True)
                 continue
             return state, meta, step
         if failures:
-            raise NoUsableCheckpoint(f"no checkpoint in {self.directory} could be restored: {'; '.join(failures)}. "
-                                     f"They were moved aside (corrupt-*); start a fresh run or restore one by hand.")
+            raise NoUsableCheckpoint(
+                f"no checkpoint in {self.directory} could be restored: {'; '.join(failures)}. "
+                f"They were moved aside (corrupt-*); start a fresh run or restore one by hand."
+            )
         return None
 
     def _move_aside(self, step: int) -> Path:
@@ -187,15 +198,23 @@ class Checkpointer:
 
 
 _SHAPE_KEYS = {
-    "family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm", "scan_layers",
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qk_norm",
+    "scan_layers",
 }
 
 
 def _abstract(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
-    )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from core.errors import TemperError
 
@@ -29,13 +29,20 @@ def usage(module: str, doc: str, default_config: Path | None) -> str:
     lines = [f"usage: python -m {module} [CONFIG.yml] [key=value ...] [--debug]", "", doc.strip(), ""]
     if default_config is not None:
         lines.append(f"CONFIG.yml defaults to {default_config}.")
-    lines += [f"Every key is documented in {DOCS}; overrides are dotted keys, e.g. train.steps=10.",
-              "--debug (or TEMPER_DEBUG=1) shows the traceback of an error."]
+    lines += [
+        f"Every key is documented in {DOCS}; overrides are dotted keys, e.g. train.steps=10.",
+        "--debug (or TEMPER_DEBUG=1) shows the traceback of an error.",
+    ]
     return "\n".join(lines)
 
 
-def run_recipe(main: Callable[[list[str]], int], argv: list[str], doc: str | None,
-               default_config: Path | None = None, module: str | None = None) -> int:
+def run_recipe(
+    main: Callable[[list[str]], int],
+    argv: list[str],
+    doc: str | None,
+    default_config: Path | None = None,
+    module: str | None = None,
+) -> int:
     """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback."""
     module = module or getattr(main, "__module__", "recipe")
     if any(a in ("-h", "--help") for a in argv):
@@ -43,8 +50,9 @@ def run_recipe(main: Callable[[list[str]], int], argv: list[str], doc: str | Non
         return 0
     unknown = [a for a in argv if a.startswith("--") and a != "--debug"]
     if unknown:
-        print(f"error: unknown option {unknown[0]}\n{usage(module, '', default_config).splitlines()[0]}",
-              file=sys.stderr)
+        print(
+            f"error: unknown option {unknown[0]}\n{usage(module, '', default_config).splitlines()[0]}", file=sys.stderr
+        )
         return EXIT_USER_ERROR
     return run_cli(main, argv)
 

@@ -32,20 +32,27 @@ def compile_train_step(cfg: Config, loss_fn: LossFn, mesh: Mesh, batch_keys=BATC
     tx = make_optimizer(cfg.optim, cfg.train.steps, params)
     abstract_opt = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(tx.init, params), optimizer_state_shardings(tx, params),
+        jax.eval_shape(tx.init, params),
+        optimizer_state_shardings(tx, params),
     )
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.eval_shape(lambda: jax.random.key(0))
     state = TrainState(
-        params, abstract_opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        params,
+        abstract_opt,
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
         jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
     )
     k, b, t = cfg.train.micro_batches, cfg.train.batch_size // cfg.train.micro_batches, cfg.data.seq_len
-    batch = {key: jax.ShapeDtypeStruct((k, b, t), jnp.int32, sharding=batch_sharding(mesh, (k, b, t))) for key in batch_keys}
+    batch = {
+        key: jax.ShapeDtypeStruct((k, b, t), jnp.int32, sharding=batch_sharding(mesh, (k, b, t))) for key in batch_keys
+    }
     step = make_train_step(graphdef, loss_fn, tx, make_schedule(cfg.optim, cfg.train.steps))
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, donate_argnums=(0,)).lower(state, batch).compile()
-    print(f"compile-only: {cfg.model.preset or cfg.model.family} on mesh {dict(mesh.shape)}, "
-          f"batch {cfg.train.batch_size} x {t} in {k} micro-batch(es)")
+    print(
+        f"compile-only: {cfg.model.preset or cfg.model.family} on mesh {dict(mesh.shape)}, "
+        f"batch {cfg.train.batch_size} x {t} in {k} micro-batch(es)"
+    )
     print(memory_analysis_line(compiled), flush=True)
     return compiled

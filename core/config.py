@@ -83,7 +83,7 @@ class ModelConfig(Section):
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
@@ -114,7 +114,7 @@ class MeshConfig(Section):
     debug_sharding: bool = False
 
     @model_validator(mode="after")
-    def _check_axes(self) -> "MeshConfig":
+    def _check_axes(self) -> MeshConfig:
         sizes = self.axis_sizes()
         fills = [k for k, v in sizes.items() if v == -1]
         if len(fills) > 1:
@@ -177,7 +177,7 @@ class OptimConfig(Section):
     trainable_regex: str | None = None
 
     @model_validator(mode="after")
-    def _check_fractions(self) -> "OptimConfig":
+    def _check_fractions(self) -> OptimConfig:
         if self.schedule == "wsd":
             total = self.warmup_steps_fraction + self.wsd_decay_steps_fraction
             if total > 1.0 + 1e-9:
@@ -201,11 +201,10 @@ class TrainConfig(Section):
     compile_only: bool = False
 
     @model_validator(mode="after")
-    def _check_micro(self) -> "TrainConfig":
+    def _check_micro(self) -> TrainConfig:
         if self.batch_size % self.micro_batches:
             raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be divisible by "
-                f"train.micro_batches ({self.micro_batches})"
+                f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batches ({self.micro_batches})"
             )
         return self
 
@@ -246,7 +245,7 @@ class RolloutConfig(Section):
     sampler_timeout_s: float = Field(600.0, gt=0.0)  # a sampler call slower than this counts as dead
 
     @model_validator(mode="after")
-    def _check(self) -> "RolloutConfig":
+    def _check(self) -> RolloutConfig:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         return self
@@ -317,7 +316,7 @@ class RLConfig(Section):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "RLConfig":
+    def _check(self) -> RLConfig:
         if self.epsilon_high < self.epsilon:
             raise ValueError(f"rl.epsilon_high ({self.epsilon_high}) must be >= rl.epsilon ({self.epsilon})")
         return self
@@ -413,7 +412,7 @@ class Config(Section):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
 
     @model_validator(mode="after")
-    def _check_rl(self) -> "Config":
+    def _check_rl(self) -> Config:
         """What an RL run needs of several sections at once, checked before anything starts."""
         rl, rollout = self.rl, self.rollout
         updates = rl.mini_batches * self.train.micro_batches
@@ -422,16 +421,23 @@ class Config(Section):
             raise ValueError(
                 f"rl.prompts_per_step * rl.num_generations ({rl.prompts_per_step} * {rl.num_generations} = "
                 f"{completions}) must be divisible by rl.mini_batches * train.micro_batches "
-                f"({rl.mini_batches} * {self.train.micro_batches} = {updates})")
+                f"({rl.mini_batches} * {self.train.micro_batches} = {updates})"
+            )
         if rollout.max_tokens >= rollout.max_model_len:
-            raise ValueError(f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
-                             f"({rollout.max_model_len}): a prompt needs at least one token of the model length")
+            raise ValueError(
+                f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
+                f"({rollout.max_model_len}): a prompt needs at least one token of the model length"
+            )
         if rl.off_policy_steps and rollout.sampler != "vllm":
-            raise ValueError(f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
-                             f"the JAX sampler shares the trainer's process")
+            raise ValueError(
+                f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
+                f"the JAX sampler shares the trainer's process"
+            )
         if rl.pack_length and rl.pack_length < rollout.max_model_len:
-            raise ValueError(f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len "
-                             f"({rollout.max_model_len}): a full-length sequence would not fit in a row")
+            raise ValueError(
+                f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len "
+                f"({rollout.max_model_len}): a full-length sequence would not fit in a row"
+            )
         return self
 
 

@@ -12,8 +12,9 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -71,8 +72,11 @@ def check_reward_functions(cfg: Config, source: str = "<config>") -> None:
 
 def check_paths(cfg: Config, source: str = "<config>") -> None:
     """Every local path the config names must exist (checked at load, before any work starts)."""
-    paths = {"rl.policy_path": cfg.rl.policy_path, "checkpoint.init_from": cfg.checkpoint.init_from,
-             "data.tokenizer_dir": cfg.data.tokenizer_dir}
+    paths = {
+        "rl.policy_path": cfg.rl.policy_path,
+        "checkpoint.init_from": cfg.checkpoint.init_from,
+        "data.tokenizer_dir": cfg.data.tokenizer_dir,
+    }
     if cfg.data.source is not None and not cfg.data.source.startswith("reasoning_gym:"):
         paths["data.source"] = cfg.data.source
     for key, value in paths.items():
@@ -128,7 +132,7 @@ def _read_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         path = candidate
     path = path.resolve()
     if path in _seen:
-        raise ConfigError(f"base_config cycle: {' -> '.join(map(str, _seen + (path,)))}")
+        raise ConfigError(f"base_config cycle: {' -> '.join(map(str, (*_seen, path)))}")
     data = read_yaml(path)
     base = data.pop("base_config", None)
     if base is None:
@@ -138,7 +142,7 @@ def _read_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base_path = Path(base)
     if not base_path.is_absolute() and (path.parent / base_path).exists():
         base_path = path.parent / base_path
-    return _deep_merge(_read_tree(base_path, _seen + (path,)), data)
+    return _deep_merge(_read_tree(base_path, (*_seen, path)), data)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -149,8 +153,9 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: duplicate key {key!r} "
-                                  f"(first at line {seen[key] + 1})")
+                raise ConfigError(
+                    f"{self.name}:{key_node.start_mark.line + 1}: duplicate key {key!r} (first at line {seen[key] + 1})"
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -179,7 +184,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     finally:
         loader.dispose()
     if data is None:
-        raise ConfigError(f"{path}: the file is empty (a config is a YAML mapping of sections, e.g. `train: {{steps: 10}}`)")
+        raise ConfigError(
+            f"{path}: the file is empty (a config is a YAML mapping of sections, e.g. `train: {{steps: 10}}`)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got a YAML {type(data).__name__}")
     return data

@@ -27,10 +27,10 @@ exact next batch.
 from __future__ import annotations
 
 import json
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -62,7 +62,11 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
     if not path.exists():
         raise MissingPath(f"data.source {source!r}: no such file or directory")
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+        if (
+            (path / "dataset_info.json").exists()
+            or (path / "state.json").exists()
+            or (path / "dataset_dict.json").exists()
+        ):
             ds = datasets.load_from_disk(str(path))
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         raise DataSourceError(f"data.source {source!r} is a directory but not a `save_to_disk` dataset")
@@ -71,10 +75,12 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
         raise DataSourceError(f"data.source {source!r}: unsupported file type {path.suffix!r}; use {sorted(builders)}")
     try:
         return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
-    except Exception as err:  # noqa: BLE001 - datasets raises many kinds for an unreadable file; name the file
+    except Exception as err:
         cause = err.__cause__ or err
-        raise DataSourceError(f"data.source {source!r}: cannot be read as {builders[path.suffix]} "
-                              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})") from None
+        raise DataSourceError(
+            f"data.source {source!r}: cannot be read as {builders[path.suffix]} "
+            f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+        ) from None
 
 
 def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
@@ -85,8 +91,12 @@ def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) 
 
     ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_options)
     return [
-        {"question": e["question"], "answer": str(e["answer"]), "text": f"{e['question']}\nAnswer: {e['answer']}",
-         "metadata": json.dumps(e["metadata"], default=str)}
+        {
+            "question": e["question"],
+            "answer": str(e["answer"]),
+            "text": f"{e['question']}\nAnswer: {e['answer']}",
+            "metadata": json.dumps(e["metadata"], default=str),
+        }
         for e in ds
     ]
 
@@ -263,8 +273,8 @@ def make_pipeline(
     if tokenizer_dir is None:
         raise DataSourceError("data.tokenizer_dir is not set")
     keep, skipped = validate(records, cfg, str(source))
-    n_eval = int(round(cfg.eval_fraction * len(keep)))
-    keep = keep[len(keep) - n_eval:] if split == "eval" else keep[: len(keep) - n_eval]
+    n_eval = round(cfg.eval_fraction * len(keep))
+    keep = keep[len(keep) - n_eval :] if split == "eval" else keep[: len(keep) - n_eval]
     keep = keep[process_index::process_count]
     if not keep:
         raise DataSourceError(f"{source}: the {split} split is empty (eval_fraction={cfg.eval_fraction})")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -143,7 +144,7 @@ class _SafetensorsDir:
         if not files:
             raise MissingPath(f"no *.safetensors files in {path}")
         self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
-        self.where = {k: h for h in self._handles for k in h.keys()}
+        self.where = {k: h for h in self._handles for k in h}
 
     def __enter__(self):
         return self
@@ -183,7 +184,8 @@ def _check_tensors(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> N
     found = set(tensors.where)
     missing = sorted(set(expected) - found)
     unexpected = sorted(
-        n for n in found - set(expected)
+        n
+        for n in found - set(expected)
         if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     )
     wrong = []

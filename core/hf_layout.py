@@ -10,8 +10,8 @@ import (`load_hf`) and weight sync to vLLM all read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -92,7 +92,7 @@ def param_map(cfg: ModelConfig) -> list[ParamMapping]:
         for sub, name, kind, need in _LAYER_TABLE:
             if not need(cfg):
                 continue
-            path = ("layers",) + sub if cfg.scan_layers else ("layers", i) + sub
+            path = ("layers", *sub) if cfg.scan_layers else ("layers", i, *sub)
             out.append(ParamMapping(f"model.layers.{i}.{name}", path, i if cfg.scan_layers else None, kind))
     out += [ParamMapping(n, p, None, k) for p, n, k, need in _TOP_TABLE[1:] if need(cfg)]
     return out

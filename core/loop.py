@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ class Hook:
 
     name: str
     every: int
-    fn: Callable[[int, "Trainer"], None]
+    fn: Callable[[int, Trainer], None]
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -193,8 +193,10 @@ class Trainer:
 
     def _non_finite(self, step: int, metrics: dict) -> None:
         if self.cfg.train.nan_policy == "skip":
-            print(f"step {step}: non-finite loss {metrics['loss']} / grad norm {metrics['grad_norm']}: "
-                  "update skipped", flush=True)
+            print(
+                f"step {step}: non-finite loss {metrics['loss']} / grad norm {metrics['grad_norm']}: update skipped",
+                flush=True,
+            )
             return
         self._save_if_new()
         where = f" ({self.ckpt.directory})" if self.ckpt else ""

@@ -8,7 +8,7 @@ logical axes (`embed`, `heads`, `mlp`, ...) and asks this module for a
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -116,9 +116,7 @@ def split_devices(
         if not 0.0 <= frac <= 1.0:
             raise ValueError(f"{name} fraction must be in [0, 1], got {frac}")
     if trainer_fraction + sampler_fraction > 1.0 + 1e-9:
-        raise ValueError(
-            f"trainer fraction {trainer_fraction} + sampler fraction {sampler_fraction} > 1"
-        )
+        raise ValueError(f"trainer fraction {trainer_fraction} + sampler fraction {sampler_fraction} > 1")
 
     def count(frac: float) -> int:
         return 0 if frac == 0 else max(1, round(frac * n))

@@ -9,6 +9,7 @@ token, peak FLOP/s, devices, library versions, and a summary at the end).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -44,7 +45,12 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 _KNOWN_PEAKS = {  # dense bf16 TFLOP/s per device
-    "H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5p": 459e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
 }
 
 
@@ -85,10 +91,8 @@ def device_memory() -> str:
 def library_versions() -> dict[str, str]:
     out = {}
     for name in LIBRARIES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
     return out
 
 
@@ -128,7 +132,9 @@ class MetricsLogger:
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self.tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
         self.wandb = None
         if cfg.wandb:
             try:
@@ -192,8 +198,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
             if k == len(lines) - 1:
-                print(f"warning: {path}:{number}: the last line is cut short ({err.msg}); skipping it",
-                      file=sys.stderr)
+                print(f"warning: {path}:{number}: the last line is cut short ({err.msg}); skipping it", file=sys.stderr)
                 continue
             raise CorruptMetrics(f"{path}:{number}: not a JSON line ({err.msg}): {line[:80]!r}") from None
     return rows
@@ -207,8 +212,9 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
     return info
 
 
-def plot_curves(run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png",
-                ylabel: str = "loss") -> Path | None:
+def plot_curves(
+    run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png", ylabel: str = "loss"
+) -> Path | None:
     """A PNG of the logged curves (matplotlib, headless); `out` is relative to `run_dir`, or absolute."""
     import matplotlib
 

@@ -108,19 +108,21 @@ def main(argv: list[str]) -> int:
         name_a, name_b = str(a_dir), str(b_dir)
     rows = comparison_table(a, b, name_a, name_b)
     header = ("", name_a, name_b, "B - A")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-    for r in [header] + rows:
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
+    for r in [header, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
     png = base64.b64encode(loss_plot_png({name_a: a_dir, name_b: b_dir})).decode()
-    table = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows
+    table = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows)
+    title = f"Temper: {html.escape(name_a)} vs {html.escape(name_b)}"
+    style = (
+        "body{font-family:sans-serif;margin:2em}td,th{padding:4px 12px;border-bottom:1px solid #ddd;text-align:left}"
     )
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Temper: {html.escape(name_a)} vs {html.escape(name_b)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 12px;border-bottom:1px solid #ddd;text-align:left}}</style></head>
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
+<style>{style}</style></head>
 <body><h1>{html.escape(name_a)} vs {html.escape(name_b)}</h1>
 <img src="data:image/png;base64,{png}" alt="loss curves">
-<table><tr>{''.join(f'<th>{html.escape(h)}</th>' for h in header)}</tr>{table}</table></body></html>"""
+<table><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in header)}</tr>{table}</table></body></html>"""
     Path(args.out).write_text(page)
     print(f"wrote {args.out}")
     return 0

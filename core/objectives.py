@@ -26,7 +26,10 @@ def next_token_loss(model, batch: dict, rng: jax.Array):
     hidden = model.hidden_states(tokens, batch["positions"], batch["segment_ids"])  # [B, T, D]
     weight, layout = model.output_weight()
     logp, _ = chunked_logprobs_and_entropy(
-        hidden[:, :-1], weight.astype(hidden.dtype), tokens[:, 1:], chunk_size=model.cfg.vocab_chunk_size,
+        hidden[:, :-1],
+        weight.astype(hidden.dtype),
+        tokens[:, 1:],
+        chunk_size=model.cfg.vocab_chunk_size,
         layout=layout,
     )  # [B, T-1]
     mask = target_mask(batch).astype(jnp.float32)

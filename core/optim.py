@@ -25,14 +25,14 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """Learning rate as a function of the step (0-based), peaking at `cfg.learning_rate`."""
     peak = cfg.learning_rate
     final = peak * cfg.learning_rate_final_fraction
-    warmup = int(round(cfg.warmup_steps_fraction * total_steps))
+    warmup = round(cfg.warmup_steps_fraction * total_steps)
     ramp = optax.linear_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
     if cfg.schedule == "constant":
         rest = optax.constant_schedule(peak)
     elif cfg.schedule == "cosine":
         rest = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=cfg.learning_rate_final_fraction)
     else:  # wsd: stable at the peak, then a linear decay over the last wsd_decay_steps_fraction
-        decay = int(round(cfg.wsd_decay_steps_fraction * total_steps))
+        decay = round(cfg.wsd_decay_steps_fraction * total_steps)
         stable = max(total_steps - warmup - decay, 0)
         rest = optax.join_schedules(
             [optax.constant_schedule(peak), optax.linear_schedule(peak, final, max(decay, 1))], [stable]
@@ -42,9 +42,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def param_paths(params: nnx.State) -> Any:
     """A tree like `params` whose leaves are the dotted parameter paths."""
-    return nnx.from_flat_state(
-        [(path, ".".join(map(str, path))) for path, _ in nnx.to_flat_state(params)]
-    )
+    return nnx.from_flat_state([(path, ".".join(map(str, path))) for path, _ in nnx.to_flat_state(params)])
 
 
 def _map_paths(params: nnx.State, fn) -> Any:

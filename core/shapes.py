@@ -21,7 +21,7 @@ counts of the RL update (`posttrain.grpo`) and the JAX sampler's prompt shapes
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class SizeCache:

@@ -35,8 +35,12 @@ def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
     )
     if family == "llama":
         scaling = dict(
-            rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=32, rope_theta=10000.0,
+            rope_type="llama3",
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+            rope_theta=10000.0,
         )
         cls, extra = tf.LlamaConfig, dict(rope_parameters=scaling)
     elif family == "qwen2":

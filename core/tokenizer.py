@@ -11,8 +11,8 @@ tokenizer_config.json with a ChatML chat template, special tokens) that
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -39,11 +39,14 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} special tokens")
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} special tokens"
+        )
     tok = Tokenizer(models.BPE())
     # Digits one by one (as Qwen2 and DeepSeek do): numbers stay arithmetic-friendly, never "1994" as one token.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

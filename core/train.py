@@ -15,8 +15,9 @@ also a sum, reported divided by the same global denominator, except those named
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,7 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any) -> 
     leaf is matched to the parameter whose key path is a suffix of its own.
     """
     by_path = {
-        _path_key(path): (leaf.shape, leaf.sharding)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        _path_key(path): (leaf.shape, leaf.sharding) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
     }
     replicated = _replicated_like(params)
 
@@ -137,7 +137,7 @@ def make_train_step(
     def summed(params, batch, step_rng):
         """Loss, metric and gradient sums over the micro-batches (float32)."""
         k = jax.tree.leaves(batch)[0].shape[0]
-        to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+        to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
         if k == 1:  # no accumulation buffers for the common case
             first = jax.tree.map(lambda x: x[0], batch)
             return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0)))
@@ -149,8 +149,9 @@ def make_train_step(
             micro_batch, i = inputs
             out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i)))
             (loss, metrics, grads), (loss_i, metrics_i, grads_i) = carry, out
-            metrics = {k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k])
-                       for k, v in metrics.items()}
+            metrics = {
+                k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k]) for k, v in metrics.items()
+            }
             return (loss + loss_i, metrics, jax.tree.map(jnp.add, grads, grads_i)), None
 
         return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
@@ -177,8 +178,13 @@ def make_train_step(
         # The step counter advances even when an update is skipped: it indexes batches.
         new_state = TrainState(params, opt_state, state.step + 1, rng)
         metrics = {k: v if k.startswith(MAX_PREFIX) else v / denom for k, v in sums.items()}
-        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, finite=finite.astype(jnp.float32),
-                       empty=(~has_tokens).astype(jnp.float32))
+        metrics.update(
+            loss=loss,
+            grad_norm=grad_norm,
+            tokens=denom,
+            finite=finite.astype(jnp.float32),
+            empty=(~has_tokens).astype(jnp.float32),
+        )
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
         return new_state, metrics
@@ -201,5 +207,7 @@ def memory_analysis_line(compiled) -> str:
     arg, out, tmp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
     alias = getattr(m, "alias_size_in_bytes", 0)
     total = arg + out + tmp - alias
-    return (f"memory analysis: arguments {arg / gib:.3f} GiB, outputs {out / gib:.3f} GiB, "
-            f"temp {tmp / gib:.3f} GiB, aliased {alias / gib:.3f} GiB, total {total / gib:.3f} GiB per device")
+    return (
+        f"memory analysis: arguments {arg / gib:.3f} GiB, outputs {out / gib:.3f} GiB, "
+        f"temp {tmp / gib:.3f} GiB, aliased {alias / gib:.3f} GiB, total {total / gib:.3f} GiB per device"
+    )

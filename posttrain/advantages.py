@@ -42,8 +42,9 @@ class Advantages:
     failed_groups: int
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, estimator: Estimator = "group_norm",
-                     std_eps: float = 1e-4) -> Advantages:
+def group_advantages(
+    rewards: np.ndarray, group_size: int, estimator: Estimator = "group_norm", std_eps: float = 1e-4
+) -> Advantages:
     r = np.asarray(rewards, np.float64)
     if r.ndim != 1 or r.size % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {r.shape}")
@@ -65,5 +66,10 @@ def group_advantages(rewards: np.ndarray, group_size: int, estimator: Estimator 
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     flat = (groups == groups[:, :1]).all(axis=1) & ~failed  # [P] every reward equal
     adv[flat | failed] = 0.0
-    return Advantages(adv.reshape(-1).astype(np.float32), np.repeat(~(flat | failed), group_size),
-                      np.repeat(~failed, group_size), int(flat.sum()), int(failed.sum()))
+    return Advantages(
+        adv.reshape(-1).astype(np.float32),
+        np.repeat(~(flat | failed), group_size),
+        np.repeat(~failed, group_size),
+        int(flat.sum()),
+        int(failed.sum()),
+    )

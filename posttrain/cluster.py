@@ -21,8 +21,9 @@ weight sync), not wrapped in Ray's `RayTaskError`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from core.config import Config
 from core.errors import MissingPath, TemperError
@@ -159,7 +160,7 @@ class TrainerHandle:
     def close(self) -> None:
         self._call(LocalTrainer.close)
 
-    def local(self) -> "LocalTrainer":
+    def local(self) -> LocalTrainer:
         """The in-process trainer (single-controller mode only)."""
         if self.remote:
             raise RuntimeError("the trainer runs in a Ray actor, not in this process")
@@ -182,9 +183,11 @@ def placement_bundles(cfg: Config, resources: dict[str, float]) -> list[dict[str
         trainer = max(1, round(cfg.mesh.trainer_devices_fraction * gpus))
         per_sampler = (cfg.mesh.sampler_devices_fraction * gpus or gpus - trainer) / k
         if per_sampler < 1 or trainer + k * int(per_sampler) > gpus:
-            raise ValueError(f"cannot place a trainer on {trainer} GPU(s) and {k} sampler(s) on {gpus} GPUs "
-                             f"(mesh.trainer_devices_fraction={cfg.mesh.trainer_devices_fraction}, "
-                             f"mesh.sampler_devices_fraction={cfg.mesh.sampler_devices_fraction})")
+            raise ValueError(
+                f"cannot place a trainer on {trainer} GPU(s) and {k} sampler(s) on {gpus} GPUs "
+                f"(mesh.trainer_devices_fraction={cfg.mesh.trainer_devices_fraction}, "
+                f"mesh.sampler_devices_fraction={cfg.mesh.sampler_devices_fraction})"
+            )
         return [{"CPU": 1, "GPU": trainer}] + [{"CPU": 1, "GPU": int(per_sampler)}] * k
     cpus = resources.get("CPU", 1)
     share = max(0.01, min(1.0, (cpus - 1) / k))
@@ -201,8 +204,9 @@ def reserve(cfg: Config, timeout_s: float = 120.0):
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
-        raise RuntimeError(f"Ray could not reserve {bundles} within {timeout_s:.0f}s; "
-                           f"cluster resources: {ray.cluster_resources()}") from e
+        raise RuntimeError(
+            f"Ray could not reserve {bundles} within {timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
+        ) from e
     return pg
 
 
@@ -225,10 +229,16 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
     env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
     env.setdefault("JAX_PLATFORMS", "cpu" if not ray.cluster_resources().get("GPU") else "")
     env["GLIBC_TUNABLES"] = malloc_tunables()
-    actor = ray.remote(LocalTrainer).options(
-        num_cpus=1, max_concurrency=1, scheduling_strategy=in_bundle(pg, 0),
-        runtime_env={"env_vars": env},
-    ).remote(cfg_json, str(run_dir))
+    actor = (
+        ray.remote(LocalTrainer)
+        .options(
+            num_cpus=1,
+            max_concurrency=1,
+            scheduling_strategy=in_bundle(pg, 0),
+            runtime_env={"env_vars": env},
+        )
+        .remote(cfg_json, str(run_dir))
+    )
     handle = TrainerHandle(actor, remote=True, run_dir=run_dir)
     handle.version()  # surface start-up errors here
     return handle
@@ -239,8 +249,10 @@ def start_vllm_sampler(cfg: Config, hf_dir: str, index: int, pg=None):
 
     bundle = pg.bundle_specs[1 + index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
     return RemoteVLLMSampler.start(
-        hf_dir, cfg.rollout, seed=cfg.run.seed + index, num_cpus=bundle["CPU"],
+        hf_dir,
+        cfg.rollout,
+        seed=cfg.run.seed + index,
+        num_cpus=bundle["CPU"],
         timeout_s=cfg.rollout.sampler_timeout_s,
         scheduling_strategy=in_bundle(pg, 1 + index) if pg is not None else None,
     )
-

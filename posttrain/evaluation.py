@@ -10,8 +10,8 @@ seen) is correct.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -77,8 +77,10 @@ def check_staleness(completions: list[Completion], trainer_version: int, bound: 
     """The largest staleness in the batch; raises if it exceeds `bound`."""
     worst = max(trainer_version - c.policy_version for c in completions)
     if worst > bound:
-        raise StalenessError(f"a completion from policy version {trainer_version - worst} reached the trainer at "
-                             f"version {trainer_version}: {worst} > rl.off_policy_steps={bound}")
+        raise StalenessError(
+            f"a completion from policy version {trainer_version - worst} reached the trainer at "
+            f"version {trainer_version}: {worst} > rl.off_policy_steps={bound}"
+        )
     return worst
 
 
@@ -99,8 +101,7 @@ class GRPORun:
         rl, rollout = cfg.rl, cfg.rollout
         self.row_len = rl.pack_length or rollout.max_model_len
         self.train_rows, self.eval_rows = prompt_rows(cfg)
-        self.stream = PromptStream(self.train_rows, rl.prompts_per_step, seed=cfg.data.seed,
-                                   shuffle=cfg.data.shuffle)
+        self.stream = PromptStream(self.train_rows, rl.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.rewards = RewardRunner(cfg.reward)
         self.tokenizer_dir = cfg.data.tokenizer_dir or _tokenizer_dir_of(rl.policy_path)
         self.pg = None
@@ -122,11 +123,15 @@ class GRPORun:
             self.stream.set_state(meta["prompt_stream"])
             self.start_step = int(meta["rl_step"])
             self._requests = int(meta["requests"])
-            self._resumed_in_flight = [InFlight(self.stream.batch(f["indices"]),
-                                                [Completion(**c) for c in f["completions"]])
-                                       for f in meta.get("in_flight", [])]
-            print(f"resumed from {self.run_dir / 'checkpoints' / str(step)} at step {self.start_step} "
-                  f"(policy version {meta['policy_version']})", flush=True)
+            self._resumed_in_flight = [
+                InFlight(self.stream.batch(f["indices"]), [Completion(**c) for c in f["completions"]])
+                for f in meta.get("in_flight", [])
+            ]
+            print(
+                f"resumed from {self.run_dir / 'checkpoints' / str(step)} at step {self.start_step} "
+                f"(policy version {meta['policy_version']})",
+                flush=True,
+            )
         self.samplers = self._start_samplers()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
 
@@ -139,8 +144,10 @@ class GRPORun:
         else:
             self.init_hf = Path(self.trainer.export_hf(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
             k = cfg.rollout.rollout_data_parallelism
-            group = SamplerGroup([start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)],
-                                 restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg))
+            group = SamplerGroup(
+                [start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)],
+                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg),
+            )
         group.sync(self._push)
         return group
 
@@ -154,13 +161,15 @@ class GRPORun:
 
         local = self.trainer.local()  # single controller: the trainer lives in this process
         mesh_cfg = self.cfg.mesh
-        _, sampler_devices = split_devices(jax.devices(), mesh_cfg.trainer_devices_fraction,
-                                           mesh_cfg.sampler_devices_fraction)
+        _, sampler_devices = split_devices(
+            jax.devices(), mesh_cfg.trainer_devices_fraction, mesh_cfg.sampler_devices_fraction
+        )
         mesh = make_mesh(MeshConfig(fsdp=1, tensor=-1), sampler_devices) if sampler_devices else local.mesh
         with jax.set_mesh(mesh):
             model = create_model(local.cfg.model, mesh, seed=0)  # placeholder weights, replaced by the first sync
-        return JaxSampler(model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len,
-                          seed=self.cfg.run.seed)
+        return JaxSampler(
+            model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len, seed=self.cfg.run.seed
+        )
 
     def _push(self, sampler: Any) -> dict:
         """The trainer's current weights and policy version into one sampler."""
@@ -177,8 +186,15 @@ class GRPORun:
 
     def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(n=n, temperature=r.temperature if temperature is None else temperature,
-                              top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, logprobs=True, seed=seed)
+        return SamplingParams(
+            n=n,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            logprobs=True,
+            seed=seed,
+        )
 
     def _submit(self, prompts: PromptBatch) -> InFlight:
         # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
@@ -186,8 +202,9 @@ class GRPORun:
         self._requests += 1
         seed = sample_seed(self.cfg.run.seed, self._requests)
         rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
-        return InFlight(prompts, self.samplers.submit(rendered, self.sampling_params(self.cfg.rl.num_generations,
-                                                                                        seed)))
+        return InFlight(
+            prompts, self.samplers.submit(rendered, self.sampling_params(self.cfg.rl.num_generations, seed))
+        )
 
     def _collect(self, request: InFlight) -> list[Completion]:
         if not isinstance(request.result, Pending):
@@ -225,7 +242,8 @@ class GRPORun:
                 rounds = 1
                 if rl.dynamic_sampling:
                     rows, completions, reward_batch, correct, adv, rounds = self._refill(
-                        rows, completions, reward_batch, correct, adv)
+                        rows, completions, reward_batch, correct, adv
+                    )
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
                 batch = self._batch(completions, adv)
@@ -236,14 +254,22 @@ class GRPORun:
                 metrics.update(train_metrics)
                 step_s = time.perf_counter() - t0
                 tokens = sum(len(c.token_ids) for c in completions)
-                metrics.update({"time/generate_s": gen_s, "time/reward_s": reward_s, "time/train_s": train_s,
-                                "time/sync_s": sync_s, "time/step_s": step_s, "pack/rows": float(len(batch["tokens"])),
-                                "pack/fill": fill_fraction(batch),
-                                "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
-                                "tokens_per_s": tokens / max(step_s, 1e-9),
-                                "policy_version": float(self.samplers.policy_versions[0]),
-                                "sampler_restarts": float(self.samplers.restarts),
-                                "sampler_redone_prompts": float(self.samplers.redone_prompts)})
+                metrics.update(
+                    {
+                        "time/generate_s": gen_s,
+                        "time/reward_s": reward_s,
+                        "time/train_s": train_s,
+                        "time/sync_s": sync_s,
+                        "time/step_s": step_s,
+                        "pack/rows": float(len(batch["tokens"])),
+                        "pack/fill": fill_fraction(batch),
+                        "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
+                        "tokens_per_s": tokens / max(step_s, 1e-9),
+                        "policy_version": float(self.samplers.policy_versions[0]),
+                        "sampler_restarts": float(self.samplers.restarts),
+                        "sampler_redone_prompts": float(self.samplers.redone_prompts),
+                    }
+                )
                 self.metrics.log(step, metrics, console=False)
                 print(self._line(step, metrics), flush=True)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -257,8 +283,9 @@ class GRPORun:
         hf_dir = None
         if cfg.checkpoint.export_hf:
             hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
-        plot_curves(self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png",
-                    ylabel="reward / accuracy")
+        plot_curves(
+            self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png", ylabel="reward / accuracy"
+        )
         version = self.trainer.version()
         update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=final_eval)
         return RunSummary(self.run_dir, step, version, final_eval, hf_dir)
@@ -271,9 +298,11 @@ class GRPORun:
             saved = ""
             if self.cfg.checkpoint.enabled:
                 self._save(step, in_flight)
-                saved = (f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
-                         f"state without that update (every update applied was finite) and the prompt stream "
-                         f"after this batch: the same command resumes past it.")
+                saved = (
+                    f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
+                    f"state without that update (every update applied was finite) and the prompt stream "
+                    f"after this batch: the same command resumes past it."
+                )
             raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
 
     def _batch(self, completions: list[Completion], adv: Advantages) -> dict:
@@ -284,20 +313,36 @@ class GRPORun:
         if not rl.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
             longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
             row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
-        return build_rl_batch(completions, adv.values, adv.keep, row_len=row_len,
-                              max_tokens=self.cfg.rollout.max_tokens,
-                              groups=rl.mini_batches * self.cfg.train.micro_batches,
-                              row_multiple=self.row_multiple, pack=rl.pack_sequences, share_prompts=rl.share_prompts,
-                              mask_truncated=rl.mask_truncated, choose_rows=self.row_counts.pick,
-                              kl_keep=adv.trainable if rl.kl_every_token else None)
+        return build_rl_batch(
+            completions,
+            adv.values,
+            adv.keep,
+            row_len=row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=rl.mini_batches * self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+            pack=rl.pack_sequences,
+            share_prompts=rl.share_prompts,
+            mask_truncated=rl.mask_truncated,
+            choose_rows=self.row_counts.pick,
+            kl_keep=adv.trainable if rl.kl_every_token else None,
+        )
 
     def _save(self, step: int, in_flight: deque[InFlight]) -> None:
         # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
         # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
-        stored = [{"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]}
-                  for r in in_flight]
-        self.trainer.save(step, {"rl_step": step, "prompt_stream": self.stream.get_state(),
-                                 "requests": self._requests, "in_flight": stored})
+        stored = [
+            {"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]} for r in in_flight
+        ]
+        self.trainer.save(
+            step,
+            {
+                "rl_step": step,
+                "prompt_stream": self.stream.get_state(),
+                "requests": self._requests,
+                "in_flight": stored,
+            },
+        )
 
     def _advantages(self, rewards: RewardBatch) -> Advantages:
         rl = self.cfg.rl
@@ -334,22 +379,29 @@ class GRPORun:
     def _step_metrics(self, completions, reward_batch, correct, adv: Advantages, staleness, rounds) -> dict:
         lengths = np.array([len(c.token_ids) for c in completions], float)
         out = reward_batch.metrics()
-        out.update({
-            "accuracy": float(np.nan_to_num(correct > 0).mean()),
-            "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
-            "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-            "zero_variance_groups": float(adv.zero_variance_groups), "reward/failed_groups": float(adv.failed_groups),
-            "staleness_max": float(staleness), "sampling_rounds": float(rounds),
-        })
+        out.update(
+            {
+                "accuracy": float(np.nan_to_num(correct > 0).mean()),
+                "completion_length/mean": float(lengths.mean()),
+                "completion_length/max": float(lengths.max()),
+                "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
+                "zero_variance_groups": float(adv.zero_variance_groups),
+                "reward/failed_groups": float(adv.failed_groups),
+                "staleness_max": float(staleness),
+                "sampling_rounds": float(rounds),
+            }
+        )
         return out
 
     @staticmethod
     def _line(step: int, m: dict) -> str:
         failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
-        return (f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
-                f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-                f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}{failed} | "
-                f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s")
+        return (
+            f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
+            f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
+            f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}{failed} | "
+            f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
+        )
 
     # ------------------------------------------------------------- evaluation
 
@@ -360,27 +412,35 @@ class GRPORun:
         if not rows:
             return {}
         prompts = [render_prompt(r, rl) for r in rows]
-        greedy = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)),
-                                       self._push)
+        greedy = self.samplers.collect(
+            self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)), self._push
+        )
         k = rl.eval_samples
-        sampled = self.samplers.collect(self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)),
-                                        self._push)
+        sampled = self.samplers.collect(
+            self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)), self._push
+        )
         texts = [prompt_text(r, rl) for r in rows]
         ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
-        ok_sampled = (self.rewards.score_fn(rl.accuracy_fn, [t for t in texts for _ in range(k)],
-                                            [c.text for c in sampled], columns_of(rows, k)) > 0).reshape(-1, k)
+        ok_sampled = (
+            self.rewards.score_fn(
+                rl.accuracy_fn, [t for t in texts for _ in range(k)], [c.text for c in sampled], columns_of(rows, k)
+            )
+            > 0
+        ).reshape(-1, k)
         answers = [final_answer(c.text) for c in sampled]
         result = {
             "eval/pass@1": float(ok_greedy.mean()),
             f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in ok_sampled])),
             "eval/sampled_pass@1": float(ok_sampled.mean()),
-            f"eval/maj@{k}": float(np.mean([majority_correct(answers[i * k:(i + 1) * k], ok_sampled[i])
-                                             for i in range(len(rows))])),
+            f"eval/maj@{k}": float(
+                np.mean([majority_correct(answers[i * k : (i + 1) * k], ok_sampled[i]) for i in range(len(rows))])
+            ),
         }
         if step is not None:
             self.metrics.log(step, result, console=False)
-            print(f"eval @ step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()),
-                  flush=True)
+            print(
+                f"eval @ step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()), flush=True
+            )
         return result
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -404,16 +464,18 @@ class GRPORun:
             for what, action in steps:
                 try:
                     action()
-                except Exception as e:  # noqa: BLE001 - best effort at exit; say what happened
-                    print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                          flush=True)
+                except Exception as e:
+                    print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
 
         worker = threading.Thread(target=release, name="temper-close", daemon=True)
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            print(f"closing: Ray did not answer within {timeout_s:.0f} s (is the cluster gone?); leaving the rest "
-                  f"of the clean-up to Ray", flush=True)
+            print(
+                f"closing: Ray did not answer within {timeout_s:.0f} s (is the cluster gone?); leaving the rest "
+                f"of the clean-up to Ray",
+                flush=True,
+            )
 
 
 def _tokenizer_dir_of(policy_path: str | None) -> str:

@@ -28,7 +28,14 @@ from core.checkpoint import Checkpointer
 from core.config import Config
 from core.loop import NonFiniteLoss
 from core.optim import make_optimizer, make_schedule
-from core.train import batch_shards, batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
+from core.train import (
+    batch_sharding,
+    batch_shards,
+    init_train_state,
+    jit_train_step,
+    make_train_step,
+    split_micro_batches,
+)
 from posttrain.losses import PolicyLossSettings
 from posttrain.objective import make_policy_objective, target_logprobs
 
@@ -36,8 +43,14 @@ from posttrain.objective import make_policy_objective, target_logprobs
 def loss_settings(cfg: Config) -> PolicyLossSettings:
     rl = cfg.rl
     return PolicyLossSettings(
-        algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, dual_clip=rl.dual_clip,
-        tis_cap=rl.tis_cap, beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg=rl.loss_agg,
+        algorithm=rl.algorithm,
+        epsilon=rl.epsilon,
+        epsilon_high=rl.epsilon_high,
+        dual_clip=rl.dual_clip,
+        tis_cap=rl.tis_cap,
+        beta=rl.beta,
+        kl_estimator=rl.kl_estimator,
+        loss_agg=rl.loss_agg,
         max_tokens=cfg.rollout.max_tokens,
     )
 
@@ -46,9 +59,10 @@ def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str,
     """One step's metrics from its updates' (each normalised by its own denominator `tokens`):
     loss / grad norm / learning rate averaged, token statistics as ratios of the summed raw sums,
     and the sampler mismatch over the first pass (pi_old's log-probs, every completion token once)."""
-    total = lambda key, ms=updates: sum(m[key] * m["tokens"] for m in ms)  # noqa: E731
-    out = {k: float(np.mean([m[k] for m in updates])) for k in ("loss", "grad_norm", "learning_rate")
-           if k in updates[0]}
+    total = lambda key, ms=updates: sum(m[key] * m["tokens"] for m in ms)
+    out = {
+        k: float(np.mean([m[k] for m in updates])) for k in ("loss", "grad_norm", "learning_rate") if k in updates[0]
+    }
     tokens = max(total("completion_tokens"), 1e-9)
     out["clip_fraction"] = total("clipped_tokens") / tokens
     out["entropy"] = total("entropy") / tokens
@@ -57,7 +71,7 @@ def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str,
     if "tis_weight" in updates[0]:
         out["tis_weight_mean"] = total("tis_weight") / tokens
     if "mismatch_gap" in updates[0]:
-        first = updates[:len(updates) // passes]
+        first = updates[: len(updates) // passes]
         out["mismatch/logp_gap_mean"] = total("mismatch_gap", first) / max(total("mismatch_tokens", first), 1e-9)
         out["mismatch/logp_gap_max"] = max(max(m["max/mismatch_gap"] for m in first), 0.0)
         out["mismatch/seq_kl"] = total("mismatch_seq_kl", first) / max(total("mismatch_sequences", first), 1e-9)
@@ -67,12 +81,13 @@ def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str,
 def mini_batch(x: np.ndarray, m: int, mini_batches: int) -> np.ndarray:
     """Mini-batch m of an array's first axis (rows and completions alike: `rl_batch` packs per group)."""
     n = x.shape[0] // mini_batches
-    return x[m * n:(m + 1) * n]
+    return x[m * n : (m + 1) * n]
 
 
 class PolicyLearner:
-    def __init__(self, cfg: Config, model, mesh: Mesh, total_steps: int,
-                 tx: optax.GradientTransformation | None = None):
+    def __init__(
+        self, cfg: Config, model, mesh: Mesh, total_steps: int, tx: optax.GradientTransformation | None = None
+    ):
         """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
         self.cfg = cfg
         self.mesh = mesh
@@ -85,7 +100,8 @@ class PolicyLearner:
             self.graphdef, self.state = init_train_state(model, tx, cfg.run.seed)
         objective = make_policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0)
         self._step = jit_train_step(
-            make_train_step(self.graphdef, objective, tx, make_schedule(cfg.optim, updates)), self.state)
+            make_train_step(self.graphdef, objective, tx, make_schedule(cfg.optim, updates)), self.state
+        )
         temperature = cfg.rollout.temperature or 1.0
         self._logp = jax.jit(lambda p, b: target_logprobs(nnx.merge(self.graphdef, p), b, temperature)[0])
         self.version = 0
@@ -149,13 +165,18 @@ class PolicyLearner:
                     if self.cfg.train.nan_policy == "abort":
                         raise NonFiniteLoss(
                             f"RL step {self.version + 1}, update {u + 1} of {updates}: loss {metrics['loss']}, "
-                            f"grad norm {metrics['grad_norm']} is not finite; that update was not applied")
+                            f"grad norm {metrics['grad_norm']} is not finite; that update was not applied"
+                        )
                     self.skipped_updates += 1
                 self.empty_updates += int(metrics["empty"])
                 collected.append(metrics)
         self.version += 1
-        return {**summarise_updates(collected, rl.num_iterations), "skipped_updates": float(self.skipped_updates),
-                "empty_updates": float(self.empty_updates), "time/update_s": time.perf_counter() - start}
+        return {
+            **summarise_updates(collected, rl.num_iterations),
+            "skipped_updates": float(self.skipped_updates),
+            "empty_updates": float(self.empty_updates),
+            "time/update_s": time.perf_counter() - start,
+        }
 
     # ------------------------------------------------------------ checkpoints
 

@@ -130,8 +130,9 @@ def policy_loss(
     if settings.tis_cap is not None and sampler_logp is not None:
         log_w = old_logp - sampler_logp.astype(jnp.float32)  # [B, T] log pi_old / pi_sampler
         if settings.algorithm == "gspo":
-            log_w = jnp.broadcast_to((log_w * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0),
-                                     log_w.shape)
+            log_w = jnp.broadcast_to(
+                (log_w * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0), log_w.shape
+            )
         weight = jnp.minimum(jnp.exp(log_w), settings.tis_cap)
         per_token = per_token * jax.lax.stop_gradient(weight)
         sums["tis_weight"] = (weight * mask).sum()

@@ -32,15 +32,20 @@ from posttrain.losses import PolicyLossSettings, policy_loss
 
 def target_logprobs(model, batch: dict, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """([B, C] log p(completion token j | everything before it), [B, C] entropy) under `model` at `temperature`."""
-    hidden = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                 batch["branch_ids"])  # [R, L, D]
+    hidden = model.hidden_states(
+        batch["tokens"], batch["positions"], batch["segment_ids"], batch["branch_ids"]
+    )  # [R, L, D]
     index = batch["target_index"]  # [B, C]; a shared prompt's last position predicts each completion's first token
     picked = hidden.reshape(-1, hidden.shape[-1])[index]  # [B, C, D]
     targets = batch["target_ids"]
     weight, layout = model.output_weight()
     return chunked_logprobs_and_entropy(
-        picked, weight.astype(hidden.dtype), targets, temperature=temperature,
-        chunk_size=model.cfg.vocab_chunk_size, layout=layout,
+        picked,
+        weight.astype(hidden.dtype),
+        targets,
+        temperature=temperature,
+        chunk_size=model.cfg.vocab_chunk_size,
+        layout=layout,
     )
 
 
@@ -50,9 +55,13 @@ def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Ar
     `posttrain.learner` turns them into mean / max gap and the per-sequence KL."""
     gap = jnp.abs(trainer_logp - sampler_logp) * mask
     rows = mask.sum(axis=-1) > 0
-    return {"mismatch_gap": gap.sum(), "mismatch_tokens": mask.sum(), "max/mismatch_gap": gap.max(),
-            "mismatch_seq_kl": ((sampler_logp - trainer_logp) * mask).sum(),
-            "mismatch_sequences": rows.sum().astype(jnp.float32)}
+    return {
+        "mismatch_gap": gap.sum(),
+        "mismatch_tokens": mask.sum(),
+        "max/mismatch_gap": gap.max(),
+        "mismatch_seq_kl": ((sampler_logp - trainer_logp) * mask).sum(),
+        "mismatch_sequences": rows.sum().astype(jnp.float32),
+    }
 
 
 def make_policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
@@ -65,8 +74,14 @@ def make_policy_objective(settings: PolicyLossSettings, temperature: float = 1.0
         # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
         old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
         loss_sum, sums = policy_loss(
-            logp, old_logp, batch["advantages"], mask, settings,
-            sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"), kl_mask=batch.get("kl_mask"),
+            logp,
+            old_logp,
+            batch["advantages"],
+            mask,
+            settings,
+            sampler_logp=batch.get("sampler_logp"),
+            ref_logp=batch.get("ref_logp"),
+            kl_mask=batch.get("kl_mask"),
         )
         sums["entropy"] = (jax.lax.stop_gradient(entropy) * mask).sum()
         if "completion_mask" in batch and "sampler_logp" in batch:

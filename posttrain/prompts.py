@@ -15,8 +15,9 @@ held out for evaluation.
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grain
 
@@ -39,7 +40,9 @@ def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
         row = dict(records[i])
         missing = [f for f in fields if not isinstance(row.get(f), str) or not row[f].strip()]
         if missing:
-            message = f"{cfg.data.source}: row {i}: field '{missing[0]}' (used by rl.prompt_template) is missing or empty"
+            message = (
+                f"{cfg.data.source}: row {i}: field '{missing[0]}' (used by rl.prompt_template) is missing or empty"
+            )
             if not cfg.data.skip_malformed:
                 raise MalformedRow(message + " (set data.skip_malformed=true to skip such rows)")
             skipped += 1
@@ -47,8 +50,8 @@ def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
         rows.append(row)
     if not rows:
         raise MalformedRow(f"{cfg.data.source}: no usable rows ({skipped} malformed)")
-    n_eval = int(round(cfg.data.eval_fraction * len(rows)))
-    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+    n_eval = round(cfg.data.eval_fraction * len(rows))
+    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]
 
 
 def prompt_text(row: dict, rl: RLConfig) -> str:
@@ -79,8 +82,9 @@ class PromptStream:
 
     def __init__(self, rows: Sequence[dict], batch_size: int, seed: int, shuffle: bool = True):
         if len(rows) < batch_size:
-            raise DataSourceError(f"{len(rows)} training prompts cannot fill a batch of {batch_size} "
-                                  f"(rl.prompts_per_step)")
+            raise DataSourceError(
+                f"{len(rows)} training prompts cannot fill a batch of {batch_size} (rl.prompts_per_step)"
+            )
         ds = grain.MapDataset.source(list(range(len(rows))))
         if shuffle:
             ds = ds.shuffle(seed=seed)

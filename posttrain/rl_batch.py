@@ -34,7 +34,7 @@ self-contained micro-batches; `target_index` is local to its group. See
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -129,8 +129,10 @@ def build_rl_batch(
     else:
         rows_per_group = (choose_rows or (lambda n: round_rows(n, row_multiple)))(most)
         if rows_per_group < most or rows_per_group % row_multiple:
-            raise ValueError(f"choose_rows({most}) = {rows_per_group}: need at least {most} rows per group, "
-                             f"a multiple of {row_multiple}")
+            raise ValueError(
+                f"choose_rows({most}) = {rows_per_group}: need at least {most} rows per group, "
+                f"a multiple of {row_multiple}"
+            )
 
     r = rows_per_group * groups
     tokens = np.full((r, row_len), pad_id, np.int32)
@@ -150,17 +152,17 @@ def build_rl_batch(
             for segment, members in enumerate(segments, start=1):
                 prompt = completions[members[0]].prompt_ids
                 p = len(prompt)
-                tokens[row, offset:offset + p] = prompt
-                positions[row, offset:offset + p] = np.arange(p)
-                segment_ids[row, offset:offset + p] = segment
+                tokens[row, offset : offset + p] = prompt
+                positions[row, offset : offset + p] = np.arange(p)
+                segment_ids[row, offset : offset + p] = segment
                 prompt_last, offset = offset + p - 1, offset + p
                 for branch, i in enumerate(members, start=1):
                     c = completions[i]
                     n = len(c.token_ids)
-                    tokens[row, offset:offset + n] = c.token_ids
-                    positions[row, offset:offset + n] = p + np.arange(n)
-                    segment_ids[row, offset:offset + n] = segment
-                    branch_ids[row, offset:offset + n] = branch
+                    tokens[row, offset : offset + n] = c.token_ids
+                    positions[row, offset : offset + n] = p + np.arange(n)
+                    segment_ids[row, offset : offset + n] = segment
+                    branch_ids[row, offset : offset + n] = branch
                     if n:  # token 0 is predicted from the prompt's last position, token j from token j - 1
                         target_index[i, :n] = base + np.r_[prompt_last, offset + np.arange(n - 1)]
                     target_ids[i, :n] = c.token_ids
@@ -172,9 +174,16 @@ def build_rl_batch(
                     kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i]))
                     offset += n
     return {
-        "tokens": tokens, "positions": positions, "segment_ids": segment_ids, "branch_ids": branch_ids,
-        "target_index": target_index, "target_ids": target_ids, "loss_mask": loss_mask, "kl_mask": kl_mask,
-        "completion_mask": completion_mask, "sampler_logp": sampler_logp,
+        "tokens": tokens,
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "branch_ids": branch_ids,
+        "target_index": target_index,
+        "target_ids": target_ids,
+        "loss_mask": loss_mask,
+        "kl_mask": kl_mask,
+        "completion_mask": completion_mask,
+        "sampler_logp": sampler_logp,
         "advantages": np.asarray(advantages, np.float32),
     }
 

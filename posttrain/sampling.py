@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from core.errors import TemperError, UserError
 from rollout.sampler import Completion, Prompt, SamplingParams
@@ -74,7 +75,7 @@ class SamplerGroup:
         size = -(-len(prompts) // len(self.samplers))
         for i, sampler in enumerate(self.samplers):
             lo = i * size
-            part = list(prompts[lo:lo + size])
+            part = list(prompts[lo : lo + size])
             if part:
                 own = dataclasses.replace(params, prompt_offset=params.prompt_offset + lo)
                 pending.parts.append(Part(i, sampler, part, own, self._start(sampler, part, own)))
@@ -94,7 +95,7 @@ class SamplerGroup:
                 continue
             try:
                 out.extend(part.sampler.result(part.ref))
-            except Exception as e:  # noqa: BLE001 - sorted by is_sampler_failure; anything else re-raised
+            except Exception as e:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, ValueError):
                     raise SamplerInputError(f"sampler {part.index} refused its prompts: {cause}") from None
@@ -102,7 +103,7 @@ class SamplerGroup:
                     raise
                 sampler = self._replace(part.index, part.sampler, e, push)
                 self.redone_prompts += len(part.prompts)
-                out.extend(self._once(part.index, lambda: sampler.generate(part.prompts, part.params)))
+                out.extend(self._once(part.index, lambda s=sampler, p=part: s.generate(p.prompts, p.params)))
         return out
 
     def sync(self, push: Callable[[Any], Any]) -> list[Any]:
@@ -113,7 +114,7 @@ class SamplerGroup:
             sampler = self.samplers[i]
             try:
                 out.append(push(sampler))
-            except Exception as e:  # noqa: BLE001 - sorted by is_sampler_failure; anything else re-raised
+            except Exception as e:
                 if not _is_remote(sampler) or not is_sampler_failure(e) or self._restart is None:
                     raise
                 out.append(self._replace(i, sampler, e, push, loaded=True))
@@ -137,12 +138,14 @@ class SamplerGroup:
     def _once(i: int, action: Callable[[], Any]) -> Any:
         try:
             return action()
-        except Exception as e:  # noqa: BLE001 - a second failure in a row ends the run, with the cause
+        except Exception as e:
             if not is_sampler_failure(e):
                 raise
-            raise SamplerFailed(f"sampler {i} failed again right after a restart ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}); stopping. Run the same command "
-                                f"again to resume from the last checkpoint.") from e
+            raise SamplerFailed(
+                f"sampler {i} failed again right after a restart ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); stopping. Run the same command "
+                f"again to resume from the last checkpoint."
+            ) from e
 
     @property
     def policy_versions(self) -> list[int]:
@@ -156,5 +159,6 @@ def is_sampler_failure(e: BaseException) -> bool:
 
     if isinstance(e, ray.exceptions.RayTaskError):
         return not isinstance(e.cause, ValueError)
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                          ray.exceptions.ActorUnavailableError))
+    return isinstance(
+        e, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+    )

@@ -55,14 +55,20 @@ def _hf_dir_and_tokenizer(model_dir: Path, tokenizer: str | None, tmp: str):
 def main(argv: list[str]) -> int:
     args = parse(argv)
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        seed=args.seed,
     )
     prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, tokenizer, model = _hf_dir_and_tokenizer(Path(args.model_dir), args.tokenizer, tmp)
-        max_len = args.max_model_len or min(4096, json.loads((Path(hf_dir) / "config.json").read_text())
-                                            .get("max_position_embeddings", 4096))
+        max_len = args.max_model_len or min(
+            4096, json.loads((Path(hf_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)
+        )
         if args.sampler == "jax":
             from core.hf import load_hf
             from rollout.jax_sampler import JaxSampler

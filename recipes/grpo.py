@@ -39,8 +39,10 @@ def main(argv: list[str]) -> int:
     from posttrain.grpo import run_grpo
 
     summary = run_grpo(cfg)
-    print(f"done: {summary.steps} steps, policy version {summary.policy_version}; run directory {summary.run_dir}"
-          + (f"; final eval {summary.final_eval}" if summary.final_eval else ""))
+    print(
+        f"done: {summary.steps} steps, policy version {summary.policy_version}; run directory {summary.run_dir}"
+        + (f"; final eval {summary.final_eval}" if summary.final_eval else "")
+    )
     return 0
 
 

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
             back = transformers_logits(export, tokens)
             d1, d2 = np.abs(ours - ref).max(), np.abs(back - ref).max()
             worst = max(worst, d1, d2)
-            print(f"{family:<8} {str(tied):<5} {d1:>24.2e} {d2:>18.2e}  {time.perf_counter() - start:.1f}s")
+            print(f"{family:<8} {tied!s:<5} {d1:>24.2e} {d2:>18.2e}  {time.perf_counter() - start:.1f}s")
     ok = worst <= 1e-4
     print(f"{'OK' if ok else 'MISMATCH'}: max |diff| {worst:.2e} (tolerance 1e-4); exports in {run_dir}/")
     return 0 if ok else 1

@@ -78,16 +78,29 @@ def main(argv: list[str]) -> int:
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
     print(device_memory() + " (after model init)")
-    train = make_pipeline(cfg.data, cfg.train.batch_size, records=records, tokenizer_dir=tokenizer_dir,
-                          process_index=jax.process_index(), process_count=jax.process_count())
+    train = make_pipeline(
+        cfg.data,
+        cfg.train.batch_size,
+        records=records,
+        tokenizer_dir=tokenizer_dir,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     if train.skipped:
         print(f"skipped {len(train.skipped)} malformed rows; first: {train.skipped[0]}")
-    def eval_pipeline():
-        return make_pipeline(cfg.data, cfg.train.batch_size, records=records, tokenizer_dir=tokenizer_dir,
-                             split="eval")
 
-    trainer = Trainer(cfg, model, next_token_loss, train, mesh=mesh, eval_data_fn=eval_pipeline if cfg.data.eval_fraction > 0 else None,
-                      tokenizer_dir=tokenizer_dir)
+    def eval_pipeline():
+        return make_pipeline(cfg.data, cfg.train.batch_size, records=records, tokenizer_dir=tokenizer_dir, split="eval")
+
+    trainer = Trainer(
+        cfg,
+        model,
+        next_token_loss,
+        train,
+        mesh=mesh,
+        eval_data_fn=eval_pipeline if cfg.data.eval_fraction > 0 else None,
+        tokenizer_dir=tokenizer_dir,
+    )
     trainer.fit()
     print(f"done: run directory {run_dir} (config.yaml, checkpoints/, metrics.jsonl, tensorboard/, loss.png, hf/)")
     return 0
@@ -98,7 +111,9 @@ def _check_vocab(vocab_size: int, tokenizer_dir: str) -> None:
 
     n = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     if n > vocab_size:
-        raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)")
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)"
+        )
 
 
 if __name__ == "__main__":

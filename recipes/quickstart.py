@@ -31,8 +31,15 @@ from pathlib import Path
 from core.errors import UserError
 
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
-TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
-            allow_parentheses=False, allow_negation=False)
+TASK = dict(
+    min_terms=2,
+    max_terms=2,
+    min_digits=1,
+    max_digits=2,
+    operators=("+", "-"),
+    allow_parentheses=False,
+    allow_negation=False,
+)
 SIGN_SLIP = 0.8
 
 
@@ -60,14 +67,22 @@ SUMMARY = "quickstart.json"
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipes.quickstart", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default="runs/quickstart")
-    p.add_argument("--seed", type=int, default=0,
-                   help="added to every stage's run.seed (model init, data order, sampling); the problems stay")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="added to every stage's run.seed (model init, data order, sampling); the problems stay",
+    )
     p.add_argument("--pretrain-steps", type=int, default=None, help="override pretrain.yml's train.steps")
     p.add_argument("--sft-steps", type=int, default=None, help="override sft.yml's train.steps")
     p.add_argument("--grpo-steps", type=int, default=None, help="override grpo.yml's train.steps")
     p.add_argument("--eval-prompts", type=int, default=None, help="override grpo.yml's rl.eval_prompts")
-    p.add_argument("--sign-slip", type=float, default=SIGN_SLIP,
-                   help="how often the fine-tuning solutions drop the minus sign of a negative answer (0: clean)")
+    p.add_argument(
+        "--sign-slip",
+        type=float,
+        default=SIGN_SLIP,
+        help="how often the fine-tuning solutions drop the minus sign of a negative answer (0: clean)",
+    )
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
@@ -78,11 +93,15 @@ def report(summary: dict) -> None:
     """The quickstart's result: held-out accuracy before and after GRPO, pass@k, maj@k, where things are."""
     before, after, k = summary["before"], summary["after"], summary["eval_samples"]
     if before is not None:
-        print(f"held-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
-              f"after {summary['grpo_steps']} GRPO steps "
-              f"({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)")
-    print(f"sampled pass@{k}: {after[f'eval/pass@{k}']:.1%}, maj@{k}: {after[f'eval/maj@{k}']:.1%}; "
-          f"total {summary['minutes']:.1f} min")
+        print(
+            f"held-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
+            f"after {summary['grpo_steps']} GRPO steps "
+            f"({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)"
+        )
+    print(
+        f"sampled pass@{k}: {after[f'eval/pass@{k}']:.1%}, maj@{k}: {after[f'eval/maj@{k}']:.1%}; "
+        f"total {summary['minutes']:.1f} min"
+    )
     print(f"curves: {summary['plot']}; model: {summary['hf_dir']}")
 
 
@@ -94,8 +113,9 @@ def main(argv: list[str]) -> int:
     if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)
         summary = json.loads(done.read_text())
         if summary["settings"] != settings:
-            raise UserError(f"{out} holds a quickstart run with other settings ({summary['settings']}); "
-                             f"use another --run-dir")
+            raise UserError(
+                f"{out} holds a quickstart run with other settings ({summary['settings']}); use another --run-dir"
+            )
         print(f"the quickstart in {out} is complete ({done}); its result:")
         report(summary)
         return 0
@@ -117,34 +137,67 @@ def main(argv: list[str]) -> int:
     # Pretraining documents are worksheets of four problems, so the pretrained model runs on past an answer
     # into the next problem; fine-tuning and then GRPO teach it to answer and stop.
     worked = [r["text"] for r in pretrain_rows]  # "question\nAnswer: N"
-    corpus = write_jsonl(data / "pretrain.jsonl", [{"text": "\n".join(worked[i:i + 4])}
-                                                   for i in range(0, len(worked), 4)])
-    sft = write_jsonl(data / "sft.jsonl", [{"prompt": f"{r['question']}\nAnswer:", "completion": f" {answer}"}
-                                           for r, answer in zip(sft_rows, sloppy_answers(sft_rows, args.sign_slip))])
+    corpus = write_jsonl(
+        data / "pretrain.jsonl", [{"text": "\n".join(worked[i : i + 4])} for i in range(0, len(worked), 4)]
+    )
+    sft = write_jsonl(
+        data / "sft.jsonl",
+        [
+            {"prompt": f"{r['question']}\nAnswer:", "completion": f" {answer}"}
+            for r, answer in zip(sft_rows, sloppy_answers(sft_rows, args.sign_slip))
+        ],
+    )
     rl = write_jsonl(data / "rl.jsonl", [{k: r[k] for k in ("question", "answer", "metadata")} for r in rl_rows])
 
     print("== 2/5 tokenizer", flush=True)
     from core.tokenizer import tokenizer_for_run
 
-    tokenizer = tokenizer_for_run(None, (json.loads(l)["text"] for l in open(corpus)), out, 512)
+    texts = (json.loads(line)["text"] for line in Path(corpus).read_text().splitlines())
+    tokenizer = tokenizer_for_run(None, texts, out, 512)
 
     from recipes.pretrain import main as train_main
 
     print("== 3/5 pretraining", flush=True)
-    _check(train_main([str(CONFIGS / "pretrain.yml"), f"run.run_dir={out / 'pretrain'}", f"data.source={corpus}",
-                       f"data.tokenizer_dir={tokenizer}", *seed(0), *steps(args.pretrain_steps)]))
+    _check(
+        train_main(
+            [
+                str(CONFIGS / "pretrain.yml"),
+                f"run.run_dir={out / 'pretrain'}",
+                f"data.source={corpus}",
+                f"data.tokenizer_dir={tokenizer}",
+                *seed(0),
+                *steps(args.pretrain_steps),
+            ]
+        )
+    )
     print("== 4/5 fine-tuning on formatted solutions", flush=True)
-    _check(train_main([str(CONFIGS / "sft.yml"), f"run.run_dir={out / 'sft'}", f"data.source={sft}",
-                       f"data.tokenizer_dir={tokenizer}", f"checkpoint.init_from={out / 'pretrain'}",
-                       *seed(1), *steps(args.sft_steps)]))
+    _check(
+        train_main(
+            [
+                str(CONFIGS / "sft.yml"),
+                f"run.run_dir={out / 'sft'}",
+                f"data.source={sft}",
+                f"data.tokenizer_dir={tokenizer}",
+                f"checkpoint.init_from={out / 'pretrain'}",
+                *seed(1),
+                *steps(args.sft_steps),
+            ]
+        )
+    )
 
     print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
     from posttrain.grpo import GRPORun
 
-    overrides = [f"run.run_dir={out / 'grpo'}", f"data.source={rl}", f"data.tokenizer_dir={tokenizer}",
-                 f"rl.policy_path={out / 'sft' / 'hf'}", *seed(2), *steps(args.grpo_steps),
-                 *steps(args.eval_prompts, "rl.eval_prompts")]
+    overrides = [
+        f"run.run_dir={out / 'grpo'}",
+        f"data.source={rl}",
+        f"data.tokenizer_dir={tokenizer}",
+        f"rl.policy_path={out / 'sft' / 'hf'}",
+        *seed(2),
+        *steps(args.grpo_steps),
+        *steps(args.eval_prompts, "rl.eval_prompts"),
+    ]
     cfg = load_config(CONFIGS / "grpo.yml", overrides)
     before_file = out / "grpo" / "before.json"  # the fine-tuned model's accuracy, kept for a resumed GRPO stage
     run = GRPORun(cfg)
@@ -159,11 +212,17 @@ def main(argv: list[str]) -> int:
     from core.metrics import plot_curves
 
     plot = (out / "quickstart.png").absolute()
-    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"), out=str(plot),
-                ylabel="accuracy")
-    result = {"settings": settings, "before": before, "after": after, "grpo_steps": summary.steps,
-              "eval_samples": cfg.rl.eval_samples, "minutes": (time.perf_counter() - start) / 60,
-              "plot": str(plot), "hf_dir": str(summary.hf_dir)}
+    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"), out=str(plot), ylabel="accuracy")
+    result = {
+        "settings": settings,
+        "before": before,
+        "after": after,
+        "grpo_steps": summary.steps,
+        "eval_samples": cfg.rl.eval_samples,
+        "minutes": (time.perf_counter() - start) / 60,
+        "plot": str(plot),
+        "hf_dir": str(summary.hf_dir),
+    }
     print()
     report(result)
     done.write_text(json.dumps(result, indent=2))

@@ -7,7 +7,7 @@ megabytes of garbage), shared by the math_verify, gsm8k and reasoning_gym reward
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 # 1,234.5   -7   3/4   .5 is not matched (GSM8K answers are written with a leading digit)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
@@ -44,10 +44,8 @@ def between_tags(text: str, start_tag: str, end_tag: str, strip: bool = True) ->
 
 def last_number(text: str) -> str | None:
     """The last number in the text (thousands separators and a `/d` fraction allowed), or None."""
-    last = None
-    for last in _NUMBER.finditer(text):
-        pass
-    return last.group(0) if last else None
+    matches = list(_NUMBER.finditer(text))
+    return matches[-1].group(0) if matches else None
 
 
 def last_line(text: str) -> str | None:
@@ -58,8 +56,13 @@ def last_line(text: str) -> str | None:
     return re.sub(r"^(?:final )?answer\s*[:=]\s*", "", lines[-1].strip(), flags=re.IGNORECASE)
 
 
-def final_answer(text: str, solution_start: str = "<answer>", solution_end: str = "</answer>",
-                 max_chars: int = 256, fallback: Callable[[str], str | None] = last_number) -> str | None:
+def final_answer(
+    text: str,
+    solution_start: str = "<answer>",
+    solution_end: str = "</answer>",
+    max_chars: int = 256,
+    fallback: Callable[[str], str | None] = last_number,
+) -> str | None:
     """The completion's final answer: boxed, else between the solution tags, else `fallback` (the last number).
 
     Returns None when there is none or it is longer than `max_chars` (long "answers"

@@ -23,7 +23,7 @@ The gold answer is GSM8K's `answer` column (the part after `####`).
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from rewards.extract import between_tags, gsm8k_gold, to_number
 

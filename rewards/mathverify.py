@@ -20,7 +20,7 @@ Two guards keep the reward deterministic and cheap:
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from rewards.extract import final_answer, gsm8k_gold
 
@@ -31,8 +31,7 @@ _FACTORIAL = re.compile(r"\d{3,}\s*!")
 
 def too_expensive(answer: str) -> bool:
     """Would parsing this answer risk an unbounded big-number computation?"""
-    return (len(_POWER.findall(answer)) > 1 or bool(_LONG_DIGITS.search(answer))
-            or bool(_FACTORIAL.search(answer)))
+    return len(_POWER.findall(answer)) > 1 or bool(_LONG_DIGITS.search(answer)) or bool(_FACTORIAL.search(answer))
 
 
 def is_undefined(parsed: list) -> bool:

@@ -15,12 +15,14 @@ from a clean forkserver (never from a process that already runs JAX threads).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import wait
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 # Imported once in the forkserver, so a replacement worker starts in milliseconds.
 _PRELOAD = ["rewards.registry", "rewards.mathverify", "rewards.gsm8k", "rewards.shaping", "math_verify", "sympy"]
@@ -63,7 +65,7 @@ def _worker_main(conn) -> None:
         try:
             out = resolve(spec)(prompts, completions, **{**columns, **kwargs})
             reply = ("ok", *_as_numbers(out, len(completions)))
-        except BaseException as e:  # noqa: BLE001 - user code: report everything, including SystemExit
+        except BaseException as e:
             reply = ("error", None, f"{type(e).__name__}: {e}")
         conn.send(reply)
 
@@ -95,8 +97,15 @@ class WorkerPool:
     def num_procs(self) -> int:
         return len(self._workers)
 
-    def run(self, spec: str, kwargs: Mapping[str, Any], prompts: Sequence[str], completions: Sequence[str],
-            columns: Mapping[str, Sequence], timeout: float) -> tuple[list[float | None], list[str]]:
+    def run(
+        self,
+        spec: str,
+        kwargs: Mapping[str, Any],
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        columns: Mapping[str, Sequence],
+        timeout: float,
+    ) -> tuple[list[float | None], list[str]]:
         """Score a batch; returns per-item values (None = failed) and one message per failed shard."""
         n = len(completions)
         bounds = _shards(n, self.num_procs)
@@ -104,8 +113,13 @@ class WorkerPool:
         errors: list[str] = []
         pending = {}
         for worker, (lo, hi) in zip(self._workers, bounds):
-            task = (spec, dict(kwargs), list(prompts[lo:hi]), list(completions[lo:hi]),
-                    {k: list(v[lo:hi]) for k, v in columns.items()})
+            task = (
+                spec,
+                dict(kwargs),
+                list(prompts[lo:hi]),
+                list(completions[lo:hi]),
+                {k: list(v[lo:hi]) for k, v in columns.items()},
+            )
             try:
                 worker.conn.send(task)
                 pending[worker.conn] = (worker, lo, hi)
@@ -141,10 +155,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for worker in self._workers:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for worker in self._workers:
             worker.process.join(timeout=2)
             if worker.process.is_alive():

@@ -17,9 +17,9 @@ import difflib
 import functools
 import importlib
 import importlib.util
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Callable
 
 from core.errors import UserError
 

@@ -10,7 +10,7 @@ an empty or over-long answer scores 0.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from rewards.extract import final_answer, last_line
 

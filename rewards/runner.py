@@ -19,8 +19,8 @@ counted, the first message is logged, and the next batch scores normally.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -33,9 +33,9 @@ log = logging.getLogger("temper.rewards")
 
 @dataclass
 class RewardBatch:
-    total: np.ndarray                      # [N] float32 weighted sum; NaN where an item failed (no opt-in)
-    values: dict[str, np.ndarray]          # name -> [N] unweighted values (NaN, or failure_reward, where failed)
-    failed: dict[str, np.ndarray]          # name -> [N] bool
+    total: np.ndarray  # [N] float32 weighted sum; NaN where an item failed (no opt-in)
+    values: dict[str, np.ndarray]  # name -> [N] unweighted values (NaN, or failure_reward, where failed)
+    failed: dict[str, np.ndarray]  # name -> [N] bool
     errors: dict[str, list[str]] = field(default_factory=dict)  # name -> messages of failed shards
 
     @property
@@ -46,13 +46,17 @@ class RewardBatch:
             out |= f
         return out
 
-    def take(self, index: np.ndarray) -> "RewardBatch":
+    def take(self, index: np.ndarray) -> RewardBatch:
         """The items at `index` (all shard messages kept)."""
-        return RewardBatch(self.total[index], {k: v[index] for k, v in self.values.items()},
-                           {k: f[index] for k, f in self.failed.items()}, dict(self.errors))
+        return RewardBatch(
+            self.total[index],
+            {k: v[index] for k, v in self.values.items()},
+            {k: f[index] for k, f in self.failed.items()},
+            dict(self.errors),
+        )
 
     @staticmethod
-    def concat(batches: Sequence["RewardBatch"]) -> "RewardBatch":
+    def concat(batches: Sequence[RewardBatch]) -> RewardBatch:
         """The items of `batches` one after another (same functions in each); messages without repeats
         (parts taken from one scored batch carry that batch's messages)."""
         names = batches[0].values
@@ -61,14 +65,20 @@ class RewardBatch:
             for k, messages in b.errors.items():
                 seen = errors.setdefault(k, [])
                 seen.extend(m for m in messages if m not in seen)
-        return RewardBatch(np.concatenate([b.total for b in batches]),
-                           {k: np.concatenate([b.values[k] for b in batches]) for k in names},
-                           {k: np.concatenate([b.failed[k] for b in batches]) for k in names}, errors)
+        return RewardBatch(
+            np.concatenate([b.total for b in batches]),
+            {k: np.concatenate([b.values[k] for b in batches]) for k in names},
+            {k: np.concatenate([b.failed[k] for b in batches]) for k in names},
+            errors,
+        )
 
     def metrics(self) -> dict[str, float]:
         """Means and stds over the items that were scored (failed ones excluded), failure rates over all."""
-        out = {"reward/mean": _mean(self.total), "reward/std": _std(self.total),
-               "reward/failure_rate": float(self.failed_any.mean()) if self.total.size else 0.0}
+        out = {
+            "reward/mean": _mean(self.total),
+            "reward/std": _std(self.total),
+            "reward/failure_rate": float(self.failed_any.mean()) if self.total.size else 0.0,
+        }
         for name, v in self.values.items():
             out[f"reward/{name}/mean"] = _mean(v)
             out[f"reward/{name}/failure_rate"] = float(self.failed[name].mean()) if v.size else 0.0
@@ -106,9 +116,13 @@ class RewardRunner:
         self.names = function_names([f.fn for f in cfg.functions])
         self.pool = WorkerPool(num_procs or cfg.math_verify_num_procs)
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str],
-              columns: Mapping[str, Sequence] | None = None,
-              completion_ids: Sequence[Sequence[int]] | None = None) -> RewardBatch:
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        columns: Mapping[str, Sequence] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+    ) -> RewardBatch:
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")
@@ -130,9 +144,15 @@ class RewardRunner:
             total += fn_cfg.weight * values[name]
         return RewardBatch(total=total, values=values, failed=failed, errors=errors)
 
-    def score_fn(self, fn: str, prompts: Sequence[str], completions: Sequence[str],
-                 columns: Mapping[str, Sequence] | None = None, kwargs: Mapping | None = None,
-                 reuse: RewardBatch | None = None) -> np.ndarray:
+    def score_fn(
+        self,
+        fn: str,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        columns: Mapping[str, Sequence] | None = None,
+        kwargs: Mapping | None = None,
+        reuse: RewardBatch | None = None,
+    ) -> np.ndarray:
         """One function's values through the same pool (e.g. accuracy for metrics); NaN where it failed.
 
         With `reuse` (a batch `score` made of the same completions), a configured function with the
@@ -146,20 +166,32 @@ class RewardRunner:
         resolve(spec)
         return self._run(fn, spec, dict(kwargs or {}), prompts, completions, dict(columns or {}))[0]
 
-    def _run(self, name: str, spec: str, kwargs: Mapping, prompts: Sequence[str], completions: Sequence[str],
-             columns: Mapping[str, Sequence]) -> tuple[np.ndarray, list[str]]:
+    def _run(
+        self,
+        name: str,
+        spec: str,
+        kwargs: Mapping,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        columns: Mapping[str, Sequence],
+    ) -> tuple[np.ndarray, list[str]]:
         """[N] float32 values (NaN where the function failed) and the failed shards' messages, logged."""
         raw, messages = self.pool.run(spec, kwargs, prompts, completions, columns, timeout=self.cfg.math_verify_timeout)
         values = np.array([np.nan if v is None else v for v in raw], np.float32)
         if messages:
-            log.warning("reward %s failed on %d/%d items (first: %s)", name, int(np.isnan(values).sum()),
-                        len(values), messages[0])
+            log.warning(
+                "reward %s failed on %d/%d items (first: %s)",
+                name,
+                int(np.isnan(values).sum()),
+                len(values),
+                messages[0],
+            )
         return values, messages
 
     def close(self) -> None:
         self.pool.close()
 
-    def __enter__(self) -> "RewardRunner":
+    def __enter__(self) -> RewardRunner:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,10 +12,10 @@ writing digits rather than words).
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def format(  # noqa: A001 - the reward's config name
+def format(
     prompts: Sequence[str],
     completions: Sequence[str],
     *,
@@ -49,7 +49,9 @@ def length_penalty(
     **_columns,
 ) -> list[float]:
     """`-coef * min(tokens, max_length) / max_length`: from 0 (empty) to -coef (max_length or longer)."""
-    return [-coef * min(n, max_length) / max_length for n in _token_lengths(completions, completion_ids, "length_penalty")]
+    return [
+        -coef * min(n, max_length) / max_length for n in _token_lengths(completions, completion_ids, "length_penalty")
+    ]
 
 
 def overlong(
@@ -62,7 +64,8 @@ def overlong(
     completion_ids: Sequence[Sequence[int]] | None = None,
     **_columns,
 ) -> list[float]:
-    """DAPO soft overlong punishment (tokens): 0 up to `max_length - buffer`, then linear to -penalty at `max_length`."""
+    """DAPO soft overlong punishment (tokens): 0 up to `max_length - buffer`, then linear to -penalty at
+    `max_length`."""
     if not 0 < buffer <= max_length:
         raise ValueError(f"overlong: need 0 < buffer <= max_length, got buffer={buffer}, max_length={max_length}")
     safe = max_length - buffer

@@ -18,8 +18,8 @@ tensor-parallel (parameters sharded by their logical axes).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from functools import partial
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +71,10 @@ def sample_token(logits: jax.Array, keys: jax.Array, temperature: float, top_k: 
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "n", "max_new", "cache_len", "temperature", "top_k", "top_p",
-                                   "stop_ids"))
-def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_len, temperature, top_k, top_p,
-              stop_ids):
+@partial(
+    jax.jit, static_argnames=("graphdef", "n", "max_new", "cache_len", "temperature", "top_k", "top_p", "stop_ids")
+)
+def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_len, temperature, top_k, top_p, stop_ids):
     """prompts [Bp, P] right-padded, lengths [Bp], seeds [Bp * n] (one per sample) -> n completions of each,
     prompt-major rows B = Bp * n: (tokens [B, max_new], logprobs, n_generated [B], stopped [B]).
     Row b's token t is drawn with key fold_in(key(seeds[b]), t): its own stream, whatever else is batched."""
@@ -111,8 +111,14 @@ def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_le
         return t + 1, logits, tokens, done, n_gen, logps, cache_k, cache_v
 
     init = (
-        jnp.int32(0), logits, jnp.zeros((b, max_new), jnp.int32), jnp.zeros((b,), bool),
-        jnp.zeros((b,), jnp.int32), jnp.zeros((b, max_new), jnp.float32), cache_k, cache_v,
+        jnp.int32(0),
+        logits,
+        jnp.zeros((b, max_new), jnp.int32),
+        jnp.zeros((b,), bool),
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b, max_new), jnp.float32),
+        cache_k,
+        cache_v,
     )
     _, _, tokens, done, n_gen, logps, _, _ = jax.lax.while_loop(cond, body, init)
     return tokens, logps, n_gen, done
@@ -167,14 +173,24 @@ class JaxSampler:
         stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             out, logps, n_gen, stopped = _generate(
-                self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(seeds), n=params.n,
-                max_new=params.max_tokens, cache_len=p + params.max_tokens,
-                temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
+                self.graphdef,
+                self.params,
+                jnp.asarray(tokens),
+                jnp.asarray(lengths),
+                jnp.asarray(seeds),
+                n=params.n,
+                max_new=params.max_tokens,
+                cache_len=p + params.max_tokens,
+                temperature=float(params.temperature),
+                top_k=int(params.top_k),
+                top_p=float(params.top_p),
                 stop_ids=stop_ids,
             )
         out, logps, n_gen, stopped = (np.asarray(x) for x in jax.device_get((out, logps, n_gen, stopped)))
-        return [self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
-                for i in range(len(rows))]
+        return [
+            self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
+            for i in range(len(rows))
+        ]
 
     def _completion(self, prompt, tokens, logps, stopped, params) -> Completion:
         ids = [int(t) for t in tokens]
@@ -198,7 +214,9 @@ class JaxSampler:
         """
         problems = state_mismatches(self.params, params)
         if problems:
-            raise ValueError("update_weights: new weights do not match the sampler's model; "
-                             "keeping the previous weights:\n  " + "\n  ".join(problems))
+            raise ValueError(
+                "update_weights: new weights do not match the sampler's model; "
+                "keeping the previous weights:\n  " + "\n  ".join(problems)
+            )
         self.params = params
         self.policy_version = self.policy_version + 1 if version is None else version

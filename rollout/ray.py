@@ -31,8 +31,12 @@ SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 def local_cluster_options(num_cpus: int | None = None) -> dict:
     """The `ray.init` keyword arguments of a private local cluster."""
-    return dict(num_cpus=num_cpus, include_dashboard=os.environ.get("TEMPER_RAY_DASHBOARD") == "1",
-                dashboard_host="127.0.0.1", log_to_driver=False)
+    return dict(
+        num_cpus=num_cpus,
+        include_dashboard=os.environ.get("TEMPER_RAY_DASHBOARD") == "1",
+        dashboard_host="127.0.0.1",
+        log_to_driver=False,
+    )
 
 
 @contextlib.contextmanager
@@ -61,7 +65,11 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     from ray._private import ray_constants
 
     if ray_constants.ENABLE_RAY_CLUSTER:
-        print("warning: Ray was imported before rollout.ray.ensure_ray, so the local Ray cluster listens on "
-              "this machine's network address, not on 127.0.0.1 only", file=sys.stderr, flush=True)
+        print(
+            "warning: Ray was imported before rollout.ray.ensure_ray, so the local Ray cluster listens on "
+            "this machine's network address, not on 127.0.0.1 only",
+            file=sys.stderr,
+            flush=True,
+        )
     with _quiet_fork_exec():
         ray.init(**local_cluster_options(num_cpus))

@@ -18,12 +18,13 @@ and the same request gives the same samples again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence, Union
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-Prompt = Union[Sequence[int], str, Sequence[dict]]
+Prompt = Sequence[int] | str | Sequence[dict]
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,9 @@ def sample_seeds(params: SamplingParams, num_prompts: int) -> list[list[int]] | 
     """[prompt][sample] seeds of a request (None when it is unseeded)."""
     if params.seed is None:
         return None
-    return [[sample_seed(params.seed, params.prompt_offset + i, j) for j in range(params.n)]
-            for i in range(num_prompts)]
+    return [
+        [sample_seed(params.seed, params.prompt_offset + i, j) for j in range(params.n)] for i in range(num_prompts)
+    ]
 
 
 class Sampler(Protocol):

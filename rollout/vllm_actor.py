@@ -14,8 +14,9 @@ has a timeout, so a dead or wedged actor surfaces as an error instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,8 +34,15 @@ class RemoteVLLMSampler:
         self.last_sync: dict = {}
 
     @classmethod
-    def start(cls, model_dir: str, cfg: RolloutConfig, seed: int = 0, num_cpus: float = 0,
-              timeout_s: float = 600.0, scheduling_strategy=None) -> "RemoteVLLMSampler":
+    def start(
+        cls,
+        model_dir: str,
+        cfg: RolloutConfig,
+        seed: int = 0,
+        num_cpus: float = 0,
+        timeout_s: float = 600.0,
+        scheduling_strategy=None,
+    ) -> RemoteVLLMSampler:
         import ray
 
         from rollout.ray import ensure_ray
@@ -42,10 +50,16 @@ class RemoteVLLMSampler:
 
         ensure_ray()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-        actor = ray.remote(VLLMSampler).options(
-            num_cpus=num_cpus, runtime_env={"env_vars": env}, max_concurrency=1,
-            scheduling_strategy=scheduling_strategy,
-        ).remote(model_dir, cfg, seed)
+        actor = (
+            ray.remote(VLLMSampler)
+            .options(
+                num_cpus=num_cpus,
+                runtime_env={"env_vars": env},
+                max_concurrency=1,
+                scheduling_strategy=scheduling_strategy,
+            )
+            .remote(model_dir, cfg, seed)
+        )
         client = cls(actor, timeout_s)
         client._get(actor.__ray_ready__.remote())  # surface start-up errors here
         return client
@@ -87,8 +101,12 @@ class RemoteVLLMSampler:
         self._get(self.handle.commit_weights.remote(version))
         self.policy_version = version
         self.last_sync = {
-            "bytes": nbytes, "seconds": time.perf_counter() - start, "version": version,
-            "prepare_s": prepare, "transfer_s": transfer, "commit_s": time.perf_counter() - t2,
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - start,
+            "version": version,
+            "prepare_s": prepare,
+            "transfer_s": transfer,
+            "commit_s": time.perf_counter() - t2,
         }
         return self.last_sync
 
@@ -105,11 +123,7 @@ class RemoteVLLMSampler:
         never raises (for a sampler that failed, or a cluster going away)."""
         import ray
 
-        try:
+        with contextlib.suppress(Exception):
             ray.get(self.handle.shutdown.remote(), timeout=grace_s)
-        except Exception:  # noqa: BLE001 - dead or wedged: the kill below is what matters
-            pass
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(self.handle)
-        except Exception:  # noqa: BLE001
-            pass

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -84,9 +84,14 @@ class VLLMSampler:
 
         def vllm_params(n: int, seed: int | None) -> VLLMParams:
             return VLLMParams(
-                n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                max_tokens=params.max_tokens, stop=list(params.stop) or None,
-                stop_token_ids=list(params.stop_token_ids) or None, seed=seed,
+                n=n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                max_tokens=params.max_tokens,
+                stop=list(params.stop) or None,
+                stop_token_ids=list(params.stop_token_ids) or None,
+                seed=seed,
                 logprobs=0 if params.logprobs else None,
             )
 
@@ -94,8 +99,9 @@ class VLLMSampler:
         if seeds is None:  # unseeded: one request per prompt, vLLM fans out its n samples
             requests = [({"prompt_token_ids": ids}, vllm_params(params.n, None)) for ids in prompt_ids]
         else:  # one request per sample with its own seed (vLLM would seed a prompt's n samples seed + j)
-            requests = [({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds)
-                        for s in row]
+            requests = [
+                ({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds) for s in row
+            ]
         outputs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
         per_prompt = len(outputs) // len(prompt_ids)
         completions = []
@@ -105,11 +111,16 @@ class VLLMSampler:
                 logprobs = None
                 if params.logprobs:
                     logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
-                completions.append(Completion(
-                    prompt_ids=list(ids), token_ids=list(c.token_ids), logprobs=logprobs,
-                    finish_reason="stop" if c.finish_reason == "stop" else "length", text=c.text,
-                    policy_version=self.policy_version,
-                ))
+                completions.append(
+                    Completion(
+                        prompt_ids=list(ids),
+                        token_ids=list(c.token_ids),
+                        logprobs=logprobs,
+                        finish_reason="stop" if c.finish_reason == "stop" else "length",
+                        text=c.text,
+                        policy_version=self.policy_version,
+                    )
+                )
         return completions
 
     # ----------------------------------------------------------------- weights
@@ -165,8 +176,13 @@ class VLLMSampler:
         nbytes = sum(self.receive_weights(chunk) for chunk in chunks)
         received = time.perf_counter()
         self.commit_weights(version)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - start, "version": self.policy_version,
-                "transfer_s": received - start, "commit_s": time.perf_counter() - received}
+        return {
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - start,
+            "version": self.policy_version,
+            "transfer_s": received - start,
+            "commit_s": time.perf_counter() - received,
+        }
 
     def shutdown(self) -> None:
         """Stop the engine core (frees its shared memory)."""

@@ -22,8 +22,9 @@ Every sync bumps the policy version and returns (and logs) its bytes and time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -50,8 +51,10 @@ class SyncStats:
         phases = ""
         if self.phases:
             phases = " [" + ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in self.phases.items()) + "]"
-        return (f"weight sync v{self.version}: {self.bytes / 2**20:.1f} MiB in {self.chunks} chunk(s), "
-                f"{self.seconds:.3f}s ({rate:.2f} GB/s){phases}")
+        return (
+            f"weight sync v{self.version}: {self.bytes / 2**20:.1f} MiB in {self.chunks} chunk(s), "
+            f"{self.seconds:.3f}s ({rate:.2f} GB/s){phases}"
+        )
 
 
 def group_by_bytes(
@@ -143,8 +146,9 @@ def reshard_to_jax_sampler(
 # ------------------------------------------------------------ JAX -> vLLM
 
 
-def hf_chunks(params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None,
-              dtype: Any | None = None) -> Iterator[dict[str, np.ndarray]]:
+def hf_chunks(
+    params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None, dtype: Any | None = None
+) -> Iterator[dict[str, np.ndarray]]:
     """Chunks of {HF name: host array in HF layout}, gathered one tensor (one layer) at a time."""
     tensors = hf_tensors(params, cfg)
     if dtype is not None:
@@ -154,8 +158,13 @@ def hf_chunks(params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors
 
 
 def sync_to_vllm(
-    params: nnx.State, cfg: ModelConfig, sampler: Any, chunk_bytes: int, version: int | None = None,
-    max_tensors: int | None = None, dtype: Any | None = None,
+    params: nnx.State,
+    cfg: ModelConfig,
+    sampler: Any,
+    chunk_bytes: int,
+    version: int | None = None,
+    max_tensors: int | None = None,
+    dtype: Any | None = None,
 ) -> SyncStats:
     """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`)."""
     start = time.perf_counter()

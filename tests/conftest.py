@@ -16,8 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -68,7 +68,8 @@ def arithmetic_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
-    """Factory: (family, seed) -> a tiny HF model directory with a tokenizer, servable by vLLM (hidden 128, head_dim 32: the CPU attention kernels need head_dim >= 32)."""
+    """Factory: (family, seed) -> a tiny HF model directory with a tokenizer, servable by vLLM (hidden 128,
+    head_dim 32: the CPU attention kernels need head_dim >= 32)."""
     import shutil
     from pathlib import Path
 
@@ -79,8 +80,14 @@ def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
     def make(family: str = "llama", seed: int = 0, tied: bool = False):
         key = (family, seed, tied)
         if key not in cache:
-            path = save_tiny_hf_model(tmp_path_factory.mktemp(f"rollout_{family}_{seed}"), family, tied,
-                                      seed=seed, hidden_size=128, head_dim=32)
+            path = save_tiny_hf_model(
+                tmp_path_factory.mktemp(f"rollout_{family}_{seed}"),
+                family,
+                tied,
+                seed=seed,
+                hidden_size=128,
+                head_dim=32,
+            )
             for f in Path(arithmetic_tokenizer).iterdir():
                 shutil.copy(f, path / f.name)
             cache[key] = path

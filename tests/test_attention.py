@@ -17,8 +17,11 @@ def numpy_attention(q, k, v, q_seg, kv_seg, window=None):
         for hi in range(n):
             kh = hi // g
             for ti in range(t):
-                allowed = [s for s in range(t) if s <= ti and q_seg[bi, ti] == kv_seg[bi, s]
-                           and (window is None or s > ti - window)]
+                allowed = [
+                    s
+                    for s in range(t)
+                    if s <= ti and q_seg[bi, ti] == kv_seg[bi, s] and (window is None or s > ti - window)
+                ]
                 scores = np.array([q[bi, ti, hi] @ k[bi, s, kh] for s in allowed]) / np.sqrt(h)
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
@@ -69,7 +72,7 @@ def test_gradients_agree():
 
 
 def test_unknown_impl():
-    q, k, v, seg = inputs()
+    q, k, v, _seg = inputs()
     idx = jnp.broadcast_to(jnp.arange(12), (2, 12))
     with pytest.raises(ValueError, match="unknown attention implementation"):
         attention(q, k, v, make_mask(idx, idx), "flash")
@@ -77,7 +80,7 @@ def test_unknown_impl():
 
 @pytest.mark.gpu_only
 def test_cudnn_equals_reference():
-    q, k, v, seg = inputs(3, t=16, h=64)
+    q, k, v, _seg = inputs(3, t=16, h=64)
     idx = jnp.broadcast_to(jnp.arange(16), (2, 16))
     mask = make_mask(idx, idx)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]

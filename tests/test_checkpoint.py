@@ -3,13 +3,12 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from core.checkpoint import Checkpointer, CheckpointMismatch, load_params, save_params
-from core.config import Config, MeshConfig, ModelConfig, OptimConfig
+from core.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
 from core.data import make_pipeline
-from core.config import DataConfig
 from core.mesh import make_mesh
 from core.models import abstract_sharded_state, create_model
 from core.optim import make_optimizer
@@ -24,7 +23,7 @@ def make_state(model_cfg, mesh=None, seed=0):
     graphdef, state = init_train_state(model, tx, seed=seed)
     # give the optimizer non-trivial moments
     grads = jax.jit(lambda ps: jax.tree.map(lambda p: p * 0.5 + 0.1, ps))(state.params)
-    updates, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.params)
+    _updates, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.params)
     state = TrainState(state.params, opt_state, state.step + 7, state.rng)
     return graphdef, state
 
@@ -41,7 +40,7 @@ def leaves_equal(a, b):
 def test_round_trip_with_data_iterator(tmp_path, arithmetic_tokenizer):
     cfg = Config(model=ModelConfig())
     _, state = make_state(cfg.model)
-    records = [{"text": f"Calculate {i} + 1." } for i in range(50)]
+    records = [{"text": f"Calculate {i} + 1."} for i in range(50)]
     dcfg = DataConfig(seq_len=16)
     it = iter(make_pipeline(dcfg, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
     next(it), next(it)
@@ -124,9 +123,11 @@ def _two_checkpoints(directory):
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
-    cfg, state, ckpt, first, second = _two_checkpoints(tmp_path / "ck")
-    files = sorted((p for p in (tmp_path / "ck" / str(second) / "params").rglob("*") if p.is_file()),
-                   key=lambda p: p.stat().st_size)
+    cfg, state, _ckpt, first, second = _two_checkpoints(tmp_path / "ck")
+    files = sorted(
+        (p for p in (tmp_path / "ck" / str(second) / "params").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
     biggest = files[-1]
     if damage == "truncate":
         biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
@@ -147,7 +148,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
 def test_only_corrupt_checkpoints_is_a_clear_error(tmp_path):
     from core.checkpoint import NoUsableCheckpoint
 
-    cfg, state, ckpt, first, second = _two_checkpoints(tmp_path / "ck")
+    cfg, _state, _ckpt, first, second = _two_checkpoints(tmp_path / "ck")
     for step in (first, second):
         (tmp_path / "ck" / str(step) / "meta" / "metadata").write_text("{not json")
     with pytest.raises(NoUsableCheckpoint, match=f"no checkpoint in {tmp_path / 'ck'} could be restored"):
@@ -163,8 +164,13 @@ def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     directory = tmp_path / "ck"
-    proc = subprocess.Popen([sys.executable, str(root / "tests" / "ckpt_worker.py"), str(directory)], cwd=root,
-                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "tests" / "ckpt_worker.py"), str(directory)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "saving"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -172,8 +178,12 @@ def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     assert leftovers and all("tmp" in name for name in leftovers), leftovers  # killed mid-save, not after
     ckpt = Checkpointer(directory)
     assert ckpt.all_steps() == [1]
-    target = TrainState(nnx.State({"w": jax.numpy.zeros((2048, 8192))}), {"m": jax.numpy.ones((4,))},
-                        jax.numpy.asarray(0, jax.numpy.int32), jax.random.key(1))
+    target = TrainState(
+        nnx.State({"w": jax.numpy.zeros((2048, 8192))}),
+        {"m": jax.numpy.ones((4,))},
+        jax.numpy.asarray(0, jax.numpy.int32),
+        jax.random.key(1),
+    )
     restored, _, step = ckpt.restore_latest(target, None, Config(model=ModelConfig()))
     assert step == 1 and float(restored.params["w"].max()) == float(restored.params["w"].min()) == 1.0
     ckpt.close()
@@ -188,8 +198,9 @@ def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
 
     plugin = tmp_path / "plugin.py"
     marker = tmp_path / "imported"
-    plugin.write_text(f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n"
-                      "    return [0.0] * len(completions)\n")
+    plugin.write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
+    )
     cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"])
     marker.unlink()
     _, state = make_state(cfg.model)
@@ -197,10 +208,11 @@ def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
     for gone in (False, True):
         if gone:
             plugin.unlink()
-        model, model_cfg, saved = load_checkpoint_model(tmp_path / "run")
+        _model, model_cfg, saved = load_checkpoint_model(tmp_path / "run")
         assert model_cfg == cfg.model and saved["reward"]["functions"][0]["fn"] == f"{plugin}:fn"
         leaves_equal(nnx.state(load_model_from(tmp_path / "run")), state.params)
-        restored, _ = Checkpointer(tmp_path / "run" / "checkpoints").restore(7, make_state(cfg.model, seed=1)[1],
-                                                                            None, cfg)
+        restored, _ = Checkpointer(tmp_path / "run" / "checkpoints").restore(
+            7, make_state(cfg.model, seed=1)[1], None, cfg
+        )
         leaves_equal(restored.params, state.params)
         assert not marker.exists()

@@ -26,7 +26,9 @@ def rows_of(batch):
         for t in range(batch["tokens"].shape[1]):
             seg = batch["segment_ids"][r, t]
             if seg:
-                docs.setdefault(seg, []).append((batch["example_ids"][r, t], batch["tokens"][r, t], batch["positions"][r, t]))
+                docs.setdefault(seg, []).append(
+                    (batch["example_ids"][r, t], batch["tokens"][r, t], batch["positions"][r, t])
+                )
         out.append(docs)
     return out
 
@@ -41,7 +43,7 @@ def test_packing_layout_matches_tokenizer(arithmetic_tokenizer):
     assert batch["tokens"].shape == (4, 32) and batch["tokens"].dtype == np.int32
     n_docs = 0
     for docs in rows_of(batch):
-        for seg, items in docs.items():
+        for _seg, items in docs.items():
             ids = {int(i) for i, _, _ in items}
             assert len(ids) == 1  # one document per segment
             (eid,) = ids
@@ -55,7 +57,9 @@ def test_packing_layout_matches_tokenizer(arithmetic_tokenizer):
 
 def test_padding_mode(arithmetic_tokenizer):
     records = [{"text": t} for t in TEXTS]
-    batch = next(iter(make_pipeline(cfg(packing=False, shuffle=False), 3, records=records, tokenizer_dir=arithmetic_tokenizer)))
+    batch = next(
+        iter(make_pipeline(cfg(packing=False, shuffle=False), 3, records=records, tokenizer_dir=arithmetic_tokenizer))
+    )
     assert (batch["example_ids"][:, 0] == [0, 1, 2]).all()
     for r in range(3):
         n = int(batch["segment_ids"][r].sum())
@@ -96,8 +100,14 @@ def test_process_sharding_is_disjoint(arithmetic_tokenizer):
     records = [{"text": t} for t in TEXTS]
     seen = []
     for p in range(2):
-        pipe = make_pipeline(cfg(packing=False, shuffle=False), 4, records=records, tokenizer_dir=arithmetic_tokenizer,
-                             process_index=p, process_count=2)
+        pipe = make_pipeline(
+            cfg(packing=False, shuffle=False),
+            4,
+            records=records,
+            tokenizer_dir=arithmetic_tokenizer,
+            process_index=p,
+            process_count=2,
+        )
         assert pipe.num_rows == 20
         it = iter(pipe)
         seen.append({int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]})
@@ -117,12 +127,19 @@ def test_eval_split_is_held_out_and_finite(arithmetic_tokenizer):
 
 def test_chat_and_prompt_completion_masks(arithmetic_tokenizer):
     chat = [{"messages": [{"role": "user", "content": "Calculate 1 + 2."}, {"role": "assistant", "content": "3"}]}]
-    b = next(iter(make_pipeline(cfg(format="chat", packing=False), 1, records=chat * 2, tokenizer_dir=arithmetic_tokenizer)))
+    b = next(
+        iter(make_pipeline(cfg(format="chat", packing=False), 1, records=chat * 2, tokenizer_dir=arithmetic_tokenizer))
+    )
     n = int(b["segment_ids"][0].sum())
     assert 0 < b["loss_mask"][0, :n].sum() < n  # only the assistant answer carries loss
     pc = [{"prompt": "Calculate 1 + 2.", "completion": " 3"}]
-    b = next(iter(make_pipeline(cfg(format="prompt_completion", packing=False), 1, records=pc * 2,
-                                tokenizer_dir=arithmetic_tokenizer)))
+    b = next(
+        iter(
+            make_pipeline(
+                cfg(format="prompt_completion", packing=False), 1, records=pc * 2, tokenizer_dir=arithmetic_tokenizer
+            )
+        )
+    )
     mask = b["loss_mask"][0]
     n = int(b["segment_ids"][0].sum())
     assert mask[0] == 0 and mask[n - 1] == 1 and 0 < mask[:n].sum() < n
@@ -152,17 +169,21 @@ def test_missing_file_is_named():
         load_records("no/such.jsonl", cfg())
 
 
-@pytest.mark.parametrize("row,field,what", [
-    ({"txt": "hello"}, "text", "missing"),
-    ({"text": 3}, "text", "expected a string, got int"),
-    ({"text": "   "}, "text", "empty text"),
-])
+@pytest.mark.parametrize(
+    "row,field,what",
+    [
+        ({"txt": "hello"}, "text", "missing"),
+        ({"text": 3}, "text", "expected a string, got int"),
+        ({"text": "   "}, "text", "empty text"),
+    ],
+)
 def test_malformed_row_named_or_skipped(arithmetic_tokenizer, row, field, what):
     records = [{"text": t} for t in TEXTS[:5]] + [row] + [{"text": t} for t in TEXTS[5:10]]
     with pytest.raises(MalformedRow, match=f"row 5: field '{field}': {what}"):
         make_pipeline(cfg(), 2, records=records, tokenizer_dir=arithmetic_tokenizer)
-    pipe = make_pipeline(cfg(skip_malformed=True, packing=False, shuffle=False), 2, records=records,
-                         tokenizer_dir=arithmetic_tokenizer)
+    pipe = make_pipeline(
+        cfg(skip_malformed=True, packing=False, shuffle=False), 2, records=records, tokenizer_dir=arithmetic_tokenizer
+    )
     assert pipe.num_rows == 10 and len(pipe.skipped) == 1 and "row 5" in pipe.skipped[0]
     it = iter(pipe)
     ids = [int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]]
@@ -171,5 +192,9 @@ def test_malformed_row_named_or_skipped(arithmetic_tokenizer, row, field, what):
 
 def test_malformed_chat_row(arithmetic_tokenizer):
     with pytest.raises(MalformedRow, match=r"row 0: field 'messages\[1\]'"):
-        make_pipeline(cfg(format="chat"), 1, records=[{"messages": [{"role": "user", "content": "x"}, {"role": 1}]}],
-                      tokenizer_dir=arithmetic_tokenizer)
+        make_pipeline(
+            cfg(format="chat"),
+            1,
+            records=[{"messages": [{"role": "user", "content": "x"}, {"role": 1}]}],
+            tokenizer_dir=arithmetic_tokenizer,
+        )

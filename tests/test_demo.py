@@ -31,28 +31,51 @@ def test_quickstart_runs_every_stage(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "qs"
-    cmd = [sys.executable, "-m", "recipes.quickstart", "--run-dir", str(out), "--pretrain-steps", "20",
-           "--sft-steps", "10", "--grpo-steps", "2", "--eval-prompts", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.quickstart",
+        "--run-dir",
+        str(out),
+        "--pretrain-steps",
+        "20",
+        "--sft-steps",
+        "10",
+        "--grpo-steps",
+        "2",
+        "--eval-prompts",
+        "16",
+    ]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "held-out greedy accuracy:" in done.stdout and "after 2 GRPO steps" in done.stdout
-    for path in ("pretrain/hf/config.json", "sft/hf/config.json", "grpo/hf/config.json", "grpo/metrics.jsonl",
-                 "quickstart.png", "grpo/reward.png", "data/rl.jsonl", "tokenizer/tokenizer.json", "quickstart.json"):
+    for path in (
+        "pretrain/hf/config.json",
+        "sft/hf/config.json",
+        "grpo/hf/config.json",
+        "grpo/metrics.jsonl",
+        "quickstart.png",
+        "grpo/reward.png",
+        "data/rl.jsonl",
+        "tokenizer/tokenizer.json",
+        "quickstart.json",
+    ):
         assert (out / path).exists(), path
     noise = ("could not be restored", "os.fork() was called", "Traceback")
     assert not [line for line in (done.stdout + done.stderr).splitlines() if any(n in line for n in noise)]
-    result = done.stdout[done.stdout.index("held-out greedy accuracy:"):].splitlines()[:2]
+    result = done.stdout[done.stdout.index("held-out greedy accuracy:") :].splitlines()[:2]
     again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"the quickstart in {out} is complete" in again.stdout
     assert again.stdout.splitlines()[1:3] == result  # the same accuracy lines
     assert not [line for line in (again.stdout + again.stderr).splitlines() if any(n in line for n in noise)]
-    other = subprocess.run(cmd + ["--seed", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    other = subprocess.run([*cmd, "--seed", "1"], cwd=root, capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "holds a quickstart run with other settings" in other.stderr
 
 
 def test_quickstart_sloppy_solver_only_drops_signs():
-    from recipes.quickstart import main as quickstart, sloppy_answers
+    from recipes.quickstart import main as quickstart
+    from recipes.quickstart import sloppy_answers
 
     rows = [{"answer": a} for a in ["-4", "7", "-12", "0", "-79"] * 200]
     assert sloppy_answers(rows, 0.0) == [r["answer"] for r in rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,12 +53,17 @@ def ray_cluster():
     ray.shutdown()
 
 
-LEARNABLE = ["reward.functions=[{fn: tests.reward_plugins:digit_share}]", "rl.accuracy_fn=tests.reward_plugins:digit_share",
-             "optim.learning_rate=1.0e-2", "rollout.max_tokens=8"]
+LEARNABLE = [
+    "reward.functions=[{fn: tests.reward_plugins:digit_share}]",
+    "rl.accuracy_fn=tests.reward_plugins:digit_share",
+    "optim.learning_rate=1.0e-2",
+    "rollout.max_tokens=8",
+]
 
 
 def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_trainer(
-        ray_cluster, tmp_path, arithmetic_tokenizer):
+    ray_cluster, tmp_path, arithmetic_tokenizer
+):
     """Real Ray, real vLLM. After step 2 the sampler actor is killed: the next step restarts it, loads the
     current weights and redoes its prompts. After step 4 (a checkpoint) the trainer actor is killed: the run
     stops with TrainerUnavailable, and the same config resumes from checkpoint 4. The reward (share of digits,
@@ -67,8 +73,17 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
     from posttrain.cluster import TrainerUnavailable
     from posttrain.grpo import GRPORun
 
-    cfg = tiny_cfg(tmp_path / "run", arithmetic_tokenizer, *LEARNABLE, "train.steps=8", "train.eval_every=8",
-                   "rl.eval_prompts=4", "rl.eval_samples=2", "checkpoint.every_steps=2", "checkpoint.keep=3")
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        arithmetic_tokenizer,
+        *LEARNABLE,
+        "train.steps=8",
+        "train.eval_every=8",
+        "rl.eval_prompts=4",
+        "rl.eval_samples=2",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=3",
+    )
     killed = {}
 
     def kill_sampler_then_trainer(run, step, metrics):
@@ -80,8 +95,11 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
 
     run = GRPORun(cfg)
     try:
-        with pytest.raises(TrainerUnavailable, match=r"the trainer actor is unavailable during version\(\).*"
-                                                     r"run the same command again to resume"):
+        with pytest.raises(
+            TrainerUnavailable,
+            match=r"the trainer actor is unavailable during version\(\).*"
+            r"run the same command again to resume",
+        ):
             run.run(on_step=kill_sampler_then_trainer)
         assert run.samplers.samplers[0].handle != killed["sampler"]
     finally:
@@ -100,9 +118,21 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
         assert m["policy_version"] == m["step"]  # the sampler follows the trainer after every sync
         assert m["staleness_max"] == 0 and m["reward/failed_groups"] == 0
         assert 0 <= m["mismatch/logp_gap_mean"] < 1e-4 and m["mismatch/logp_gap_max"] < 1e-3  # float32 vLLM vs JAX
-        for key in ("reward/std", "reward/digit_share/mean", "accuracy", "completion_length/mean", "truncation_rate",
-                    "clip_fraction", "entropy", "zero_variance_groups", "time/generate_s", "time/reward_s",
-                    "time/train_s", "time/sync_s", "tokens_per_s"):
+        for key in (
+            "reward/std",
+            "reward/digit_share/mean",
+            "accuracy",
+            "completion_length/mean",
+            "truncation_rate",
+            "clip_fraction",
+            "entropy",
+            "zero_variance_groups",
+            "time/generate_s",
+            "time/reward_s",
+            "time/train_s",
+            "time/sync_s",
+            "tokens_per_s",
+        ):
             assert np.isfinite(m[key]), key
     assert [m["sampler_restarts"] for m in steps] == [0, 0, 1, 1, 0, 0, 0, 0]  # the second run starts afresh
     assert [m["sampler_redone_prompts"] for m in steps][:4] == [0, 0, 4, 4]
@@ -119,12 +149,10 @@ def _kill_tree(pid):
     """SIGKILL a process and everything it started (a node going down: Ray's daemons and actors included)."""
     import psutil
 
-    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=30)
 
 
@@ -134,12 +162,24 @@ def test_async_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmetic_to
     losses and rewards the killed run had logged for them (the in-flight completions are stored with the
     checkpoint), and every step is logged once, staleness within the bound."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recipes.grpo", str(TINY), f"run.run_dir={run_dir}",
-           f"data.tokenizer_dir={arithmetic_tokenizer}", VARIED_REWARD, "rl.off_policy_steps=1", "train.steps=8",
-           "checkpoint.every_steps=2", "checkpoint.keep=3", "checkpoint.export_hf=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={arithmetic_tokenizer}",
+        VARIED_REWARD,
+        "rl.off_policy_steps=1",
+        "train.steps=8",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=3",
+        "checkpoint.export_hf=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and proc.poll() is None:
@@ -174,9 +214,19 @@ def test_staleness_check_refuses_old_completions():
 
 
 def _recipe(run_dir, tokenizer, steps):
-    cmd = [sys.executable, "-m", "recipes.grpo", str(TINY), f"run.run_dir={run_dir}",
-           f"data.tokenizer_dir={tokenizer}", VARIED_REWARD, "rollout.sampler=jax", f"train.steps={steps}",
-           "checkpoint.every_steps=1", "checkpoint.keep=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={tokenizer}",
+        VARIED_REWARD,
+        "rollout.sampler=jax",
+        f"train.steps={steps}",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=3",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return cmd, env
 
@@ -187,8 +237,9 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path, arithmetic_t
     subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True, timeout=600)
 
     cmd, env = _recipe(tmp_path / "killed", arithmetic_tokenizer, steps)
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     ckpt = tmp_path / "killed" / "checkpoints" / "4"
     deadline = time.monotonic() + 300
     while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -217,18 +268,31 @@ def test_a_lost_ray_head_stops_the_run_with_a_message_and_the_same_command_resum
     import psutil
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recipes.grpo", str(TINY), f"run.run_dir={run_dir}",
-           f"data.tokenizer_dir={arithmetic_tokenizer}", VARIED_REWARD, "train.steps=6", "checkpoint.every_steps=2",
-           "checkpoint.export_hf=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={arithmetic_tokenizer}",
+        VARIED_REWARD,
+        "train.steps=6",
+        "checkpoint.every_steps=2",
+        "checkpoint.export_hf=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "2").exists():
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
-    head = [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))]
+    head = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))
+    ]
     assert len(head) == 2
     for p in head:
         p.kill()

@@ -22,13 +22,13 @@ def np_advantages(rewards, g, estimator, eps=1e-4):
     """Advantages, policy keep mask, trainable mask and (flat, failed) group counts; NaN = a failed item."""
     out, keep, trainable, flat_groups, failed_groups = [], [], [], 0, 0
     for start in range(0, len(rewards), g):
-        grp = [float(x) for x in rewards[start:start + g]]
+        grp = [float(x) for x in rewards[start : start + g]]
         failed = any(x != x for x in grp)  # NaN
         mean = sum(grp) / g
         flat = not failed and all(x == grp[0] for x in grp)
         flat_groups += flat
         failed_groups += failed
-        for i, x in enumerate(grp):
+        for _i, x in enumerate(grp):
             if flat or failed:
                 a = 0.0
             elif estimator == "group_norm":
@@ -71,15 +71,20 @@ def np_policy_loss(logp, old, adv, mask, s: PolicyLossSettings, sampler=None, re
                 if s.algorithm == "grpo":
                     w = min(np.exp(old[i, t] - sampler[i, t]), s.tis_cap)
                 else:  # geometric mean over the sequence's tokens
-                    w = min(np.exp(sum(mask[i, u] * (old[i, u] - sampler[i, u]) for u in range(T)) / max(n, 1)),
-                            s.tis_cap)
+                    w = min(
+                        np.exp(sum(mask[i, u] * (old[i, u] - sampler[i, u]) for u in range(T)) / max(n, 1)), s.tis_cap
+                    )
                 loss, d = loss * w, d * w
             pol[i, t], dpol[i, t] = loss, d
             if s.beta > 0:
                 x = logp[i, t] - ref[i, t]
                 k3 = np.exp(-x) + x - 1
-                value, slope = {"k1": (x, 1.0), "k2": (0.5 * x * x, x), "k3": (k3, 1 - np.exp(-x)),
-                                "low_var_kl": (min(k3, 10.0), 1 - np.exp(-x) if k3 < 10.0 else 0.0)}[s.kl_estimator]
+                value, slope = {
+                    "k1": (x, 1.0),
+                    "k2": (0.5 * x * x, x),
+                    "k3": (k3, 1 - np.exp(-x)),
+                    "low_var_kl": (min(k3, 10.0), 1 - np.exp(-x) if k3 < 10.0 else 0.0),
+                }[s.kl_estimator]
                 kl[i, t], dkl[i, t] = value, s.beta * slope
     lengths = counted.sum(1)
     if s.loss_agg == "token-mean":
@@ -105,8 +110,11 @@ def np_branches(logp, old, adv, mask, s: PolicyLossSettings, sampler=None):
     check that their data reaches each branch)."""
     high = s.epsilon if s.epsilon_high is None else s.epsilon_high
     n = np.maximum(mask.sum(1, keepdims=True), 1)
-    log_r = logp - old if s.algorithm == "grpo" else np.broadcast_to(((logp - old) * mask).sum(1, keepdims=True) / n,
-                                                                     logp.shape)
+    log_r = (
+        logp - old
+        if s.algorithm == "grpo"
+        else np.broadcast_to(((logp - old) * mask).sum(1, keepdims=True) / n, logp.shape)
+    )
     r, a = np.exp(log_r), adv[:, None]
     unclipped, clipped = -a * r, -a * np.clip(r, 1 - s.epsilon, 1 + high)
     out = {"clip": int(((clipped > unclipped) & (mask > 0)).sum())}
@@ -141,10 +149,16 @@ def _data(seed, B=10, T=10, spread=0.8, sampler_spread=0.6):
 
 def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None, kl_mask=None):
     def total(lp):
-        loss_sum, sums = policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), s,
-                                     None if sampler is None else jnp.asarray(sampler),
-                                     None if ref is None else jnp.asarray(ref),
-                                     None if kl_mask is None else jnp.asarray(kl_mask))
+        loss_sum, sums = policy_loss(
+            lp,
+            jnp.asarray(old),
+            jnp.asarray(adv),
+            jnp.asarray(mask),
+            s,
+            None if sampler is None else jnp.asarray(sampler),
+            None if ref is None else jnp.asarray(ref),
+            None if kl_mask is None else jnp.asarray(kl_mask),
+        )
         return loss_sum / sums["loss_denominator"], sums
 
     (value, sums), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
@@ -157,15 +171,17 @@ def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None, kl_mask=None):
 @pytest.mark.parametrize("estimator", ["group_norm", "drgrpo", "rloo"])
 def test_advantages_match_numpy(estimator):
     rng = np.random.default_rng(0)
-    rewards = np.concatenate([
-        rng.normal(size=4),                 # ordinary group
-        [1.0, 1.0, 1.0, 1.0],               # std = 0: masked out
-        [0.0, 0.0, 1.0, 0.0],               # binary rewards
-        [-2.0, -2.0, -2.0, -2.0],           # another flat group
-        [3.0, 3.0 + 1e-9, 3.0, 3.0],        # tiny std: the eps keeps it finite
-        [1.0, np.nan, 0.0, 1.0],            # a failed item: the whole group is dropped
-        [np.nan, np.nan, np.nan, np.nan],   # a crashed worker's shard
-    ])
+    rewards = np.concatenate(
+        [
+            rng.normal(size=4),  # ordinary group
+            [1.0, 1.0, 1.0, 1.0],  # std = 0: masked out
+            [0.0, 0.0, 1.0, 0.0],  # binary rewards
+            [-2.0, -2.0, -2.0, -2.0],  # another flat group
+            [3.0, 3.0 + 1e-9, 3.0, 3.0],  # tiny std: the eps keeps it finite
+            [1.0, np.nan, 0.0, 1.0],  # a failed item: the whole group is dropped
+            [np.nan, np.nan, np.nan, np.nan],  # a crashed worker's shard
+        ]
+    )
     adv = group_advantages(rewards, 4, estimator, std_eps=1e-4)
     ref, keep, trainable, flat, failed = np_advantages(rewards, 4, estimator, eps=1e-4)
     np.testing.assert_allclose(adv.values, ref, rtol=1e-6, atol=1e-6)
@@ -191,17 +207,35 @@ def test_advantages_reject_bad_shapes():
 
 
 CASES = [
-    PolicyLossSettings(algorithm=algo, loss_agg=agg, epsilon=0.2, epsilon_high=high, dual_clip=dual,
-                       tis_cap=tis, beta=beta, kl_estimator=est, max_tokens=9)
+    PolicyLossSettings(
+        algorithm=algo,
+        loss_agg=agg,
+        epsilon=0.2,
+        epsilon_high=high,
+        dual_clip=dual,
+        tis_cap=tis,
+        beta=beta,
+        kl_estimator=est,
+        max_tokens=9,
+    )
     for algo, agg, (high, dual, tis, beta, est) in itertools.product(
-        ["grpo", "gspo"], AGGS,
-        [(None, None, None, 0.0, "k3"), (0.28, 3.0, 2.0, 0.0, "k3"), (None, None, 1.5, 0.05, "k1"),
-         (0.3, None, None, 0.1, "k2"), (None, 1.5, None, 0.02, "k3"), (None, 1.5, 1.5, 0.05, "low_var_kl")])
+        ["grpo", "gspo"],
+        AGGS,
+        [
+            (None, None, None, 0.0, "k3"),
+            (0.28, 3.0, 2.0, 0.0, "k3"),
+            (None, None, 1.5, 0.05, "k1"),
+            (0.3, None, None, 0.1, "k2"),
+            (None, 1.5, None, 0.02, "k3"),
+            (None, 1.5, 1.5, 0.05, "low_var_kl"),
+        ],
+    )
 ]
 
 
-@pytest.mark.parametrize("s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{s.tis_cap}-{s.beta}"
-                                                    f"-{s.kl_estimator}")
+@pytest.mark.parametrize(
+    "s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{s.tis_cap}-{s.beta}-{s.kl_estimator}"
+)
 def test_policy_loss_and_gradient_match_numpy(s):
     logp, old, sampler, ref, adv, mask, kl_mask = _data(13)
     # the data must reach every branch the case configures (and not only that branch), or the table tests nothing
@@ -220,7 +254,7 @@ def test_policy_loss_and_gradient_match_numpy(s):
 def test_dr_grpo_normaliser_does_not_depend_on_filtering():
     """Dr.GRPO divides by (sequences in the batch) x max_tokens: masking 3 of 4 groups out (flat rewards) gives
     the gradient of the same batch with those groups in and zero advantages, not 4x it."""
-    logp, old, sampler, _, adv, _, _ = _data(4, B=8, T=6)
+    logp, old, _sampler, _, adv, _, _ = _data(4, B=8, T=6)
     full = np.ones_like(logp)
     flat = np.arange(8) >= 2  # groups 2-4 (2 completions each) have equal rewards
     adv = np.where(flat, 0.0, adv)
@@ -233,11 +267,11 @@ def test_dr_grpo_normaliser_does_not_depend_on_filtering():
 
 def test_all_truncated_group_and_zero_advantages():
     # Sequences with no counted token (masked out or truncated under mask_truncated, no KL) contribute nothing.
-    logp, old, sampler, ref, adv, mask, _ = _data(2)
+    logp, old, _sampler, _ref, adv, mask, _ = _data(2)
     mask[:3] = 0.0
     for s in (PolicyLossSettings(loss_agg=a) for a in AGGS):
-        value, grad, sums = _jax_loss(logp, old, adv, mask, s)
-        ref_value, ref_grad = np_policy_loss(logp, old, adv, mask, s)
+        value, grad, _sums = _jax_loss(logp, old, adv, mask, s)
+        ref_value, _ref_grad = np_policy_loss(logp, old, adv, mask, s)
         assert value == pytest.approx(ref_value, abs=1e-6)
         np.testing.assert_allclose(grad[:3], 0.0)
     value, grad, _ = _jax_loss(logp, old, np.zeros_like(adv), mask, PolicyLossSettings())
@@ -290,8 +324,12 @@ def test_kl_estimator_gradients_follow_the_documented_divergence(estimator):
         return (jnp.exp(log_ref) * (log_ref - jax.nn.log_softmax(t))).sum()
 
     got = np.asarray(jax.grad(expected_loss)(theta))
-    want = {"k1": np.zeros(6), "k2": jax.grad(forward_kl)(theta), "k3": jax.grad(reverse_kl)(theta),
-            "low_var_kl": jax.grad(reverse_kl)(theta)}[estimator]
+    want = {
+        "k1": np.zeros(6),
+        "k2": jax.grad(forward_kl)(theta),
+        "k3": jax.grad(reverse_kl)(theta),
+        "low_var_kl": jax.grad(reverse_kl)(theta),
+    }[estimator]
     assert np.abs(np.asarray(jax.grad(forward_kl)(theta)) - np.asarray(jax.grad(reverse_kl)(theta))).max() > 1e-2
     np.testing.assert_allclose(got, np.asarray(want), atol=1e-6)
 
@@ -316,12 +354,22 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
         comps.append(Completion(prompt, list(rng.integers(3, vocab, n)), None, "stop", ""))
     keep = np.arange(rows) >= 2
     # the masked group still carries the KL term (rl.kl_every_token), so every micro-batch has KL-only tokens
-    batch = build_rl_batch(comps, rng.normal(size=rows).astype(np.float32), keep, row_len=2 * t,
-                           max_tokens=max_tokens, groups=groups, pack=pack, kl_keep=np.ones(rows, bool))
+    batch = build_rl_batch(
+        comps,
+        rng.normal(size=rows).astype(np.float32),
+        keep,
+        row_len=2 * t,
+        max_tokens=max_tokens,
+        groups=groups,
+        pack=pack,
+        kl_keep=np.ones(rows, bool),
+    )
     done = batch.pop("completion_mask")
     old = (-rng.uniform(4, 8, done.shape) * done).astype(np.float32)
     return {
-        **batch, "completion_mask": done, "old_logp": old,
+        **batch,
+        "completion_mask": done,
+        "old_logp": old,
         "sampler_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
         "ref_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
     }
@@ -392,8 +440,9 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
     mask = batches[1]["completion_mask"]
     trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batches[1])) * (mask > 0)
-    sampler_logp = (trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape)
-                    * mask).astype(np.float32)
+    sampler_logp = (
+        trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape) * mask
+    ).astype(np.float32)
     expected = _mismatch_reference(trainer_logp, sampler_logp, mask)
     results = {}
     for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):

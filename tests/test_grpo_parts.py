@@ -18,9 +18,11 @@ from rollout.sampler import Completion, SamplingParams
 
 
 def test_rl_batch_layout():
-    comps = [Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", "a"),
-             Completion([5], [4, 3, 2], [-1.0, -2.0, -3.0], "length", "b"),
-             Completion([1, 2], [3], [-0.125], "stop", "c")]
+    comps = [
+        Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", "a"),
+        Completion([5], [4, 3, 2], [-1.0, -2.0, -3.0], "length", "b"),
+        Completion([1, 2], [3], [-0.125], "stop", "c"),
+    ]
     adv, keep = np.array([1.0, -1.0, 0.5]), np.array([True, True, False])
     batch = build_rl_batch(comps, adv, keep, row_len=8, max_tokens=3, pack=False)
     np.testing.assert_array_equal(batch["tokens"][0], [5, 6, 7, 8, 9, 0, 0, 0])
@@ -45,8 +47,12 @@ def test_rl_batch_layout():
 def test_completions_share_their_prompt():
     """Completions of one prompt share a single copy of it: each completion continues the prompt's positions in
     its own branch, and its first token is predicted from the prompt's last position."""
-    comps = [Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", ""), Completion([5, 6, 7], [4], [-1.0], "stop", ""),
-             Completion([1, 2], [3], [-0.125], "stop", ""), Completion([1, 2], [6, 6], [-0.1, -0.2], "stop", "")]
+    comps = [
+        Completion([5, 6, 7], [8, 9], [-0.5, -0.25], "stop", ""),
+        Completion([5, 6, 7], [4], [-1.0], "stop", ""),
+        Completion([1, 2], [3], [-0.125], "stop", ""),
+        Completion([1, 2], [6, 6], [-0.1, -0.2], "stop", ""),
+    ]
     batch = build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2)
     np.testing.assert_array_equal(batch["tokens"], [[5, 6, 7, 8, 9, 4, 0, 0], [1, 2, 3, 6, 6, 0, 0, 0]])
     np.testing.assert_array_equal(batch["positions"][0], [0, 1, 2, 3, 4, 3, 0, 0])
@@ -54,8 +60,9 @@ def test_completions_share_their_prompt():
     np.testing.assert_array_equal(batch["branch_ids"][0], [0, 0, 0, 1, 1, 2, 0, 0])
     np.testing.assert_array_equal(batch["target_index"], [[2, 3], [2, 0], [1, 0], [1, 3]])  # local to each group
     np.testing.assert_array_equal(batch["target_ids"], [[8, 9], [4, 0], [3, 0], [6, 6]])
-    unshared = build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2,
-                              share_prompts=False)
+    unshared = build_rl_batch(
+        comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2, share_prompts=False
+    )
     assert (unshared["segment_ids"] > 0).sum() == 16 and (batch["segment_ids"] > 0).sum() == 11
 
 
@@ -68,22 +75,32 @@ def test_packed_rl_batch_holds_every_sequence_once(extra_rows, share):
     needs (a row count compiled before)."""
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 50, rng.integers(1, 9))) for _ in range(8)]
-    comps = [Completion(prompts[i // 4], list(rng.integers(1, 50, rng.integers(0, 6))), None, "stop", "")
-             for i in range(32)]
+    comps = [
+        Completion(prompts[i // 4], list(rng.integers(1, 50, rng.integers(0, 6))), None, "stop", "") for i in range(32)
+    ]
     for c in comps:
         c.logprobs = list(-rng.uniform(0, 3, len(c.token_ids)))
     row_len, groups = 16, 4
-    batch = build_rl_batch(comps, np.zeros(32), np.ones(32, bool), row_len=row_len, max_tokens=5, groups=groups,
-                           row_multiple=2, choose_rows=lambda n: round_rows(n, 2) + extra_rows,
-                           share_prompts=share)
+    batch = build_rl_batch(
+        comps,
+        np.zeros(32),
+        np.ones(32, bool),
+        row_len=row_len,
+        max_tokens=5,
+        groups=groups,
+        row_multiple=2,
+        choose_rows=lambda n: round_rows(n, 2) + extra_rows,
+        share_prompts=share,
+    )
     rows = len(batch["tokens"])
     assert rows % (groups * 2) == 0 and (extra_rows or rows < 32)  # several sequences share a row
     per_group, seqs = rows // groups, 32 // groups
     for i, c in enumerate(comps):
         g, n, p = i // seqs, len(c.token_ids), len(c.prompt_ids)
         part = slice(g * per_group, (g + 1) * per_group)
-        flat, seg, pos, branch = (batch[k][part].reshape(-1) for k in ("tokens", "segment_ids", "positions",
-                                                                           "branch_ids"))
+        flat, seg, pos, branch = (
+            batch[k][part].reshape(-1) for k in ("tokens", "segment_ids", "positions", "branch_ids")
+        )
         idx = batch["target_index"][i, :n]
         np.testing.assert_array_equal(batch["target_ids"][i, :n], c.token_ids)
         np.testing.assert_allclose(batch["sampler_logp"][i, :n], c.logprobs, rtol=1e-6)
@@ -128,8 +145,9 @@ def test_size_cache_reuses_compiled_sizes_within_slack():
         SizeCache(lambda n: n - 1).pick(4)
     comps = [Completion([1, 2], [3, 4], None, "stop", "") for _ in range(4)]
     with pytest.raises(ValueError, match=r"choose_rows\(1\) = 3: need at least 1 rows per group, a multiple of 2"):
-        build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=16, max_tokens=2, row_multiple=2,
-                       choose_rows=lambda n: 3)
+        build_rl_batch(
+            comps, np.zeros(4), np.ones(4, bool), row_len=16, max_tokens=2, row_multiple=2, choose_rows=lambda n: 3
+        )
 
 
 def test_prompt_rows_render_and_errors(tmp_path):
@@ -164,10 +182,18 @@ def test_prompt_stream_resumes_where_it_stopped():
 def test_placement_bundles():
     cfg = load_config(overrides=["rollout.rollout_data_parallelism=2"])
     assert placement_bundles(cfg, {"CPU": 2.0}) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
-    gpu = load_config(overrides=["rollout.rollout_data_parallelism=2", "mesh.trainer_devices_fraction=0.5",
-                                 "mesh.sampler_devices_fraction=0.5"])
-    assert placement_bundles(gpu, {"CPU": 32, "GPU": 8}) == [{"CPU": 1, "GPU": 4}, {"CPU": 1, "GPU": 2},
-                                                              {"CPU": 1, "GPU": 2}]
+    gpu = load_config(
+        overrides=[
+            "rollout.rollout_data_parallelism=2",
+            "mesh.trainer_devices_fraction=0.5",
+            "mesh.sampler_devices_fraction=0.5",
+        ]
+    )
+    assert placement_bundles(gpu, {"CPU": 32, "GPU": 8}) == [
+        {"CPU": 1, "GPU": 4},
+        {"CPU": 1, "GPU": 2},
+        {"CPU": 1, "GPU": 2},
+    ]
     with pytest.raises(ValueError, match="cannot place a trainer on 1 GPU"):
         placement_bundles(gpu, {"CPU": 32, "GPU": 1})
 
@@ -213,7 +239,7 @@ def test_sampler_group_restarts_a_failed_sampler_and_keeps_order():
     for failure in (ray.exceptions.RayActorError(), _task_error(RuntimeError("engine out of memory"))):
         restarted, pushed = [], []
 
-        def restart(i):
+        def restart(i, restarted=restarted):
             restarted.append(i)
             return _FakeRemote(f"new{i}")
 
@@ -231,13 +257,17 @@ def test_sampler_group_restarts_a_failed_sampler_and_keeps_order():
 def test_sampler_group_stops_on_a_second_failure_and_passes_bad_input_through():
     import ray.exceptions
 
-    group = SamplerGroup([_FakeRemote("a", fail=ray.exceptions.RayActorError())],
-                         restart=lambda i: _FakeRemote("again", fail=ray.exceptions.RayActorError()))
+    group = SamplerGroup(
+        [_FakeRemote("a", fail=ray.exceptions.RayActorError())],
+        restart=lambda i: _FakeRemote("again", fail=ray.exceptions.RayActorError()),
+    )
     with pytest.raises(SamplerFailed, match="sampler 0 failed again right after a restart"):
         group.collect(group.submit(["p"], SamplingParams()), push=lambda s: None)
     assert group.restarts == 1
-    bad_input = SamplerGroup([_FakeRemote("a", fail=_task_error(ValueError("prompt 0 has 300 tokens")))],
-                             restart=lambda i: pytest.fail("bad input is not a sampler failure"))
+    bad_input = SamplerGroup(
+        [_FakeRemote("a", fail=_task_error(ValueError("prompt 0 has 300 tokens")))],
+        restart=lambda i: pytest.fail("bad input is not a sampler failure"),
+    )
     with pytest.raises(SamplerInputError, match="sampler 0 refused its prompts: prompt 0 has 300 tokens"):
         bad_input.collect(bad_input.submit(["p"], SamplingParams()), push=lambda s: None)
     no_restart = SamplerGroup([_FakeRemote("c", fail=ray.exceptions.RayActorError())])
@@ -257,16 +287,31 @@ def test_sampler_group_sync_replaces_a_sampler_that_died_since():
 def _jax_run(tmp_path, tokenizer, *overrides):
     from posttrain.grpo import GRPORun
 
-    cfg = load_config("recipes/configs/grpo_tiny.yml", [
-        f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={tokenizer}", "rollout.sampler=jax",
-        "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides])
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={tokenizer}",
+            "rollout.sampler=jax",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            "train.steps=2",
+            *overrides,
+        ],
+    )
     return GRPORun(cfg)
 
 
 @pytest.mark.integration
 def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic_tokenizer):
-    run = _jax_run(tmp_path, arithmetic_tokenizer, "reward.functions=[{fn: tests.reward_plugins:char_count}]",
-                   "rl.num_iterations=2", "rl.mini_batches=2", "optim.learning_rate=1.0e-2")
+    run = _jax_run(
+        tmp_path,
+        arithmetic_tokenizer,
+        "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+        "rl.num_iterations=2",
+        "rl.mini_batches=2",
+        "optim.learning_rate=1.0e-2",
+    )
     try:
         seen = []
         run.run(on_step=lambda r, step, m: seen.append(m))
@@ -279,8 +324,13 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
 
 @pytest.mark.integration
 def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tokenizer):
-    run = _jax_run(tmp_path, arithmetic_tokenizer, "reward.functions=[{fn: tests.reward_plugins:by_prompt_length}]",
-                   "rl.dynamic_sampling=true", "rl.max_sampling_rounds=3")
+    run = _jax_run(
+        tmp_path,
+        arithmetic_tokenizer,
+        "reward.functions=[{fn: tests.reward_plugins:by_prompt_length}]",
+        "rl.dynamic_sampling=true",
+        "rl.max_sampling_rounds=3",
+    )
     try:
         seen = []
         run.run(on_step=lambda r, step, m: seen.append(m))
@@ -305,10 +355,20 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
             batches.append(batch)
             return batch
 
-    cfg = load_config("recipes/configs/grpo_tiny.yml", [
-        f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={arithmetic_tokenizer}", "rollout.sampler=jax",
-        "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", "rl.beta=0.05",
-        "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]", "rl.accuracy_fn=tests.reward_plugins:char_count"])
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "rollout.sampler=jax",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            "train.steps=2",
+            "rl.beta=0.05",
+            "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]",
+            "rl.accuracy_fn=tests.reward_plugins:char_count",
+        ],
+    )
     run = Recording(cfg)
     try:
         seen = []
@@ -345,11 +405,21 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
                 batch["advantages"][:] = np.nan
             return batch
 
-    cfg = load_config("recipes/configs/grpo_tiny.yml", [
-        f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={arithmetic_tokenizer}", "rollout.sampler=jax",
-        "checkpoint.every_steps=1", "checkpoint.keep=3", "checkpoint.export_hf=false", "train.steps=3",
-        f"train.nan_policy={policy}", "reward.functions=[{fn: tests.reward_plugins:char_count}]",
-        "optim.learning_rate=1.0e-2"])
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "rollout.sampler=jax",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep=3",
+            "checkpoint.export_hf=false",
+            "train.steps=3",
+            f"train.nan_policy={policy}",
+            "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+            "optim.learning_rate=1.0e-2",
+        ],
+    )
     params, seen = {}, {}
 
     def record(run, step, metrics):
@@ -365,7 +435,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
                 run.run(on_step=record)
     finally:
         run.close()
-    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     if policy == "skip":
         assert [seen[s]["skipped_updates"] for s in (1, 2, 3)] == [0, 1, 1]
         assert same(params[1], params[2]) and not same(params[2], params[3])
@@ -416,19 +486,34 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
     from core.models import create_model
     from posttrain.learner import PolicyLearner
 
-    cfg = load_config("recipes/configs/grpo_tiny.yml", [
-        "rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", "rl.beta=0.05", "rollout.max_tokens=6"])
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        ["rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", "rl.beta=0.05", "rollout.max_tokens=6"],
+    )
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]  # 4 prompts x 4 completions
-    comps = [Completion(prompts[i // 4], list(rng.integers(3, 512, rng.integers(1, 7))),
-                        list(-rng.uniform(4, 7, 6)), "stop", "") for i in range(16)]
+    comps = [
+        Completion(
+            prompts[i // 4], list(rng.integers(3, 512, rng.integers(1, 7))), list(-rng.uniform(4, 7, 6)), "stop", ""
+        )
+        for i in range(16)
+    ]
     for c in comps:
-        c.logprobs = c.logprobs[:len(c.token_ids)]
+        c.logprobs = c.logprobs[: len(c.token_ids)]
     adv, keep = rng.normal(size=16), np.arange(16) >= 4
     runs = {}
     for pack, share in ((False, False), (True, False), (True, True)):
-        batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=pack, share_prompts=share,
-                               kl_keep=np.ones(16, bool))
+        batch = build_rl_batch(
+            comps,
+            adv,
+            keep,
+            row_len=32,
+            max_tokens=6,
+            groups=4,
+            pack=pack,
+            share_prompts=share,
+            kl_keep=np.ones(16, bool),
+        )
         assert (batch["branch_ids"] > 1).any() == share
         mesh = single_device_mesh()
         with jax.set_mesh(mesh):

@@ -43,7 +43,9 @@ def test_fresh_core_model_exports_and_loads_back(tmp_path):
     np.testing.assert_allclose(logits_of(out, tokens), np.asarray(model(tokens.astype(np.int32))), atol=1e-4)
     again, cfg2 = load_hf(out)
     assert cfg2.family == "qwen3" and cfg2.head_dim == 32
-    np.testing.assert_array_equal(np.asarray(again(tokens.astype(np.int32))), np.asarray(model(tokens.astype(np.int32))))
+    np.testing.assert_array_equal(
+        np.asarray(again(tokens.astype(np.int32))), np.asarray(model(tokens.astype(np.int32)))
+    )
 
 
 def test_sharded_safetensors_with_index(tiny_hf_dir, tmp_path):
@@ -54,7 +56,9 @@ def test_sharded_safetensors_with_index(tiny_hf_dir, tmp_path):
     tokens = np.random.RandomState(2).randint(0, 512, (1, 12))
     np.testing.assert_allclose(logits_of(out, tokens), logits_of(tiny_hf_dir("llama"), tokens), atol=1e-5)
     again, _ = load_hf(out)
-    np.testing.assert_array_equal(np.asarray(again(tokens.astype(np.int32))), np.asarray(model(tokens.astype(np.int32))))
+    np.testing.assert_array_equal(
+        np.asarray(again(tokens.astype(np.int32))), np.asarray(model(tokens.astype(np.int32)))
+    )
 
 
 def test_bfloat16_export(tiny_hf_dir, tmp_path):

@@ -19,7 +19,7 @@ PROMPTS = [[5, 17, 99, 3], [7, 8, 9, 10, 11, 12, 13], [42]]
 def hf_greedy(path, prompt, n):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def sampler_for(path, mesh=None, **kw):
@@ -59,9 +59,9 @@ def test_sampled_logprobs_match_core_model(rollout_model_dir):
     model, _ = load_hf(path)
     sampler = JaxSampler(model, str(path), max_model_len=128)
     outs = sampler.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=16, seed=3))
-    diffs = np.concatenate([
-        np.abs(np.asarray(c.logprobs) - core_logprobs(model, c.prompt_ids, c.token_ids, 0.7)) for c in outs
-    ])
+    diffs = np.concatenate(
+        [np.abs(np.asarray(c.logprobs) - core_logprobs(model, c.prompt_ids, c.token_ids, 0.7)) for c in outs]
+    )
     print(f"JAX sampler vs core log-probs at T=0.7: mean {diffs.mean():.2e}, max {diffs.max():.2e}")
     assert diffs.max() < 1e-4
 
@@ -80,7 +80,7 @@ def test_seeds_topk_topp_and_stops(rollout_model_dir):
     greedy3 = sampler.generate(PROMPTS, SamplingParams(n=3, temperature=0.0, max_tokens=8))
     assert [x.token_ids for x in greedy3] == [x.token_ids for x in greedy for _ in range(3)]
     sampled3 = sampler.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=1))
-    assert all(len({tuple(x.token_ids) for x in sampled3[i:i + 3]}) > 1 for i in range(0, len(sampled3), 3))
+    assert all(len({tuple(x.token_ids) for x in sampled3[i : i + 3]}) > 1 for i in range(0, len(sampled3), 3))
     assert np.allclose([x.logprobs for x in k1], 0.0)
     # a tiny top_p also keeps only the most likely token
     p = sampler.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=5))
@@ -121,8 +121,9 @@ def test_shorter_prompts_reuse_the_compiled_shape(rollout_model_dir):
     assert _generate._cache_size() == compiled  # 16 <= 2 x bucket 8: reused, nothing compiled
     want = sampler_for(path).generate(short, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    np.testing.assert_allclose(np.concatenate([c.logprobs for c in got]),
-                               np.concatenate([c.logprobs for c in want]), atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate([c.logprobs for c in got]), np.concatenate([c.logprobs for c in want]), atol=1e-5
+    )
 
 
 def test_bad_input(rollout_model_dir):
@@ -144,8 +145,26 @@ def test_bad_input(rollout_model_dir):
 def test_decode_cli(rollout_model_dir, capsys):
     from recipes.decode import main
 
-    assert main([str(rollout_model_dir("llama")), "--prompt", "Calculate 1 + 2.", "--prompt", "Calculate 3 + 4.",
-                 "--max-tokens", "5", "--n", "2", "--temperature", "0.9", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                str(rollout_model_dir("llama")),
+                "--prompt",
+                "Calculate 1 + 2.",
+                "--prompt",
+                "Calculate 3 + 4.",
+                "--max-tokens",
+                "5",
+                "--n",
+                "2",
+                "--temperature",
+                "0.9",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[1.1] (" in out and "tokens/s (jax sampler)" in out
 
@@ -196,8 +215,9 @@ def check_processed_logprobs(path, completions, temperature, top_k, top_p):
 
 def test_top_k_top_p_logprobs_match_a_numpy_reference(rollout_model_dir):
     path = rollout_model_dir("llama")
-    outs = sampler_for(path).generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7,
-                                                              max_tokens=8, seed=4))
+    outs = sampler_for(path).generate(
+        PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7, max_tokens=8, seed=4)
+    )
     assert check_processed_logprobs(path, outs, 0.9, 20, 0.7) > 0
 
 
@@ -211,6 +231,5 @@ def test_seeds_are_per_sample_and_independent_of_the_batch(rollout_model_dir):
     assert len({tuple(c.token_ids) for c in twice}) == 4
     assert [c.token_ids for c in sampler.generate([PROMPTS[0], PROMPTS[0]], params)] == [c.token_ids for c in twice]
     whole = sampler.generate(PROMPTS, params)
-    alone = sampler.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11,
-                                                          prompt_offset=2))
+    alone = sampler.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, prompt_offset=2))
     assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]

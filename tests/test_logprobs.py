@@ -19,8 +19,11 @@ def numpy_reference(h, w, y, temperature):
 def data(seed=0, b=2, t=7, d=16, v=300):
     rng = np.random.RandomState(seed)
     # weights scaled like an initialised output layer, so logits are O(1) as in a real model
-    return (rng.randn(b, t, d).astype(np.float32), (rng.randn(d, v) / np.sqrt(d)).astype(np.float32),
-            rng.randint(0, v, (b, t)).astype(np.int32))
+    return (
+        rng.randn(b, t, d).astype(np.float32),
+        (rng.randn(d, v) / np.sqrt(d)).astype(np.float32),
+        rng.randint(0, v, (b, t)).astype(np.int32),
+    )
 
 
 @pytest.mark.parametrize("chunk", [64, 100, 300, 1024])  # 100 does not divide 300; 1024 > V
@@ -45,6 +48,7 @@ def test_gradients_match_naive(layout, chunk):
         def f(h, w):
             logp, ent = fn(h, w)
             return (logp * g_lp).sum() + (ent * g_ent).sum()
+
         return jax.value_and_grad(f, argnums=(0, 1))
 
     naive = objective(lambda h, w: naive_logprobs_and_entropy(h, w, y, 0.8, layout))

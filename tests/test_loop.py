@@ -20,23 +20,44 @@ RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
 
 
 def config(tmp_path, *overrides):
-    return load_config("recipes/configs/pretrain_tiny.yml", [
-        f"run.run_dir={tmp_path}", "train.steps=8", "train.batch_size=2", "train.log_every=2",
-        "train.eval_every=4", "data.seq_len=32", "data.packing=false", "data.shuffle=false",
-        "data.eval_fraction=0.1",
-        "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=1", "model.head_dim=16",
-        "checkpoint.every_steps=3", "checkpoint.async_save=false", "logging.peak_tflops=1.0", *overrides,
-    ])
+    return load_config(
+        "recipes/configs/pretrain_tiny.yml",
+        [
+            f"run.run_dir={tmp_path}",
+            "train.steps=8",
+            "train.batch_size=2",
+            "train.log_every=2",
+            "train.eval_every=4",
+            "data.seq_len=32",
+            "data.packing=false",
+            "data.shuffle=false",
+            "data.eval_fraction=0.1",
+            "model.hidden_size=64",
+            "model.intermediate_size=128",
+            "model.num_layers=1",
+            "model.head_dim=16",
+            "checkpoint.every_steps=3",
+            "checkpoint.async_save=false",
+            "logging.peak_tflops=1.0",
+            *overrides,
+        ],
+    )
 
 
 def trainer(cfg, tokenizer, loss_fn=next_token_loss, on_batch=None):
     mesh = make_mesh(cfg.mesh)
     model = create_model(cfg.model, mesh)
     data = make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer)
-    eval_fn = lambda: make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS,  # noqa: E731
-                                    tokenizer_dir=tokenizer, split="eval")
-    return Trainer(cfg, model, loss_fn, data, mesh=mesh, eval_data_fn=eval_fn, tokenizer_dir=tokenizer,
-                   on_batch=on_batch)
+    eval_fn = lambda: make_pipeline(
+        cfg.data,
+        cfg.train.batch_size,
+        records=RECORDS,
+        tokenizer_dir=tokenizer,
+        split="eval",
+    )
+    return Trainer(
+        cfg, model, loss_fn, data, mesh=mesh, eval_data_fn=eval_fn, tokenizer_dir=tokenizer, on_batch=on_batch
+    )
 
 
 def poisoned_loss(model, batch, rng):
@@ -61,8 +82,12 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
     # the run decodes straight from its checkpoint (recipes.decode on a run directory)
     from recipes.decode import main as decode
 
-    assert decode([str(tmp_path), "--tokenizer", arithmetic_tokenizer, "--prompt", "Calculate 1 * 3.",
-                   "--max-tokens", "4"]) == 0
+    assert (
+        decode(
+            [str(tmp_path), "--tokenizer", arithmetic_tokenizer, "--prompt", "Calculate 1 * 3.", "--max-tokens", "4"]
+        )
+        == 0
+    )
 
 
 def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):

@@ -106,11 +106,17 @@ def test_completions_sharing_a_prompt_match_transformers(tmp_path, family, windo
     branches = np.concatenate([[0] * 7] + [[k] * len(c) for k, c in enumerate(completions, start=1)])[None]
     positions = np.concatenate([np.arange(7)] + [7 + np.arange(len(c)) for c in completions])[None]
     model, _ = load_hf(path)
-    out = np.asarray(model(row, positions=positions.astype(np.int32), segment_ids=np.ones_like(row),
-                           branch_ids=branches.astype(np.int32)))
+    out = np.asarray(
+        model(
+            row,
+            positions=positions.astype(np.int32),
+            segment_ids=np.ones_like(row),
+            branch_ids=branches.astype(np.int32),
+        )
+    )
     start = 7
     for c in completions:
         ref = hf_logits(path, np.concatenate([prompt, c])[None])[0]
         assert np.abs(out[0, :7] - ref[:7]).max() <= TOL  # the shared prompt
-        assert np.abs(out[0, start:start + len(c)] - ref[7:]).max() <= TOL
+        assert np.abs(out[0, start : start + len(c)] - ref[7:]).max() <= TOL
         start += len(c)

@@ -40,8 +40,13 @@ def test_cosine_with_warmup():
 
 
 def test_wsd():
-    c = OptimConfig(schedule="wsd", learning_rate=1.0, warmup_steps_fraction=0.1, wsd_decay_steps_fraction=0.2,
-                    learning_rate_final_fraction=0.0)
+    c = OptimConfig(
+        schedule="wsd",
+        learning_rate=1.0,
+        warmup_steps_fraction=0.1,
+        wsd_decay_steps_fraction=0.2,
+        learning_rate_final_fraction=0.0,
+    )
     # 100 steps: warm-up 0-10, stable 10-80, linear decay 80-100 to 0
     assert lr(c, 100, [0, 5, 10, 50, 79, 80, 90, 100]) == pytest.approx([0, 0.5, 1, 1, 1, 1, 0.5, 0], abs=1e-6)
 
@@ -73,7 +78,7 @@ def test_weight_decay_skips_norms_and_biases():
 
 
 def test_freezing_is_exact_and_stateless():
-    model, params = tiny_params()
+    _model, params = tiny_params()
     c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.", schedule="constant")
     tx = make_optimizer(c, 10, params)
     state = tx.init(params)

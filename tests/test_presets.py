@@ -21,12 +21,15 @@ def test_every_preset_builds_abstractly(preset):
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
-@pytest.mark.parametrize("preset,count", [
-    ("llama3.1-8b", 8_030_261_248),
-    ("qwen2.5-0.5b", 494_032_768),
-    ("qwen3-0.6b", 596_049_920),
-    ("mistral-7b", 7_248_023_552),
-])
+@pytest.mark.parametrize(
+    "preset,count",
+    [
+        ("llama3.1-8b", 8_030_261_248),
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen3-0.6b", 596_049_920),
+        ("mistral-7b", 7_248_023_552),
+    ],
+)
 def test_parameter_counts(preset, count):
     cfg = load_config(overrides=[f"model.preset={preset}"]).model
     assert param_count(abstract_model(cfg)) == count
@@ -51,16 +54,22 @@ def test_summary_plans_sharding_for_8b_on_a_mesh():
     assert "P(None, 'fsdp', 'tensor', None)" in line
 
 
-@pytest.mark.parametrize("policy,scan", [
-    ("full", True), ("full", False), ("dots_saveable", True), ("dots_with_no_batch_dims_saveable", False),
-])
+@pytest.mark.parametrize(
+    "policy,scan",
+    [
+        ("full", True),
+        ("full", False),
+        ("dots_saveable", True),
+        ("dots_with_no_batch_dims_saveable", False),
+    ],
+)
 def test_remat_policies_do_not_change_values_or_gradients(policy, scan):
     base = load_config(overrides=["model.preset=tiny-llama", f"model.scan_layers={scan}"]).model
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 16)), jnp.int32)
 
     def grads(cfg):
         graphdef, state = nnx.split(create_model(cfg, seed=1))
-        f = lambda s: nnx.merge(graphdef, s)(tokens).astype(jnp.float32).mean()  # noqa: E731
+        f = lambda s: nnx.merge(graphdef, s)(tokens).astype(jnp.float32).mean()
         return jax.jit(jax.value_and_grad(f))(state)
 
     (v0, g0), (v1, g1) = grads(base), grads(base.model_copy(update={"remat_policy": policy}))

@@ -14,15 +14,26 @@ def run_recipe(*args, env_extra=None, timeout=600):
     import os
 
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "recipes.pretrain", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.integration
 def test_pretrain_tiny_learns_and_exports(tmp_path):
-    res = run_recipe(f"run.run_dir={tmp_path}", "train.steps=60", "train.eval_every=30",
-                     "checkpoint.every_steps=30", "data.num_examples=3000",
-                     env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    res = run_recipe(
+        f"run.run_dir={tmp_path}",
+        "train.steps=60",
+        "train.eval_every=30",
+        "checkpoint.every_steps=30",
+        "data.num_examples=3000",
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     import json
 
@@ -52,9 +63,16 @@ def test_pretrain_tiny_learns_and_exports(tmp_path):
 def test_compile_only_on_fake_devices(tmp_path):
     cfg = tmp_path / "big.yml"
     cfg.write_text("base_config: base.yml\nmodel:\n  preset: qwen2.5-0.5b\n")
-    res = run_recipe(str(cfg), "train.compile_only=true", "mesh.fsdp=4", "mesh.tensor=2",
-                     "data.seq_len=256", "train.batch_size=8", "train.micro_batches=2",
-                     env_extra={"XLA_FLAGS": ""})
+    res = run_recipe(
+        str(cfg),
+        "train.compile_only=true",
+        "mesh.fsdp=4",
+        "mesh.tensor=2",
+        "data.seq_len=256",
+        "train.batch_size=8",
+        "train.micro_batches=2",
+        env_extra={"XLA_FLAGS": ""},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compile-only: qwen2.5-0.5b on mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'sequence': 1}" in res.stdout
     line = next(l for l in res.stdout.splitlines() if l.startswith("memory analysis"))

@@ -39,10 +39,28 @@ def ray_head():
     owner = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     owner.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 characters
-    started = subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--port", str(gcs),
-                              "--dashboard-port", str(dashboard), "--include-dashboard", "true",
-                              "--disable-usage-stats", "--temp-dir", temp],
-                             env=owner, capture_output=True, text=True, timeout=120)
+    started = subprocess.run(
+        [
+            RAY,
+            "start",
+            "--head",
+            "--num-cpus",
+            "2",
+            "--port",
+            str(gcs),
+            "--dashboard-port",
+            str(dashboard),
+            "--include-dashboard",
+            "true",
+            "--disable-usage-stats",
+            "--temp-dir",
+            temp,
+        ],
+        env=owner,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
         yield f"http://127.0.0.1:{dashboard}", owner
@@ -54,18 +72,26 @@ def ray_head():
 def test_ray_job_submit_runs_the_grpo_recipe_on_an_authenticated_cluster(ray_head, tmp_path, arithmetic_tokenizer):
     address, client_env = ray_head
     stranger = {**client_env, "RAY_AUTH_TOKEN": "not-the-token"}
-    refused = subprocess.run([RAY, "job", "list", "--address", address], env=stranger, capture_output=True,
-                             text=True, timeout=120)
+    refused = subprocess.run(
+        [RAY, "job", "list", "--address", address], env=stranger, capture_output=True, text=True, timeout=120
+    )
     assert refused.returncode != 0  # the cluster really is authenticated
 
     run_dir = tmp_path / "run"
     # The documented command (docs/grpo.md) without --working-dir: the cluster shares this machine's checkout,
     # so the entrypoint starts in it instead of uploading it.
-    entrypoint = (f"cd {ROOT} && {sys.executable} -m recipes.grpo recipes/configs/grpo_tiny.yml "
-                  f"run.run_dir={run_dir} data.tokenizer_dir={arithmetic_tokenizer} train.steps=2")
+    entrypoint = (
+        f"cd {ROOT} && {sys.executable} -m recipes.grpo recipes/configs/grpo_tiny.yml "
+        f"run.run_dir={run_dir} data.tokenizer_dir={arithmetic_tokenizer} train.steps=2"
+    )
     runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
-    job = subprocess.run([RAY, "job", "submit", "--address", address, "--runtime-env-json", runtime_env, "--",
-                          "bash", "-c", entrypoint], env=client_env, capture_output=True, text=True, timeout=600)
+    job = subprocess.run(
+        [RAY, "job", "submit", "--address", address, "--runtime-env-json", runtime_env, "--", "bash", "-c", entrypoint],
+        env=client_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     logs = job.stdout + job.stderr
     assert job.returncode == 0 and "succeeded" in logs, logs[-3000:]
     assert "Connected to Ray cluster" in logs or "Connecting to existing Ray cluster" in logs  # attached, not local

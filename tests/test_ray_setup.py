@@ -29,8 +29,9 @@ ray.shutdown()
 def test_a_local_cluster_listens_on_loopback_only_and_keeps_rays_auth():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", LISTENERS], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", LISTENERS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("listening on"))
     addresses = eval(line.removeprefix("listening on "))  # a list literal of IP strings

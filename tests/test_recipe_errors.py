@@ -20,13 +20,14 @@ GRPO_TINY = ROOT / "recipes" / "configs" / "grpo_tiny.yml"
 @pytest.fixture()
 def files(tmp_path, arithmetic_tokenizer):
     """Malformed config files and data, by name."""
+
     def write(name, text):
         path = tmp_path / name
         path.write_text(text)
         return str(path)
 
     rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
-    bad_row = rows[:1] + [{"answer": "2"}] + rows[2:]
+    bad_row = [*rows[:1], {"answer": "2"}, *rows[2:]]
     return {
         "tok": arithmetic_tokenizer,
         "unknown_key": write("unknown.yml", f"base_config: {GRPO_TINY}\nrl:\n  num_generation: 4\n"),
@@ -55,8 +56,10 @@ GRPO_CASES = {
     "bad type": (lambda f: [str(GRPO_TINY), "train.steps=abc"], "train.steps"),
     "negative": (lambda f: [str(GRPO_TINY), "train.steps=-1"], "train.steps: Input should be greater than 0"),
     "missing config file": (lambda f: ["no/such/config.yml"], "config file not found: no/such/config.yml"),
-    "yaml syntax": (lambda f: [f["syntax"]], "syntax.yml:4:3: YAML syntax error: expected ',' or ']', but got ':' "
-                                             "(while parsing a flow sequence at line 3)"),
+    "yaml syntax": (
+        lambda f: [f["syntax"]],
+        "syntax.yml:4:3: YAML syntax error: expected ',' or ']', but got ':' (while parsing a flow sequence at line 3)",
+    ),
     "empty yaml": (lambda f: [f["empty"]], "empty.yml: the file is empty"),
     "duplicate key": (lambda f: [f["duplicate"]], "duplicate.yml:3: duplicate key 'steps' (first at line 2)"),
     "top-level list": (lambda f: [f["list"]], "list.yml: the top level must be a mapping of sections, got a YAML list"),
@@ -69,32 +72,56 @@ GRPO_CASES = {
     "base_config cycle": (lambda f: [f["cycle_a"]], "base_config cycle"),
     "syntax error in a base": (lambda f: [f["bad_base"]], "syntax.yml:4:3: YAML syntax error"),
     "duplicate key in a base": (lambda f: [f["dup_base"]], "duplicate.yml:3: duplicate key 'steps'"),
-    "missing policy path": (lambda f: [str(GRPO_TINY), "rl.policy_path=/no/such/policy"],
-                            "rl.policy_path: /no/such/policy does not exist"),
-    "missing data source": (lambda f: [str(GRPO_TINY), "data.source=/no/such/data.jsonl"],
-                            "data.source: /no/such/data.jsonl does not exist"),
-    "missing tokenizer": (lambda f: [str(GRPO_TINY), "data.tokenizer_dir=/no/such/tok"],
-                          "data.tokenizer_dir: /no/such/tok does not exist"),
-    "unknown reward": (lambda f: [str(GRPO_TINY), "reward.functions=[{fn: mathverify}]"],
-                       "reward.functions[0].fn: unknown reward function 'mathverify'"),
-    "missing reward file": (lambda f: [str(GRPO_TINY), "reward.functions=[{fn: /no/such/r.py:f}]"],
-                            "file /no/such/r.py does not exist"),
-    "max_tokens >= max_model_len": (lambda f: [str(GRPO_TINY), "rollout.max_tokens=128"],
-                                    "rollout.max_tokens (128) must be < rollout.max_model_len (128)"),
+    "missing policy path": (
+        lambda f: [str(GRPO_TINY), "rl.policy_path=/no/such/policy"],
+        "rl.policy_path: /no/such/policy does not exist",
+    ),
+    "missing data source": (
+        lambda f: [str(GRPO_TINY), "data.source=/no/such/data.jsonl"],
+        "data.source: /no/such/data.jsonl does not exist",
+    ),
+    "missing tokenizer": (
+        lambda f: [str(GRPO_TINY), "data.tokenizer_dir=/no/such/tok"],
+        "data.tokenizer_dir: /no/such/tok does not exist",
+    ),
+    "unknown reward": (
+        lambda f: [str(GRPO_TINY), "reward.functions=[{fn: mathverify}]"],
+        "reward.functions[0].fn: unknown reward function 'mathverify'",
+    ),
+    "missing reward file": (
+        lambda f: [str(GRPO_TINY), "reward.functions=[{fn: /no/such/r.py:f}]"],
+        "file /no/such/r.py does not exist",
+    ),
+    "max_tokens >= max_model_len": (
+        lambda f: [str(GRPO_TINY), "rollout.max_tokens=128"],
+        "rollout.max_tokens (128) must be < rollout.max_model_len (128)",
+    ),
     "top_k 0": (lambda f: [str(GRPO_TINY), "rollout.top_k=0"], "rollout.top_k must be -1 (off) or >= 1"),
-    "epsilon_high < epsilon": (lambda f: [str(GRPO_TINY), "rl.epsilon_high=0.1"],
-                               "rl.epsilon_high (0.1) must be >= rl.epsilon (0.2)"),
-    "indivisible batch": (lambda f: [str(GRPO_TINY), "train.micro_batches=3", "train.batch_size=9"],
-                          "must be divisible by rl.mini_batches * train.micro_batches (1 * 3 = 3)"),
-    "async with jax": (lambda f: [str(GRPO_TINY), "rl.off_policy_steps=1", "rollout.sampler=jax"],
-                       "needs rollout.sampler=vllm"),
+    "epsilon_high < epsilon": (
+        lambda f: [str(GRPO_TINY), "rl.epsilon_high=0.1"],
+        "rl.epsilon_high (0.1) must be >= rl.epsilon (0.2)",
+    ),
+    "indivisible batch": (
+        lambda f: [str(GRPO_TINY), "train.micro_batches=3", "train.batch_size=9"],
+        "must be divisible by rl.mini_batches * train.micro_batches (1 * 3 = 3)",
+    ),
+    "async with jax": (
+        lambda f: [str(GRPO_TINY), "rl.off_policy_steps=1", "rollout.sampler=jax"],
+        "needs rollout.sampler=vllm",
+    ),
     "gqa heads": (lambda f: [str(GRPO_TINY), "model.num_kv_heads=3"], "model.num_heads (4) must be a multiple"),
-    "malformed row": (lambda f: [str(GRPO_TINY), f"data.source={f['bad_row']}", f"data.tokenizer_dir={f['tok']}"],
-                      "bad_row.jsonl: row 1: field 'question' (used by rl.prompt_template) is missing"),
-    "unreadable jsonl": (lambda f: [str(GRPO_TINY), f"data.source={f['broken_jsonl']}", f"data.tokenizer_dir={f['tok']}"],
-                         "broken.jsonl': cannot be read as json"),
-    "unsupported data file": (lambda f: [str(GRPO_TINY), f"data.source={f['csv']}", f"data.tokenizer_dir={f['tok']}"],
-                              "unsupported file type '.csv'"),
+    "malformed row": (
+        lambda f: [str(GRPO_TINY), f"data.source={f['bad_row']}", f"data.tokenizer_dir={f['tok']}"],
+        "bad_row.jsonl: row 1: field 'question' (used by rl.prompt_template) is missing",
+    ),
+    "unreadable jsonl": (
+        lambda f: [str(GRPO_TINY), f"data.source={f['broken_jsonl']}", f"data.tokenizer_dir={f['tok']}"],
+        "broken.jsonl': cannot be read as json",
+    ),
+    "unsupported data file": (
+        lambda f: [str(GRPO_TINY), f"data.source={f['csv']}", f"data.tokenizer_dir={f['tok']}"],
+        "unsupported file type '.csv'",
+    ),
 }
 
 PRETRAIN_CASES = {
@@ -102,10 +129,14 @@ PRETRAIN_CASES = {
     "unknown preset": (lambda f: ["model.preset=gpt5"], "unknown model preset 'gpt5'"),
     "missing hf config": (lambda f: ["model.hf_config=/no/such/model"], "Hugging Face config not found"),
     "missing init_from": (lambda f: ["checkpoint.init_from=/no/such/run"], "checkpoint.init_from: /no/such/run"),
-    "vocabulary too small": (lambda f: [f"data.tokenizer_dir={f['tok']}", "data.num_examples=100",
-                                        "model.vocab_size=64"], "model.vocab_size (64) is smaller than the tokenizer"),
-    "malformed text row": (lambda f: [f"data.source={f['pretrain_bad_row']}", f"data.tokenizer_dir={f['tok']}"],
-                           "texts.jsonl: row 0: field 'text'"),
+    "vocabulary too small": (
+        lambda f: [f"data.tokenizer_dir={f['tok']}", "data.num_examples=100", "model.vocab_size=64"],
+        "model.vocab_size (64) is smaller than the tokenizer",
+    ),
+    "malformed text row": (
+        lambda f: [f"data.source={f['pretrain_bad_row']}", f"data.tokenizer_dir={f['tok']}"],
+        "texts.jsonl: row 0: field 'text'",
+    ),
 }
 
 
@@ -116,7 +147,7 @@ def _run(module, argv, capsys):
     recipe = importlib.import_module(module)
     rc = run_recipe(recipe.main, argv, recipe.__doc__, recipe.DEFAULT_CONFIG, module)
     out, err = capsys.readouterr()
-    return rc, out, err[err.find("error: "):] if "error: " in err else err
+    return rc, out, err[err.find("error: ") :] if "error: " in err else err
 
 
 @pytest.mark.parametrize("case", sorted(GRPO_CASES))
@@ -140,12 +171,13 @@ def test_pretrain_recipe_reports_the_users_mistake(case, files, capsys, tmp_path
 @pytest.mark.parametrize("module", ["recipes.grpo", "recipes.pretrain", "recipes.hf_parity_demo"])
 def test_every_recipe_answers_help_and_debug_shows_the_traceback(module, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    helped = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=120)
+    helped = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert helped.returncode == 0 and f"usage: python -m {module} [CONFIG.yml] [key=value ...]" in helped.stdout
     assert "defaults to" in helped.stdout and "docs/config.md" in helped.stdout
     bad = [sys.executable, "-m", module, "train.steps=abc", f"run.run_dir={tmp_path / 'run'}"]
     plain = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr and "train.steps" in plain.stderr
-    debug = subprocess.run(bad + ["--debug"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    debug = subprocess.run([*bad, "--debug"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr

@@ -13,11 +13,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_worker.py"
 OVERRIDES = [
-    "train.steps=48", "train.log_every=1", "train.eval_every=0", "train.batch_size=4",
-    "data.num_examples=2000", "data.eval_fraction=0", "data.seq_len=64",
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.head_dim=16",
-    "checkpoint.every_steps=8", "checkpoint.async_save=true", "checkpoint.export_hf=false",
-    "logging.tensorboard=false", "logging.peak_tflops=1.0",
+    "train.steps=48",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.batch_size=4",
+    "data.num_examples=2000",
+    "data.eval_fraction=0",
+    "data.seq_len=64",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=2",
+    "model.head_dim=16",
+    "checkpoint.every_steps=8",
+    "checkpoint.async_save=true",
+    "checkpoint.export_hf=false",
+    "logging.tensorboard=false",
+    "logging.peak_tflops=1.0",
 ]
 
 
@@ -25,7 +36,11 @@ def start(run_dir: Path, ids: Path, tokenizer: str) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(ids), tokenizer, f"run.run_dir={run_dir}", *OVERRIDES],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -51,8 +66,12 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
     proc = start(run_dir, run_ids, arithmetic_tokenizer)
     deadline = time.time() + 300
     # wait until checkpoint 16 is committed and training has moved past it, then kill -9
-    while not ((run_dir / "checkpoints" / "16").exists() and run_ids.exists()
-               and id_records(run_ids) and id_records(run_ids)[-1][0] >= 17):
+    while not (
+        (run_dir / "checkpoints" / "16").exists()
+        and run_ids.exists()
+        and id_records(run_ids)
+        and id_records(run_ids)[-1][0] >= 17
+    ):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.01)

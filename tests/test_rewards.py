@@ -23,25 +23,25 @@ PLUGINS = "tests.reward_plugins"
 MATH_VERIFY_CASES = [
     ("72", "so the answer is \\boxed{72}", 1.0),
     ("72", "\\boxed{72.0}", 1.0),
-    ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),                     # fraction vs decimal
+    ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),  # fraction vs decimal
     ("\\frac{1}{2}", "The answer is <answer>0.5</answer>", 1.0),  # solution tags
-    ("1/3", "\\boxed{0.333}", 0.0),                             # a rounded decimal is not the fraction
-    ("1234", "\\boxed{1,234}", 1.0),                            # thousands separator
-    ("1234", "We get 1,234 apples in total", 1.0),              # last number, separator, unit word
-    ("5", "it costs \\boxed{5 \\text{ dollars}}", 1.0),        # units inside the box
+    ("1/3", "\\boxed{0.333}", 0.0),  # a rounded decimal is not the fraction
+    ("1234", "\\boxed{1,234}", 1.0),  # thousands separator
+    ("1234", "We get 1,234 apples in total", 1.0),  # last number, separator, unit word
+    ("5", "it costs \\boxed{5 \\text{ dollars}}", 1.0),  # units inside the box
     ("18", "<answer>18</answer>", 1.0),
     ("18", "<answer>19</answer>", 0.0),
-    ("18", "first 18, then 20", 0.0),                           # the last number counts
-    ("18", "no numbers here", 0.0),                             # nothing to extract
-    ("3", "\\boxed{3} and later 4", 1.0),                       # a box beats the last number
-    ("0", "0/0", 0.0),           # math-verify alone judges an unboxed 0/0 equal to 0; undefined never matches
+    ("18", "first 18, then 20", 0.0),  # the last number counts
+    ("18", "no numbers here", 0.0),  # nothing to extract
+    ("3", "\\boxed{3} and later 4", 1.0),  # a box beats the last number
+    ("0", "0/0", 0.0),  # math-verify alone judges an unboxed 0/0 equal to 0; undefined never matches
     ("0", "\\boxed{\\frac{0}{0}}", 0.0),
     ("0", "\\boxed{0}", 1.0),
-    ("2", "\\boxed{\\sqrt{4}}", 1.0),                           # symbolic equality
-    ("-7", "the result is -7.", 1.0),                           # negative, trailing full stop
+    ("2", "\\boxed{\\sqrt{4}}", 1.0),  # symbolic equality
+    ("-7", "the result is -7.", 1.0),  # negative, trailing full stop
     ("1000000", "\\boxed{10^6}", 1.0),
     ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "\\boxed{72}", 1.0),  # GSM8K gold with ####
-    ("3", "\\boxed{" + "1" * 300 + "}", 0.0),                   # longer than max_answer_chars
+    ("3", "\\boxed{" + "1" * 300 + "}", 0.0),  # longer than max_answer_chars
     ("2.5", "\\boxed{5/2}", 1.0),
 ]
 
@@ -49,22 +49,22 @@ F = "<reasoning>r</reasoning><answer>{}</answer>"
 
 # (gold, completion, expected) for gsm8k with its defaults: format term + answer term (see rewards/gsm8k.py).
 GSM8K_CASES = [
-    ("72", F.format("72"), 3.0 + 3.0),                           # exact format, exact answer
-    ("72", F.format(" 72 "), 3.0 + 1.5),                         # whitespace
-    ("1234", F.format("1,234"), 3.0 + 1.5),                      # thousands separator
-    ("72", F.format("$72"), 3.0 + 1.5),                          # currency sign
-    ("72", F.format("72.0"), 3.0 + 1.5),                         # decimal form
+    ("72", F.format("72"), 3.0 + 3.0),  # exact format, exact answer
+    ("72", F.format(" 72 "), 3.0 + 1.5),  # whitespace
+    ("1234", F.format("1,234"), 3.0 + 1.5),  # thousands separator
+    ("72", F.format("$72"), 3.0 + 1.5),  # currency sign
+    ("72", F.format("72.0"), 3.0 + 1.5),  # decimal form
     ("7.50", F.format("7.5"), 3.0 + 1.5),
-    ("5", F.format("5 apples"), 3.0 + 1.5),                      # unit word
-    ("72", F.format("70"), 3.0 + 0.5),                           # ratio 0.97: high partial credit
-    ("72", F.format("60"), 3.0 + 0.25),                          # ratio 0.83: low partial credit
-    ("72", F.format("10"), 3.0 - 1.0),                           # wrong number
+    ("5", F.format("5 apples"), 3.0 + 1.5),  # unit word
+    ("72", F.format("70"), 3.0 + 0.5),  # ratio 0.97: high partial credit
+    ("72", F.format("60"), 3.0 + 0.25),  # ratio 0.83: low partial credit
+    ("72", F.format("10"), 3.0 - 1.0),  # wrong number
     ("3", F.format("-3"), 3.0 - 1.0),
-    ("72", F.format("seventy-two"), 3.0 - 0.5),                  # not a number
-    ("0", F.format("5"), 3.0 - 1.0),                             # gold 0: no ratio
-    ("72", "no tags, just 72", 4 * -0.5 + 0.0),                  # every tag missing, no answer tag
-    ("72", "<reasoning>r</reasoning> 72", 2 * 0.5 + 2 * -0.5),   # answer tags missing
-    ("72", "text before " + F.format("72"), 4 * 0.5 + 3.0),      # not the exact shape: partial format
+    ("72", F.format("seventy-two"), 3.0 - 0.5),  # not a number
+    ("0", F.format("5"), 3.0 - 1.0),  # gold 0: no ratio
+    ("72", "no tags, just 72", 4 * -0.5 + 0.0),  # every tag missing, no answer tag
+    ("72", "<reasoning>r</reasoning> 72", 2 * 0.5 + 2 * -0.5),  # answer tags missing
+    ("72", "text before " + F.format("72"), 4 * 0.5 + 3.0),  # not the exact shape: partial format
     ("72", "<reasoning>r</reasoning><answer>1</answer><answer>72</answer>", 2 * 0.5 + 2 * -0.5 + 3.0),
     ("Natalia sold 48/2 = 24 clips in May.\n#### 72", F.format("72"), 6.0),
 ]
@@ -82,17 +82,23 @@ def test_gsm8k_table(gold, completion, expected):
 
 def test_gsm8k_custom_tokens_and_knobs():
     text = "<think>because</think><SOLUTION>12</SOLUTION>"
-    kwargs = dict(reasoning_start_token="<think>", reasoning_end_token="</think>",
-                  solution_start_token="<SOLUTION>", solution_end_token="</SOLUTION>")
+    kwargs = dict(
+        reasoning_start_token="<think>",
+        reasoning_end_token="</think>",
+        solution_start_token="<SOLUTION>",
+        solution_end_token="</SOLUTION>",
+    )
     assert gsm8k(["p"], [text], answer=["12"], **kwargs) == [6.0]
-    assert gsm8k(["p"], [text], answer=["12"], reward_exact_answer=10.0, reward_exact_format_match=1.0,
-                 **kwargs) == [11.0]
+    assert gsm8k(["p"], [text], answer=["12"], reward_exact_answer=10.0, reward_exact_format_match=1.0, **kwargs) == [
+        11.0
+    ]
     assert gsm8k(["p"], [text], answer=["12"]) == [4 * -0.5]  # default tags are absent
 
 
 def test_math_verify_tags_are_configurable():
-    assert math_verify(["p"], ["<SOLUTION>1/2</SOLUTION> 7"], answer=["0.5"],
-                       solution_start="<SOLUTION>", solution_end="</SOLUTION>") == [1.0]
+    assert math_verify(
+        ["p"], ["<SOLUTION>1/2</SOLUTION> 7"], answer=["0.5"], solution_start="<SOLUTION>", solution_end="</SOLUTION>"
+    ) == [1.0]
     assert math_verify(["p"], ["<SOLUTION>1/2</SOLUTION> 7"], answer=["0.5"]) == [0.0]  # last number: 7
     assert math_verify(["p"], ["\\boxed{4}"], answer=["4"], correct_reward=2.0) == [2.0]
 
@@ -103,19 +109,32 @@ def test_shaping_rewards_against_numpy():
     comps = ["x"] * len(ids)
     # DAPO: 0 up to L_max - L_cache, linear to -1 at L_max, -1 beyond.
     l_max, cache = 100, 20
-    expected = np.where(lengths <= l_max - cache, 0.0,
-                        np.where(lengths <= l_max, (l_max - cache - lengths) / cache, -1.0))
-    np.testing.assert_allclose(overlong(comps, comps, max_length=l_max, buffer=cache, completion_ids=ids),
-                               expected, atol=1e-12)
-    np.testing.assert_allclose(length_penalty(comps, comps, max_length=100, coef=0.2, completion_ids=ids),
-                               -0.2 * np.minimum(lengths, 100) / 100, atol=1e-12)
+    expected = np.where(
+        lengths <= l_max - cache, 0.0, np.where(lengths <= l_max, (l_max - cache - lengths) / cache, -1.0)
+    )
+    np.testing.assert_allclose(
+        overlong(comps, comps, max_length=l_max, buffer=cache, completion_ids=ids), expected, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        length_penalty(comps, comps, max_length=100, coef=0.2, completion_ids=ids),
+        -0.2 * np.minimum(lengths, 100) / 100,
+        atol=1e-12,
+    )
     with pytest.raises(ValueError, match="completion_ids"):
         overlong(comps, comps, max_length=10, buffer=2)
     pattern = r"<reasoning>.+</reasoning>\s*<answer>.+</answer>"
-    assert format_reward(["p"] * 3, ["<reasoning>a\nb</reasoning> <answer>1</answer>", "<answer>1</answer>",
-                                     "pre <reasoning>a</reasoning><answer>1</answer>"], pattern=pattern) == [1.0, 0.0, 0.0]
-    assert format_reward(["p"], ["pre <reasoning>a</reasoning><answer>1</answer>"], pattern=pattern,
-                         full_match=False) == [1.0]
+    assert format_reward(
+        ["p"] * 3,
+        [
+            "<reasoning>a\nb</reasoning> <answer>1</answer>",
+            "<answer>1</answer>",
+            "pre <reasoning>a</reasoning><answer>1</answer>",
+        ],
+        pattern=pattern,
+    ) == [1.0, 0.0, 0.0]
+    assert format_reward(
+        ["p"], ["pre <reasoning>a</reasoning><answer>1</answer>"], pattern=pattern, full_match=False
+    ) == [1.0]
 
 
 def test_reasoning_gym_reward_uses_the_task_checker():
@@ -135,16 +154,21 @@ def test_reasoning_gym_reward_uses_the_task_checker():
 
 
 def _runner(*fns, timeout=10.0, procs=2, failure=None):
-    cfg = RewardConfig(functions=list(fns), math_verify_timeout=timeout, math_verify_num_procs=procs,
-                       failure_reward=failure)
+    cfg = RewardConfig(
+        functions=list(fns), math_verify_timeout=timeout, math_verify_num_procs=procs, failure_reward=failure
+    )
     return RewardRunner(cfg)
 
 
 def test_weighted_sum_order_and_metrics():
     comps = [f"<answer>{i}</answer>" + "x" * i for i in range(7)]
     answers = [str(i if i % 2 else i + 1) for i in range(7)]
-    with _runner({"fn": "math_verify", "weight": 2.0}, {"fn": f"{PLUGINS}:char_count", "weight": 0.5},
-                 {"fn": f"{PLUGINS}:uses_answer", "weight": -1.0, "kwargs": {"bonus": 0.25}}, procs=3) as runner:
+    with _runner(
+        {"fn": "math_verify", "weight": 2.0},
+        {"fn": f"{PLUGINS}:char_count", "weight": 0.5},
+        {"fn": f"{PLUGINS}:uses_answer", "weight": -1.0, "kwargs": {"bonus": 0.25}},
+        procs=3,
+    ) as runner:
         batch = runner.score(["p"] * 7, comps, {"answer": answers})
     correct = np.array([float(i % 2 == 1) for i in range(7)])
     chars = np.array([len(c) for c in comps], float)
@@ -158,18 +182,22 @@ def test_weighted_sum_order_and_metrics():
     assert m["reward/math_verify/failure_rate"] == 0.0 and not batch.errors
 
 
-@pytest.mark.parametrize("plugin,trigger,message", [
-    ("raises_on_trigger", "raise", "RuntimeError: plugin exploded"),
-    ("hangs_on_trigger", "hang", "timed out after 2 s"),
-    ("aborts_on_trigger", "abort", "worker died"),
-    ("wrong_length_on_trigger", "long", "returned 5 values for 4 completions"),
-    ("nan_on_trigger", "nan", "item 1: nan is not a finite number"),
-    ("words_on_trigger", "word", "item 1: 'high' is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "plugin,trigger,message",
+    [
+        ("raises_on_trigger", "raise", "RuntimeError: plugin exploded"),
+        ("hangs_on_trigger", "hang", "timed out after 2 s"),
+        ("aborts_on_trigger", "abort", "worker died"),
+        ("wrong_length_on_trigger", "long", "returned 5 values for 4 completions"),
+        ("nan_on_trigger", "nan", "item 1: nan is not a finite number"),
+        ("words_on_trigger", "word", "item 1: 'high' is not a finite number"),
+    ],
+)
 def test_misbehaving_plugin_fails_its_items_and_the_pool_recovers(plugin, trigger, message):
     """Failed items are marked (NaN: no score stands in for a failure), the others score, the pool recovers."""
-    with _runner({"fn": f"{PLUGINS}:char_count"}, {"fn": f"{PLUGINS}:{plugin}", "weight": 1.0},
-                 timeout=2.0, procs=2) as runner:
+    with _runner(
+        {"fn": f"{PLUGINS}:char_count"}, {"fn": f"{PLUGINS}:{plugin}", "weight": 1.0}, timeout=2.0, procs=2
+    ) as runner:
         # 8 completions, 2 workers: items 0-3 and 4-7; the trigger sits in item 5 (shard item 1).
         comps = [f"c{i}" + (f" {trigger}" if i == 5 else "") for i in range(8)]
         start = time.monotonic()
@@ -221,12 +249,31 @@ def test_a_crashed_shard_drops_every_group_it_touches():
 
 def _adversarial() -> list[str]:
     hazards = [
-        "9^{9^{9^{9}}}", "9**9**9**9", "10^{10^{10}}", "e^{e^{e^{e}}}", "\\frac{1}{0}", "0/0", "1/0",
-        "9" * 1_000_000, "x" * 1_000_000, "{" * 10_000, "(" * 5_000 + ")" * 5_000, "\\boxed{" * 5_000,
-        "\\sqrt{" * 2_000 + "2" + "}" * 2_000, "1000000!", "\\infty", "\\sqrt{-1}", "NaN",
-        "答案是 ７２ 😀 \u202e\u0000", "\\int_0^1 x\\,dx", "\\sum_{n=1}^{\\infty} \\frac{1}{n}",
-        "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "<answer>" * 10_000, "</answer>" * 10_000,
-        "1" + "0" * 5_000, "\\boxed{" + "1+" * 20_000 + "1}",
+        "9^{9^{9^{9}}}",
+        "9**9**9**9",
+        "10^{10^{10}}",
+        "e^{e^{e^{e}}}",
+        "\\frac{1}{0}",
+        "0/0",
+        "1/0",
+        "9" * 1_000_000,
+        "x" * 1_000_000,
+        "{" * 10_000,
+        "(" * 5_000 + ")" * 5_000,
+        "\\boxed{" * 5_000,
+        "\\sqrt{" * 2_000 + "2" + "}" * 2_000,
+        "1000000!",
+        "\\infty",
+        "\\sqrt{-1}",
+        "NaN",
+        "答案是 ７２ 😀 \u202e\u0000",
+        "\\int_0^1 x\\,dx",
+        "\\sum_{n=1}^{\\infty} \\frac{1}{n}",
+        "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}",
+        "<answer>" * 10_000,
+        "</answer>" * 10_000,
+        "1" + "0" * 5_000,
+        "\\boxed{" + "1+" * 20_000 + "1}",
     ]
     wrappers = ["{}", "\\boxed{{{}}}", "<answer>{}</answer>", "<reasoning>r</reasoning><answer>{}</answer>"]
     return [w.replace("{}", h) if w != "\\boxed{{{}}}" else "\\boxed{" + h + "}" for h in hazards for w in wrappers]
@@ -306,6 +353,13 @@ def test_reasoning_gym_rows_carry_json_metadata():
 def test_power_towers_are_not_evaluated():
     # Without the guard each of these spends math-verify's whole comparison timeout.
     start = time.monotonic()
-    assert math_verify(["p"] * 3, ["9**9**9**9", "\\boxed{9**9**9}", "<answer>2^2^2^2^2</answer>"],
-                       answer=["72"] * 3, timeout_seconds=2) == [0.0] * 3
+    assert (
+        math_verify(
+            ["p"] * 3,
+            ["9**9**9**9", "\\boxed{9**9**9}", "<answer>2^2^2^2^2</answer>"],
+            answer=["72"] * 3,
+            timeout_seconds=2,
+        )
+        == [0.0] * 3
+    )
     assert time.monotonic() - start < 1.5

@@ -50,7 +50,10 @@ def run_steps(model_cfg, batches, micro_batches, mesh=None, optim=SGD):
 
 
 def max_param_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)))
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params))
+    )
 
 
 def test_micro_batches_give_the_same_update():
@@ -58,7 +61,11 @@ def test_micro_batches_give_the_same_update():
     batch = make_batch()
     one, m1 = run_steps(cfg, [batch], 1)
     four, m4 = run_steps(cfg, [batch], 4)
-    assert m1[0]["tokens"] == m4[0]["tokens"] == (batch["loss_mask"][:, 1:] * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])).sum()
+    assert (
+        m1[0]["tokens"]
+        == m4[0]["tokens"]
+        == (batch["loss_mask"][:, 1:] * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])).sum()
+    )
     assert abs(float(m1[0]["loss"]) - float(m4[0]["loss"])) <= 1e-6
     # SGD with lr 1: the update is minus the gradient
     assert max_param_diff(one, four) <= 1e-6
@@ -84,7 +91,9 @@ def test_non_finite_step_leaves_state_untouched():
     batch["scale"] = np.ones_like(batch["scale"])
     state, m = step(state, batch)
     assert float(m["finite"]) == 1.0
-    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)))
+    assert any(
+        not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))
+    )
 
 
 def test_a_batch_without_loss_tokens_takes_no_optimizer_step():
@@ -102,7 +111,7 @@ def test_a_batch_without_loss_tokens_takes_no_optimizer_step():
         graphdef, state = init_train_state(model, tx, seed=0)
         step = jax.jit(make_train_step(graphdef, next_token_loss, tx))
         start = jax.tree.map(np.asarray, (state.params, state.opt_state))
-        for i, b in enumerate(batches):
+        for _i, b in enumerate(batches):
             state, m = step(state, split_micro_batches(b, 1))
             if b is empty:
                 assert float(m["empty"]) == 1.0 and float(m["finite"]) == 1.0

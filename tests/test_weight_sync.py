@@ -32,8 +32,10 @@ def test_reshard_between_sub_meshes_is_exact_and_bounded(rollout_model_dir):
     chunk = 128 * 1024
     stats = reshard_to_jax_sampler(params, sampler, chunk_bytes=chunk, measure_memory=True)
     assert stats.version == 1 == sampler.policy_version and stats.bytes == sum(sizes) and stats.chunks > 4
-    print(f"peak extra memory {stats.peak_extra_bytes} B, chunk {chunk} B, largest tensor {max(sizes)} B, "
-          f"all parameters {sum(sizes)} B")
+    print(
+        f"peak extra memory {stats.peak_extra_bytes} B, chunk {chunk} B, largest tensor {max(sizes)} B, "
+        f"all parameters {sum(sizes)} B"
+    )
     assert stats.peak_extra_bytes <= chunk + max(sizes)
     assert stats.peak_extra_bytes < sum(sizes) / 2
 
@@ -47,7 +49,9 @@ def test_reshard_between_sub_meshes_is_exact_and_bounded(rollout_model_dir):
     fresh_model, _ = load_hf(rollout_model_dir("llama", seed=1))
     fresh = JaxSampler(fresh_model, str(rollout_model_dir("llama")), max_model_len=128)
     prompts = [[5, 17, 99, 3], [42]]
-    assert [c.token_ids for c in sampler.generate(prompts, greedy)] == [c.token_ids for c in fresh.generate(prompts, greedy)]
+    assert [c.token_ids for c in sampler.generate(prompts, greedy)] == [
+        c.token_ids for c in fresh.generate(prompts, greedy)
+    ]
 
 
 def test_reshard_refuses_a_different_model(rollout_model_dir):
@@ -61,8 +65,11 @@ def test_reshard_refuses_a_different_model(rollout_model_dir):
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_hf_chunks_equal_the_export_and_respect_the_bound(rollout_model_dir, scan):
-    model, cfg = load_hf(rollout_model_dir("qwen2", tied=True), mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]),
-                         scan_layers=scan)
+    model, cfg = load_hf(
+        rollout_model_dir("qwen2", tied=True),
+        mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]),
+        scan_layers=scan,
+    )
     want = dict(hf_tensors(model, cfg))
     got, largest = {}, max(v.nbytes for v in want.values())
     for chunk in hf_chunks(nnx.state(model), cfg, chunk_bytes=50_000):
@@ -106,8 +113,12 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
         reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
         before = jax.tree.map(np.asarray, state.params)
         tokens = np.random.default_rng(0).integers(3, 500, (2, 16)).astype(np.int32)
-        batch = {"tokens": tokens, "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
-                 "segment_ids": np.ones((2, 16), np.int32), "loss_mask": np.ones((2, 16), np.int32)}
+        batch = {
+            "tokens": tokens,
+            "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+            "segment_ids": np.ones((2, 16), np.int32),
+            "loss_mask": np.ones((2, 16), np.int32),
+        }
         state, metrics = step(state, split_micro_batches(batch, 1))  # donates the trainer's buffers
         assert np.isfinite(float(metrics["loss"]))
         greedy = SamplingParams(temperature=0.0, max_tokens=6)
@@ -115,6 +126,7 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
     fresh_model, _ = load_hf(path)
     want = JaxSampler(fresh_model, str(path), max_model_len=128).generate([[5, 17, 99, 3]], greedy)
     assert got[0].token_ids == want[0].token_ids
-    assert any(not np.array_equal(a, np.asarray(b)) for a, b in
-               zip(jax.tree.leaves(before), jax.tree.leaves(state.params)))  # the trainer trained
+    assert any(
+        not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))
+    )  # the trainer trained
     reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)  # and syncs again

@@ -1,6 +1,6 @@
 """A training process for the resume tests: the pretraining setup plus a log of example ids per step.
 
-    python tests/train_worker.py IDS_FILE TOKENIZER_DIR [key=value ...]
+python tests/train_worker.py IDS_FILE TOKENIZER_DIR [key=value ...]
 """
 
 import json
@@ -10,12 +10,12 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.config_loader import config_from_argv  # noqa: E402
-from core.data import load_records, make_pipeline  # noqa: E402
-from core.loop import Trainer  # noqa: E402
-from core.mesh import make_mesh  # noqa: E402
-from core.models import create_model  # noqa: E402
-from core.objectives import next_token_loss  # noqa: E402
+from core.config_loader import config_from_argv
+from core.data import load_records, make_pipeline
+from core.loop import Trainer
+from core.mesh import make_mesh
+from core.models import create_model
+from core.objectives import next_token_loss
 
 
 def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:

@@ -71,14 +71,10 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def _dot_product(q, k, v, mask, implementation):
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask[:, None, :, :], implementation=implementation
-    )
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=implementation)
 
 
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla"
-) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla") -> jax.Array:
     """Dispatch to the selected implementation; see the module docstring."""
     if impl == "xla":
         return reference(q, k, v, mask)

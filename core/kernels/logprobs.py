@@ -47,8 +47,12 @@ def chunked_logprobs_and_entropy(
     vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
     chunk = min(chunk_size, vocab)
     logp, ent = _chunked(
-        hidden.reshape(b * t, d), weight, targets.reshape(b * t).astype(jnp.int32),
-        float(temperature), chunk, layout,
+        hidden.reshape(b * t, d),
+        weight,
+        targets.reshape(b * t).astype(jnp.int32),
+        float(temperature),
+        chunk,
+        layout,
     )
     return logp.reshape(b, t), ent.reshape(b, t)
 

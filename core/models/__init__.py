@@ -1,8 +1,8 @@
 """Flax NNX decoder family (Llama, Qwen2/2.5, Qwen3, Mistral) with logical axis names on every parameter."""
 
 from core.models.build import (
-    abstract_sharded_state,
     abstract_model,
+    abstract_sharded_state,
     create_model,
     logical_axes,
     model_from_arrays,
@@ -15,8 +15,8 @@ from core.models.decoder import Decoder
 
 __all__ = [
     "Decoder",
-    "abstract_sharded_state",
     "abstract_model",
+    "abstract_sharded_state",
     "create_model",
     "logical_axes",
     "model_from_arrays",

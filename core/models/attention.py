@@ -21,11 +21,9 @@ class Attention(nnx.Module):
         self.q_proj = Dense("BTD,DNH->BTNH", (d, n, h), ("embed", "heads", "head_dim"), cfg, rngs, bias)
         self.k_proj = Dense("BTD,DKH->BTKH", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, rngs, kv_bias)
         self.v_proj = Dense("BTD,DKH->BTKH", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, rngs, kv_bias)
-        self.o_proj = Dense(
-            "BTNH,NHD->BTD", (n, h, d), ("heads", "head_dim", "embed"), cfg, rngs, fan_in=n * h
-        )
+        self.o_proj = Dense("BTNH,NHD->BTD", (n, h, d), ("heads", "head_dim", "embed"), cfg, rngs, fan_in=n * h)
         pd = dtype_of(cfg.param_dtype)
-        norm = lambda: RMSNorm(h, cfg.rms_norm_eps, pd, rngs, axis_name="head_dim")  # noqa: E731
+        norm = lambda: RMSNorm(h, cfg.rms_norm_eps, pd, rngs, axis_name="head_dim")
         self.q_norm = nnx.data(norm() if cfg.qk_norm else None)
         self.k_norm = nnx.data(norm() if cfg.qk_norm else None)
         # Static (hashable) data, not a parameter: the frequencies are a function of the config.

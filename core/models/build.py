@@ -27,7 +27,9 @@ def abstract_sharded_state(cfg: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, 
     graphdef, state = nnx.split(model)
     state = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
-        state, state_shardings(model, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable),
+        state,
+        state_shardings(model, mesh),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return graphdef, state
 
@@ -109,7 +111,7 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 def state_mismatches(expected: nnx.State, given: nnx.State, check_dtype: bool = True) -> list[str]:
     """Every path missing from, unexpected in, or of another shape (or dtype) in `given`; empty if they match."""
     old, new = dict(nnx.to_flat_state(expected)), dict(nnx.to_flat_state(given))
-    name = lambda k: ".".join(map(str, k))  # noqa: E731
+    name = lambda k: ".".join(map(str, k))
     problems = [f"missing {name(k)}" for k in old.keys() - new.keys()]
     problems += [f"unexpected {name(k)}" for k in new.keys() - old.keys()]
     for k in old.keys() & new.keys():

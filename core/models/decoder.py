@@ -55,7 +55,7 @@ def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     stacked = create(jax.random.split(rngs.params(), cfg.num_layers))
     for _, var in nnx.iter_graph(stacked):
         if isinstance(var, nnx.Variable):
-            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata("logical_axes")))
+            var.set_metadata("logical_axes", ("layers", *tuple(var.get_metadata("logical_axes"))))
     return stacked
 
 

@@ -6,7 +6,7 @@ derived from it by `core.mesh` (the model never names a mesh axis).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,11 @@ class Embed(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.embedding = param(
             # std 1/sqrt(D): with tied embeddings the initial logits then have unit scale
-            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype_of(cfg.param_dtype), fan_in=cfg.hidden_size
+            rngs,
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            dtype_of(cfg.param_dtype),
+            fan_in=cfg.hidden_size,
         )
         self.dtype = dtype_of(cfg.dtype)
 

@@ -32,7 +32,7 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: "np.ndarray | tuple[float, ...]") -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | tuple[float, ...]) -> jax.Array:
     """x [B, T, N, H], positions [B, T] -> x rotated; angles in float32, result in x's dtype."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]

@@ -31,12 +31,18 @@ def parameter_summary(model: nnx.Module, mesh: Mesh | None = None) -> str:
         nbytes = count * np.dtype(value.dtype).itemsize
         total_count += count
         total_bytes += nbytes
-        rows.append((
-            ".".join(map(str, path)), str(tuple(value.shape)), str(np.dtype(value.dtype)),
-            str(axes), str(spec), f"{count:,}",
-        ))
+        rows.append(
+            (
+                ".".join(map(str, path)),
+                str(tuple(value.shape)),
+                str(np.dtype(value.dtype)),
+                str(axes),
+                str(spec),
+                f"{count:,}",
+            )
+        )
     header = ("parameter", "shape", "dtype", "logical axes", "sharding", "size")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
