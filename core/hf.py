@@ -144,7 +144,7 @@ class _SafetensorsDir:
         if not files:
             raise MissingPath(f"no *.safetensors files in {path}")
         self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
-        self.where = {k: h for h in self._handles for k in h}
+        self.where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118 - safe_open is not iterable
 
     def __enter__(self):
         return self
