@@ -156,11 +156,84 @@ def _kill_tree(pid):
     psutil.wait_procs(procs, timeout=30)
 
 
-def test_async_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmetic_tokenizer):
-    """Async mode (off_policy_steps=1) with real vLLM on Ray, killed with SIGKILL two steps after checkpoint 4
-    (driver, Ray and actors all at once) and started again with the same command: steps 5-6 are redone with the
-    losses and rewards the killed run had logged for them (the in-flight completions are stored with the
-    checkpoint), and every step is logged once, staleness within the bound."""
+def test_staleness_check_refuses_old_completions():
+    from posttrain.grpo import StalenessError, check_staleness
+    from rollout.sampler import Completion
+
+    batch = [Completion([1], [2], [0.0], "stop", "x", policy_version=v) for v in (3, 4)]
+    assert check_staleness(batch, 5, 2) == 2
+    with pytest.raises(StalenessError, match="version 3 reached the trainer at version 5: 2 > rl.off_policy_steps=1"):
+        check_staleness(batch, 5, 1)
+
+
+def run_until(cmd, env, run_dir, checkpoint, step, timeout_s=400):
+    """Start the recipe and return its process once checkpoint `checkpoint` exists and step `step` is logged."""
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (
+            (run_dir / "checkpoints" / str(checkpoint)).exists()
+            and metrics.exists()
+            and f'"step": {step},' in metrics.read_text()
+        ):
+            return proc
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended or stalled before step {step}: " + "".join(proc.communicate()[1:])[-3000:])
+
+
+def assert_redone_steps_match(before_kill, after, resumed_from):
+    """Steps resumed_from+1 .. the last logged before the kill were redone; they log what they logged before."""
+    redone = [m for m in before_kill if m["step"] > resumed_from]
+    assert redone, "nothing to compare: the kill came right after the checkpoint"
+    for old in redone:
+        new = after[old["step"] - 1]
+        for key in ("reward/mean", "loss", "completion_length/mean", "policy_version", "mismatch/logp_gap_mean"):
+            assert new[key] == pytest.approx(old[key], abs=1e-6), (old["step"], key)
+
+
+def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path, arithmetic_tokenizer):
+    """Single controller (the JAX sampler in the trainer's process), SIGKILL two steps after checkpoint 4, and
+    the same command again: every step logged once, and steps 5-6 log what they logged before the kill."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={arithmetic_tokenizer}",
+        VARIED_REWARD,
+        "rollout.sampler=jax",
+        "train.steps=8",
+        "checkpoint.every_steps=4",
+        "checkpoint.export_hf=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before_kill, _ = metric_rows(run_dir)
+    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4" in resumed.stdout
+    after, _ = metric_rows(run_dir)
+    assert [m["step"] for m in after] == list(range(1, 9))  # each step once, in order: no gap, no repeat
+    assert_redone_steps_match(before_kill, after, 4)
+
+
+def test_async_vllm_survives_a_lost_ray_head_and_kill_9_and_resumes_exactly(tmp_path, arithmetic_tokenizer):
+    """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe:
+    1. the local Ray cluster's GCS and raylet die after checkpoint 2: the driver stops within a minute with
+       exit code 2 and one message (no traceback) saying how to resume;
+    2. the same command resumes from checkpoint 2; two steps after checkpoint 4 the whole job is killed with
+       SIGKILL (driver, Ray, actors: a node going down);
+    3. the same command resumes from checkpoint 4: steps 5-6 log the losses and rewards the killed run logged
+       for them (the completions in flight are stored with the checkpoint), every step is logged once, and
+       staleness stays within the bound."""
+    import psutil
+
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -177,117 +250,8 @@ def test_async_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmetic_to
         "checkpoint.export_hf=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (run_dir / "checkpoints" / "4").exists() and metrics.exists() and '"step": 6' in metrics.read_text():
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-    _kill_tree(proc.pid)
-    before_kill, _ = metric_rows(run_dir)
-    killed_at = before_kill[-1]["step"]
-    assert 6 <= killed_at < 8, "the run finished before it could be killed"
-    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
-    steps, _ = metric_rows(run_dir)
-    assert [m["step"] for m in steps] == list(range(1, 9))
-    assert [m["staleness_max"] for m in steps] == [0] + [1] * 7  # one version behind, never more
-    for old in before_kill[4:]:  # steps 5 .. killed_at, before the kill and after the resume
-        new = steps[old["step"] - 1]
-        for key in ("reward/mean", "loss", "completion_length/mean", "policy_version", "mismatch/logp_gap_mean"):
-            assert new[key] == pytest.approx(old[key], abs=1e-6), (old["step"], key)
 
-
-def test_staleness_check_refuses_old_completions():
-    from posttrain.grpo import StalenessError, check_staleness
-    from rollout.sampler import Completion
-
-    batch = [Completion([1], [2], [0.0], "stop", "x", policy_version=v) for v in (3, 4)]
-    assert check_staleness(batch, 5, 2) == 2
-    with pytest.raises(StalenessError, match="version 3 reached the trainer at version 5: 2 > rl.off_policy_steps=1"):
-        check_staleness(batch, 5, 1)
-
-
-def _recipe(run_dir, tokenizer, steps):
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.grpo",
-        str(TINY),
-        f"run.run_dir={run_dir}",
-        f"data.tokenizer_dir={tokenizer}",
-        VARIED_REWARD,
-        "rollout.sampler=jax",
-        f"train.steps={steps}",
-        "checkpoint.every_steps=1",
-        "checkpoint.keep=3",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return cmd, env
-
-
-def test_resume_after_kill_9_matches_an_uninterrupted_run(tmp_path, arithmetic_tokenizer):
-    steps = 12
-    cmd, env = _recipe(tmp_path / "whole", arithmetic_tokenizer, steps)
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True, timeout=600)
-
-    cmd, env = _recipe(tmp_path / "killed", arithmetic_tokenizer, steps)
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    ckpt = tmp_path / "killed" / "checkpoints" / "4"
-    deadline = time.monotonic() + 300
-    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-
-    whole, _ = metric_rows(tmp_path / "whole")
-    again, _ = metric_rows(tmp_path / "killed")
-    assert [m["step"] for m in again] == list(range(1, steps + 1))  # each step once, in order: no gap, no repeat
-    for w, a in zip(whole, again):
-        for key in ("reward/mean", "loss", "completion_length/mean", "policy_version"):
-            assert a[key] == pytest.approx(w[key], abs=1e-6), (w["step"], key)
-    a, b = hf_weights(tmp_path / "whole" / "hf"), hf_weights(tmp_path / "killed" / "hf")
-    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-6
-
-
-def test_a_lost_ray_head_stops_the_run_with_a_message_and_the_same_command_resumes(tmp_path, arithmetic_tokenizer):
-    """The local Ray cluster's GCS and raylet die under a running job (vLLM on Ray): the driver stops within a
-    minute with exit code 2 and one message (no traceback) saying how to resume, and the same command resumes
-    from the last checkpoint."""
-    import psutil
-
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.grpo",
-        str(TINY),
-        f"run.run_dir={run_dir}",
-        f"data.tokenizer_dir={arithmetic_tokenizer}",
-        VARIED_REWARD,
-        "train.steps=6",
-        "checkpoint.every_steps=2",
-        "checkpoint.export_hf=false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "2").exists():
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc = run_until(cmd, env, run_dir, checkpoint=2, step=2)
     head = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
@@ -296,13 +260,18 @@ def test_a_lost_ray_head_stops_the_run_with_a_message_and_the_same_command_resum
     assert len(head) == 2
     for p in head:
         p.kill()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, out[-2000:] + err[-2000:]
-    assert "Traceback" not in err
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     message = next(line for line in err.splitlines() if line.startswith("error: "))
     assert "the trainer actor is unavailable" in message and "run the same command again to resume" in message
+
+    proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
+    _kill_tree(proc.pid)
+    before_kill, _ = metric_rows(run_dir)
     resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-    steps, _ = metric_rows(run_dir)
-    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert "at step 4" in resumed.stdout
+    after, _ = metric_rows(run_dir)
+    assert [m["step"] for m in after] == list(range(1, 9))
+    assert [m["staleness_max"] for m in after] == [0] + [1] * 7  # one version behind, never more
+    assert_redone_steps_match(before_kill, after, 4)
