@@ -1,4 +1,5 @@
-# Temper: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+# Temper: `make demo` runs the main job on the embedded default, `make test` runs the tests,
+# `make test-fast` the tests without the slow end-to-end ones (Ray, vLLM, subprocess runs), `make lint` ruff and mypy.
 # Both create .venv and install the project into it when it is missing or out of date.
 
 PYTHON ?= python3
@@ -8,9 +9,9 @@ STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 # malloc on transparent huge pages for the long-running jobs: XLA's CPU buffers fault in 2 MiB at a
 # time (core/host_memory.py). Not for the tests: their many short processes start slower with it.
-demo demo-pretrain bench bench-grpo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+demo demo-pretrain demo-sft bench bench-grpo bench-sft: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: install test demo demo-pretrain demo-hf bench bench-grpo clean
+.PHONY: install test test-fast lint demo demo-pretrain demo-sft demo-hf bench bench-grpo bench-sft clean
 
 install: $(STAMP)
 
@@ -25,11 +26,22 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not integration"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
 demo: $(STAMP)
 	$(PY) -m recipes.quickstart
 
 demo-pretrain: $(STAMP)
 	$(PY) -m recipes.pretrain
+
+demo-sft: $(STAMP)
+	$(PY) -m recipes.sft
 
 demo-hf: $(STAMP)
 	$(PY) -m recipes.hf_parity_demo
@@ -41,6 +53,9 @@ bench: $(STAMP)
 
 bench-grpo: $(STAMP)
 	$(PY) bench/grpo_step.py
+
+bench-sft: $(STAMP)
+	$(PY) bench/sft_step.py
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

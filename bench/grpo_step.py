@@ -74,19 +74,19 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
 def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
     from core.config_loader import load_config
     from core.metrics import read_metrics
-    from posttrain.grpo import run_grpo
+    from posttrain.onpolicy.loop import run_grpo
 
     run_dir = work / f"temper_{size}_{sampler}"
     cfg = load_config(
         ROOT / "recipes" / "configs" / "grpo_tiny.yml",
         [
             f"run.run_dir={run_dir}",
-            f"rl.policy_path={hf}",
+            f"checkpoint.init_from={hf}",
             f"data.source={prompts}",
             f"data.tokenizer_dir={tokenizer}",
             f"train.steps={args.steps + 1}",
-            f"rl.prompts_per_step={args.prompts}",
-            f"rl.num_generations={args.generations}",
+            f"rl.batch.prompts_per_step={args.prompts}",
+            f"rl.batch.num_generations={args.generations}",
             f"rollout.max_tokens={args.max_tokens}",
             "checkpoint.enabled=false",
             "checkpoint.export_hf=false",

@@ -51,9 +51,10 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
     from flax import nnx
 
     from core.config import ModelConfig, OptimConfig
+    from core.data import to_data_batch
+    from core.losses import nll_loss
     from core.metrics import model_flops_per_token
     from core.models import create_model
-    from core.objectives import next_token_loss
     from core.optim import make_optimizer
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
 
@@ -68,18 +69,17 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
     model = create_model(cfg, seed=0)
     tx = make_optimizer(OptimConfig(name="adamw", schedule="constant", learning_rate=1e-4), 100, nnx.state(model))
     graphdef, state = init_train_state(model, tx, seed=0)
-    step = jit_train_step(make_train_step(graphdef, next_token_loss, tx), state)
+    step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
     rng = np.random.RandomState(0)
     b, t = args.batch, args.seq
-    batch = split_micro_batches(
-        {
-            "tokens": rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32),
-            "segment_ids": np.ones((b, t), np.int32),
-            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-            "loss_mask": np.ones((b, t), np.int32),
-        },
-        1,
-    )
+    rows = {
+        "tokens": rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32),
+        "segment_ids": np.ones((b, t), np.int32),
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "loss_mask": np.ones((b, t), np.int32),
+        "example_ids": np.zeros((b, t), np.int32),
+    }
+    batch = split_micro_batches(to_data_batch(rows, 1).batch, 1)
     batch = jax.device_put(batch)
     start = time.perf_counter()
     state, m = step(state, batch)

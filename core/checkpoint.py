@@ -167,7 +167,7 @@ class Checkpointer:
         params = nnx.State(target.params)
         nnx.replace_by_pure_dict(params, out["params"])
         meta = dict(out["meta"])
-        rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+        rng = jax.random.wrap_key_data(jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
         state = TrainState(params, out["opt_state"], jax.numpy.asarray(meta["step"], jax.numpy.int32), rng)
         return state, meta
 
@@ -287,3 +287,19 @@ def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
         model, _, _ = load_checkpoint_model(p, mesh=mesh)
         return model
     raise MissingPath(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")
+
+
+def initial_model(cfg: Config, mesh) -> tuple[Any, Config]:
+    """Where every method's run starts: `checkpoint.init_from` (an HF directory or a Temper run / checkpoint,
+    whose shape wins over `model.*`) or a random init of `model.*`. Returns the model on `mesh` and the config
+    with the model section it actually has."""
+    from core.models import create_model
+
+    with jax.set_mesh(mesh):
+        if cfg.checkpoint.init_from is None:
+            return create_model(cfg.model, mesh, seed=cfg.run.seed), cfg
+        try:
+            model = load_model_from(cfg.checkpoint.init_from, mesh, dtype=cfg.model.param_dtype)
+        except MissingPath as e:
+            raise MissingPath(f"checkpoint.init_from: {e}") from None
+    return model, cfg.model_copy(update={"model": model.cfg})

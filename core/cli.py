@@ -46,12 +46,13 @@ def run_recipe(
     """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback."""
     module = module or getattr(main, "__module__", "recipe")
     if any(a in ("-h", "--help") for a in argv):
-        print(usage(module, doc or "", default_config))
+        print(usage(str(module), doc or "", default_config))
         return 0
     unknown = [a for a in argv if a.startswith("--") and a != "--debug"]
     if unknown:
         print(
-            f"error: unknown option {unknown[0]}\n{usage(module, '', default_config).splitlines()[0]}", file=sys.stderr
+            f"error: unknown option {unknown[0]}\n{usage(str(module), '', default_config).splitlines()[0]}",
+            file=sys.stderr,
         )
         return EXIT_USER_ERROR
     return run_cli(main, argv)

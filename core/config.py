@@ -150,7 +150,8 @@ class DataConfig(Section):
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # A local Hugging Face tokenizer directory; recipes may build one (core/tokenizer.py) when unset.
     tokenizer_dir: str | None = None
-    seq_len: int = Field(256, gt=0)
+    seq_len: int = Field(256, gt=0)  # the row length, and the most tokens an example keeps
+    truncation_side: Literal["right", "left"] = "right"  # which end of a longer example is cut
     packing: bool = True
     shuffle: bool = True
     seed: int = 0
@@ -258,40 +259,64 @@ class RolloutConfig(Section):
 GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
 
 
-class RLConfig(Section):
-    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md).
+class RLBatchConfig(Section):
+    """`rl.batch`: what one RL step samples and how it is cut into updates and packed rows."""
 
-    `epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
-    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
-    """
-
-    algorithm: Literal["grpo", "gspo"] = "grpo"
-    # Initial policy: an HF directory or a Temper run / checkpoint directory; None = random init (tests).
-    policy_path: str | None = None
-    prompt_template: str = "{question}"  # formatted with each dataset row
-    use_chat_template: bool = False
     prompts_per_step: int = Field(4, gt=0)
     num_generations: int = Field(4, gt=1)  # completions per prompt (the group)
-    advantage: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
-    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
-    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
-    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
-    # and verl); false: only where the policy term applies (Temper before 2026-11).
-    kl_every_token: bool = True
-    epsilon: float = Field(0.2, ge=0.0)
-    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
-    dual_clip: float | None = Field(None, gt=1.0)
-    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
-    loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
     num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
     mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
-    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
     pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
     share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
     pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = rollout.max_model_len
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
     max_sampling_rounds: int = Field(4, gt=0)
+
+
+class RLLossConfig(Section):
+    """`rl.loss`: the clipped policy objective, its aggregation and the KL term (posttrain/losses)."""
+
+    epsilon: float = Field(0.2, ge=0.0)
+    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
+    dual_clip: float | None = Field(None, gt=1.0)
+    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
+    loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
+    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
+    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
+    # and verl); false: only where the policy term applies (Temper before 2026-11).
+    kl_every_token: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> RLLossConfig:
+        if self.epsilon_high < self.epsilon:
+            raise ValueError(f"rl.loss.epsilon_high ({self.epsilon_high}) must be >= rl.loss.epsilon ({self.epsilon})")
+        return self
+
+
+class AdvantageConfig(Section):
+    """`rl.advantage`: how a group's rewards become advantages (posttrain/advantages.py)."""
+
+    estimator: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
+    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
+
+
+class RLConfig(Section):
+    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md), by concern: `rl.batch`, `rl.loss`,
+    `rl.advantage`, and the prompts, async bound and evaluation here.
+
+    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
+    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
+    The policy starts from `checkpoint.init_from` (None: a random init, for tests).
+    """
+
+    algorithm: Literal["grpo", "gspo"] = "grpo"
+    prompt_template: str = "{question}"  # formatted with each dataset row
+    use_chat_template: bool = False
+    batch: RLBatchConfig = Field(default_factory=RLBatchConfig)
+    loss: RLLossConfig = Field(default_factory=RLLossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
     accuracy_fn: str = "math_verify"  # reward function that defines "correct" (value > 0) for metrics / eval
     eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
@@ -304,43 +329,35 @@ class RLConfig(Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        loss = data.get("loss")
+        if isinstance(loss, BaseModel):
+            return data  # already built (a model_copy): its defaults were filled then
+        loss = dict(loss or {})
         gspo = data.get("algorithm") == "gspo"
-        if data.get("epsilon") is None:
-            data["epsilon"] = GSPO_EPSILON if gspo else 0.2
-            if data.get("epsilon_high") is None and gspo:
-                data["epsilon_high"] = GSPO_EPSILON_HIGH
-        if data.get("epsilon_high") is None:
-            data["epsilon_high"] = data["epsilon"]
-        if data.get("loss_agg") is None:
-            data["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
+        if loss.get("epsilon") is None:
+            loss["epsilon"] = GSPO_EPSILON if gspo else 0.2
+            if loss.get("epsilon_high") is None and gspo:
+                loss["epsilon_high"] = GSPO_EPSILON_HIGH
+        if loss.get("epsilon_high") is None:
+            loss["epsilon_high"] = loss["epsilon"]
+        if loss.get("loss_agg") is None:
+            loss["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
+        data["loss"] = loss
         return data
 
-    @model_validator(mode="after")
-    def _check(self) -> RLConfig:
-        if self.epsilon_high < self.epsilon:
-            raise ValueError(f"rl.epsilon_high ({self.epsilon_high}) must be >= rl.epsilon ({self.epsilon})")
-        return self
 
-
-# --------------------------------------------------------------- dpo / sft / kd
-
-
-class DPOConfig(Section):
-    beta: float = Field(0.1, gt=0.0)
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    label_smoothing: float = Field(0.0, ge=0.0, le=0.5)
+# ---------------------------------------------------------------------------- sft
 
 
 class SFTConfig(Section):
-    # Train only on assistant / completion tokens (prompt tokens masked out).
+    """Supervised fine-tuning (posttrain/sft.py; docs/sft.md)."""
+
+    # Train only on assistant / completion tokens (prompt, system and user tokens masked out).
     completion_only_loss: bool = True
-
-
-class DistillConfig(Section):
-    teacher_path: str | None = None
-    temperature: float = Field(1.0, gt=0.0)
-    alpha: float = Field(1.0, ge=0.0, le=1.0)  # weight of the KD term vs the hard-label loss
-    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    # At each evaluation (train.eval_every): greedy completions of this many held-out prompts, logged to
+    # run_dir/generations.jsonl (0: none).
+    eval_generations: int = Field(4, ge=0)
+    eval_max_new_tokens: int = Field(64, gt=0)
 
 
 # ------------------------------------------------------------------------ reward
@@ -404,9 +421,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
-    dpo: DPOConfig = Field(default_factory=DPOConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
-    distill: DistillConfig = Field(default_factory=DistillConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
@@ -414,14 +429,14 @@ class Config(Section):
     @model_validator(mode="after")
     def _check_rl(self) -> Config:
         """What an RL run needs of several sections at once, checked before anything starts."""
-        rl, rollout = self.rl, self.rollout
-        updates = rl.mini_batches * self.train.micro_batches
-        completions = rl.prompts_per_step * rl.num_generations
+        rl, rollout, batch = self.rl, self.rollout, self.rl.batch
+        updates = batch.mini_batches * self.train.micro_batches
+        completions = batch.prompts_per_step * batch.num_generations
         if completions % updates:
             raise ValueError(
-                f"rl.prompts_per_step * rl.num_generations ({rl.prompts_per_step} * {rl.num_generations} = "
-                f"{completions}) must be divisible by rl.mini_batches * train.micro_batches "
-                f"({rl.mini_batches} * {self.train.micro_batches} = {updates})"
+                f"rl.batch.prompts_per_step * rl.batch.num_generations ({batch.prompts_per_step} * "
+                f"{batch.num_generations} = {completions}) must be divisible by rl.batch.mini_batches * "
+                f"train.micro_batches ({batch.mini_batches} * {self.train.micro_batches} = {updates})"
             )
         if rollout.max_tokens >= rollout.max_model_len:
             raise ValueError(
@@ -433,9 +448,9 @@ class Config(Section):
                 f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
                 f"the JAX sampler shares the trainer's process"
             )
-        if rl.pack_length and rl.pack_length < rollout.max_model_len:
+        if batch.pack_length and batch.pack_length < rollout.max_model_len:
             raise ValueError(
-                f"rl.pack_length ({rl.pack_length}) < rollout.max_model_len "
+                f"rl.batch.pack_length ({batch.pack_length}) < rollout.max_model_len "
                 f"({rollout.max_model_len}): a full-length sequence would not fit in a row"
             )
         return self

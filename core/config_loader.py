@@ -73,7 +73,6 @@ def check_reward_functions(cfg: Config, source: str = "<config>") -> None:
 def check_paths(cfg: Config, source: str = "<config>") -> None:
     """Every local path the config names must exist (checked at load, before any work starts)."""
     paths = {
-        "rl.policy_path": cfg.rl.policy_path,
         "checkpoint.init_from": cfg.checkpoint.init_from,
         "data.tokenizer_dir": cfg.data.tokenizer_dir,
     }
@@ -244,6 +243,11 @@ def _explain(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             valid = sorted(_fields_at(loc[:-1]))
             close = difflib.get_close_matches(str(loc[-1]), valid, n=3, cutoff=0.5)
+            if not close:  # a key that moved into a sub-section (rl.num_generations -> rl.batch.num_generations)
+                section = ".".join(str(p) for p in loc[:-1])
+                inner = {f"{sub}.{k}": k for sub in valid for k in _fields_at([*loc[:-1], sub])}
+                leaf = difflib.get_close_matches(str(loc[-1]), list(inner.values()), n=3, cutoff=0.8)
+                close = [f"{section}.{dotted}" for dotted, k in inner.items() if k in leaf]
             hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(valid)}"
             lines.append(f"  unknown key '{dotted}': {hint}")
         elif e["type"] == "value_error":  # a cross-field check: its message names the keys and values

@@ -1,4 +1,8 @@
-"""Grain input pipelines: records -> tokens -> packed or padded batches, with resumable state.
+"""Grain input pipelines: records -> tokens and targets -> packed `PackedBatch`es, with resumable state.
+
+    pipeline = make_pipeline(cfg.data, batch_size=8, records=rows, tokenizer_dir=tok, micro_batches=2)
+    for item in pipeline:            # DataBatch: .batch (a core.batch.PackedBatch), .example_ids
+        learner.update(item.batch, micro_batches=2)
 
 Sources (`data.source`):
 - a local file: `.jsonl` / `.json` / `.parquet` / `.arrow`, read with Hugging Face `datasets`;
@@ -7,21 +11,28 @@ Sources (`data.source`):
   problems generated offline with seed `data.seed`;
 - in Python, any list of dicts.
 
-Formats (`data.format`): `text` (the `data.text_field` column), `chat` (a
-`messages` list, tokenised with the tokenizer's chat template; with
-`sft.completion_only_loss` only assistant tokens carry loss), `prompt_completion`
-(`prompt` + `completion` strings; loss on the completion).
+Formats (`data.format`) and their targets (the tokens a loss scores, each
+predicted from the token before it):
+- `text`: the `data.text_field` column plus EOS; every token after the first.
+- `prompt_completion`: `prompt` + `completion` strings plus EOS; the completion
+  and its EOS (every token after the first without `completion_only_loss`).
+- `chat`: a `messages` list rendered with the tokenizer's own chat template;
+  every assistant turn with its end-of-turn token (`core.chat.render_chat`:
+  spans found by rendering prefix by prefix, any template).
 
-Every row is validated once, up front: a malformed row (missing field, wrong
-type, empty text) raises `MalformedRow` naming the source, row index and field,
-or, with `data.skip_malformed`, is skipped and counted (`Pipeline.skipped`).
+Every row is tokenized and validated once, up front. A row that cannot be used
+(missing field, wrong type, empty text, a template that cannot render it, or
+no target left after truncating to `data.seq_len` on `data.truncation_side`)
+raises `MalformedRow` naming the source, row index and what is wrong, or, with
+`data.skip_malformed`, is skipped and counted (`Pipeline.skipped`).
 
-Batches are dicts of numpy arrays `[B, T]`: `tokens`, `segment_ids` (0 =
-padding; packed documents 1, 2, ...), `positions` (restarting per document),
-`loss_mask` (1 where the token is a target of training) and `example_ids`
-(source row of every token, -1 on padding). The iterator's state
-(`get_state` / `set_state`, or Orbax via `grain.checkpoint`) restores to the
-exact next batch.
+Batches are `DataBatch`es: a `PackedBatch` with one scored sequence per row
+(its targets packed to the left of `[B, C = seq_len]`, `target_index` local to
+each of `micro_batches` groups of rows) and `example_ids` `[B, L]` (the source
+row of every token, -1 on padding). With `data.packing` several examples share
+a row (Grain's first-fit packer), each with its own segment and positions; no
+token attends across examples. The iterator's state (`get_state` /
+`set_state`, or Orbax via `grain.checkpoint`) restores to the exact next batch.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from core.batch import PackedBatch
 from core.config import DataConfig
 from core.errors import MissingPath, UserError
 
@@ -84,8 +96,9 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 
 
 def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
-    """Problems generated offline by reasoning-gym: question, answer, a `text` rendering, and the
-    task's metadata as JSON (the `reasoning_gym` reward scores with the task's own checker from it).
+    """Problems generated offline by reasoning-gym: question, answer, the task's metadata as JSON (the
+    `reasoning_gym` reward scores with the task's own checker from it), and the problem in every
+    `data.format`: `text`, `prompt` / `completion`, and a system + user + assistant `messages` chat.
     `task_options` go to the task's dataset config (e.g. `max_digits=2`)."""
     import reasoning_gym
 
@@ -95,6 +108,13 @@ def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) 
             "question": e["question"],
             "answer": str(e["answer"]),
             "text": f"{e['question']}\nAnswer: {e['answer']}",
+            "prompt": f"{e['question']}\nAnswer:",
+            "completion": f" {e['answer']}",
+            "messages": [
+                {"role": "system", "content": "Reply with the answer only."},
+                {"role": "user", "content": e["question"]},
+                {"role": "assistant", "content": str(e["answer"])},
+            ],
             "metadata": json.dumps(e["metadata"], default=str),
         }
         for e in ds
@@ -152,49 +172,10 @@ def validate(records: Sequence[dict], cfg: DataConfig, source: str) -> tuple[lis
 # ---------------------------------------------------------------- tokenising
 
 
-class Tokenize(grain.transforms.Map):
-    """Row -> {tokens, loss_mask, example_ids}, truncated to `seq_len`."""
-
-    def __init__(self, tokenizer_dir: str, cfg: DataConfig, completion_only: bool):
-        self.tokenizer_dir = tokenizer_dir
-        self.cfg = cfg
-        self.completion_only = completion_only
-        # Loaded here, in the calling thread: transformers' lazy imports are not safe to
-        # trigger first from Grain's prefetch threads.
-        self._tok = _load_tokenizer(tokenizer_dir)
-
-    def __getstate__(self):  # pickles cheaply into worker processes; reloaded there
-        return {**self.__dict__, "_tok": None}
-
-    @property
-    def tok(self):
-        if self._tok is None:
-            self._tok = _load_tokenizer(self.tokenizer_dir)
-        return self._tok
-
-    def map(self, element: tuple[int, dict]) -> dict[str, np.ndarray]:
-        index, row = element
-        tok, cfg = self.tok, self.cfg
-        if cfg.format == "text":
-            ids = tok(row[cfg.text_field], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            mask = [1] * len(ids)
-        elif cfg.format == "prompt_completion":
-            prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
-            completion = tok(row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            ids = prompt + completion
-            mask = ([0] * len(prompt) if self.completion_only else [1] * len(prompt)) + [1] * len(completion)
-        else:
-            out = tok.apply_chat_template(
-                row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids = list(out["input_ids"])
-            mask = list(out["assistant_masks"]) if self.completion_only else [1] * len(ids)
-        n = min(len(ids), cfg.seq_len)
-        return {
-            "tokens": np.asarray(ids[:n], np.int32),
-            "loss_mask": np.asarray(mask[:n], np.int32),
-            "example_ids": np.full((n,), index, np.int32),
-        }
+@dataclass(frozen=True)
+class Example:
+    tokens: np.ndarray  # [n] int32
+    targets: np.ndarray  # [n] int32: 1 where the token is a target (never at position 0)
 
 
 def _load_tokenizer(tokenizer_dir: str):
@@ -203,6 +184,72 @@ def _load_tokenizer(tokenizer_dir: str):
     if not Path(tokenizer_dir).is_dir():
         raise MissingPath(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def token_targets(row: dict, tok: Any, cfg: DataConfig, completion_only: bool) -> tuple[list[int], list[int]]:
+    """(token ids, target positions) of one row in `cfg.format`, before truncation."""
+    if cfg.format == "text":
+        ids = tok(row[cfg.text_field], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return ids, list(range(1, len(ids)))
+    if cfg.format == "prompt_completion":
+        prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tok(row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = prompt + completion
+        first = len(prompt) if completion_only else 1
+        return ids, list(range(max(first, 1), len(ids)))
+    from core.chat import render_chat
+
+    ids, targets = render_chat(tok, row["messages"])
+    return ids, targets if completion_only else list(range(1, len(ids)))
+
+
+def truncate(ids: list[int], targets: list[int], length: int, side: str) -> tuple[list[int], list[int]]:
+    """At most `length` tokens, cut on the right or the left; a target needs the token before it, so a target that
+    becomes the first token is dropped."""
+    if len(ids) <= length:
+        return ids, targets
+    if side == "right":
+        return ids[:length], [k for k in targets if k < length]
+    cut = len(ids) - length
+    return ids[cut:], [k - cut for k in targets if k - cut >= 1]
+
+
+def tokenize_rows(
+    records: Sequence[dict], keep: Sequence[int], tok: Any, cfg: DataConfig, completion_only: bool, source: str
+) -> tuple[dict[int, Example], list[str]]:
+    """Every kept row as an `Example` (by row index), and a description of each row skipped for having no target
+    (raises unless `data.skip_malformed`)."""
+    from core.chat import ChatTemplateError
+
+    examples, skipped = {}, []
+    for i in keep:
+        try:
+            ids, targets = token_targets(records[i], tok, cfg, completion_only)
+            problem = None
+        except ChatTemplateError as err:
+            problem = f"chat template: {err}"
+        if problem is None:
+            ids, targets = truncate(ids, targets, cfg.seq_len, cfg.truncation_side)
+            if not targets:
+                problem = (
+                    f"no target token left ({len(ids)} tokens after truncation to data.seq_len={cfg.seq_len} "
+                    f"on the {cfg.truncation_side}; the loss would be empty)"
+                )
+        if problem is not None:
+            message = f"{source}: row {i}: {problem}"
+            if not cfg.skip_malformed:
+                raise MalformedRow(message + " (set data.skip_malformed=true to skip such rows)")
+            skipped.append(message)
+            continue
+        mask = np.zeros(len(ids), np.int32)
+        mask[targets] = 1
+        examples[i] = Example(np.asarray(ids, np.int32), mask)
+    return examples, skipped
+
+
+def _element(index: int, example: Example) -> dict[str, np.ndarray]:
+    n = len(example.tokens)
+    return {"tokens": example.tokens, "loss_mask": example.targets, "example_ids": np.full((n,), index, np.int32)}
 
 
 def _pad_row(element: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
@@ -232,6 +279,33 @@ def _from_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
+@dataclass(frozen=True)
+class DataBatch:
+    batch: PackedBatch  # what the model trains on
+    example_ids: np.ndarray  # [B, L] source row of every token, -1 on padding (inspection, resume tests)
+
+
+def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
+    """Row-layout arrays (tokens, positions, segment_ids, loss_mask `[B, L]`) -> a `DataBatch`: row i is scored
+    sequence i, its targets packed to the left of `[B, C = L]`, indices local to its micro-batch's rows."""
+    tokens, seg = rows["tokens"], rows["segment_ids"]
+    b, length = tokens.shape
+    per_group = b // micro_batches
+    valid = np.zeros(tokens.shape, bool)  # position k is a target predicted from k - 1, in the same example
+    valid[:, 1:] = (rows["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    index = np.zeros((b, length), np.int32)
+    ids = np.zeros((b, length), np.int32)
+    mask = np.zeros((b, length), np.float32)
+    for r in range(b):
+        ks = np.flatnonzero(valid[r])
+        n = len(ks)
+        index[r, :n] = (r % per_group) * length + ks - 1
+        ids[r, :n] = tokens[r, ks]
+        mask[r, :n] = 1.0
+    packed = PackedBatch(tokens, rows["positions"], seg, np.zeros_like(tokens), index, ids, mask)
+    return DataBatch(packed, rows["example_ids"])
+
+
 # ---------------------------------------------------------------- pipelines
 
 
@@ -255,6 +329,7 @@ def make_pipeline(
     tokenizer_dir: str | None = None,
     split: str = "train",
     completion_only: bool = True,
+    micro_batches: int = 1,
     process_index: int = 0,
     process_count: int = 1,
 ) -> Pipeline:
@@ -262,7 +337,8 @@ def make_pipeline(
 
     `data.eval_fraction` of the rows (the last ones) form the eval split.
     Rows are sharded across JAX processes (`process_index::process_count`)
-    after validation, so every process sees a disjoint part.
+    after validation, so every process sees a disjoint part. `micro_batches`
+    is the train step's: target indices are local to each micro-batch.
     """
     source = cfg.source or "<records>"
     if records is None:
@@ -272,20 +348,26 @@ def make_pipeline(
     tokenizer_dir = tokenizer_dir or cfg.tokenizer_dir
     if tokenizer_dir is None:
         raise DataSourceError("data.tokenizer_dir is not set")
+    if batch_size % micro_batches:
+        raise ValueError(f"batch size {batch_size} is not divisible by {micro_batches} micro-batches")
     keep, skipped = validate(records, cfg, str(source))
     n_eval = round(cfg.eval_fraction * len(keep))
     keep = keep[len(keep) - n_eval :] if split == "eval" else keep[: len(keep) - n_eval]
     keep = keep[process_index::process_count]
     if not keep:
         raise DataSourceError(f"{source}: the {split} split is empty (eval_fraction={cfg.eval_fraction})")
+    examples, no_targets = tokenize_rows(records, keep, _load_tokenizer(tokenizer_dir), cfg, completion_only, source)
+    skipped += no_targets
+    usable = sorted(examples)
+    if not usable:
+        raise MalformedRow(f"{source}: no usable rows in the {split} split ({len(skipped)} malformed)")
 
-    ds = grain.MapDataset.source(keep).map(lambda i: (i, records[i]))
+    ds = grain.MapDataset.source(usable)
     if split == "train":
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         ds = ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
-    ds = ds.map(Tokenize(tokenizer_dir, cfg, completion_only))
-    it = ds.to_iter_dataset()
+    it = ds.map(lambda i: _element(i, examples[i])).to_iter_dataset()
     if cfg.packing and split == "train":
         lengths = {"tokens": cfg.seq_len, "loss_mask": cfg.seq_len, "example_ids": cfg.seq_len}
         it = grain.experimental.FirstFitPackIterDataset(
@@ -294,4 +376,5 @@ def make_pipeline(
         it = it.batch(batch_size, drop_remainder=True).map(_from_packed)
     else:
         it = it.map(lambda e: _pad_row(e, cfg.seq_len)).batch(batch_size, drop_remainder=split == "train")
-    return Pipeline(it, len(keep), skipped)
+    it = it.map(lambda rows: to_data_batch(rows, micro_batches if split == "train" else 1))
+    return Pipeline(it, len(usable), skipped)

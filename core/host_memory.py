@@ -8,7 +8,7 @@ pages instead (where THP is in `madvise` mode, the common default), so the
 same step takes ~800 faults (figures: docs/benchmarks.md).
 
 glibc reads tunables when a process starts, so this is an environment for
-processes still to be started: the trainer actor (`posttrain.cluster`) and the
+processes still to be started: the trainer actor (`posttrain.trainer`) and the
 Makefile's demo and benchmark targets. Not for torch processes (vLLM, TRL):
 torch's CPU allocations got slower with it here (TRL's 100M GRPO step
 4.77 -> 5.03 s, tiny 0.13 -> 0.26 s); nor for the test suite, whose many

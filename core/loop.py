@@ -1,34 +1,36 @@
-"""The training loop: the jitted step, then hooks that own their cadence.
+"""The training loop: a `core.learner.Learner`'s update on each batch, then hooks that own their cadence.
 
-    trainer = Trainer(cfg, model, loss_fn, train_pipeline, mesh=mesh, eval_pipeline_fn=...)
+    learner = Learner(model, mesh, nll_loss, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
+    trainer = Trainer(cfg, learner, train_pipeline, eval_data_fn=..., tokenizer_dir=..., hooks=[...])
     state = trainer.fit()
 
-A restart on the same `run.run_dir` resumes from the latest checkpoint
+Pretraining and SFT (and every offline method) run here: the data yields
+`core.data.DataBatch`es, the learner trains on their `PackedBatch`. A restart
+on the same `run.run_dir` resumes from the latest checkpoint that restores
 (parameters, optimizer, step, RNG and data-iterator position). SIGTERM saves a
-checkpoint and returns cleanly. A non-finite loss or gradient never reaches the
-parameters; `train.nan_policy` then either skips the step or aborts after
+checkpoint and returns cleanly. A non-finite loss or gradient never reaches
+the parameters; `train.nan_policy` then either skips the step or aborts after
 making sure a checkpoint of the last good state exists.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 
+from core.batch import pad_rows
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
 from core.errors import TemperError
-from core.hf import save_hf
+from core.learner import Learner
 from core.metrics import (
     MetricsLogger,
     device_memory,
@@ -40,17 +42,7 @@ from core.metrics import (
     update_run_info,
 )
 from core.models import param_count
-from core.optim import make_optimizer, make_schedule
-from core.train import (
-    LossFn,
-    TrainState,
-    batch_sharding,
-    init_train_state,
-    jit_train_step,
-    make_train_step,
-    memory_analysis_line,
-    split_micro_batches,
-)
+from core.train import TrainState
 
 
 class NonFiniteLoss(TemperError, FloatingPointError):
@@ -59,11 +51,11 @@ class NonFiniteLoss(TemperError, FloatingPointError):
 
 @dataclass
 class Hook:
-    """Runs `fn(step, trainer)` after every `every`-th step (never when `every` is 0)."""
+    """Runs `fn(trainer, step)` after every `every`-th step (never when `every` is 0)."""
 
     name: str
     every: int
-    fn: Callable[[int, Trainer], None]
+    fn: Callable[[Trainer, int], None]
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -73,44 +65,34 @@ class Trainer:
     def __init__(
         self,
         cfg: Config,
-        model: nnx.Module,
-        loss_fn: LossFn,
+        learner: Learner,
         train_data: Iterable,
         *,
-        mesh: Mesh,
         eval_data_fn: Callable[[], Iterable] | None = None,
         tokenizer_dir: str | None = None,
-        on_batch: Callable[[int, dict], None] | None = None,
+        on_batch: Callable[[int, object], None] | None = None,
+        hooks: Sequence[Hook] = (),
     ):
-        """`on_batch(step, host_batch)` sees every batch before its step (data inspection, debugging)."""
+        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging); `hooks` run
+        after the built-in log, eval and checkpoint hooks."""
         self.cfg = cfg
-        self.mesh = mesh
-        self.model_cfg = cfg.model
+        self.learner = learner
+        self.mesh = learner.mesh
         self.run_dir = Path(cfg.run.run_dir)
         self.total_steps = cfg.train.steps
         self.tokenizer_dir = tokenizer_dir
         self.eval_data_fn = eval_data_fn
         self.on_batch = on_batch
         save_config(cfg, self.run_dir)
-
-        params = nnx.state(model)
-        self.schedule = make_schedule(cfg.optim, self.total_steps)
-        self.tx = make_optimizer(cfg.optim, self.total_steps, params)
-        with jax.set_mesh(mesh):
-            self.graphdef, self.state = init_train_state(model, self.tx, cfg.run.seed)
-        step = make_train_step(self.graphdef, loss_fn, self.tx, self.schedule)
-        self._jitted = jit_train_step(step, self.state)
-        self._compiled = None
-        self._eval_step = jax.jit(lambda p, b: loss_fn(nnx.merge(self.graphdef, p), b, jax.random.key(0)))
         self.data_iter = iter(train_data)
 
         self.ckpt = None
         start = 0
         if cfg.checkpoint.enabled:
             self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            restored = self.ckpt.restore_latest(self.state, self.data_iter, cfg)
+            restored = learner.restore_latest(self.ckpt, cfg, self.data_iter)
             if restored is not None:
-                self.state, _, start = restored
+                start = restored[0]
                 print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
         self.start_step = start
         self.logger = MetricsLogger(self.run_dir, cfg.logging, self.total_steps, resume_step=start)
@@ -119,21 +101,27 @@ class Trainer:
         print(device_memory() + " (after model and optimizer load)", flush=True)
         update_run_info(
             self.run_dir,
-            param_count=param_count(model),
+            param_count=param_count(learner.model()),
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops,
             peak_source=peak_source,
             devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            mesh=dict(mesh.shape),
+            mesh=dict(self.mesh.shape),
             versions=library_versions(),
         )
         self.hooks = [
             Hook("log", cfg.train.log_every, Trainer._log),
             Hook("eval", cfg.train.eval_every if eval_data_fn else 0, Trainer._evaluate),
             Hook("checkpoint", cfg.checkpoint.every_steps if self.ckpt else 0, Trainer._checkpoint),
+            *hooks,
         ]
         self._window: list[dict] = []
         self._stop = False
+        self._compiled = False
+
+    @property
+    def state(self) -> TrainState:
+        return self.learner.state
 
     # ------------------------------------------------------------------ loop
 
@@ -161,22 +149,17 @@ class Trainer:
             self.logger.close()
 
     def _train_step(self, step: int) -> dict[str, float]:
-        start = time.perf_counter()
-        host_batch = next(self.data_iter)
+        data = next(self.data_iter)
         if self.on_batch is not None:
-            self.on_batch(step, host_batch)
-        batch = split_micro_batches(host_batch, self.cfg.train.micro_batches)
-        batch = {k: jax.device_put(v, batch_sharding(self.mesh, v.shape)) for k, v in batch.items()}
-        first = self._compiled is None
-        if first:
-            with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
-                self._compiled = self._jitted.lower(self.state, batch).compile()
-            print(memory_analysis_line(self._compiled), flush=True)
-            start = time.perf_counter()  # compile time is not step time
-        self.state, metrics = self._compiled(self.state, batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            self.on_batch(step, data)
+        micro = self.cfg.train.micro_batches
+        if not self._compiled:  # compile time is not step time
+            print(self.learner.compile(data.batch, micro), flush=True)
+            self._compiled = True
+        start = time.perf_counter()
+        metrics = self.learner.update(data.batch, micro)
         seconds = time.perf_counter() - start
-        n_tokens = int(np.prod(batch["tokens"].shape))
+        n_tokens = int(np.prod(data.batch.tokens.shape))
         flops = self.flops_per_token * n_tokens / seconds
         metrics.update(
             step_seconds=seconds,
@@ -184,7 +167,7 @@ class Trainer:
             tflops_per_s=flops / 1e12,
             mfu=flops / (self.peak_flops * jax.device_count()),
         )
-        if first:
+        if step == self.start_step + 1:
             line = device_memory()
             print(line + " (after the first step)", flush=True)
             update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
@@ -218,21 +201,22 @@ class Trainer:
         self.logger.log(step, means)
 
     def _evaluate(self, step: int) -> None:
+        """Mean loss per target over the eval split (and its exponential, the perplexity)."""
+        assert self.eval_data_fn is not None  # the hook is registered only with one
         total = denom = 0.0
-        for batch in self.eval_data_fn():
-            batch = _pad_batch(batch, self.cfg.train.batch_size)
-            with jax.set_mesh(self.mesh):
-                loss_sum, m = self._eval_step(self.state.params, batch)
-            total += float(loss_sum)
-            denom += float(m["loss_denominator"])
-        self.logger.log(step, {"eval_loss": total / max(denom, 1.0)}, console=True)
+        for data in self.eval_data_fn():
+            loss_sum, sums = self.learner.evaluate(pad_rows(data.batch, self.cfg.train.batch_size))
+            total += loss_sum
+            denom += sums["loss_denominator"]
+        loss = total / max(denom, 1.0)
+        self.logger.log(step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}, console=True)
 
     def _checkpoint(self, step: int) -> None:
         self._save_if_new()
 
     def _save_if_new(self) -> None:
         if self.ckpt and self.ckpt.latest_step() != int(self.state.step):
-            self.ckpt.save(self.state, self.data_iter, self.cfg)
+            self.learner.save(self.ckpt, self.cfg, self.data_iter)
 
     def _finish(self) -> None:
         if self._window:
@@ -241,8 +225,7 @@ class Trainer:
             self._save_if_new()
             self.ckpt.wait()
         if self.cfg.checkpoint.export_hf:
-            model = nnx.merge(self.graphdef, self.state.params)
-            out = save_hf(model, self.model_cfg, self.run_dir / "hf", tokenizer_dir=self.tokenizer_dir)
+            out = self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir)
             print(f"exported Hugging Face model to {out}", flush=True)
         plot, rows = None, []
         if self.cfg.logging.jsonl:  # the plot and the summary read metrics.jsonl
@@ -281,14 +264,3 @@ class _Profiler:
         if self.stop:
             jax.profiler.stop_trace()
             print(f"profiler trace written to {self.dir}", flush=True)
-
-
-def _pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, jnp.ndarray]:
-    """Pad a (last, short) eval batch with empty rows so every eval batch has one shape."""
-    n = batch["tokens"].shape[0]
-    if n >= rows:
-        return batch
-    return {
-        k: np.concatenate([v, np.full((rows - n, *v.shape[1:]), -1 if k == "example_ids" else 0, v.dtype)])
-        for k, v in batch.items()
-    }

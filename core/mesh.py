@@ -73,7 +73,7 @@ def logical_to_spec(
         if name is not None and name not in LOGICAL_RULES:
             raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
         mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        kept = []
+        kept: list[str] = []
         for m in mesh_axes:
             if m in used:
                 continue

@@ -33,6 +33,8 @@ def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
         pad_token_id=0,
         dtype="float32",
     )
+    cls: type[tf.PretrainedConfig]
+    extra: dict[str, Any]
     if family == "llama":
         scaling = dict(
             rope_type="llama3",

@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -29,7 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from core.mesh import logical_to_spec
 from core.optim import global_norm
 
-LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, dict]]
+# loss_fn(model, batch, rng) -> (loss_sum, sums): `batch` is the method's typed batch (a pytree of arrays).
+LossFn = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict]]
+T = TypeVar("T")
 MAX_PREFIX = "max/"  # metrics reduced by max, not summed and normalised
 
 
@@ -101,14 +102,22 @@ def batch_shards(mesh: Mesh) -> int:
     return math.prod(shape[a] for a in axes)
 
 
-def split_micro_batches(batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, np.ndarray]:
-    """[B, ...] host arrays -> [k, B/k, ...]."""
-    out = {}
-    for key, x in batch.items():
+def split_micro_batches(batch: T, micro_batches: int) -> T:
+    """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
+    `[k, N / k, ...]`; names the leaf that does not divide."""
+
+    def split(path, x):
         if x.shape[0] % micro_batches:
-            raise ValueError(f"batch[{key!r}] has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
-        out[key] = x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
-    return out
+            name = jax.tree_util.keystr(path)
+            raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
+        return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
+
+    return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def place_batch(batch: T, mesh: Mesh) -> T:
+    """A micro-batched host batch on `mesh`, each leaf's batch axis over the data axes (`batch_sharding`)."""
+    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, x.shape)), batch)
 
 
 def make_train_step(
@@ -192,7 +201,7 @@ def make_train_step(
     return step
 
 
-def jit_train_step(step: Callable, state: TrainState) -> Callable:
+def jit_train_step(step: Callable, state: TrainState) -> Any:
     """jit with the state donated and kept in its current shardings."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))

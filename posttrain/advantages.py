@@ -20,7 +20,7 @@ trains (advantage 0, `trainable` False: no policy or KL tokens), and it is
 counted in `failed_groups`. A group whose rewards are all equal carries no
 policy signal (every advantage is 0 under any estimator): its policy term is
 masked out (`keep`) and counted; it still carries the KL term when there is
-one (`rl.kl_every_token`).
+one (`rl.loss.kl_every_token`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def group_advantages(
     if group_size < 2:
         raise ValueError(f"group advantages need group_size >= 2, got {group_size}")
     groups = r.reshape(-1, group_size)  # [P, G]
-    failed = ~np.isfinite(groups).all(axis=1)  # [P] a group with a failed item
+    failed = np.asarray(~np.isfinite(groups).all(axis=1))  # [P] a group with a failed item
     groups = np.where(failed[:, None], 0.0, groups)  # its values never enter the arithmetic
     mean = groups.mean(axis=1, keepdims=True)
     centered = groups - mean

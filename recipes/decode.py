@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
 
             if model is None:
                 model, _ = load_hf(hf_dir)
-            sampler = JaxSampler(model, tokenizer, max_model_len=max_len)
+            sampler: JaxSampler | VLLMSampler = JaxSampler(model, tokenizer, max_model_len=max_len)
         else:
             from core.config import RolloutConfig
             from rollout.vllm_sampler import VLLMSampler
@@ -87,8 +87,7 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         completions = sampler.generate(prompts, params)
         seconds = time.perf_counter() - start
-        if args.sampler == "vllm":
-            sampler.shutdown()
+        sampler.stop()
     for i, c in enumerate(completions):
         print(f"[{i // args.n}.{i % args.n}] ({c.finish_reason}, {len(c.token_ids)} tokens) {c.text!r}")
     n_tokens = sum(len(c.token_ids) for c in completions)

@@ -1,14 +1,14 @@
 """GRPO / GSPO (and the DAPO, Dr.GRPO, RLOO variants) on a prompt dataset with reward-function plugins.
 
     python -m recipes.grpo [CONFIG.yml] [key=value ...]
-    python -m recipes.grpo recipes/configs/grpo_tiny.yml rl.num_generations=8
-    python -m recipes.grpo recipes/configs/grpo_tiny.yml rl.algorithm=gspo rl.loss_agg=sequence-mean-token-mean
+    python -m recipes.grpo recipes/configs/grpo_tiny.yml rl.batch.num_generations=8
+    python -m recipes.grpo recipes/configs/grpo_tiny.yml rl.algorithm=gspo rl.loss.loss_agg=sequence-mean-token-mean
     python -m recipes.grpo recipes/configs/grpo_tiny.yml rl.off_policy_steps=1     # async
 
 The textbook GRPO step (Shao et al., 2024) with the choices of docs/grpo.md:
 group-normalised advantages, PPO clipping, token-mean loss, no KL unless
-`rl.beta > 0`, and truncated importance sampling against the sampler's
-log-probs. The policy starts from `rl.policy_path` (an HF directory or a
+`rl.loss.beta > 0`, and truncated importance sampling against the sampler's
+log-probs. The policy starts from `checkpoint.init_from` (an HF directory or a
 Temper checkpoint) or, without one, from a random init with a tokenizer
 trained on the prompts (the tiny CI config). Inside `ray job submit` it
 attaches to the running cluster; otherwise it starts a local one.
@@ -20,23 +20,25 @@ import sys
 from pathlib import Path
 
 from core.cli import run_recipe
-from core.config_loader import config_from_argv
+from core.config_loader import ConfigError, config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, DEFAULT_CONFIG)
-    if cfg.rl.policy_path is None and cfg.data.tokenizer_dir is None:
+    if cfg.checkpoint.init_from is None and cfg.data.tokenizer_dir is None:
         from core.data import load_records
         from core.tokenizer import tokenizer_for_run
 
+        if cfg.data.source is None:
+            raise ConfigError("data.source is not set (the prompt dataset)")
         records = load_records(cfg.data.source, cfg.data)
         texts = (f"{r.get('question', '')} {r.get('answer', '')}" for r in records)
         tok = tokenizer_for_run(None, texts, cfg.run.run_dir, cfg.model.vocab_size)
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer_dir": tok})})
 
-    from posttrain.grpo import run_grpo
+    from posttrain.onpolicy.loop import run_grpo
 
     summary = run_grpo(cfg)
     print(

@@ -155,11 +155,12 @@ def main(argv: list[str]) -> int:
     texts = (json.loads(line)["text"] for line in Path(corpus).read_text().splitlines())
     tokenizer = tokenizer_for_run(None, texts, out, 512)
 
-    from recipes.pretrain import main as train_main
+    from recipes.pretrain import main as pretrain_main
+    from recipes.sft import main as sft_main
 
     print("== 3/5 pretraining", flush=True)
     _check(
-        train_main(
+        pretrain_main(
             [
                 str(CONFIGS / "pretrain.yml"),
                 f"run.run_dir={out / 'pretrain'}",
@@ -172,7 +173,7 @@ def main(argv: list[str]) -> int:
     )
     print("== 4/5 fine-tuning on formatted solutions", flush=True)
     _check(
-        train_main(
+        sft_main(
             [
                 str(CONFIGS / "sft.yml"),
                 f"run.run_dir={out / 'sft'}",
@@ -187,13 +188,13 @@ def main(argv: list[str]) -> int:
 
     print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
-    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.loop import GRPORun
 
     overrides = [
         f"run.run_dir={out / 'grpo'}",
         f"data.source={rl}",
         f"data.tokenizer_dir={tokenizer}",
-        f"rl.policy_path={out / 'sft' / 'hf'}",
+        f"checkpoint.init_from={out / 'sft' / 'hf'}",
         *seed(2),
         *steps(args.grpo_steps),
         *steps(args.eval_prompts, "rl.eval_prompts"),

@@ -36,7 +36,8 @@ def _as_numbers(out: Any, n: int) -> tuple[list[float | None], str | None]:
         return [None] * n, f"returned {type(out).__name__}, not a list of floats"
     if len(out) != n:
         return [None] * n, f"returned {len(out)} values for {n} completions"
-    values, first = [], None
+    values: list[float | None] = []
+    first: str | None = None
     for i, v in enumerate(out):
         try:
             x = float(v)
@@ -66,7 +67,7 @@ def _worker_main(conn) -> None:
             out = resolve(spec)(prompts, completions, **{**columns, **kwargs})
             reply = ("ok", *_as_numbers(out, len(completions)))
         except BaseException as e:
-            reply = ("error", None, f"{type(e).__name__}: {e}")
+            reply = ("error", [], f"{type(e).__name__}: {e}")
         conn.send(reply)
 
 
@@ -135,7 +136,7 @@ class WorkerPool:
             for conn in ready:
                 worker, lo, hi = pending.pop(conn)
                 try:
-                    status, shard_values, message = conn.recv()
+                    status, shard_values, message = worker.conn.recv()
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)
                     code = worker.process.exitcode

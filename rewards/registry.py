@@ -87,6 +87,8 @@ def resolve(spec: str) -> RewardFunction:
         if not path.is_file():
             raise _unknown(spec, f"file {path} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"temper_reward_{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise _unknown(spec, f"file {path} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)

@@ -97,7 +97,8 @@ def _std(x: np.ndarray) -> float:
 
 def function_names(specs: Sequence[str]) -> list[str]:
     """Short unique labels for metrics: the built-in or function name, suffixed when repeated."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for spec in specs:
         base = spec.rsplit(":", 1)[-1]
         seen[base] = seen.get(base, 0) + 1

@@ -129,7 +129,9 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 
 class JaxSampler:
-    """Generation on the core model, on its own mesh (single-controller mode)."""
+    """Generation on the core model, on its own mesh (single-controller mode); a `rollout.sampler.Sampler`."""
+
+    remote = False
 
     def __init__(
         self,
@@ -191,6 +193,16 @@ class JaxSampler:
             self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
             for i in range(len(rows))
         ]
+
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        """Generates now (in this process): the ticket is the completions."""
+        return self.generate(prompts, params)
+
+    def result(self, ticket: list[Completion]) -> list[Completion]:
+        return ticket
+
+    def stop(self) -> None:
+        """Nothing to release: the parameters are the trainer's to free."""
 
     def _completion(self, prompt, tokens, logps, stopped, params) -> Completion:
         ids = [int(t) for t in tokens]

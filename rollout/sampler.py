@@ -83,11 +83,29 @@ def sample_seeds(params: SamplingParams, num_prompts: int) -> list[list[int]] | 
 
 
 class Sampler(Protocol):
+    """What the RL loop needs of a sampler (`rollout.jax_sampler.JaxSampler`, `rollout.vllm_actor.RemoteVLLMSampler`).
+
+    `remote` says where it runs and so how weights reach it: False, in the trainer's process (weights
+    resharded as JAX arrays, `rollout.weight_sync.reshard_to_jax_sampler`); True, a Ray actor (weights
+    streamed as HF-named host chunks, `sync_to_vllm`; a failure of the actor can be met by restarting it).
+    """
+
+    remote: bool
     policy_version: int
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]: ...
 
-    def update_weights(self, *args: Any, **kwargs: Any) -> None: ...
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> Any:
+        """Start generating; `result(ticket)` returns the completions (a local sampler may finish here)."""
+        ...
+
+    def result(self, ticket: Any) -> list[Completion]: ...
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def stop(self) -> None:
+        """Release the engine (a failed one may still hold its memory)."""
+        ...
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -103,7 +121,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]
                 "input_ids"
             ]
         else:
-            ids = [int(t) for t in p]
+            ids = [int(t) for t in p]  # type: ignore[arg-type]  # token ids
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         out.append(list(ids))

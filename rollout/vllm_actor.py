@@ -25,6 +25,7 @@ from rollout.sampler import Completion, Prompt, SamplingParams
 
 
 class RemoteVLLMSampler:
+    remote = True  # a `rollout.sampler.Sampler` on a Ray actor
     """Client side of a `VLLMSampler` running in a Ray actor; implements the Sampler protocol."""
 
     def __init__(self, handle, timeout_s: float):
@@ -61,7 +62,7 @@ class RemoteVLLMSampler:
             .remote(model_dir, cfg, seed)
         )
         client = cls(actor, timeout_s)
-        client._get(actor.__ray_ready__.remote())  # surface start-up errors here
+        client._get(actor.__ray_ready__.remote())  # type: ignore[union-attr]  # surface start-up errors here
         return client
 
     def _get(self, ref):
@@ -70,9 +71,9 @@ class RemoteVLLMSampler:
         return ray.get(ref, timeout=self.timeout_s)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self.result(self.generate_async(prompts, params))
+        return self.result(self.submit(prompts, params))
 
-    def generate_async(self, prompts: Sequence[Prompt], params: SamplingParams):
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams):
         """Start generating; `result(ref)` waits for the completions (calls run in submission order)."""
         return self.handle.generate.remote(list(prompts), params)
 

@@ -102,7 +102,7 @@ class VLLMSampler:
             requests = [
                 ({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds) for s in row
             ]
-        outputs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        outputs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)  # type: ignore[arg-type]
         per_prompt = len(outputs) // len(prompt_ids)
         completions = []
         for k, out in enumerate(outputs):
@@ -110,7 +110,8 @@ class VLLMSampler:
             for c in out.outputs:
                 logprobs = None
                 if params.logprobs:
-                    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
+                    steps = c.logprobs or []  # requested: one {token: Logprob} per generated token
+                    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps)]  # type: ignore[index]
                 completions.append(
                     Completion(
                         prompt_ids=list(ids),
@@ -187,6 +188,8 @@ class VLLMSampler:
     def shutdown(self) -> None:
         """Stop the engine core (frees its shared memory)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+    stop = shutdown  # the name `rollout.sampler.Sampler` uses
 
 
 def _to_torch(array: np.ndarray):

@@ -118,8 +118,8 @@ def reshard_to_jax_sampler(
     problems = state_mismatches(sampler.params, params, check_dtype=False)  # dtypes are cast per tensor
     if problems:
         raise ValueError("trainer and sampler parameters differ; nothing copied:\n  " + "\n  ".join(problems))
-    src = dict(nnx.to_flat_state(params))
-    dst = dict(nnx.to_flat_state(sampler.params))
+    src: dict[Any, Any] = dict(nnx.to_flat_state(params))
+    dst: dict[Any, Any] = dict(nnx.to_flat_state(sampler.params))
     sampler_devices = set().union(*(v.get_value().sharding.device_set for v in dst.values()))
     baseline = _live_bytes(sampler_devices) if measure_memory else 0
     peak = 0

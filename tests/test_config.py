@@ -63,24 +63,27 @@ def test_fraction_sums_checked():
 def test_overrides_parse_types():
     cfg = load_config(
         overrides=[
-            "rl.num_generations=8",
+            "rl.batch.num_generations=8",
             "optim.learning_rate=1e-5",
             "model.scan_layers=false",
             "reward.functions=[{fn: gsm8k, weight: 0.5}]",
             "model.rope_scaling=null",
         ]
     )
-    assert cfg.rl.num_generations == 8
+    assert cfg.rl.batch.num_generations == 8
     assert cfg.optim.learning_rate == pytest.approx(1e-5)
     assert cfg.model.scan_layers is False
     assert cfg.reward.functions[0].fn == "gsm8k" and cfg.reward.functions[0].weight == 0.5
 
 
 def test_override_unknown_key_fails():
-    with pytest.raises(ConfigError, match=r"rl.num_generation'.*num_generations"):
-        load_config(overrides=["rl.num_generation=8"])
+    with pytest.raises(ConfigError, match=r"rl.batch.num_generation'.*did you mean num_generations"):
+        load_config(overrides=["rl.batch.num_generation=8"])
+    # a key of the flat RL section of old points to where it lives now
+    with pytest.raises(ConfigError, match=r"unknown key 'rl.num_generations': did you mean rl.batch.num_generations"):
+        load_config(overrides=["rl.num_generations=8"])
     with pytest.raises(ConfigError, match="not of the form"):
-        load_config(overrides=["rl.num_generations"])
+        load_config(overrides=["rl.batch.num_generations"])
 
 
 def test_base_config_inheritance_and_precedence(tmp_path):
@@ -138,21 +141,24 @@ def test_config_is_immutable():
 
 
 def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
-    gspo = load_config(overrides=["rl.algorithm=gspo"]).rl
+    gspo = load_config(overrides=["rl.algorithm=gspo"]).rl.loss
     assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_agg) == (3e-4, 4e-4, "sequence-mean-token-mean")
-    grpo = load_config().rl
+    grpo = load_config().rl.loss
     assert (grpo.epsilon, grpo.epsilon_high, grpo.loss_agg) == (0.2, 0.2, "token-mean")
     # what the user names wins, and epsilon_high follows an explicit epsilon
-    mine = load_config(overrides=["rl.algorithm=gspo", "rl.epsilon=1e-3", "rl.loss_agg=token-mean"]).rl
+    mine = load_config(overrides=["rl.algorithm=gspo", "rl.loss.epsilon=1e-3", "rl.loss.loss_agg=token-mean"]).rl.loss
     assert (mine.epsilon, mine.epsilon_high, mine.loss_agg) == (1e-3, 1e-3, "token-mean")
-    assert load_config(overrides=["rl.algorithm=gspo", "rl.epsilon_high=5e-4"]).rl.epsilon == 3e-4
-    assert load_config(overrides=["rl.epsilon=0.1"]).rl.epsilon_high == 0.1
+    assert load_config(overrides=["rl.algorithm=gspo", "rl.loss.epsilon_high=5e-4"]).rl.loss.epsilon == 3e-4
+    assert load_config(overrides=["rl.loss.epsilon=0.1"]).rl.loss.epsilon_high == 0.1
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["rl.epsilon=0.2", "rl.epsilon_high=0.1"], r"rl.epsilon_high \(0.1\) must be >= rl.epsilon \(0.2\)"),
+        (
+            ["rl.loss.epsilon=0.2", "rl.loss.epsilon_high=0.1"],
+            r"rl.loss.epsilon_high \(0.1\) must be >= rl.loss.epsilon \(0.2\)",
+        ),
         (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1, got 0"),
         (["rollout.top_k=-2"], r"rollout.top_k must be -1 \(off\) or >= 1, got -2"),
         (
@@ -160,17 +166,22 @@ def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
             r"rollout.max_tokens \(64\) must be < rollout.max_model_len \(64\)",
         ),
         (
-            ["rl.prompts_per_step=3", "rl.num_generations=2", "rl.mini_batches=2", "train.micro_batches=2"],
-            r"rl.prompts_per_step \* rl.num_generations \(3 \* 2 = 6\) must be divisible by rl.mini_batches \* "
-            r"train.micro_batches \(2 \* 2 = 4\)",
+            [
+                "rl.batch.prompts_per_step=3",
+                "rl.batch.num_generations=2",
+                "rl.batch.mini_batches=2",
+                "train.micro_batches=2",
+            ],
+            r"rl.batch.prompts_per_step \* rl.batch.num_generations \(3 \* 2 = 6\) must be divisible by "
+            r"rl.batch.mini_batches \* train.micro_batches \(2 \* 2 = 4\)",
         ),
         (
             ["rl.off_policy_steps=1", "rollout.sampler=jax"],
             r"rl.off_policy_steps=1 \(async\) needs rollout.sampler=vllm",
         ),
         (
-            ["rl.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"],
-            r"rl.pack_length \(64\) < rollout.max_model_len \(128\)",
+            ["rl.batch.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"],
+            r"rl.batch.pack_length \(64\) < rollout.max_model_len \(128\)",
         ),
     ],
 )

@@ -3,6 +3,7 @@
 import json
 
 import datasets
+import jax
 import numpy as np
 import pytest
 
@@ -16,6 +17,24 @@ def cfg(**kw):
     base = dict(seq_len=32, seed=0)
     base.update(kw)
     return DataConfig(**base)
+
+
+def as_rows(data):
+    """A DataBatch in the row layout: tokens, segment_ids, positions, example_ids `[B, L]`, and the target positions
+    of each row (position k is a target when the hidden state at k - 1 predicts it)."""
+    b = data.batch
+    length = b.tokens.shape[1]
+    targets = [
+        sorted(int(i) % length + 1 for i, m in zip(b.target_index[r], b.target_mask[r]) if m)
+        for r in range(b.tokens.shape[0])
+    ]
+    return {
+        "tokens": b.tokens,
+        "segment_ids": b.segment_ids,
+        "positions": b.positions,
+        "example_ids": data.example_ids,
+        "targets": targets,
+    }
 
 
 def rows_of(batch):
@@ -38,9 +57,10 @@ def test_packing_layout_matches_tokenizer(arithmetic_tokenizer):
 
     tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
     records = [{"text": t} for t in TEXTS]
-    batch = next(iter(make_pipeline(cfg(shuffle=False), 4, records=records, tokenizer_dir=arithmetic_tokenizer)))
-    assert set(batch) == {"tokens", "segment_ids", "positions", "loss_mask", "example_ids"}
+    data = next(iter(make_pipeline(cfg(shuffle=False), 4, records=records, tokenizer_dir=arithmetic_tokenizer)))
+    batch = as_rows(data)
     assert batch["tokens"].shape == (4, 32) and batch["tokens"].dtype == np.int32
+    assert data.batch.target_ids.shape == data.batch.target_index.shape == (4, 32)
     n_docs = 0
     for docs in rows_of(batch):
         for _seg, items in docs.items():
@@ -53,12 +73,23 @@ def test_packing_layout_matches_tokenizer(arithmetic_tokenizer):
             n_docs += 1
     assert n_docs > 4  # several documents were packed per row
     assert ((batch["segment_ids"] == 0) == (batch["example_ids"] == -1)).all()
+    # text: every token of a document but its first is a target, predicted from the token before it
+    seg = batch["segment_ids"]
+    for r in range(4):
+        want = [k for k in range(1, 32) if seg[r, k] > 0 and seg[r, k] == seg[r, k - 1]]
+        assert batch["targets"][r] == want
+        n = len(want)
+        np.testing.assert_array_equal(data.batch.target_ids[r, :n], batch["tokens"][r, want])
 
 
 def test_padding_mode(arithmetic_tokenizer):
     records = [{"text": t} for t in TEXTS]
-    batch = next(
-        iter(make_pipeline(cfg(packing=False, shuffle=False), 3, records=records, tokenizer_dir=arithmetic_tokenizer))
+    batch = as_rows(
+        next(
+            iter(
+                make_pipeline(cfg(packing=False, shuffle=False), 3, records=records, tokenizer_dir=arithmetic_tokenizer)
+            )
+        )
     )
     assert (batch["example_ids"][:, 0] == [0, 1, 2]).all()
     for r in range(3):
@@ -72,7 +103,7 @@ def test_shuffle_is_seeded_and_epochs_reshuffle(arithmetic_tokenizer):
 
     def first_ids(seed, n=30):
         it = iter(make_pipeline(cfg(packing=False, seed=seed), 2, records=records, tokenizer_dir=arithmetic_tokenizer))
-        return [int(x) for _ in range(n) for x in next(it)["example_ids"][:, 0]]
+        return [int(x) for _ in range(n) for x in next(it).example_ids[:, 0]]
 
     a, b, c = first_ids(0), first_ids(0), first_ids(1)
     assert a == b and a != c
@@ -92,8 +123,9 @@ def test_state_restores_exact_next_batch(arithmetic_tokenizer):
     fresh.set_state(state)
     for want in expected:
         got = next(fresh)
-        for key in want:
-            np.testing.assert_array_equal(got[key], want[key])
+        np.testing.assert_array_equal(got.example_ids, want.example_ids)
+        for a, b in zip(jax.tree.leaves(got.batch), jax.tree.leaves(want.batch)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_process_sharding_is_disjoint(arithmetic_tokenizer):
@@ -110,7 +142,7 @@ def test_process_sharding_is_disjoint(arithmetic_tokenizer):
         )
         assert pipe.num_rows == 20
         it = iter(pipe)
-        seen.append({int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]})
+        seen.append({int(x) for _ in range(5) for x in next(it).example_ids[:, 0]})
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 40
 
 
@@ -118,31 +150,78 @@ def test_eval_split_is_held_out_and_finite(arithmetic_tokenizer):
     records = [{"text": t} for t in TEXTS]
     c = cfg(eval_fraction=0.25, packing=False)
     ev = list(make_pipeline(c, 4, records=records, tokenizer_dir=arithmetic_tokenizer, split="eval"))
-    eval_ids = {int(x) for b in ev for x in b["example_ids"][:, 0]}
+    eval_ids = {int(x) for b in ev for x in b.example_ids[:, 0]}
     assert eval_ids == set(range(30, 40))
     it = iter(make_pipeline(c, 5, records=records, tokenizer_dir=arithmetic_tokenizer))
-    train_ids = {int(x) for _ in range(6) for x in next(it)["example_ids"][:, 0]}
+    train_ids = {int(x) for _ in range(6) for x in next(it).example_ids[:, 0]}
     assert train_ids == set(range(30))
 
 
-def test_chat_and_prompt_completion_masks(arithmetic_tokenizer):
+def test_chat_and_prompt_completion_targets(arithmetic_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
     chat = [{"messages": [{"role": "user", "content": "Calculate 1 + 2."}, {"role": "assistant", "content": "3"}]}]
-    b = next(
+    data = next(
         iter(make_pipeline(cfg(format="chat", packing=False), 1, records=chat * 2, tokenizer_dir=arithmetic_tokenizer))
     )
-    n = int(b["segment_ids"][0].sum())
-    assert 0 < b["loss_mask"][0, :n].sum() < n  # only the assistant answer carries loss
+    b = as_rows(data)
+    # only the assistant answer and its end-of-turn token are targets
+    assert tok.decode(b["tokens"][0, b["targets"][0]]) == "3<|im_end|>"
     pc = [{"prompt": "Calculate 1 + 2.", "completion": " 3"}]
-    b = next(
+    data = next(
         iter(
             make_pipeline(
                 cfg(format="prompt_completion", packing=False), 1, records=pc * 2, tokenizer_dir=arithmetic_tokenizer
             )
         )
     )
-    mask = b["loss_mask"][0]
-    n = int(b["segment_ids"][0].sum())
-    assert mask[0] == 0 and mask[n - 1] == 1 and 0 < mask[:n].sum() < n
+    b = as_rows(data)
+    assert tok.decode(b["tokens"][0, b["targets"][0]]) == " 3<|endoftext|>"  # the completion and EOS
+    everything = as_rows(
+        next(
+            iter(
+                make_pipeline(
+                    cfg(format="prompt_completion", packing=False),
+                    1,
+                    records=pc * 2,
+                    tokenizer_dir=arithmetic_tokenizer,
+                    completion_only=False,
+                )
+            )
+        )
+    )
+    n = int(everything["segment_ids"][0].sum())
+    assert everything["targets"][0] == list(range(1, n))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_truncation_side_and_rows_left_without_targets(arithmetic_tokenizer, side):
+    """A long prompt cut to data.seq_len: on the right it loses its completion (no target left: an error naming the
+    row, or skipped and counted), on the left it keeps the completion."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    rows = [
+        {"prompt": "Calculate 1 + 2. " * 10, "completion": " 3"},
+        {"prompt": "Calculate 2 + 2.", "completion": " 4"},
+    ]
+    c = cfg(format="prompt_completion", packing=False, shuffle=False, seq_len=16, truncation_side=side)
+    if side == "right":
+        with pytest.raises(
+            MalformedRow,
+            match=r"row 0: no target token left \(16 tokens after truncation to "
+            r"data.seq_len=16 on the right",
+        ):
+            make_pipeline(c, 1, records=rows, tokenizer_dir=arithmetic_tokenizer)
+        pipe = make_pipeline(
+            c.model_copy(update={"skip_malformed": True}), 1, records=rows, tokenizer_dir=arithmetic_tokenizer
+        )
+        assert pipe.num_rows == 1 and "row 0: no target token left" in pipe.skipped[0]
+        return
+    b = as_rows(next(iter(make_pipeline(c, 1, records=rows, tokenizer_dir=arithmetic_tokenizer))))
+    assert tok.decode(b["tokens"][0, b["targets"][0]]) == " 3<|endoftext|>"  # the end kept, the prompt's start cut
+    assert int(b["segment_ids"][0].sum()) == 16
 
 
 def test_local_files_and_save_to_disk(tmp_path, arithmetic_tokenizer):
@@ -155,7 +234,7 @@ def test_local_files_and_save_to_disk(tmp_path, arithmetic_tokenizer):
     for source in (jsonl, tmp_path / "d.parquet", tmp_path / "disk"):
         c = cfg(source=str(source), tokenizer_dir=arithmetic_tokenizer, packing=False, shuffle=False)
         assert [r["text"] for r in load_records(str(source), c)] == TEXTS[:10]
-        assert next(iter(make_pipeline(c, 2)))["tokens"].shape == (2, 32)
+        assert next(iter(make_pipeline(c, 2))).batch.tokens.shape == (2, 32)
 
 
 def test_reasoning_gym_source():
@@ -186,7 +265,7 @@ def test_malformed_row_named_or_skipped(arithmetic_tokenizer, row, field, what):
     )
     assert pipe.num_rows == 10 and len(pipe.skipped) == 1 and "row 5" in pipe.skipped[0]
     it = iter(pipe)
-    ids = [int(x) for _ in range(5) for x in next(it)["example_ids"][:, 0]]
+    ids = [int(x) for _ in range(5) for x in next(it).example_ids[:, 0]]
     assert sorted(ids) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]  # one epoch, row 5 skipped
 
 

@@ -70,8 +70,8 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
     which a random tiny model can learn) goes up over the 8 steps."""
     import ray
 
-    from posttrain.cluster import TrainerUnavailable
-    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.loop import GRPORun
+    from posttrain.trainer import TrainerUnavailable
 
     cfg = tiny_cfg(
         tmp_path / "run",
@@ -157,7 +157,7 @@ def _kill_tree(pid):
 
 
 def test_staleness_check_refuses_old_completions():
-    from posttrain.grpo import StalenessError, check_staleness
+    from posttrain.onpolicy.loop import StalenessError, check_staleness
     from rollout.sampler import Completion
 
     batch = [Completion([1], [2], [0.0], "stop", "x", policy_version=v) for v in (3, 4)]

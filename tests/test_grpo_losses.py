@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from posttrain.advantages import group_advantages
-from posttrain.losses import PolicyLossSettings, kl_penalty, policy_loss
+from posttrain.losses.kl import kl_penalty
+from posttrain.losses.policy import PolicyLossSettings, policy_loss
 
 AGGS = ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
 
@@ -280,7 +281,7 @@ def test_all_truncated_group_and_zero_advantages():
 
 def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
     logp, old, _, _, adv, mask, _ = _data(3)
-    from posttrain.losses import importance_ratio
+    from posttrain.losses.policy import importance_ratio
 
     ratio = np.asarray(importance_ratio(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(mask), "gspo"))
     for i in range(len(adv)):
@@ -353,7 +354,7 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
         n = min(int(rng.integers(8, t + 1)) - len(prompt), max_tokens)
         comps.append(Completion(prompt, list(rng.integers(3, vocab, n)), None, "stop", ""))
     keep = np.arange(rows) >= 2
-    # the masked group still carries the KL term (rl.kl_every_token), so every micro-batch has KL-only tokens
+    # the masked group still carries the KL term (rl.loss.kl_every_token), so every micro-batch has KL-only tokens
     batch = build_rl_batch(
         comps,
         rng.normal(size=rows).astype(np.float32),
@@ -364,15 +365,13 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
         pack=pack,
         kl_keep=np.ones(rows, bool),
     )
-    done = batch.pop("completion_mask")
+    done = batch.packed.target_mask
     old = (-rng.uniform(4, 8, done.shape) * done).astype(np.float32)
-    return {
-        **batch,
-        "completion_mask": done,
-        "old_logp": old,
-        "sampler_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
-        "ref_logp": (old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
-    }
+    return batch.replace(
+        old_logp=old,
+        sampler_logp=(old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
+        ref_logp=(old + rng.normal(0, 0.1, old.shape) * done).astype(np.float32),
+    )
 
 
 @pytest.mark.parametrize("algorithm,agg", [("grpo", a) for a in AGGS] + [("gspo", "sequence-mean-token-mean")])
@@ -383,10 +382,10 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
     from core.models import create_model
     from core.optim import make_optimizer
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
-    from posttrain.objective import make_policy_objective
+    from posttrain.grpo import policy_objective
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, beta=0.05, tis_cap=2.0, max_tokens=19)
-    loss_fn = make_policy_objective(settings, temperature=0.7)
+    loss_fn = policy_objective(settings, temperature=0.7)
     sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
     results, start = [], None
     # one row per sequence in one micro-batch vs sequences packed four groups' worth of rows, 4 micro-batches
@@ -399,7 +398,7 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(batch, k))
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
-    assert len(batch["tokens"]) < len(batch["advantages"])  # the packed batch really shares rows
+    assert len(batch.packed.tokens) < len(batch.advantages)  # the packed batch really shares rows
     (p1, m1), (p4, m4) = results
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), abs=1e-6)
     assert float(m1["grad_norm"]) > 0
@@ -427,19 +426,21 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     from core.config import ModelConfig, OptimConfig
     from core.models import create_model
     from core.optim import make_optimizer
+    from core.targets import target_logprobs
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
-    from posttrain.learner import summarise_updates
-    from posttrain.objective import make_policy_objective, target_logprobs
+    from posttrain.grpo import policy_objective, summarise_updates
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
-    loss_fn = make_policy_objective(settings, temperature=0.7)
+    loss_fn = policy_objective(settings, temperature=0.7)
     # the same sequences packed for 1 and for 4 micro-batches; the masked group's tokens still count for the
     # mismatch (completion_mask)
     batches = {k: _rl_batch(groups=k) for k in (1, 4)}
     sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
     model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
-    mask = batches[1]["completion_mask"]
-    trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batches[1])) * (mask > 0)
+    mask = batches[1].packed.target_mask
+    trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batches[1].packed)) * (
+        mask > 0
+    )
     sampler_logp = (
         trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape) * mask
     ).astype(np.float32)
@@ -450,9 +451,8 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
         tx = make_optimizer(sgd, 10, nnx.state(model))
         graphdef, state = init_train_state(model, tx, seed=0)
         start = jax.device_get(state.params)
-        b = {key: v for key, v in batches[k].items() if key not in ("old_logp", "ref_logp")}
-        b["sampler_logp"] = sampler_logp
-        inputs = dict(b, old_logp=trainer_logp.astype(np.float32)) if name == "separate" else b
+        b = batches[k].replace(old_logp=None, ref_logp=None, sampler_logp=sampler_logp)
+        inputs = b.replace(old_logp=trainer_logp.astype(np.float32)) if name == "separate" else b
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(inputs, k))
         metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
@@ -470,7 +470,7 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
 def test_pass_at_k_matches_enumeration():
     from itertools import combinations
 
-    from posttrain.evaluation import majority_correct, pass_at_k
+    from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
 
     for n in range(1, 7):
         for c in range(n + 1):

@@ -9,12 +9,14 @@ import pytest
 
 from core.config_loader import load_config
 from core.data import MalformedRow
+from core.packing import round_rows
 from core.shapes import SizeCache
-from posttrain.cluster import placement_bundles
-from posttrain.prompts import PromptStream, columns_of, prompt_rows, render_prompt
-from posttrain.rl_batch import build_rl_batch, round_rows
-from posttrain.sampling import SamplerFailed, SamplerGroup, SamplerInputError
+from posttrain.onpolicy.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from posttrain.rl_batch import build_rl_batch
+from rollout.group import SamplerFailed, SamplerGroup, SamplerInputError
+from rollout.placement import placement_bundles
 from rollout.sampler import Completion, SamplingParams
+from tests.helpers import recording_sgd
 
 
 def test_rl_batch_layout():
@@ -25,17 +27,17 @@ def test_rl_batch_layout():
     ]
     adv, keep = np.array([1.0, -1.0, 0.5]), np.array([True, True, False])
     batch = build_rl_batch(comps, adv, keep, row_len=8, max_tokens=3, pack=False)
-    np.testing.assert_array_equal(batch["tokens"][0], [5, 6, 7, 8, 9, 0, 0, 0])
-    np.testing.assert_array_equal(batch["segment_ids"][1], [1, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch.packed.tokens[0], [5, 6, 7, 8, 9, 0, 0, 0])
+    np.testing.assert_array_equal(batch.packed.segment_ids[1], [1, 1, 1, 1, 0, 0, 0, 0])
     # completion token j of row i is predicted at position prompt_len - 1 + j of row i
-    np.testing.assert_array_equal(batch["target_index"][0, :2], [2, 3])
-    np.testing.assert_array_equal(batch["target_index"][1], [8, 9, 10])
-    np.testing.assert_array_equal(batch["loss_mask"][0], [1, 1, 0])
-    np.testing.assert_array_equal(batch["sampler_logp"][0], [-0.5, -0.25, 0])
-    np.testing.assert_array_equal(batch["loss_mask"][1], [1, 1, 1])
-    assert not batch["loss_mask"][2].any() and batch["completion_mask"][2].sum() == 1  # not kept, still counted
+    np.testing.assert_array_equal(batch.packed.target_index[0, :2], [2, 3])
+    np.testing.assert_array_equal(batch.packed.target_index[1], [8, 9, 10])
+    np.testing.assert_array_equal(batch.loss_mask[0], [1, 1, 0])
+    np.testing.assert_array_equal(batch.sampler_logp[0], [-0.5, -0.25, 0])
+    np.testing.assert_array_equal(batch.loss_mask[1], [1, 1, 1])
+    assert not batch.loss_mask[2].any() and batch.packed.target_mask[2].sum() == 1  # not kept, still counted
     masked = build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=8, max_tokens=3, mask_truncated=True)
-    assert not masked["loss_mask"][1].any()  # DAPO: truncated completions add no loss tokens
+    assert not masked.loss_mask[1].any()  # DAPO: truncated completions add no loss tokens
     with pytest.raises(ValueError, match="completion 0: prompt 3 \\+ completion 2 tokens > row length 4"):
         build_rl_batch(comps, np.zeros(3), np.ones(3, bool), row_len=4, max_tokens=3)
     with pytest.raises(ValueError, match="completion 1: .*completion 3 > max_tokens 2"):
@@ -54,16 +56,16 @@ def test_completions_share_their_prompt():
         Completion([1, 2], [6, 6], [-0.1, -0.2], "stop", ""),
     ]
     batch = build_rl_batch(comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2)
-    np.testing.assert_array_equal(batch["tokens"], [[5, 6, 7, 8, 9, 4, 0, 0], [1, 2, 3, 6, 6, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["positions"][0], [0, 1, 2, 3, 4, 3, 0, 0])
-    np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 1, 1, 1, 0, 0])
-    np.testing.assert_array_equal(batch["branch_ids"][0], [0, 0, 0, 1, 1, 2, 0, 0])
-    np.testing.assert_array_equal(batch["target_index"], [[2, 3], [2, 0], [1, 0], [1, 3]])  # local to each group
-    np.testing.assert_array_equal(batch["target_ids"], [[8, 9], [4, 0], [3, 0], [6, 6]])
+    np.testing.assert_array_equal(batch.packed.tokens, [[5, 6, 7, 8, 9, 4, 0, 0], [1, 2, 3, 6, 6, 0, 0, 0]])
+    np.testing.assert_array_equal(batch.packed.positions[0], [0, 1, 2, 3, 4, 3, 0, 0])
+    np.testing.assert_array_equal(batch.packed.segment_ids[0], [1, 1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(batch.packed.branch_ids[0], [0, 0, 0, 1, 1, 2, 0, 0])
+    np.testing.assert_array_equal(batch.packed.target_index, [[2, 3], [2, 0], [1, 0], [1, 3]])  # local to each group
+    np.testing.assert_array_equal(batch.packed.target_ids, [[8, 9], [4, 0], [3, 0], [6, 6]])
     unshared = build_rl_batch(
         comps, np.zeros(4), np.ones(4, bool), row_len=8, max_tokens=2, groups=2, share_prompts=False
     )
-    assert (unshared["segment_ids"] > 0).sum() == 16 and (batch["segment_ids"] > 0).sum() == 11
+    assert (unshared.packed.segment_ids > 0).sum() == 16 and (batch.packed.segment_ids > 0).sum() == 11
 
 
 @pytest.mark.parametrize("extra_rows,share", [(0, False), (2, False), (0, True), (2, True)])
@@ -92,19 +94,19 @@ def test_packed_rl_batch_holds_every_sequence_once(extra_rows, share):
         choose_rows=lambda n: round_rows(n, 2) + extra_rows,
         share_prompts=share,
     )
-    rows = len(batch["tokens"])
+    rows = len(batch.packed.tokens)
     assert rows % (groups * 2) == 0 and (extra_rows or rows < 32)  # several sequences share a row
     per_group, seqs = rows // groups, 32 // groups
     for i, c in enumerate(comps):
         g, n, p = i // seqs, len(c.token_ids), len(c.prompt_ids)
         part = slice(g * per_group, (g + 1) * per_group)
         flat, seg, pos, branch = (
-            batch[k][part].reshape(-1) for k in ("tokens", "segment_ids", "positions", "branch_ids")
+            getattr(batch.packed, k)[part].reshape(-1) for k in ("tokens", "segment_ids", "positions", "branch_ids")
         )
-        idx = batch["target_index"][i, :n]
-        np.testing.assert_array_equal(batch["target_ids"][i, :n], c.token_ids)
-        np.testing.assert_allclose(batch["sampler_logp"][i, :n], c.logprobs, rtol=1e-6)
-        assert batch["completion_mask"][i].sum() == n
+        idx = batch.packed.target_index[i, :n]
+        np.testing.assert_array_equal(batch.packed.target_ids[i, :n], c.token_ids)
+        np.testing.assert_allclose(batch.sampler_logp[i, :n], c.logprobs, rtol=1e-6)
+        assert batch.packed.target_mask[i].sum() == n
         if not n:
             continue
         row, segment = idx[0] // row_len, seg[idx[0]]
@@ -120,8 +122,8 @@ def test_packed_rl_batch_holds_every_sequence_once(extra_rows, share):
             np.testing.assert_array_equal(pos[span], p + np.arange(n))
             assert (seg[span] == segment).all() and len(set(branch[span])) == 1 and branch[span][0] > 0
     completion_tokens = sum(len(c.token_ids) for c in comps)
-    prompt_tokens = ((batch["segment_ids"] > 0) & (batch["branch_ids"] == 0)).sum()
-    assert (batch["branch_ids"] > 0).sum() == completion_tokens  # no completion token lost or doubled
+    prompt_tokens = ((batch.packed.segment_ids > 0) & (batch.packed.branch_ids == 0)).sum()
+    assert (batch.packed.branch_ids > 0).sum() == completion_tokens  # no completion token lost or doubled
     if share:  # fewer prompt copies than completions
         assert prompt_tokens < sum(len(c.prompt_ids) for c in comps)
     else:  # one prompt copy per completion
@@ -202,11 +204,13 @@ class _FakeRemote:
     """A sampler with the Ray client's surface: `fail` (an exception or None) makes `result` / `update_weights`
     raise it, as a dead actor (RayActorError) or a failing engine (RayTaskError) would."""
 
+    remote = True
+
     def __init__(self, tag, fail=None, fail_sync=None):
         self.tag, self.fail, self.fail_sync, self.policy_version = tag, fail, fail_sync, 0
         self.killed, self.offsets = False, []
 
-    def generate_async(self, prompts, params):
+    def submit(self, prompts, params):
         self.offsets.append(params.prompt_offset)
         return list(prompts)
 
@@ -216,7 +220,7 @@ class _FakeRemote:
         return [Completion([], [], None, "stop", f"{self.tag}:{p}") for p in ref]
 
     def generate(self, prompts, params):
-        return self.result(self.generate_async(prompts, params))
+        return self.result(self.submit(prompts, params))
 
     def push(self):
         if self.fail_sync is not None:
@@ -285,7 +289,7 @@ def test_sampler_group_sync_replaces_a_sampler_that_died_since():
 
 
 def _jax_run(tmp_path, tokenizer, *overrides):
-    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.loop import GRPORun
 
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
@@ -308,14 +312,14 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
         tmp_path,
         arithmetic_tokenizer,
         "reward.functions=[{fn: tests.reward_plugins:char_count}]",
-        "rl.num_iterations=2",
-        "rl.mini_batches=2",
+        "rl.batch.num_iterations=2",
+        "rl.batch.mini_batches=2",
         "optim.learning_rate=1.0e-2",
     )
     try:
         seen = []
         run.run(on_step=lambda r, step, m: seen.append(m))
-        assert int(run.trainer.target.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
+        assert int(run.trainer.target.learner.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
         # Later updates of a step see a policy that already moved: pi_theta != pi_old, so ratios leave 1.
         assert any(m["clip_fraction"] > 0 for m in seen)
     finally:
@@ -328,8 +332,8 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
         tmp_path,
         arithmetic_tokenizer,
         "reward.functions=[{fn: tests.reward_plugins:by_prompt_length}]",
-        "rl.dynamic_sampling=true",
-        "rl.max_sampling_rounds=3",
+        "rl.batch.dynamic_sampling=true",
+        "rl.batch.max_sampling_rounds=3",
     )
     try:
         seen = []
@@ -345,7 +349,7 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
 def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, arithmetic_tokenizer):
     """A reward function that fails on a group's items: that group has no policy or KL token in the batch the
     trainer gets, and the step counts it (reward/failed_groups); the other groups train."""
-    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.loop import GRPORun
 
     batches = []
 
@@ -364,7 +368,7 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
             "checkpoint.enabled=false",
             "checkpoint.export_hf=false",
             "train.steps=2",
-            "rl.beta=0.05",
+            "rl.loss.beta=0.05",
             "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]",
             "rl.accuracy_fn=tests.reward_plugins:char_count",
         ],
@@ -376,12 +380,12 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
     finally:
         run.close()
     assert (tmp_path / "run" / "config.yaml").is_file()  # the resolved config, as pretraining writes it
-    g = cfg.rl.num_generations
+    g = cfg.rl.batch.num_generations
     for batch, m in zip(batches, seen):
-        assert m["reward/failed_groups"] == 1 and m["reward/failure_rate"] == g / len(batch["advantages"])
-        assert not batch["loss_mask"][:g].any() and not batch["kl_mask"][:g].any()
-        assert batch["completion_mask"][:g].any() and batch["loss_mask"][g:].any() and batch["kl_mask"][g:].any()
-        assert not batch["advantages"][:g].any() and np.isfinite(m["loss"])
+        assert m["reward/failed_groups"] == 1 and m["reward/failure_rate"] == g / len(batch.advantages)
+        assert not batch.loss_mask[:g].any() and not batch.kl_mask[:g].any()
+        assert batch.packed.target_mask[:g].any() and batch.loss_mask[g:].any() and batch.kl_mask[g:].any()
+        assert not batch.advantages[:g].any() and np.isfinite(m["loss"])
 
 
 @pytest.mark.integration
@@ -393,7 +397,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     import jax
 
     from core.loop import NonFiniteLoss
-    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.loop import GRPORun
 
     class NaNAtStep2(GRPORun):
         calls = 0
@@ -402,7 +406,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
             batch = super()._batch(completions, adv)
             NaNAtStep2.calls += 1
             if NaNAtStep2.calls == 2:
-                batch["advantages"][:] = np.nan
+                batch.advantages[:] = np.nan
             return batch
 
     cfg = load_config(
@@ -464,17 +468,6 @@ def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
     assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's choice stands
 
 
-def recording_sgd(learning_rate: float):
-    """SGD whose state is the last gradient it was given, so a test can read every update's gradient."""
-    import jax
-    import optax
-
-    def update(grads, state, params=None):
-        return jax.tree.map(lambda g: -learning_rate * g, grads), grads
-
-    return optax.GradientTransformation(lambda params: jax.tree.map(jax.numpy.zeros_like, params), update)
-
-
 def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
     """The learner's whole step — pi_old and reference passes, 2 iterations x 2 mini-batches x 2 micro-batches,
     the KL on the zero-variance group's tokens too — computes the same loss and gradient at every one of its 4
@@ -484,11 +477,17 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
 
     from core.mesh import single_device_mesh
     from core.models import create_model
-    from posttrain.learner import PolicyLearner
+    from posttrain.grpo import GRPOLearner
 
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
-        ["rl.num_iterations=2", "rl.mini_batches=2", "train.micro_batches=2", "rl.beta=0.05", "rollout.max_tokens=6"],
+        [
+            "rl.batch.num_iterations=2",
+            "rl.batch.mini_batches=2",
+            "train.micro_batches=2",
+            "rl.loss.beta=0.05",
+            "rollout.max_tokens=6",
+        ],
     )
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]  # 4 prompts x 4 completions
@@ -514,23 +513,24 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
             share_prompts=share,
             kl_keep=np.ones(16, bool),
         )
-        assert (batch["branch_ids"] > 1).any() == share
+        assert (batch.packed.branch_ids > 1).any() == share
         mesh = single_device_mesh()
         with jax.set_mesh(mesh):
             model = create_model(cfg.model, mesh, seed=0)
-        learner = PolicyLearner(cfg, model, mesh, total_steps=1, tx=recording_sgd(0.1))
-        updates, step = [], learner._step
+        learner = GRPOLearner(cfg, model, mesh, total_steps=1, tx=recording_sgd(0.1))
+        core, updates = learner.learner, []
+        update = core.update
 
-        def recorded(state, micro, step=step, updates=updates):
-            state, metrics = step(state, micro)
-            updates.append((float(metrics["loss"]), jax.device_get(state.opt_state)))
-            return state, metrics
+        def recorded(batch, micro_batches, core=core, update=update, updates=updates):
+            metrics = update(batch, micro_batches)
+            updates.append((metrics["loss"], jax.device_get(core.state.opt_state)))
+            return metrics
 
-        learner._step = recorded
+        core.update = recorded
         metrics = learner.train(batch)
         assert np.isfinite(metrics["loss"]) and metrics["clip_fraction"] > 0 and len(updates) == 4
         runs[pack, share] = updates
-    assert len(build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4)["tokens"]) < 16
+    assert len(build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4).packed.tokens) < 16
     for packed in ((True, False), (True, True)):
         for u, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(runs[False, False], runs[packed])):
             assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7), (packed, u)

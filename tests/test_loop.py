@@ -1,5 +1,6 @@
 """The training loop: hook cadence, non-finite policies, SIGTERM, run-directory artifacts."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 
 from core.config_loader import load_config
-from core.data import make_pipeline
+from core.data import DataBatch, make_pipeline
+from core.learner import Learner
 from core.loop import NonFiniteLoss, Trainer
+from core.losses import nll_loss
 from core.mesh import make_mesh
 from core.models import create_model
-from core.objectives import next_token_loss
 
 RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
 
@@ -44,26 +46,36 @@ def config(tmp_path, *overrides):
     )
 
 
-def trainer(cfg, tokenizer, loss_fn=next_token_loss, on_batch=None):
+POISON = 511  # a token id the poisoned loss turns into NaN
+
+
+def trainer(cfg, tokenizer, loss_fn=nll_loss, on_batch=None, poison=False):
+    """A Trainer on RECORDS; with `poison`, the batch holding example 4 (step 3 with batch 2, no shuffle) carries
+    the POISON token, inside the (checkpointable) Grain pipeline."""
     mesh = make_mesh(cfg.mesh)
     model = create_model(cfg.model, mesh)
+    learner = Learner(model, mesh, loss_fn, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
     data = make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer)
+    if poison:
+        data.dataset = data.dataset.map(poisoned)
     eval_fn = lambda: make_pipeline(
-        cfg.data,
-        cfg.train.batch_size,
-        records=RECORDS,
-        tokenizer_dir=tokenizer,
-        split="eval",
+        cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer, split="eval"
     )
-    return Trainer(
-        cfg, model, loss_fn, data, mesh=mesh, eval_data_fn=eval_fn, tokenizer_dir=tokenizer, on_batch=on_batch
-    )
+    return Trainer(cfg, learner, data, eval_data_fn=eval_fn, tokenizer_dir=tokenizer, on_batch=on_batch)
+
+
+def poisoned(data: DataBatch) -> DataBatch:
+    if (data.example_ids == 4).any():
+        tokens = data.batch.tokens.copy()
+        tokens[0, 0] = POISON
+        data = DataBatch(dataclasses.replace(data.batch, tokens=tokens), data.example_ids)
+    return data
 
 
 def poisoned_loss(model, batch, rng):
-    """NaN whenever example 4 is in the batch (step 3 with batch 2, no shuffle)."""
-    loss, m = next_token_loss(model, batch, rng)
-    return loss * jnp.where((batch["example_ids"] == 4).any(), jnp.nan, 1.0), m
+    """NaN whenever the batch carries the POISON token."""
+    loss, m = nll_loss(model, batch, rng)
+    return loss * jnp.where((batch.tokens == POISON).any(), jnp.nan, 1.0), m
 
 
 def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
@@ -92,7 +104,7 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
 
 def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
     cfg = config(tmp_path, "checkpoint.every_steps=2")
-    t = trainer(cfg, arithmetic_tokenizer, poisoned_loss)
+    t = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True)
     with pytest.raises(NonFiniteLoss, match="step 3: loss nan"):
         t.fit()
     # checkpoint 3 holds the state from before the bad update (== checkpoint 2), data positioned after it
@@ -105,7 +117,7 @@ def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
 
 def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):
     cfg = config(tmp_path, "train.nan_policy=skip")
-    state = trainer(cfg, arithmetic_tokenizer, poisoned_loss).fit()
+    state = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True).fit()
     assert int(state.step) == 8
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = {r["step"]: r["skipped_steps"] for r in rows if "skipped_steps" in r}

@@ -66,15 +66,15 @@ GRPO_CASES = {
     "scalar section": (lambda f: [f["scalar_section"]], "train: Input should be a valid dictionary"),
     "override without =": (lambda f: [str(GRPO_TINY), "train.steps"], "is not of the form dotted.key=value"),
     "empty key component": (lambda f: [str(GRPO_TINY), "rl..beta=1"], "has an empty key component"),
-    "override into a value": (lambda f: [str(GRPO_TINY), "rl.beta.x=1"], "'beta' is a value, not a section"),
-    "override not yaml": (lambda f: [str(GRPO_TINY), "rl.beta=[1,"], "the value is not valid YAML"),
+    "override into a value": (lambda f: [str(GRPO_TINY), "rl.loss.beta.x=1"], "'beta' is a value, not a section"),
+    "override not yaml": (lambda f: [str(GRPO_TINY), "rl.loss.beta=[1,"], "the value is not valid YAML"),
     "missing base_config": (lambda f: [f["missing_base"]], "config file not found: no_such_base.yml"),
     "base_config cycle": (lambda f: [f["cycle_a"]], "base_config cycle"),
     "syntax error in a base": (lambda f: [f["bad_base"]], "syntax.yml:4:3: YAML syntax error"),
     "duplicate key in a base": (lambda f: [f["dup_base"]], "duplicate.yml:3: duplicate key 'steps'"),
     "missing policy path": (
-        lambda f: [str(GRPO_TINY), "rl.policy_path=/no/such/policy"],
-        "rl.policy_path: /no/such/policy does not exist",
+        lambda f: [str(GRPO_TINY), "checkpoint.init_from=/no/such/policy"],
+        "checkpoint.init_from: /no/such/policy does not exist",
     ),
     "missing data source": (
         lambda f: [str(GRPO_TINY), "data.source=/no/such/data.jsonl"],
@@ -98,12 +98,12 @@ GRPO_CASES = {
     ),
     "top_k 0": (lambda f: [str(GRPO_TINY), "rollout.top_k=0"], "rollout.top_k must be -1 (off) or >= 1"),
     "epsilon_high < epsilon": (
-        lambda f: [str(GRPO_TINY), "rl.epsilon_high=0.1"],
-        "rl.epsilon_high (0.1) must be >= rl.epsilon (0.2)",
+        lambda f: [str(GRPO_TINY), "rl.loss.epsilon_high=0.1"],
+        "rl.loss.epsilon_high (0.1) must be >= rl.loss.epsilon (0.2)",
     ),
     "indivisible batch": (
         lambda f: [str(GRPO_TINY), "train.micro_batches=3", "train.batch_size=9"],
-        "must be divisible by rl.mini_batches * train.micro_batches (1 * 3 = 3)",
+        "must be divisible by rl.batch.mini_batches * train.micro_batches (1 * 3 = 3)",
     ),
     "async with jax": (
         lambda f: [str(GRPO_TINY), "rl.off_policy_steps=1", "rollout.sampler=jax"],

@@ -1,4 +1,7 @@
-"""Exact resume: SIGKILL a training process after a checkpoint, restart it on the same run directory."""
+"""Exact resume: SIGKILL a training process after a checkpoint, restart it on the same run directory.
+
+The worker fine-tunes on chat rows (SFT: assistant-only targets, packed conversations); pretraining runs the
+same loop, learner and pipeline on text rows."""
 
 import json
 import os
@@ -19,7 +22,9 @@ OVERRIDES = [
     "train.batch_size=4",
     "data.num_examples=2000",
     "data.eval_fraction=0",
-    "data.seq_len=64",
+    "data.format=chat",
+    "data.seq_len=128",
+    "data.skip_malformed=true",
     "model.hidden_size=64",
     "model.intermediate_size=128",
     "model.num_layers=2",

@@ -1,16 +1,28 @@
 """The generic train step: exact gradient accumulation, the non-finite guard, sharded == single device."""
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from core.batch import PackedBatch
 from core.config import MeshConfig, ModelConfig, OptimConfig
+from core.data import to_data_batch
+from core.losses import nll_loss
 from core.mesh import make_mesh
 from core.models import create_model
-from core.objectives import next_token_loss
 from core.optim import make_optimizer
-from core.train import batch_sharding, init_train_state, jit_train_step, make_train_step, split_micro_batches
+from core.train import (
+    batch_sharding,
+    init_train_state,
+    jit_train_step,
+    make_train_step,
+    place_batch,
+    split_micro_batches,
+)
 
 SGD = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
 
@@ -31,16 +43,21 @@ def make_batch(rows=8, t=24, seed=0):
     return {"tokens": tokens, "segment_ids": seg, "positions": pos, "loss_mask": loss_mask}
 
 
+def packed(rows, micro_batches=1) -> PackedBatch:
+    """The rows as the `PackedBatch` the data pipeline makes of them, for `micro_batches` micro-batches."""
+    return to_data_batch({**rows, "example_ids": np.zeros_like(rows["tokens"])}, micro_batches).batch
+
+
 def run_steps(model_cfg, batches, micro_batches, mesh=None, optim=SGD):
     model = create_model(model_cfg, mesh, seed=0)
     tx = make_optimizer(optim, 10, nnx.state(model))
     graphdef, state = init_train_state(model, tx, seed=0)
-    step = jit_train_step(make_train_step(graphdef, next_token_loss, tx), state)
+    step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
     metrics = []
     for b in batches:
-        b = split_micro_batches(b, micro_batches)
+        b = split_micro_batches(packed(b, micro_batches), micro_batches)
         if mesh is not None:
-            b = {k: jax.device_put(v, batch_sharding(mesh, v.shape)) for k, v in b.items()}
+            b = place_batch(b, mesh)
             with jax.set_mesh(mesh):
                 state, m = step(state, b)
         else:
@@ -71,6 +88,15 @@ def test_micro_batches_give_the_same_update():
     assert max_param_diff(one, four) <= 1e-6
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ScaledBatch:
+    """A method's batch: the packed batch and one array of its own (as a method adds advantages, log-probs)."""
+
+    packed: Any
+    scale: Any
+
+
 def test_non_finite_step_leaves_state_untouched():
     cfg = ModelConfig()
     model = create_model(cfg, seed=0)
@@ -78,17 +104,17 @@ def test_non_finite_step_leaves_state_untouched():
     graphdef, state = init_train_state(model, tx, seed=0)
 
     def loss_fn(model, batch, rng):
-        loss, m = next_token_loss(model, batch, rng)
-        return loss * batch["scale"].sum(), m
+        loss, m = nll_loss(model, batch.packed, rng)
+        return loss * batch.scale.sum(), m
 
     step = jax.jit(make_train_step(graphdef, loss_fn, tx))
     before = jax.tree.map(np.asarray, state.params)
-    batch = split_micro_batches({**make_batch(), "scale": np.full((8, 1), np.nan, np.float32)}, 1)
+    batch = split_micro_batches(ScaledBatch(packed(make_batch()), np.full((8, 1), np.nan, np.float32)), 1)
     state, m = step(state, batch)
     assert float(m["finite"]) == 0.0 and int(state.step) == 1
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))
-    batch["scale"] = np.ones_like(batch["scale"])
+    batch = ScaledBatch(batch.packed, np.ones_like(batch.scale))
     state, m = step(state, batch)
     assert float(m["finite"]) == 1.0
     assert any(
@@ -102,14 +128,14 @@ def test_a_batch_without_loss_tokens_takes_no_optimizer_step():
     updates as if the empty one had never been there."""
     cfg = ModelConfig()
     adamw = OptimConfig(name="adamw", learning_rate=1e-2, schedule="constant", weight_decay=0.1)
-    batch = make_batch()
-    empty = {**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}
+    batch = packed(make_batch())
+    empty = packed({**make_batch(), "loss_mask": np.zeros_like(make_batch()["loss_mask"])})
     states = []
     for batches in ([empty, batch], [batch]):
         model = create_model(cfg, seed=0)
         tx = make_optimizer(adamw, 10, nnx.state(model))
         graphdef, state = init_train_state(model, tx, seed=0)
-        step = jax.jit(make_train_step(graphdef, next_token_loss, tx))
+        step = jax.jit(make_train_step(graphdef, nll_loss, tx))
         start = jax.tree.map(np.asarray, (state.params, state.opt_state))
         for _i, b in enumerate(batches):
             state, m = step(state, split_micro_batches(b, 1))

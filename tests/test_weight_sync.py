@@ -96,7 +96,8 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
     `device_put` onto the same sharding handed the sampler the trainer's own buffers: a second sync then
     deleted them as "the sampler's old copy", and the trainer's next (donating) step found them gone."""
     from core.config import OptimConfig
-    from core.objectives import next_token_loss
+    from core.data import to_data_batch
+    from core.losses import nll_loss
     from core.optim import make_optimizer
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
 
@@ -108,17 +109,19 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
         sampler = JaxSampler(placeholder, str(path), mesh=mesh, max_model_len=128)
         tx = make_optimizer(OptimConfig(name="sgd", learning_rate=0.1, schedule="constant"), 10, nnx.state(model))
         graphdef, state = init_train_state(model, tx, seed=0)
-        step = jit_train_step(make_train_step(graphdef, next_token_loss, tx), state)
+        step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
         reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
         reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
         before = jax.tree.map(np.asarray, state.params)
         tokens = np.random.default_rng(0).integers(3, 500, (2, 16)).astype(np.int32)
-        batch = {
+        rows = {
             "tokens": tokens,
             "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
             "segment_ids": np.ones((2, 16), np.int32),
             "loss_mask": np.ones((2, 16), np.int32),
+            "example_ids": np.zeros((2, 16), np.int32),
         }
+        batch = to_data_batch(rows, 1).batch
         state, metrics = step(state, split_micro_batches(batch, 1))  # donates the trainer's buffers
         assert np.isfinite(float(metrics["loss"]))
         greedy = SamplingParams(temperature=0.0, max_tokens=6)

@@ -1,4 +1,5 @@
-"""A training process for the resume tests: the pretraining setup plus a log of example ids per step.
+"""A training process for the resume tests: the supervised (pretraining / SFT) setup plus a log of example ids
+per step.
 
 python tests/train_worker.py IDS_FILE TOKENIZER_DIR [key=value ...]
 """
@@ -11,28 +12,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.config_loader import config_from_argv
-from core.data import load_records, make_pipeline
-from core.loop import Trainer
-from core.mesh import make_mesh
-from core.models import create_model
-from core.objectives import next_token_loss
+from core.supervised import build_supervised
 
 
 def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
-    cfg = config_from_argv(overrides, "recipes/configs/pretrain_tiny.yml")
-    records = load_records(cfg.data.source, cfg.data)
-    mesh = make_mesh(cfg.mesh)
-    model = create_model(cfg.model, mesh, seed=cfg.run.seed)
-    data = make_pipeline(cfg.data, cfg.train.batch_size, records=records, tokenizer_dir=tokenizer_dir)
+    cfg = config_from_argv([*overrides, f"data.tokenizer_dir={tokenizer_dir}"], "recipes/configs/pretrain_tiny.yml")
 
-    def record_ids(step, batch):
-        ids = sorted({int(i) for i in batch["example_ids"].ravel() if i >= 0})
+    def record_ids(step, data):
+        ids = sorted({int(i) for i in data.example_ids.ravel() if i >= 0})
         with open(ids_file, "a") as f:
             f.write(json.dumps({"step": step, "ids": ids}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
-    Trainer(cfg, model, next_token_loss, data, mesh=mesh, tokenizer_dir=tokenizer_dir, on_batch=record_ids).fit()
+    run = build_supervised(cfg)
+    run.trainer.on_batch = record_ids
+    run.trainer.fit()
 
 
 if __name__ == "__main__":

@@ -45,14 +45,14 @@ class Attention(nnx.Module):
         w = jnp.concatenate([p.kernel[...].reshape(d, -1).astype(dt) for p in projs], axis=1)
         y = x.reshape(b * t, d) @ w  # [B*T, (N + 2K) H]
         if self.q_proj.bias is not None:
-            y = y + jnp.concatenate([p.bias[...].reshape(-1).astype(dt) for p in projs])
+            y = y + jnp.concatenate([p.bias[...].reshape(-1).astype(dt) for p in projs])  # type: ignore[index]
         q, k, v = jnp.split(y, [heads[0] * h, (heads[0] + heads[1]) * h], axis=1)
         return tuple(z.reshape(b, t, n, h) for z, n in zip((q, k, v), heads))
 
     def qkv(self, x: jax.Array, positions: jax.Array):
         """Projected, normalised and rotated q [B, T, N, H], k, v [B, T, K, H]."""
         q, k, v = self.project_qkv(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)

@@ -8,6 +8,8 @@ run under `jax.lax.scan` (`scan_layers`), optionally rematerialised.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,6 +75,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg.model_copy()
         self.embed = Embed(cfg, rngs)
+        self.layers: Any  # one stacked DecoderLayer (scanned) or a list of them
         if cfg.scan_layers:
             self.layers = _stacked_layers(cfg, rngs)
         else:

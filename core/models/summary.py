@@ -26,7 +26,7 @@ def parameter_summary(model: nnx.Module, mesh: Mesh | None = None) -> str:
         elif sharding is not None and hasattr(sharding, "spec"):
             spec = sharding.spec
         else:
-            spec = "-"
+            spec = "-"  # type: ignore[assignment]  # unsharded: printed as is
         count = int(np.prod(value.shape))
         nbytes = count * np.dtype(value.dtype).itemsize
         total_count += count

@@ -1,7 +1,7 @@
 """RL prompts: dataset rows -> rendered prompts, a resumable shuffled stream, and a held-out split.
 
     train_rows, eval_rows = prompt_rows(cfg)
-    stream = PromptStream(train_rows, cfg.rl.prompts_per_step, seed=cfg.data.seed)
+    stream = PromptStream(train_rows, cfg.rl.batch.prompts_per_step, seed=cfg.data.seed)
     batch = next(stream)                  # PromptBatch: .indices into train_rows, .rows (dicts)
     stream.get_state() / set_state(state) # for resume; stream.batch(indices) rebuilds a batch
     prompt = render_prompt(rows[0], cfg.rl)
@@ -83,7 +83,7 @@ class PromptStream:
     def __init__(self, rows: Sequence[dict], batch_size: int, seed: int, shuffle: bool = True):
         if len(rows) < batch_size:
             raise DataSourceError(
-                f"{len(rows)} training prompts cannot fill a batch of {batch_size} (rl.prompts_per_step)"
+                f"{len(rows)} training prompts cannot fill a batch of {batch_size} (rl.batch.prompts_per_step)"
             )
         ds = grain.MapDataset.source(list(range(len(rows))))
         if shuffle:

@@ -19,15 +19,8 @@ PPO clip   loss_t = max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high))   (
 dual clip  for A < 0: loss_t = min(loss_t, -A c)                           (c = dual_clip > 1)
 TIS        loss_t *= min(exp(old_logp_t - sampler_logp_t), tis_cap)        (sampler/trainer mismatch; constant)
            GSPO uses the sequence's length-normalised (geometric-mean) ratio, like its policy ratio
-KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, with x = log pi_theta / pi_ref:
-             k1  x                          value: unbiased for KL(pi_theta || pi_ref); gradient: zero in
-                                            expectation (E_pi[grad log pi] = 0): as a loss it does nothing
-             k2  x^2 / 2                    gradient: that of KL(pi_theta || pi_ref)
-             k3  exp(-x) + x - 1            value: unbiased for KL(pi_theta || pi_ref), >= 0;
-                                            gradient: that of KL(pi_ref || pi_theta) (the reverse one)
-             low_var_kl  k3 clamped to [-10, 10] (verl's name): k3's gradient where not clamped
-           (the gradients are expectations over tokens sampled from pi_theta; tests/test_grpo_losses.py
-           checks each one by enumeration on a small vocabulary)
+KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, k one of the estimators of
+           `posttrain.losses.kl` (k3 by default, whose gradient follows KL(pi_ref || pi_theta))
 
 Aggregation returns `(loss_sum, denominator)` in the core train-step contract
 (sums over the micro-batch; the step divides once by the global denominator,
@@ -48,9 +41,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from posttrain.losses.kl import KLEstimator, kl_penalty
+
 LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-LOW_VAR_KL_CLAMP = 10.0
 
 
 @dataclass(frozen=True)
@@ -64,20 +57,6 @@ class PolicyLossSettings:
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
     max_tokens: int = 1  # Dr.GRPO's constant normaliser (the generation budget)
-
-
-def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: KLEstimator) -> jax.Array:
-    """Per-token KL estimator on samples of pi_theta (Schulman's k1/k2/k3; which divergence each one's
-    gradient follows is in the module docstring)."""
-    log_ratio = logp - ref_logp  # log pi_theta / pi_ref
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator in ("k3", "low_var_kl"):  # r - log r - 1 with r = pi_ref / pi_theta
-        k3 = jnp.exp(-log_ratio) + log_ratio - 1.0
-        return k3 if estimator == "k3" else jnp.clip(k3, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
 def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:

@@ -1,15 +1,14 @@
-"""Where the RL pieces run: the trainer (in this process or a Ray actor), vLLM sampler actors, placement.
+"""The RL trainer as a process-independent service: in this process or as a Ray actor, one typed handle.
 
-    trainer = start_trainer(cfg, run_dir, pg)               # TrainerHandle: in-process or a Ray actor
-    sampler = start_vllm_sampler(cfg, hf_dir, 0, pg)         # a RemoteVLLMSampler actor
-    trainer.sync(sampler)                                     # weights: trainer (actor) -> sampler (actor)
+    trainer = start_trainer(cfg, run_dir, pg)       # TrainerHandle: in-process (pg None) or a Ray actor
+    metrics = trainer.train(rl_batch)               # one RL step (posttrain.grpo.GRPOLearner)
+    trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
 The trainer is one class, `LocalTrainer`, used directly (single-controller
 mode, with the JAX sampler on another sub-mesh of the same process) or as a
-Ray actor that owns the trainer's devices; the driver talks to either through
-`TrainerHandle`, whose methods mirror `LocalTrainer`'s. A placement group
-reserves the trainer's and every sampler's resources up front, so a run that
-cannot fit fails at start with the numbers, not halfway through.
+Ray actor that owns the trainer's devices (bundle 0 of the run's placement
+group, `rollout.placement`); the driver talks to either through
+`TrainerHandle`, whose methods mirror `LocalTrainer`'s.
 
 A trainer actor that dies (or a Ray cluster that goes away under it) raises
 `TrainerUnavailable`: the run stops with that message, and the same command
@@ -26,20 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Config
-from core.errors import MissingPath, TemperError
-
-
-def load_policy(cfg: Config, mesh):
-    """The starting policy on `mesh`: `rl.policy_path` (HF or Temper checkpoint) or a random init."""
-    from core.checkpoint import load_model_from
-    from core.models import create_model
-
-    if cfg.rl.policy_path is None:
-        return create_model(cfg.model, mesh, seed=cfg.run.seed)
-    try:
-        return load_model_from(cfg.rl.policy_path, mesh, dtype=cfg.model.param_dtype)
-    except MissingPath as e:
-        raise MissingPath(f"rl.policy_path: {e}") from None
+from core.errors import TemperError
+from posttrain.rl_batch import RLBatch
+from rollout.sampler import Sampler
 
 
 class LocalTrainer:
@@ -48,18 +36,16 @@ class LocalTrainer:
     def __init__(self, cfg_json: dict, run_dir: str, devices_fraction: tuple[float, float] | None = None):
         import jax
 
-        from core.checkpoint import Checkpointer
+        from core.checkpoint import Checkpointer, initial_model
         from core.mesh import make_mesh, split_devices
-        from posttrain.learner import PolicyLearner
+        from posttrain.grpo import GRPOLearner
 
         cfg = Config.model_validate(cfg_json)
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
-        with jax.set_mesh(self.mesh):
-            model = load_policy(cfg, self.mesh)
-        self.cfg = cfg.model_copy(update={"model": model.cfg})  # the loaded checkpoint decides the shape
-        self.learner = PolicyLearner(self.cfg, model, self.mesh, cfg.train.steps)
+        model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
+        self.learner = GRPOLearner(self.cfg, model, self.mesh, cfg.train.steps)
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
 
@@ -74,16 +60,16 @@ class LocalTrainer:
     def batch_shards(self) -> int:
         return self.learner.batch_shards()
 
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: RLBatch) -> dict:
         return self.learner.train(batch)
 
-    def sync(self, sampler: Any) -> dict:
+    def sync(self, sampler: Sampler) -> dict:
         """Push the current weights (and policy version) to one sampler; returns its sync statistics."""
         from rollout.weight_sync import reshard_to_jax_sampler, sync_to_vllm
 
         chunk = self.cfg.rollout.reshard_chunk_bytes
         version = self.learner.version
-        if hasattr(sampler, "generate_async"):  # vLLM actor
+        if sampler.remote:  # a vLLM actor: HF-named host chunks
             stats = sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version)
         else:
             stats = reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
@@ -142,10 +128,10 @@ class TrainerHandle:
     def batch_shards(self) -> int:
         return self._call(LocalTrainer.batch_shards)
 
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: RLBatch) -> dict:
         return self._call(LocalTrainer.train, batch)
 
-    def sync(self, sampler: Any) -> dict:
+    def sync(self, sampler: Sampler) -> dict:
         return self._call(LocalTrainer.sync, sampler)
 
     def save(self, step: int, extra: dict) -> None:
@@ -167,55 +153,6 @@ class TrainerHandle:
         return self.target
 
 
-# ------------------------------------------------------------------ placement
-
-
-def placement_bundles(cfg: Config, resources: dict[str, float]) -> list[dict[str, float]]:
-    """Bundle 0: the trainer; then one per vLLM sampler (`rollout.rollout_data_parallelism`).
-
-    With GPUs the split follows `mesh.trainer_devices_fraction` /
-    `sampler_devices_fraction`; on CPU the trainer gets one CPU and the
-    samplers share the rest (vLLM's CPU threads are bound separately).
-    """
-    k = cfg.rollout.rollout_data_parallelism
-    gpus = int(resources.get("GPU", 0))
-    if gpus:
-        trainer = max(1, round(cfg.mesh.trainer_devices_fraction * gpus))
-        per_sampler = (cfg.mesh.sampler_devices_fraction * gpus or gpus - trainer) / k
-        if per_sampler < 1 or trainer + k * int(per_sampler) > gpus:
-            raise ValueError(
-                f"cannot place a trainer on {trainer} GPU(s) and {k} sampler(s) on {gpus} GPUs "
-                f"(mesh.trainer_devices_fraction={cfg.mesh.trainer_devices_fraction}, "
-                f"mesh.sampler_devices_fraction={cfg.mesh.sampler_devices_fraction})"
-            )
-        return [{"CPU": 1, "GPU": trainer}] + [{"CPU": 1, "GPU": int(per_sampler)}] * k
-    cpus = resources.get("CPU", 1)
-    share = max(0.01, min(1.0, (cpus - 1) / k))
-    return [{"CPU": 1.0}] + [{"CPU": round(share, 2)}] * k
-
-
-def reserve(cfg: Config, timeout_s: float = 120.0):
-    """A ready placement group for the run (raises with the numbers if the cluster cannot hold it)."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundles = placement_bundles(cfg, ray.cluster_resources())
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        raise RuntimeError(
-            f"Ray could not reserve {bundles} within {timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
-        ) from e
-    return pg
-
-
-def in_bundle(pg, index: int):
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-
-
 def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
     """The trainer in this process (pg None) or as a Ray actor in bundle 0 of `pg`."""
     cfg_json = cfg.model_dump(mode="json")
@@ -225,6 +162,7 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
     import ray
 
     from core.host_memory import malloc_tunables
+    from rollout.placement import in_bundle
 
     env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
     env.setdefault("JAX_PLATFORMS", "cpu" if not ray.cluster_resources().get("GPU") else "")
@@ -242,17 +180,3 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
     handle = TrainerHandle(actor, remote=True, run_dir=run_dir)
     handle.version()  # surface start-up errors here
     return handle
-
-
-def start_vllm_sampler(cfg: Config, hf_dir: str, index: int, pg=None):
-    from rollout.vllm_actor import RemoteVLLMSampler
-
-    bundle = pg.bundle_specs[1 + index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
-    return RemoteVLLMSampler.start(
-        hf_dir,
-        cfg.rollout,
-        seed=cfg.run.seed + index,
-        num_cpus=bundle["CPU"],
-        timeout_s=cfg.rollout.sampler_timeout_s,
-        scheduling_strategy=in_bundle(pg, 1 + index) if pg is not None else None,
-    )

@@ -5,8 +5,9 @@
     completions = group.collect(pending, push)  # prompt-major, n per prompt
     group.sync(push)                            # push(sampler): the trainer's current weights into it
 
-Samplers are `RemoteVLLMSampler`s (Ray actors; `submit` returns object
-refs) or an in-process `JaxSampler` (generation happens in `submit`). Each
+Samplers are `rollout.sampler.Sampler`s: `RemoteVLLMSampler`s (Ray actors;
+`submit` returns object refs) or an in-process `JaxSampler` (generation
+happens in `submit`). Each
 sampler gets a contiguous slice of the prompts and `prompt_offset` says where
 its slice starts, so per-sample seeds do not depend on the split
 (`rollout.sampler.sample_seed`).
@@ -27,10 +28,11 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from core.errors import TemperError, UserError
-from rollout.sampler import Completion, Prompt, SamplingParams
+from rollout.sampler import Completion, Prompt, Sampler, SamplingParams
 
 log = logging.getLogger("temper.rl")
 
@@ -46,10 +48,10 @@ class SamplerInputError(UserError, ValueError):
 @dataclass
 class Part:
     index: int  # which sampler slot
-    sampler: Any  # the sampler it was submitted to (the slot may hold a replacement by collection time)
+    sampler: Sampler  # the sampler it was submitted to (the slot may hold a replacement by collection time)
     prompts: list[Prompt]
     params: SamplingParams
-    ref: Any  # object ref (Ray) or the completions themselves (in-process)
+    ref: Any  # the sampler's ticket: an object ref (Ray) or the completions themselves (in-process)
 
 
 @dataclass
@@ -57,12 +59,8 @@ class Pending:
     parts: list[Part] = field(default_factory=list)
 
 
-def _is_remote(sampler: Any) -> bool:
-    return hasattr(sampler, "generate_async")
-
-
 class SamplerGroup:
-    def __init__(self, samplers: Sequence[Any], restart: Callable[[int], Any] | None = None):
+    def __init__(self, samplers: Sequence[Sampler], restart: Callable[[int], Sampler] | None = None):
         if not samplers:
             raise ValueError("an RL run needs at least one sampler")
         self.samplers = list(samplers)
@@ -82,16 +80,16 @@ class SamplerGroup:
         return pending
 
     @staticmethod
-    def _start(sampler, part, params):
-        return sampler.generate_async(part, params) if _is_remote(sampler) else sampler.generate(part, params)
+    def _start(sampler: Sampler, part: list[Prompt], params: SamplingParams) -> Any:
+        return sampler.submit(part, params)
 
     def collect(self, pending: Pending, push: Callable[[Any], Any]) -> list[Completion]:
         """Every part's completions in prompt order; a failed sampler is replaced (loaded with `push`) and its
         part generated again, once."""
         out: list[Completion] = []
         for part in pending.parts:
-            if not _is_remote(part.sampler):
-                out.extend(part.ref)
+            if not part.sampler.remote:  # generated in `submit`; its errors were raised there
+                out.extend(part.sampler.result(part.ref))
                 continue
             try:
                 out.extend(part.sampler.result(part.ref))
@@ -103,7 +101,7 @@ class SamplerGroup:
                     raise
                 sampler = self._replace(part.index, part.sampler, e, push)
                 self.redone_prompts += len(part.prompts)
-                out.extend(self._once(part.index, lambda s=sampler, p=part: s.generate(p.prompts, p.params)))
+                out.extend(self._once(part.index, partial(sampler.generate, part.prompts, part.params)))
         return out
 
     def sync(self, push: Callable[[Any], Any]) -> list[Any]:
@@ -115,7 +113,7 @@ class SamplerGroup:
             try:
                 out.append(push(sampler))
             except Exception as e:
-                if not _is_remote(sampler) or not is_sampler_failure(e) or self._restart is None:
+                if not sampler.remote or not is_sampler_failure(e) or self._restart is None:
                     raise
                 out.append(self._replace(i, sampler, e, push, loaded=True))
         return out
@@ -128,7 +126,8 @@ class SamplerGroup:
             log.warning("sampler %d failed (%s: %s); restarting it", i, type(error).__name__, first)
             print(f"sampler {i} failed ({type(error).__name__}); restarting it", flush=True)
             failed.stop()  # an engine that raised may still hold its memory
-            self.samplers[i] = self._once(i, lambda: self._restart(i))
+            assert self._restart is not None  # callers check before replacing
+            self.samplers[i] = self._once(i, partial(self._restart, i))
             self.restarts += 1
             stats = self._once(i, lambda: push(self.samplers[i]))
             return stats if loaded else self.samplers[i]

@@ -1,0 +1,179 @@
+"""SFT step time: Temper vs TRL's SFTTrainer vs a plain PyTorch loop, on the same model, rows and batch, one run.
+
+    python bench/sft_step.py                        # tiny, T2 (56M) and 100M      (make bench-sft)
+    python bench/sft_step.py --sizes T2 --steps 4
+
+Every side trains the same HF model (random init, float32) on the same
+prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
+16-127 completion tokens, so rows run 33-256 tokens), `batch` rows a step,
+loss on the completion tokens only, AdamW. Temper's step is
+`core.learner.Learner.update` on the SFT pipeline's batches (rows padded to
+`seq`, no packing: the same rows per step as the peers), and again with
+packing on (more rows per step: compare its tokens/s). TRL's SFTTrainer
+(`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
+environment (`.venv-trl`, created on first use), so neither touches Temper's
+dependencies. Step times exclude the first step (compilation, warm-up);
+tokens/s counts real (non-padding) tokens. Goal (issue 16): Temper <= 0.5x
+TRL's step time and <= 0.7x the plain loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.grpo_step import trl_python  # noqa: E402
+
+SIZES = {  # Llama-shaped, untied embeddings
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
+    "T2": dict(  # bench/train_throughput.py's T2: 56M parameters, 32k vocabulary
+        hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
+    ),
+    "100M": dict(hidden_size=768, intermediate_size=2560, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64),
+}
+VOCAB = {"tiny": 512, "T2": 32000, "100M": 32000}
+
+
+def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[Path, Path, int]:
+    """An HF model directory for `size` (with the tokenizer), the rows file, and the parameter count."""
+    import numpy as np
+
+    from core.config import ModelConfig
+    from core.data import reasoning_gym_records
+    from core.hf import save_hf
+    from core.models import create_model, param_count
+
+    cfg = ModelConfig(
+        family="llama", vocab_size=VOCAB[size], tie_word_embeddings=False, max_position_embeddings=seq, **SIZES[size]
+    )
+    model = create_model(cfg, seed=0)
+    hf = save_hf(model, cfg, work / f"hf_{size}", tokenizer_dir=tokenizer)
+    data = work / "rows.jsonl"
+    if not data.exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 2000, seed=0))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        rng = np.random.default_rng(0)
+        out, at = [], 0
+        for _ in range(rows):
+            p, c = int(rng.integers(16, 129)), int(rng.integers(16, 128))
+            prompt, completion = tok.decode(ids[at : at + p]), tok.decode(ids[at + p : at + p + c])
+            at = (at + p + c) % (len(ids) - 300)
+            out.append({"prompt": prompt, "completion": completion})
+        data.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return hf, data, param_count(model)
+
+
+def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool) -> dict:
+    import jax
+    import numpy as np
+
+    from core.config import DataConfig, OptimConfig
+    from core.data import load_records, make_pipeline
+    from core.hf import load_hf
+    from core.learner import Learner
+    from core.losses import nll_loss
+    from core.mesh import single_device_mesh
+
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model, _ = load_hf(hf, mesh=mesh)
+    dcfg = DataConfig(format="prompt_completion", seq_len=args.seq, packing=packing, shuffle=False)
+    records = load_records(str(data), dcfg)
+    batches = iter(make_pipeline(dcfg, args.batch, records=records, tokenizer_dir=tokenizer))
+    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
+    learner = Learner(model, mesh, nll_loss, optim, total_updates=args.steps + 1)
+    times, tokens, sequences = [], [], []
+    for _ in range(args.steps + 1):
+        batch = next(batches)
+        start = time.perf_counter()
+        learner.update(batch.batch)
+        times.append(time.perf_counter() - start)
+        tokens.append(int((np.asarray(batch.batch.segment_ids) > 0).sum()))
+        sequences.append(len({int(i) for i in np.asarray(batch.example_ids).ravel() if i >= 0}))
+    steady = times[1:]
+    return {
+        "first_step_s": times[0],
+        "median_step_s": statistics.median(steady),
+        "mean_step_s": statistics.mean(steady),
+        "tokens_per_s": sum(tokens[1:]) / sum(steady),
+        "sequences_per_step": statistics.mean(sequences[1:]),
+    }
+
+
+def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
+    out = work / f"{mode}_{hf.name}.json"
+    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_sft_step.py"), "--mode", mode, "--model", str(hf)]
+    cmd += ["--data", str(data), "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    subprocess.run([*cmd, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def real_tokens(data: Path, tokenizer: str, batch: int, steps: int, seq: int) -> float:
+    """Real tokens a step of the unpacked sides trains on (prompt + completion + EOS, at most `seq`)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    rows = [json.loads(line) for line in data.read_text().splitlines()][batch : batch * (steps + 1)]
+    n = [min(seq, len(tok(r["prompt"] + r["completion"], add_special_tokens=False)["input_ids"]) + 1) for r in rows]
+    return sum(n) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "T2", "100M"], choices=sorted(SIZES))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--out", default="runs/bench_sft.json")
+    args = p.parse_args()
+
+    from core.data import reasoning_gym_records
+    from core.tokenizer import build_tokenizer
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer = str(
+            build_tokenizer((r["text"] for r in reasoning_gym_records("basic_arithmetic", 2000, 0)), work / "tok")
+        )
+        for size in args.sizes:
+            hf, data, params = build(size, work, tokenizer, args.batch * (args.steps + 2) * 4, args.seq)
+            print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
+            row: dict = {"params": params}
+            for name in ("temper", "temper_packed", "trl", "torch"):
+                if name.startswith("temper"):
+                    row[name] = temper(hf, data, tokenizer, args, packing=name == "temper_packed")
+                else:
+                    row[name] = peer(name, hf, data, args, work)
+                print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
+            per_step = real_tokens(data, tokenizer, args.batch, args.steps, args.seq)
+            for name in ("trl", "torch"):
+                row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
+            row["ratio_vs_trl"] = row["temper"]["median_step_s"] / row["trl"]["median_step_s"]
+            row["ratio_vs_torch"] = row["temper"]["median_step_s"] / row["torch"]["median_step_s"]
+            print(
+                f"   Temper / TRL {row['ratio_vs_trl']:.2f}x, Temper / torch {row['ratio_vs_torch']:.2f}x; tokens/s: "
+                + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in ("temper", "temper_packed", "trl", "torch")),
+                flush=True,
+            )
+            results[size] = row
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

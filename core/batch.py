@@ -1,0 +1,69 @@
+"""The one batch every method trains on: sequences packed into rows, and the tokens a loss scores.
+
+    batch = PackedBatch(tokens, positions, segment_ids, branch_ids, target_index, target_ids, target_mask)
+    micro = core.train.split_micro_batches(batch, k)   # every leaf [N, ...] -> [k, N / k, ...]
+    placed = core.train.place_batch(micro, mesh)       # the batch axis over the mesh's data axes
+
+Rows hold whole sequences (a document, a conversation, a prompt with its
+completions, a prompt with a chosen and a rejected answer), each in its own
+segment; within a segment, branch 0 is a shared prefix and branch k >= 1 a
+continuation that attends to the prefix and to itself only. A *scored
+sequence* is what a loss sums over (a row of pretraining text, a
+conversation's assistant tokens, one completion, one side of a preference
+pair): target j of scored sequence i is predicted by the hidden state at
+`target_index[i, j]`, a flat index into the `[R_g * L]` positions of its
+packing group (the rows that travel together in one micro-batch).
+
+    tokens, positions, segment_ids  [R, L] int32   (segment 0 = padding; positions restart per segment)
+    branch_ids                      [R, L] int32
+    target_index, target_ids        [B, C] int32
+    target_mask                     [B, C] float32  1 where target j exists
+
+Methods add their own per-target or per-sequence arrays beside it in a typed
+batch of their own (`posttrain.rl_batch.RLBatch`); `core.targets.target_logprobs`
+turns a `PackedBatch` and a model into `[B, C]` log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+T = TypeVar("T")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedBatch:
+    tokens: Any  # [R, L] int32
+    positions: Any  # [R, L] int32
+    segment_ids: Any  # [R, L] int32, 0 = padding
+    branch_ids: Any  # [R, L] int32, 0 = prefix, k >= 1 = branch k
+    target_index: Any  # [B, C] int32, flat into the group's [R_g * L] positions
+    target_ids: Any  # [B, C] int32
+    target_mask: Any  # [B, C] float32
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def fill(self) -> float:
+        """Share of the row slots that hold a real token (1 - padding)."""
+        return float((np.asarray(self.segment_ids) > 0).mean())
+
+
+def pad_rows(batch: T, rows: int) -> T:
+    """A short batch (the last of an eval split) padded with zeros to `rows` rows: padding segments, zero target
+    masks. Every leaf grows in proportion to the first leaf's rows (`[B, C]` leaves with B = R grow alike)."""
+    first = jax.tree.leaves(batch)[0].shape[0]
+    if first >= rows:
+        return batch
+
+    def pad(x):
+        want = x.shape[0] * rows // first
+        return np.concatenate([x, np.zeros((want - x.shape[0], *x.shape[1:]), x.dtype)])
+
+    return jax.tree.map(pad, batch)

@@ -1,0 +1,131 @@
+"""One model's training state and its jitted update, for any loss in the `core.train` contract.
+
+    learner = Learner(model, mesh, loss_fn, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
+    metrics = learner.update(batch, micro_batches=2)   # one optimizer update on a host batch; floats
+    loss_sum, sums = learner.evaluate(batch)           # the loss without an update (evaluation)
+    learner.params, learner.state, learner.graphdef
+    learner.save(checkpointer, cfg, data_iterator, extra); learner.restore_latest(checkpointer, cfg, data_iterator)
+    learner.export_hf("run/hf", tokenizer_dir)
+
+Every method trains through one: pretraining and SFT in `core.loop.Trainer`,
+GRPO inside its trainer (`posttrain.grpo`), which adds the frozen reference
+and pi_old passes around it. Each batch shape is compiled once, ahead of time
+(`update` reports the first compilation's XLA memory analysis in
+`last_compile`), and executed with the state donated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from core.checkpoint import Checkpointer
+from core.config import Config, OptimConfig
+from core.models import Decoder
+from core.optim import make_optimizer, make_schedule
+from core.train import (
+    LossFn,
+    init_train_state,
+    jit_train_step,
+    make_train_step,
+    memory_analysis_line,
+    place_batch,
+    split_micro_batches,
+)
+
+
+class Learner:
+    def __init__(
+        self,
+        model: Decoder,
+        mesh: Mesh,
+        loss_fn: LossFn,
+        optim: OptimConfig,
+        total_updates: int,
+        seed: int = 0,
+        tx: optax.GradientTransformation | None = None,
+    ):
+        """`tx` replaces the optimizer `optim` describes (e.g. one that records gradients, in tests)."""
+        self.mesh = mesh
+        self.model_cfg = model.cfg
+        self.schedule = make_schedule(optim, total_updates)
+        with jax.set_mesh(mesh):
+            self.tx = tx or make_optimizer(optim, total_updates, nnx.state(model))
+            self.graphdef, self.state = init_train_state(model, self.tx, seed)
+        self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
+        self._executables: dict[Any, Callable] = {}
+        self._evaluate = jax.jit(lambda p, b: loss_fn(nnx.merge(self.graphdef, p), b, jax.random.key(0)))
+        self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
+
+    @property
+    def params(self) -> nnx.State:
+        return self.state.params
+
+    def model(self) -> Decoder:
+        """The current parameters as a model (for generation, export)."""
+        return nnx.merge(self.graphdef, self.state.params)
+
+    # ------------------------------------------------------------------ train
+
+    def update(self, batch: Any, micro_batches: int = 1) -> dict[str, float]:
+        """One optimizer update on a host batch (any pytree of `[N, ...]` arrays), accumulated over
+        `micro_batches`; the step's metrics as floats (`finite`, `empty` say whether it was applied)."""
+        placed = place_batch(split_micro_batches(batch, micro_batches), self.mesh)
+        with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
+            self.state, metrics = self._executable(placed)(self.state, placed)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def compile(self, batch: Any, micro_batches: int = 1) -> str:
+        """Compile the update for this batch's shapes now (not inside a timed step); XLA's memory analysis."""
+        self._executable(place_batch(split_micro_batches(batch, micro_batches), self.mesh))
+        return self.last_compile or ""
+
+    def _executable(self, placed: Any) -> Callable:
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(placed))
+        if key not in self._executables:
+            with jax.set_mesh(self.mesh):
+                compiled = self._step.lower(self.state, placed).compile()
+            self.last_compile = memory_analysis_line(compiled)
+            self._executables[key] = compiled
+        return self._executables[key]
+
+    def evaluate(self, batch: Any) -> tuple[float, dict[str, float]]:
+        """(loss sum, other sums) of one host batch under the current parameters, no update."""
+        placed = place_batch(split_micro_batches(batch, 1), self.mesh)
+        with jax.set_mesh(self.mesh):
+            loss_sum, sums = self._evaluate(self.state.params, jax.tree.map(lambda x: x[0], placed))
+        return float(loss_sum), {k: float(v) for k, v in jax.device_get(sums).items()}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(
+        self,
+        checkpointer: Checkpointer,
+        cfg: Config,
+        data_iterator: Any | None = None,
+        extra: dict | None = None,
+        step: int | None = None,
+    ) -> int:
+        return checkpointer.save(self.state, data_iterator, cfg, extra, step=step)
+
+    def restore_latest(
+        self, checkpointer: Checkpointer, cfg: Config, data_iterator: Any | None = None
+    ) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
+        with jax.set_mesh(self.mesh):
+            restored = checkpointer.restore_latest(self.state, data_iterator, cfg)
+        if restored is None:
+            return None
+        self.state, meta, step = restored
+        return step, meta
+
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        from core.hf import save_hf
+
+        return save_hf(self.model(), self.model_cfg, path, tokenizer_dir=tokenizer_dir)

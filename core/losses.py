@@ -1,0 +1,24 @@
+"""The next-token loss on a packed batch's targets: pretraining (every token) and SFT (assistant tokens) alike.
+
+    loss_sum, sums = nll_loss(model, batch, rng)     # the core.train contract; sums["loss_denominator"]
+
+The sum runs over every target of the micro-batch and the denominator is
+their count, so the train step divides once by the targets of the whole global
+batch: micro-batching and packing leave the gradient unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from core.batch import PackedBatch
+from core.targets import target_logprobs
+
+
+def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(sum of -log p over the targets, {loss_denominator: number of targets})."""
+    del rng
+    logp, _ = target_logprobs(model, batch)
+    mask = batch.target_mask.astype(jnp.float32)
+    return -(logp * mask).sum(), {"loss_denominator": mask.sum()}

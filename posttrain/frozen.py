@@ -1,0 +1,62 @@
+"""Models that do not train beside the one that does: a reference (GRPO's KL, DPO) or a teacher (distillation).
+
+    reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")   # the start, held still
+    logp = reference.logprobs(batch, groups=4)          # [B, C] float32 on the host, one packing group at a time
+    logp = grouped_logprobs(logprob_pass(graphdef, 1.0), params, batch, groups, mesh)   # the same, any parameters
+
+Log-probs are computed live, per batch, by one jitted pass over the packed
+batch's targets (`core.targets.target_logprobs`), a packing group (one
+micro-batch's rows) at a time so that memory stays that of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from core.batch import PackedBatch
+from core.targets import target_logprobs
+from core.train import place_batch, split_micro_batches
+
+
+def logprob_pass(graphdef: nnx.GraphDef, temperature: float) -> Callable:
+    """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets."""
+    return jax.jit(lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature)[0])
+
+
+def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:
+    """[B, C] float32 host log-probs of every target, computed one packing group at a time."""
+    placed = place_batch(split_micro_batches(batch, groups), mesh)
+    out = []
+    with jax.set_mesh(mesh):
+        for i in range(groups):
+            part = jax.tree.map(lambda x, i=i: x[i], placed)
+            out.append(np.asarray(jax.device_get(fn(params, part))))
+    return np.concatenate(out).astype(np.float32)
+
+
+@dataclass
+class FrozenModel:
+    """Parameters that never change, on the trainer mesh, and their jitted log-prob pass."""
+
+    name: str  # "reference", "teacher": what the method calls it
+    params: nnx.State
+    mesh: Mesh
+    _pass: Callable
+
+    @classmethod
+    def copy_of(cls, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh, name: str, temperature: float = 1.0):
+        """A frozen copy of `params` (the trainer's next update donates its own buffers)."""
+        with jax.set_mesh(mesh):
+            copied = jax.tree.map(jnp.copy, params)
+        return cls(name, copied, mesh, logprob_pass(graphdef, temperature))
+
+    def logprobs(self, batch: PackedBatch, groups: int) -> np.ndarray:
+        """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target."""
+        return grouped_logprobs(self._pass, self.params, batch, groups, self.mesh) * (np.asarray(batch.target_mask) > 0)

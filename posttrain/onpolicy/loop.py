@@ -1,0 +1,501 @@
+"""The on-policy RL loop: sample -> reward -> advantages -> train -> sync weights, on Ray or in one process.
+
+    summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
+
+The loop drives three parts through typed interfaces: samplers
+(`rollout.group.SamplerGroup` of `rollout.sampler.Sampler`s), reward
+functions (`rewards.runner.RewardRunner`) and the trainer
+(`posttrain.trainer.TrainerHandle`, hosting `posttrain.grpo.GRPOLearner`,
+which trains on the `posttrain.rl_batch.RLBatch` built here).
+
+Modes (`rollout.sampler`):
+- `vllm`: the trainer is a Ray actor and `rollout.rollout_data_parallelism`
+  vLLM samplers are Ray actors, all in one placement group; weights stream
+  from the trainer actor to the sampler actors after every update.
+- `jax`: single controller: the trainer and a native JAX sampler share this
+  process on disjoint sub-meshes (`mesh.trainer_devices_fraction` /
+  `sampler_devices_fraction`; a sampler fraction of 0 shares the trainer's
+  devices); weights move by `jax.device_put`, a chunk at a time.
+
+Sync mode (`rl.off_policy_steps = 0`) trains on completions of the current
+policy. Async mode (`off_policy_steps = d > 0`, vLLM only) keeps d batches
+in flight: samplers generate the next batches while the trainer trains, so
+a completion is at most d policy versions old (checked every step).
+
+Per step the run logs reward mean/std (total and per function), accuracy,
+completion length, truncation rate, clip fraction, KL, entropy, the
+sampler/trainer mismatch, zero-variance groups, staleness and a time
+breakdown; evaluates on the held-out split every `train.eval_every` steps;
+checkpoints every `checkpoint.every_steps` (policy, optimizer, step, policy
+version, prompt-stream position, sampling-seed counter and, in async mode,
+the completions still in flight) and resumes from the run directory exactly
+where an uninterrupted run would be.
+
+Failures: a reward function that fails on an item drops that item's group
+(`reward/failed_groups`); a sampler that fails is restarted and its share
+redone once (`sampler_restarts`); a dead trainer actor stops the run with
+`TrainerUnavailable`; a non-finite loss follows `train.nan_policy` (skip:
+counted in `skipped_updates`; abort: a checkpoint is written, then
+`NonFiniteLoss`). Each of these is a message, not a traceback, from the recipe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.config import Config
+from core.config_loader import ConfigError, save_config
+from core.loop import NonFiniteLoss
+from core.metrics import MetricsLogger, plot_curves, update_run_info
+from core.packing import round_rows
+from core.shapes import SizeCache
+from posttrain.advantages import Advantages, group_advantages
+from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
+from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
+from posttrain.rl_batch import RLBatch, build_rl_batch
+from posttrain.trainer import start_trainer
+from rewards.extract import final_answer
+from rewards.runner import RewardBatch, RewardRunner
+from rollout.group import Pending, SamplerGroup
+from rollout.placement import reserve, start_vllm_sampler
+from rollout.sampler import Completion, Sampler, SamplingParams, sample_seed
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int
+    policy_version: int
+    final_eval: dict | None
+    hf_dir: Path | None
+
+
+class StalenessError(RuntimeError):
+    """A completion older than `rl.off_policy_steps` policy versions reached the trainer."""
+
+
+def check_staleness(completions: list[Completion], trainer_version: int, bound: int) -> int:
+    """The largest staleness in the batch; raises if it exceeds `bound`."""
+    worst = max(trainer_version - c.policy_version for c in completions)
+    if worst > bound:
+        raise StalenessError(
+            f"a completion from policy version {trainer_version - worst} reached the trainer at "
+            f"version {trainer_version}: {worst} > rl.off_policy_steps={bound}"
+        )
+    return worst
+
+
+@dataclass
+class InFlight:
+    """A generation request: its prompts, and the completions (once collected) or the pending handle."""
+
+    prompts: PromptBatch
+    result: Pending | list[Completion]
+
+
+class GRPORun:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir)
+        rl, rollout = cfg.rl, cfg.rollout
+        self.row_len = rl.batch.pack_length or rollout.max_model_len
+        self.train_rows, self.eval_rows = prompt_rows(cfg)
+        self.stream = PromptStream(
+            self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
+        self.rewards = RewardRunner(cfg.reward)
+        self.tokenizer_dir = cfg.data.tokenizer_dir or _tokenizer_dir_of(cfg.checkpoint.init_from)
+        self.pg = None
+        if rollout.sampler == "vllm":
+            from rollout.ray import ensure_ray
+
+            ensure_ray()
+            self.pg = reserve(cfg)
+        self.trainer = start_trainer(cfg, self.run_dir, self.pg)
+        self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
+        # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
+        self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
+        self.start_step = 0
+        self._requests = 0  # generation requests so far (seeds the sampler)
+        self._resumed_in_flight: list[InFlight] = []
+        restored = self.trainer.restore_latest()
+        if restored is not None:
+            step, meta = restored
+            self.stream.set_state(meta["prompt_stream"])
+            self.start_step = int(meta["rl_step"])
+            self._requests = int(meta["requests"])
+            self._resumed_in_flight = [
+                InFlight(self.stream.batch(f["indices"]), [Completion(**c) for c in f["completions"]])
+                for f in meta.get("in_flight", [])
+            ]
+            print(
+                f"resumed from {self.run_dir / 'checkpoints' / str(step)} at step {self.start_step} "
+                f"(policy version {meta['policy_version']})",
+                flush=True,
+            )
+        self.samplers = self._start_samplers()
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
+
+    # ---------------------------------------------------------------- set-up
+
+    def _start_samplers(self) -> SamplerGroup:
+        cfg = self.cfg
+        if cfg.rollout.sampler == "jax":
+            group = SamplerGroup([self._jax_sampler()])
+        else:
+            self.init_hf = Path(self.trainer.export_hf(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
+            k = cfg.rollout.rollout_data_parallelism
+            group = SamplerGroup(
+                [start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)],
+                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg),
+            )
+        group.sync(self._push)
+        return group
+
+    def _jax_sampler(self):
+        import jax
+
+        from core.config import MeshConfig
+        from core.mesh import make_mesh, split_devices
+        from core.models import create_model
+        from rollout.jax_sampler import JaxSampler
+
+        local = self.trainer.local()  # single controller: the trainer lives in this process
+        mesh_cfg = self.cfg.mesh
+        _, sampler_devices = split_devices(
+            jax.devices(), mesh_cfg.trainer_devices_fraction, mesh_cfg.sampler_devices_fraction
+        )
+        mesh = make_mesh(MeshConfig(fsdp=1, tensor=-1), sampler_devices) if sampler_devices else local.mesh
+        with jax.set_mesh(mesh):
+            model = create_model(local.cfg.model, mesh, seed=0)  # placeholder weights, replaced by the first sync
+        return JaxSampler(
+            model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len, seed=self.cfg.run.seed
+        )
+
+    def _push(self, sampler: Sampler) -> dict:
+        """The trainer's current weights and policy version into one sampler."""
+        stats = self.trainer.sync(sampler)
+        sampler.policy_version = stats["version"]
+        return stats
+
+    def _sync(self) -> float:
+        start = time.perf_counter()
+        self.samplers.sync(self._push)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ steps
+
+    def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=n,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            logprobs=True,
+            seed=seed,
+        )
+
+    def _submit(self, prompts: PromptBatch) -> InFlight:
+        # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
+        # sampler derives one per prompt and sample from it): a restarted run draws what an uninterrupted one would.
+        self._requests += 1
+        seed = sample_seed(self.cfg.run.seed, self._requests)
+        rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
+        return InFlight(
+            prompts, self.samplers.submit(rendered, self.sampling_params(self.cfg.rl.batch.num_generations, seed))
+        )
+
+    def _collect(self, request: InFlight) -> list[Completion]:
+        if not isinstance(request.result, Pending):
+            return request.result
+        request.result = self.samplers.collect(request.result, self._push)
+        return request.result
+
+    def _score(self, rows: list[dict], completions: list[Completion]):
+        g = self.cfg.rl.batch.num_generations
+        prompts = [prompt_text(r, self.cfg.rl) for r in rows for _ in range(g)]
+        texts = [c.text for c in completions]
+        columns = columns_of(rows, g)
+        batch = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
+        correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=batch)
+        return batch, correct
+
+    def run(self, on_step=None) -> RunSummary:
+        """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
+        cfg, rl = self.cfg, self.cfg.rl
+        in_flight: deque[InFlight] = deque(self._resumed_in_flight)
+        final_eval = None
+        step = self.start_step
+        try:
+            for step in range(self.start_step + 1, cfg.train.steps + 1):
+                t0 = time.perf_counter()
+                while len(in_flight) < 1 + rl.off_policy_steps:
+                    in_flight.append(self._submit(next(self.stream)))
+                request = in_flight.popleft()
+                rows, completions = request.prompts.rows, self._collect(request)
+                gen_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
+                reward_batch, correct = self._score(rows, completions)
+                adv = self._advantages(reward_batch)
+                rounds = 1
+                if rl.batch.dynamic_sampling:
+                    rows, completions, reward_batch, correct, adv, rounds = self._refill(
+                        rows, completions, reward_batch, correct, adv
+                    )
+                reward_s = time.perf_counter() - t1
+                t2 = time.perf_counter()
+                batch = self._batch(completions, adv)
+                train_metrics = self._train(step, batch, in_flight)
+                train_s = time.perf_counter() - t2
+                sync_s = self._sync()
+                metrics = self._step_metrics(completions, reward_batch, correct, adv, staleness, rounds)
+                metrics.update(train_metrics)
+                step_s = time.perf_counter() - t0
+                tokens = sum(len(c.token_ids) for c in completions)
+                metrics.update(
+                    {
+                        "time/generate_s": gen_s,
+                        "time/reward_s": reward_s,
+                        "time/train_s": train_s,
+                        "time/sync_s": sync_s,
+                        "time/step_s": step_s,
+                        "pack/rows": float(batch.packed.rows),
+                        "pack/fill": batch.packed.fill(),
+                        "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
+                        "tokens_per_s": tokens / max(step_s, 1e-9),
+                        "policy_version": float(self.samplers.policy_versions[0]),
+                        "sampler_restarts": float(self.samplers.restarts),
+                        "sampler_redone_prompts": float(self.samplers.redone_prompts),
+                    }
+                )
+                self.metrics.log(step, metrics, console=False)
+                print(self._line(step, metrics), flush=True)
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    final_eval = self.evaluate(step)
+                if cfg.checkpoint.enabled and (step % cfg.checkpoint.every_steps == 0 or step == cfg.train.steps):
+                    self._save(step, in_flight)
+                if on_step is not None:
+                    on_step(self, step, metrics)
+        finally:
+            self.metrics.close()
+        hf_dir = None
+        if cfg.checkpoint.export_hf:
+            hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
+        plot_curves(
+            self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png", ylabel="reward / accuracy"
+        )
+        version = self.trainer.version()
+        update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=final_eval)
+        return RunSummary(self.run_dir, step, version, final_eval, hf_dir)
+
+    def _train(self, step: int, batch: RLBatch, in_flight: deque[InFlight]) -> dict:
+        """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
+        try:
+            return self.trainer.train(batch)
+        except NonFiniteLoss as err:
+            saved = ""
+            if self.cfg.checkpoint.enabled:
+                self._save(step, in_flight)
+                saved = (
+                    f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
+                    f"state without that update (every update applied was finite) and the prompt stream "
+                    f"after this batch: the same command resumes past it."
+                )
+            raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
+
+    def _batch(self, completions: list[Completion], adv: Advantages) -> RLBatch:
+        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
+        a multiple of the trainer's data-parallel size."""
+        rl = self.cfg.rl
+        row_len = self.row_len
+        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+        return build_rl_batch(
+            completions,
+            adv.values,
+            adv.keep,
+            row_len=row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+            pack=rl.batch.pack_sequences,
+            share_prompts=rl.batch.share_prompts,
+            mask_truncated=rl.loss.mask_truncated,
+            choose_rows=self.row_counts.pick,
+            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        )
+
+    def _save(self, step: int, in_flight: deque[InFlight]) -> None:
+        # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
+        # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
+        stored = [
+            {"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]} for r in in_flight
+        ]
+        self.trainer.save(
+            step,
+            {
+                "rl_step": step,
+                "prompt_stream": self.stream.get_state(),
+                "requests": self._requests,
+                "in_flight": stored,
+            },
+        )
+
+    def _advantages(self, rewards: RewardBatch) -> Advantages:
+        rl = self.cfg.rl
+        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
+
+    def _refill(self, rows, completions, reward_batch, correct, adv):
+        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
+
+        Groups are picked from the scored batches as they are (no second scoring)."""
+        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
+        scored = [(rows, completions, reward_batch, correct)]  # every batch drawn this step
+        first = adv.keep.reshape(-1, g)[:, 0]
+        picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
+        rounds = 1
+        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
+            request = self._submit(next(self.stream))
+            more_rows, more = request.prompts.rows, self._collect(request)
+            more_batch, more_correct = self._score(more_rows, more)
+            more_adv = self._advantages(more_batch)
+            scored.append((more_rows, more, more_batch, more_correct))
+            ok = more_adv.keep.reshape(-1, g)[:, 0]
+            picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
+            rounds += 1
+        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
+            picks += [(0, i) for i in range(len(rows)) if not first[i]][: want - len(picks)]
+        items = [(scored[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
+        kept_rows = [scored[b][0][i] for b, i in picks]
+        kept_completions = [src[1][j] for src, idx in items for j in idx]
+        reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
+        correct = np.concatenate([src[3][idx] for src, idx in items])
+        adv = self._advantages(reward_batch)
+        return kept_rows, kept_completions, reward_batch, correct, adv, rounds
+
+    def _step_metrics(self, completions, reward_batch, correct, adv: Advantages, staleness, rounds) -> dict:
+        lengths = np.array([len(c.token_ids) for c in completions], float)
+        out = reward_batch.metrics()
+        out.update(
+            {
+                "accuracy": float(np.nan_to_num(correct > 0).mean()),
+                "completion_length/mean": float(lengths.mean()),
+                "completion_length/max": float(lengths.max()),
+                "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
+                "zero_variance_groups": float(adv.zero_variance_groups),
+                "reward/failed_groups": float(adv.failed_groups),
+                "staleness_max": float(staleness),
+                "sampling_rounds": float(rounds),
+            }
+        )
+        return out
+
+    @staticmethod
+    def _line(step: int, m: dict) -> str:
+        failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
+        return (
+            f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
+            f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
+            f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}{failed} | "
+            f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
+        )
+
+    # ------------------------------------------------------------- evaluation
+
+    def evaluate(self, step: int | None = None) -> dict:
+        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts."""
+        rl = self.cfg.rl
+        rows = self.eval_rows[: rl.eval_prompts]
+        if not rows:
+            return {}
+        prompts = [render_prompt(r, rl) for r in rows]
+        greedy = self.samplers.collect(
+            self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)), self._push
+        )
+        k = rl.eval_samples
+        sampled = self.samplers.collect(
+            self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)), self._push
+        )
+        texts = [prompt_text(r, rl) for r in rows]
+        ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
+        ok_sampled = (
+            self.rewards.score_fn(
+                rl.accuracy_fn, [t for t in texts for _ in range(k)], [c.text for c in sampled], columns_of(rows, k)
+            )
+            > 0
+        ).reshape(-1, k)
+        answers = [final_answer(c.text) for c in sampled]
+        result = {
+            "eval/pass@1": float(ok_greedy.mean()),
+            f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in ok_sampled])),
+            "eval/sampled_pass@1": float(ok_sampled.mean()),
+            f"eval/maj@{k}": float(
+                np.mean([majority_correct(answers[i * k : (i + 1) * k], ok_sampled[i]) for i in range(len(rows))])
+            ),
+        }
+        if step is not None:
+            self.metrics.log(step, result, console=False)
+            print(
+                f"eval @ step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()), flush=True
+            )
+        return result
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Release the reward workers, samplers, trainer and placement group. Each step is best effort (after a
+        failure some are already gone) and what fails is said, not raised over the error that stopped the run;
+        the Ray steps get `timeout_s` in all (30 s; 10 s once the trainer was found gone, when the cluster may be
+        gone too), so a cluster that went away cannot keep the run from ending."""
+        timeout_s = timeout_s if timeout_s is not None else (10.0 if self.trainer.lost else 30.0)
+        self.rewards.close()
+        steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers)]
+        steps.append(("trainer", self.trainer.close))
+        if self.pg is not None:
+            import ray
+            from ray.util.placement_group import remove_placement_group
+
+            steps.append(("placement group", lambda: remove_placement_group(self.pg)))
+            if self.trainer.remote:
+                steps.append(("trainer actor", lambda: ray.kill(self.trainer.target)))
+
+        def release():
+            for what, action in steps:
+                try:
+                    action()
+                except Exception as e:
+                    print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+
+        worker = threading.Thread(target=release, name="temper-close", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            print(
+                f"closing: Ray did not answer within {timeout_s:.0f} s (is the cluster gone?); leaving the rest "
+                f"of the clean-up to Ray",
+                flush=True,
+            )
+
+
+def _tokenizer_dir_of(init_from: str | None) -> str:
+    if init_from and (Path(init_from) / "tokenizer.json").exists():
+        return init_from
+    raise ConfigError("no tokenizer: set data.tokenizer_dir (or a checkpoint.init_from HF directory with a tokenizer)")
+
+
+def run_grpo(cfg: Config) -> RunSummary:
+    run = GRPORun(cfg)
+    try:
+        return run.run()
+    finally:
+        run.close()

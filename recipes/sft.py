@@ -1,0 +1,38 @@
+"""Supervised fine-tuning on prompt/completion or chat rows, loss on the completion / assistant turns only.
+
+    python -m recipes.sft [CONFIG.yml] [key=value ...]
+    python -m recipes.sft recipes/configs/sft_tiny.yml checkpoint.init_from=runs/pretrain_tiny
+    python -m recipes.sft recipes/configs/sft_tiny.yml data.source=chats.jsonl data.tokenizer_dir=/models/qwen
+
+Rows are `{"messages": [{"role": ..., "content": ...}, ...]}` (`data.format=chat`, rendered with the
+tokenizer's own chat template) or `{"prompt": ..., "completion": ...}` (`data.format=prompt_completion`);
+see docs/sft.md for the masks, packing, evaluation and every config key. The run directory gets the
+resolved config, checkpoints (a restart resumes), metrics, a loss plot, held-out greedy generations
+(generations.jsonl) and a Hugging Face export (hf/).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from core.cli import run_recipe
+from core.config_loader import config_from_argv
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft_tiny.yml"
+
+
+def main(argv: list[str]) -> int:
+    cfg = config_from_argv(argv, DEFAULT_CONFIG)
+    from posttrain.sft import run_sft
+
+    run = run_sft(cfg)
+    print(
+        f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, "
+        f"generations.jsonl, hf/)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, "recipes.sft"))
