@@ -9,7 +9,10 @@ prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
 loss on the completion tokens only, AdamW. Temper's step is
 `core.learner.Learner.update` on the SFT pipeline's batches (rows padded to
 `seq`, no packing: the same rows per step as the peers), and again with
-packing on (more rows per step: compare its tokens/s). TRL's SFTTrainer
+packing on (more sequences per step: compare its tokens/s). Completion-only
+targets are compacted (`core.data.target_width`), so a batch's target width
+varies among a few values; each is compiled before it is timed, as a run
+compiles it once. TRL's SFTTrainer
 (`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
 environment (`.venv-trl`, created on first use), so neither touches Temper's
 dependencies. Step times exclude the first step (compilation, warm-up);
@@ -38,7 +41,7 @@ SIZES = {  # Llama-shaped, untied embeddings
     "T2": dict(  # bench/train_throughput.py's T2: 56M parameters, 32k vocabulary
         hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
     ),
-    "100M": dict(hidden_size=768, intermediate_size=2560, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64),
+    "100M": dict(hidden_size=768, intermediate_size=2560, num_layers=8, num_heads=12, num_kv_heads=4, head_dim=64),
 }
 VOCAB = {"tiny": 512, "T2": 32000, "100M": 32000}
 
@@ -97,6 +100,7 @@ def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool) -> dict:
     times, tokens, sequences = [], [], []
     for _ in range(args.steps + 1):
         batch = next(batches)
+        learner.compile(batch.batch)  # a new target width compiles once per run: not step time
         start = time.perf_counter()
         learner.update(batch.batch)
         times.append(time.perf_counter() - start)

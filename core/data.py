@@ -27,7 +27,7 @@ raises `MalformedRow` naming the source, row index and what is wrong, or, with
 `data.skip_malformed`, is skipped and counted (`Pipeline.skipped`).
 
 Batches are `DataBatch`es: a `PackedBatch` with one scored sequence per row
-(its targets packed to the left of `[B, C = seq_len]`, `target_index` local to
+(its targets packed to the left of `[B, C]`, C <= seq_len, `target_index` local to
 each of `micro_batches` groups of rows) and `example_ids` `[B, L]` (the source
 row of every token, -1 on padding). With `data.packing` several examples share
 a row (Grain's first-fit packer), each with its own segment and positions; no
@@ -285,17 +285,28 @@ class DataBatch:
     example_ids: np.ndarray  # [B, L] source row of every token, -1 on padding (inspection, resume tests)
 
 
+def target_width(most: int, length: int) -> int:
+    """The target axis C for rows of `length` whose fullest row has `most` targets: rounded up to a multiple
+    of length / 8 (at least 8), so that a run compiles its step for a handful of widths at most."""
+    step = max(8, length // 8)
+    return min(length, max(step, -(-most // step) * step))
+
+
 def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
     """Row-layout arrays (tokens, positions, segment_ids, loss_mask `[B, L]`) -> a `DataBatch`: row i is scored
-    sequence i, its targets packed to the left of `[B, C = L]`, indices local to its micro-batch's rows."""
+    sequence i, its targets packed to the left of `[B, C]`, indices local to its micro-batch's rows.
+
+    C is `target_width` of the fullest row: L for text (every token a target), about the completion's share
+    of L for SFT's completion-only loss, whose prompt positions then never reach the output projection."""
     tokens, seg = rows["tokens"], rows["segment_ids"]
     b, length = tokens.shape
     per_group = b // micro_batches
     valid = np.zeros(tokens.shape, bool)  # position k is a target predicted from k - 1, in the same example
     valid[:, 1:] = (rows["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    index = np.zeros((b, length), np.int32)
-    ids = np.zeros((b, length), np.int32)
-    mask = np.zeros((b, length), np.float32)
+    width = target_width(int(valid.sum(axis=1).max()), length)
+    index = np.zeros((b, width), np.int32)
+    ids = np.zeros((b, width), np.int32)
+    mask = np.zeros((b, width), np.float32)
     for r in range(b):
         ks = np.flatnonzero(valid[r])
         n = len(ks)
