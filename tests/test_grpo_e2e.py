@@ -166,6 +166,22 @@ def test_staleness_check_refuses_old_completions():
         check_staleness(batch, 5, 1)
 
 
+def recipe_command(run_dir, tokenizer, *overrides) -> list[str]:
+    """`python -m recipes.grpo` on the tiny config: 8 steps with a reward that varies, no HF export."""
+    return [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={tokenizer}",
+        VARIED_REWARD,
+        "train.steps=8",
+        "checkpoint.export_hf=false",
+        *overrides,
+    ]
+
+
 def run_until(cmd, env, run_dir, checkpoint, step, timeout_s=400):
     """Start the recipe and return its process once checkpoint `checkpoint` exists and step `step` is logged."""
     proc = subprocess.Popen(
@@ -197,19 +213,7 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
     """Single controller (the JAX sampler in the trainer's process), SIGKILL two steps after checkpoint 4, and
     the same command again: every step logged once, and steps 5-6 log what they logged before the kill."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.grpo",
-        str(TINY),
-        f"run.run_dir={run_dir}",
-        f"data.tokenizer_dir={arithmetic_tokenizer}",
-        VARIED_REWARD,
-        "rollout.sampler=jax",
-        "train.steps=8",
-        "checkpoint.every_steps=4",
-        "checkpoint.export_hf=false",
-    ]
+    cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", "checkpoint.every_steps=4")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -235,20 +239,9 @@ def test_async_vllm_survives_a_lost_ray_head_and_kill_9_and_resumes_exactly(tmp_
     import psutil
 
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.grpo",
-        str(TINY),
-        f"run.run_dir={run_dir}",
-        f"data.tokenizer_dir={arithmetic_tokenizer}",
-        VARIED_REWARD,
-        "rl.off_policy_steps=1",
-        "train.steps=8",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep=3",
-        "checkpoint.export_hf=false",
-    ]
+    cmd = recipe_command(
+        run_dir, arithmetic_tokenizer, "rl.off_policy_steps=1", "checkpoint.every_steps=2", "checkpoint.keep=3"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     proc = run_until(cmd, env, run_dir, checkpoint=2, step=2)
