@@ -288,22 +288,22 @@ def test_sampler_group_sync_replaces_a_sampler_that_died_since():
     assert dead.killed and group.restarts == 1 and group.samplers[1].tag == "new1"
 
 
-def _jax_run(tmp_path, tokenizer, *overrides):
+def _jax_config(tmp_path, tokenizer, *overrides):
+    """grpo_tiny.yml in single-controller mode (the JAX sampler), run directory under `tmp_path`."""
+    return load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={tokenizer}", "rollout.sampler=jax", *overrides],
+    )
+
+
+def _jax_run(tmp_path, tokenizer, *overrides, run_class=None):
+    """A two-step run without checkpoints (`run_class`: a GRPORun subclass that records what it builds)."""
     from posttrain.onpolicy.loop import GRPORun
 
-    cfg = load_config(
-        "recipes/configs/grpo_tiny.yml",
-        [
-            f"run.run_dir={tmp_path / 'run'}",
-            f"data.tokenizer_dir={tokenizer}",
-            "rollout.sampler=jax",
-            "checkpoint.enabled=false",
-            "checkpoint.export_hf=false",
-            "train.steps=2",
-            *overrides,
-        ],
+    cfg = _jax_config(
+        tmp_path, tokenizer, "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides
     )
-    return GRPORun(cfg)
+    return (run_class or GRPORun)(cfg)
 
 
 @pytest.mark.integration
@@ -359,21 +359,15 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
             batches.append(batch)
             return batch
 
-    cfg = load_config(
-        "recipes/configs/grpo_tiny.yml",
-        [
-            f"run.run_dir={tmp_path / 'run'}",
-            f"data.tokenizer_dir={arithmetic_tokenizer}",
-            "rollout.sampler=jax",
-            "checkpoint.enabled=false",
-            "checkpoint.export_hf=false",
-            "train.steps=2",
-            "rl.loss.beta=0.05",
-            "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]",
-            "rl.accuracy_fn=tests.reward_plugins:char_count",
-        ],
+    run = _jax_run(
+        tmp_path,
+        arithmetic_tokenizer,
+        "rl.loss.beta=0.05",
+        "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]",
+        "rl.accuracy_fn=tests.reward_plugins:char_count",
+        run_class=Recording,
     )
-    run = Recording(cfg)
+    cfg = run.cfg
     try:
         seen = []
         run.run(on_step=lambda r, step, m: seen.append(m))
@@ -409,20 +403,16 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
                 batch.advantages[:] = np.nan
             return batch
 
-    cfg = load_config(
-        "recipes/configs/grpo_tiny.yml",
-        [
-            f"run.run_dir={tmp_path / 'run'}",
-            f"data.tokenizer_dir={arithmetic_tokenizer}",
-            "rollout.sampler=jax",
-            "checkpoint.every_steps=1",
-            "checkpoint.keep=3",
-            "checkpoint.export_hf=false",
-            "train.steps=3",
-            f"train.nan_policy={policy}",
-            "reward.functions=[{fn: tests.reward_plugins:char_count}]",
-            "optim.learning_rate=1.0e-2",
-        ],
+    cfg = _jax_config(
+        tmp_path,
+        arithmetic_tokenizer,
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=3",
+        "checkpoint.export_hf=false",
+        "train.steps=3",
+        f"train.nan_policy={policy}",
+        "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+        "optim.learning_rate=1.0e-2",
     )
     params, seen = {}, {}
 
