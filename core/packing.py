@@ -1,10 +1,10 @@
-"""Sequences -> packed rows and the targets a loss scores: the one place a `core.batch.PackedBatch` is built.
+"""Prefixes with branches -> packed rows and their targets as a `core.batch.PackedBatch` (GRPO's groups; DPO's
+pairs sharing a prompt next). Token streams packed by the data pipeline (pretraining, SFT) become one in
+`core.data.to_data_batch`.
 
-    segments = [Segment(prefix=prompt, branches=(completion_a, completion_b)), Segment(prefix=conversation,
-                prefix_targets=assistant_positions), ...]
+    segments = [Segment(prefix=prompt, branches=(completion_a, completion_b)), ...]
     rows = pack_rows([segments_of_group_0, segments_of_group_1], row_len=512)
     index, ids = branch_targets(rows, group=0, segment=0, branch=1)       # completion_a's targets
-    index, ids = prefix_targets(rows, group=1, segment=0)                 # the conversation's assistant tokens
     batch = packed_batch(rows, [(index, ids), ...], max_targets=C)
 
 A `Segment` is a prefix (branch 0) and zero or more branches after it; each
@@ -18,9 +18,8 @@ needs)` (default `round_rows`), a multiple of `row_multiple` (the trainer's
 data-parallel size). `pack=False` puts one segment per row.
 
 Target j of a branch is its token j, predicted from the prefix's last position
-(j = 0) or from the branch's token j - 1; a prefix target at position k is the
-prefix's token k, predicted from position k - 1. Indices are flat within the
-group's `[R_g * row_len]` positions.
+(j = 0) or from the branch's token j - 1. Indices are flat within the group's
+`[R_g * row_len]` positions.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from core.batch import PackedBatch
 class Segment:
     prefix: Sequence[int]  # branch 0, attended to by every branch
     branches: Sequence[Sequence[int]] = ()  # branch k >= 1 attends to the prefix and itself
-    prefix_targets: Sequence[int] = ()  # prefix positions k >= 1 whose token a loss scores (e.g. assistant tokens)
 
     @property
     def length(self) -> int:
@@ -194,16 +192,6 @@ def branch_targets(rows: PackedRows, group: int, segment: int, branch: int) -> t
     start = where.branch_starts[branch - 1]
     prefix_last = where.start + len(seg.prefix) - 1
     return base + np.r_[prefix_last, start + np.arange(n - 1)].astype(np.int32), tokens
-
-
-def prefix_targets(rows: PackedRows, group: int, segment: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flat predicting positions, target ids) of a segment's prefix targets, local to its group."""
-    seg, where = rows.groups[group][segment], rows.placements[group][segment]
-    k = np.asarray(seg.prefix_targets, np.int32)
-    if k.size and (k.min() < 1 or k.max() >= len(seg.prefix)):
-        raise ValueError(f"group {group}, segment {segment}: prefix targets must lie in [1, {len(seg.prefix)})")
-    base = where.row * rows.row_len + where.start
-    return (base + k - 1).astype(np.int32), np.asarray(seg.prefix, np.int32)[k]
 
 
 def packed_batch(rows: PackedRows, targets: Sequence[tuple[np.ndarray, np.ndarray]], max_targets: int) -> PackedBatch:
