@@ -7,12 +7,12 @@ Every side trains the same HF model (random init, float32) on the same
 prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
 16-127 completion tokens, so rows run 33-256 tokens), `batch` rows a step,
 loss on the completion tokens only, AdamW. Temper's step is
-`core.learner.Learner.update` on the SFT pipeline's batches (rows padded to
-`seq`, no packing: the same rows per step as the peers), and again with
-packing on (more sequences per step: compare its tokens/s). Completion-only
-targets are compacted (`core.data.target_width`), so a batch's target width
-varies among a few values; each is compiled before it is timed, as a run
-compiles it once. TRL's SFTTrainer
+`core.learner.Learner.update` on the SFT pipeline's batches (no packing: the
+same rows per step as the peers), and again with packing on (more sequences
+per step: compare its tokens/s). Rows and completion-only targets are cut to
+what the batch uses (`core.data.bucketed_width`, multiples of seq / 8), so a
+batch's widths vary among a few values; each is compiled before it is timed,
+as a run compiles it once. TRL's SFTTrainer
 (`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
 environment (`.venv-trl`, created on first use), so neither touches Temper's
 dependencies. Step times exclude the first step (compilation, warm-up);

@@ -74,8 +74,10 @@ class ModelConfig(Section):
     scan_layers: bool = True
     remat_policy: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     attention_impl: Literal["xla", "dot_product", "cudnn"] = "xla"
-    # Vocabulary tile of the log-prob kernel (core/kernels/logprobs.py); >= vocab_size is one tile
-    # (full float32 logits: fastest on CPU for small vocabularies, most memory).
+    # The log-prob head (core/kernels/logprobs.py) keeps a micro-batch's [targets, vocab] float32 logits for the
+    # backward pass when they fit in logits_budget_mb (three matmuls); above it, it walks the vocabulary in
+    # vocab_chunk_size tiles and recomputes them in the backward (a fourth matmul, O(targets x tile) memory).
+    logits_budget_mb: float = Field(256, ge=0)
     vocab_chunk_size: int = Field(8192, gt=0)
 
     @property

@@ -285,9 +285,9 @@ class DataBatch:
     example_ids: np.ndarray  # [B, L] source row of every token, -1 on padding (inspection, resume tests)
 
 
-def target_width(most: int, length: int) -> int:
-    """The target axis C for rows of `length` whose fullest row has `most` targets: rounded up to a multiple
-    of length / 8 (at least 8), so that a run compiles its step for a handful of widths at most."""
+def bucketed_width(most: int, length: int) -> int:
+    """`most` rounded up to a multiple of length / 8 (at least 8), at most `length`: the row and target widths a
+    batch is cut to, so that a run compiles its step for a handful of widths at most."""
     step = max(8, length // 8)
     return min(length, max(step, -(-most // step) * step))
 
@@ -296,14 +296,19 @@ def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
     """Row-layout arrays (tokens, positions, segment_ids, loss_mask `[B, L]`) -> a `DataBatch`: row i is scored
     sequence i, its targets packed to the left of `[B, C]`, indices local to its micro-batch's rows.
 
-    C is `target_width` of the fullest row: L for text (every token a target), about the completion's share
-    of L for SFT's completion-only loss, whose prompt positions then never reach the output projection."""
+    Both axes are cut to what the batch uses (`bucketed_width`): rows to the longest row's real tokens, as a
+    pad-to-longest collator does, and C to the fullest row's targets — L for text (every token a target),
+    about the completion's share for SFT's completion-only loss, whose prompt positions then never reach the
+    output projection. Padding only ever sits at a row's end, so the cut drops padding alone."""
+    seg_full = rows["segment_ids"]
+    length = bucketed_width(int((seg_full > 0).sum(axis=1).max()), seg_full.shape[1])
+    rows = {k: v[:, :length] for k, v in rows.items()}
     tokens, seg = rows["tokens"], rows["segment_ids"]
-    b, length = tokens.shape
+    b = tokens.shape[0]
     per_group = b // micro_batches
     valid = np.zeros(tokens.shape, bool)  # position k is a target predicted from k - 1, in the same example
     valid[:, 1:] = (rows["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    width = target_width(int(valid.sum(axis=1).max()), length)
+    width = bucketed_width(int(valid.sum(axis=1).max()), length)
     index = np.zeros((b, width), np.int32)
     ids = np.zeros((b, width), np.int32)
     mask = np.zeros((b, width), np.float32)

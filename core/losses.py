@@ -19,6 +19,6 @@ from core.targets import target_logprobs
 def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(sum of -log p over the targets, {loss_denominator: number of targets})."""
     del rng
-    logp, _ = target_logprobs(model, batch)
+    logp, _ = target_logprobs(model, batch, entropy=False)
     mask = batch.target_mask.astype(jnp.float32)
     return -(logp * mask).sum(), {"loss_denominator": mask.sum()}

@@ -27,7 +27,9 @@ from core.train import place_batch, split_micro_batches
 
 def logprob_pass(graphdef: nnx.GraphDef, temperature: float) -> Callable:
     """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets."""
-    return jax.jit(lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature)[0])
+    return jax.jit(
+        lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
+    )
 
 
 def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:

@@ -76,6 +76,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
     def loss_fn(model, batch: RLBatch, rng: jax.Array):
         del rng
         logp, entropy = target_logprobs(model, batch.packed, temperature)
+        assert entropy is not None  # asked for (the default)
         mask = batch.loss_mask.astype(jnp.float32)
         # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
         old_logp = batch.old_logp if batch.old_logp is not None else jax.lax.stop_gradient(logp)

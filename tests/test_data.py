@@ -234,7 +234,33 @@ def test_local_files_and_save_to_disk(tmp_path, arithmetic_tokenizer):
     for source in (jsonl, tmp_path / "d.parquet", tmp_path / "disk"):
         c = cfg(source=str(source), tokenizer_dir=arithmetic_tokenizer, packing=False, shuffle=False)
         assert [r["text"] for r in load_records(str(source), c)] == TEXTS[:10]
-        assert next(iter(make_pipeline(c, 2))).batch.tokens.shape == (2, 32)
+        assert next(iter(make_pipeline(c, 2))).batch.tokens.shape[0] == 2
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_rows_are_cut_to_the_longest_row_and_only_padding_is_dropped(packing, arithmetic_tokenizer):
+    """Short rows are cut to the batch's longest real row rounded up to seq_len / 8, like a pad-to-longest collator;
+    every real token, segment and target is still there (compared with the uncut layout)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    records = [{"text": t} for t in TEXTS[:8]]
+    c = cfg(seq_len=128, packing=packing, shuffle=False)
+    data = next(iter(make_pipeline(c, 4, records=records, tokenizer_dir=arithmetic_tokenizer)))
+    b = as_rows(data)
+    real = (b["segment_ids"] > 0).sum(axis=1)
+    width = b["tokens"].shape[1]
+    assert width % 16 == 0 and width - 16 < real.max() <= width  # cut to the next multiple of 16
+    assert packing or width < 128  # unpacked, these ~16-token documents leave most of a row empty
+    assert not (b["segment_ids"][:, real.min() :] > 0).all(axis=1).any()  # padding only after the real tokens
+    expected_targets = 0
+    for docs in rows_of(b):
+        for items in docs.values():
+            (eid,) = {int(i) for i, _, _ in items}
+            want = tok(TEXTS[eid], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            assert [int(t) for _, t, _ in items] == want  # whole documents, nothing cut but padding
+            expected_targets += len(want) - 1  # every token after a document's first
+    assert sum(len(t) for t in b["targets"]) == expected_targets
 
 
 def test_reasoning_gym_source():

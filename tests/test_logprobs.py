@@ -1,11 +1,17 @@
-"""Chunked (vocabulary-tiled) log-probs and entropy equal the naive computation, values and gradients."""
+"""The log-prob head's two paths (vocabulary-tiled and recomputed; logits kept for the backward) equal the naive
+computation, values and gradients, with and without the entropy."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.kernels.logprobs import chunked_logprobs_and_entropy, naive_logprobs_and_entropy
+from core.kernels.logprobs import (
+    chunked_logprobs_and_entropy,
+    logprobs_and_entropy,
+    naive_logprobs_and_entropy,
+    saved_logprobs_and_entropy,
+)
 
 
 def numpy_reference(h, w, y, temperature):
@@ -26,23 +32,29 @@ def data(seed=0, b=2, t=7, d=16, v=300):
     )
 
 
-@pytest.mark.parametrize("chunk", [64, 100, 300, 1024])  # 100 does not divide 300; 1024 > V
+# chunk None: the saved-logits path; 100 does not divide 300; 1024 > V
+@pytest.mark.parametrize("chunk", [64, 100, 300, 1024, None])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_values_match_numpy(chunk, temperature):
     h, w, y = data()
-    logp, ent = chunked_logprobs_and_entropy(h, w, y, temperature, chunk)
+    if chunk is None:
+        logp, ent = saved_logprobs_and_entropy(h, w, y, temperature)
+    else:
+        logp, ent = chunked_logprobs_and_entropy(h, w, y, temperature, chunk)
     ref_lp, ref_ent = numpy_reference(h, w, y, temperature)
     np.testing.assert_allclose(np.asarray(logp), ref_lp, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent), ref_ent, atol=1e-5)
 
 
+@pytest.mark.parametrize("entropy", [True, False])
 @pytest.mark.parametrize("layout", ["dv", "vd"])
-@pytest.mark.parametrize("chunk", [64, 100, 300])  # 300 = V: a single tile
-def test_gradients_match_naive(layout, chunk):
+@pytest.mark.parametrize("chunk", [64, 100, 300, None])  # 300 = V: a single tile; None: logits saved
+def test_gradients_match_naive(layout, chunk, entropy):
     h, w, y = data(1)
     if layout == "vd":
         w = np.ascontiguousarray(w.T)
     g_lp, g_ent = np.random.RandomState(2).randn(2, *y.shape).astype(np.float32)
+    g_ent = g_ent if entropy else 0 * g_ent  # without the entropy, only log p(target) is differentiated
 
     def objective(fn):
         def f(h, w):
@@ -52,7 +64,10 @@ def test_gradients_match_naive(layout, chunk):
         return jax.value_and_grad(f, argnums=(0, 1))
 
     naive = objective(lambda h, w: naive_logprobs_and_entropy(h, w, y, 0.8, layout))
-    chunked = objective(lambda h, w: chunked_logprobs_and_entropy(h, w, y, 0.8, chunk, layout))
+    if chunk is None:
+        chunked = objective(lambda h, w: saved_logprobs_and_entropy(h, w, y, 0.8, layout, entropy))
+    else:
+        chunked = objective(lambda h, w: chunked_logprobs_and_entropy(h, w, y, 0.8, chunk, layout, entropy))
     (v_n, (dh_n, dw_n)), (v_c, (dh_c, dw_c)) = naive(h, w), chunked(h, w)
     assert abs(float(v_n) - float(v_c)) <= 1e-4
     np.testing.assert_allclose(np.asarray(dh_c), np.asarray(dh_n), atol=1e-5)
@@ -68,3 +83,30 @@ def test_jit_and_bfloat16_hidden():
     np.testing.assert_allclose(np.asarray(logp), np.asarray(ref), atol=1e-3)
     dh = jax.grad(lambda h: f(h, jnp.asarray(w, jnp.bfloat16))[0].sum())(jnp.asarray(h, jnp.bfloat16))
     assert dh.dtype == jnp.bfloat16
+
+
+def test_without_entropy_the_entropy_is_not_computed():
+    h, w, y = data(4)
+    for fn in (
+        lambda: chunked_logprobs_and_entropy(h, w, y, 1.0, 64, entropy=False),
+        lambda: saved_logprobs_and_entropy(h, w, y, 1.0, entropy=False),
+    ):
+        logp, ent = fn()
+        np.testing.assert_allclose(np.asarray(logp), numpy_reference(h, w, y, 1.0)[0], atol=1e-5)
+        assert not np.asarray(ent).any()  # zeros, not an entropy
+    assert logprobs_and_entropy(h, w, y, entropy=False)[1] is None
+
+
+def test_the_budget_picks_the_path_by_the_size_of_the_logits():
+    """Under the budget the backward pass holds the [N, V] logits; over it, [N, chunk] tiles (XLA's own count)."""
+    rng = np.random.RandomState(5)
+    n, d, v = 2048, 16, 512  # logits 4 MiB; tiles of 64 columns 0.5 MiB; the weight 32 KiB
+    h, w = rng.randn(1, n, d).astype(np.float32), (rng.randn(d, v) / 4).astype(np.float32)
+    y = rng.randint(0, v, (1, n)).astype(np.int32)
+
+    def temp_bytes(budget):
+        f = jax.grad(lambda h: logprobs_and_entropy(h, w, y, chunk_size=64, logits_budget_bytes=budget)[0].sum())
+        return jax.jit(f).lower(h).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(n * v * 4) >= n * v * 4
+    assert temp_bytes(n * v * 4 - 1) < n * v * 4 / 2

@@ -2,10 +2,18 @@
 
 RL, DPO and distillation need `log p(target)` (and often the entropy) over
 vocabularies of 150k tokens; float32 logits for 4 x 1024 tokens are 2.5 GB,
-and autodiff keeps several such arrays alive. Here the vocabulary is walked
-in chunks of `chunk_size` columns with an online log-sum-exp, and a custom VJP
-recomputes each chunk's logits in the backward pass, so peak memory is one
-[N, chunk] tile plus the [D, V] weight gradient.
+and autodiff keeps several such arrays alive. Two paths, one contract:
+
+- `chunked_logprobs_and_entropy` walks the vocabulary in chunks of
+  `chunk_size` columns with an online log-sum-exp, and a custom VJP recomputes
+  each chunk's logits in the backward pass, so peak memory is one [N, chunk]
+  tile plus the [D, V] weight gradient. The price is a fourth matmul.
+- `saved_logprobs_and_entropy` computes the [N, V] float32 logits once and
+  keeps them for the backward pass: three matmuls, N x V x 4 bytes.
+
+`logprobs_and_entropy` picks the second when its logits fit a byte budget
+(`model.logits_budget_mb`), the first otherwise. `entropy=False` skips the
+entropy (and its share of the backward) for losses that do not read it.
 
 For logits l = h W / temperature, p = softmax(l), the cotangents are
     d logp(y) / d l_j = 1[j = y] - p_j
@@ -34,6 +42,27 @@ def naive_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, layout:
     return logp, entropy
 
 
+def logprobs_and_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    temperature: float = 1.0,
+    chunk_size: int = 8192,
+    layout: Layout = "dv",
+    entropy: bool = True,
+    logits_budget_bytes: int = 0,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`saved_logprobs_and_entropy` when the [N, V] float32 logits fit `logits_budget_bytes`, else
+    `chunked_logprobs_and_entropy`; the entropy is None when `entropy` is False."""
+    n = hidden.shape[0] * hidden.shape[1]
+    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    if n * vocab * 4 <= logits_budget_bytes:
+        logp, ent = saved_logprobs_and_entropy(hidden, weight, targets, temperature, layout, entropy)
+    else:
+        logp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, temperature, chunk_size, layout, entropy)
+    return logp, ent if entropy else None
+
+
 def chunked_logprobs_and_entropy(
     hidden: jax.Array,
     weight: jax.Array,
@@ -41,8 +70,10 @@ def chunked_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 8192,
     layout: Layout = "dv",
+    entropy: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Same values and gradients as `naive_logprobs_and_entropy`, in O(N * chunk) memory."""
+    """Same values and gradients as `naive_logprobs_and_entropy`, in O(N * chunk) memory (the entropy is zeros
+    when `entropy` is False)."""
     b, t, d = hidden.shape
     vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
     chunk = min(chunk_size, vocab)
@@ -53,6 +84,24 @@ def chunked_logprobs_and_entropy(
         float(temperature),
         chunk,
         layout,
+        entropy,
+    )
+    return logp.reshape(b, t), ent.reshape(b, t)
+
+
+def saved_logprobs_and_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    temperature: float = 1.0,
+    layout: Layout = "dv",
+    entropy: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Same values and gradients as `naive_logprobs_and_entropy`; the float32 logits are kept for the backward
+    pass instead of recomputed (the entropy is zeros when `entropy` is False)."""
+    b, t, d = hidden.shape
+    logp, ent = _saved(
+        hidden.reshape(b * t, d), weight, targets.reshape(b * t).astype(jnp.int32), float(temperature), layout, entropy
     )
     return logp.reshape(b, t), ent.reshape(b, t)
 
@@ -80,7 +129,7 @@ def _chunk_logits(h, weight, i, chunk, temperature, layout):
     return logits / temperature, cols, valid, w, start
 
 
-def _forward(h, weight, targets, temperature, chunk, layout):
+def _forward(h, weight, targets, temperature, chunk, layout, entropy):
     n = h.shape[0]
 
     def body(i, carry):
@@ -91,7 +140,8 @@ def _forward(h, weight, targets, temperature, chunk, layout):
         scale = jnp.exp(m - m_new)
         e = jnp.exp(masked - m_new[:, None])  # 0 where invalid
         s = s * scale + e.sum(axis=-1)
-        u = u * scale + (e * jnp.where(valid[None, :], logits, 0.0)).sum(axis=-1)
+        if entropy:  # u = sum_j e_j l_j, for H = lse - u / s
+            u = u * scale + (e * jnp.where(valid[None, :], logits, 0.0)).sum(axis=-1)
         hit = (cols[None, :] == targets[:, None]) & valid[None, :]
         tgt = tgt + jnp.where(hit, logits, 0.0).sum(axis=-1)
         return m_new, s, u, tgt
@@ -105,21 +155,21 @@ def _forward(h, weight, targets, temperature, chunk, layout):
     vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
     m, s, u, tgt = jax.lax.fori_loop(0, _num_chunks(vocab, chunk), body, init)
     lse = m + jnp.log(s)
-    return tgt - lse, lse - u / s, lse
+    return tgt - lse, (lse - u / s) if entropy else u, lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked(h, weight, targets, temperature, chunk, layout):
-    logp, ent, _ = _forward(h, weight, targets, temperature, chunk, layout)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked(h, weight, targets, temperature, chunk, layout, entropy):
+    logp, ent, _ = _forward(h, weight, targets, temperature, chunk, layout, entropy)
     return logp, ent
 
 
-def _chunked_fwd(h, weight, targets, temperature, chunk, layout):
-    logp, ent, lse = _forward(h, weight, targets, temperature, chunk, layout)
+def _chunked_fwd(h, weight, targets, temperature, chunk, layout, entropy):
+    logp, ent, lse = _forward(h, weight, targets, temperature, chunk, layout, entropy)
     return (logp, ent), (h, weight, targets, lse, ent)
 
 
-def _chunked_bwd(temperature, chunk, layout, res, cotangents):
+def _chunked_bwd(temperature, chunk, layout, entropy, res, cotangents):
     h, weight, targets, lse, ent = res
     g_lp, g_ent = cotangents  # [N], [N]
     vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
@@ -130,7 +180,9 @@ def _chunked_bwd(temperature, chunk, layout, res, cotangents):
         logp_j = logits - lse[:, None]
         p = jnp.where(valid[None, :], jnp.exp(logp_j), 0.0)
         onehot = ((cols[None, :] == targets[:, None]) & valid[None, :]).astype(jnp.float32)
-        dl = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (logp_j + ent[:, None])
+        dl = g_lp[:, None] * (onehot - p)
+        if entropy:
+            dl = dl - g_ent[:, None] * p * (logp_j + ent[:, None])
         dl = dl / temperature  # [N, C]; zero on invalid columns
         if layout == "dv":
             dh = dh + jnp.einsum("NC,DC->ND", dl, w, preferred_element_type=jnp.float32)
@@ -150,3 +202,43 @@ def _chunked_bwd(temperature, chunk, layout, res, cotangents):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _saved(h, weight, targets, temperature, layout, entropy):
+    (logp, ent), _ = _saved_fwd(h, weight, targets, temperature, layout, entropy)
+    return logp, ent
+
+
+def _saved_fwd(h, weight, targets, temperature, layout, entropy):
+    eq = "ND,DV->NV" if layout == "dv" else "ND,VD->NV"
+    logits = jnp.einsum(eq, h, weight, preferred_element_type=jnp.float32) / temperature  # [N, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if entropy:  # H = lse - sum_j p_j l_j
+        ent = lse - (jnp.exp(logits - lse[:, None]) * logits).sum(axis=-1)
+    else:
+        ent = jnp.zeros_like(lse)
+    return (logp, ent), (h, weight, targets, logits, lse, ent)
+
+
+def _saved_bwd(temperature, layout, entropy, res, cotangents):
+    h, weight, targets, logits, lse, ent = res
+    g_lp, g_ent = cotangents  # [N], [N]
+    logp_all = logits - lse[:, None]
+    p = jnp.exp(logp_all)
+    dl = -g_lp[:, None] * p
+    if entropy:
+        dl = dl - g_ent[:, None] * p * (logp_all + ent[:, None])
+    dl = dl.at[jnp.arange(h.shape[0]), targets].add(g_lp)
+    dl = dl / temperature  # [N, V]
+    if layout == "dv":
+        dh = jnp.einsum("NV,DV->ND", dl, weight, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("ND,NV->DV", h, dl, preferred_element_type=jnp.float32)
+    else:
+        dh = jnp.einsum("NV,VD->ND", dl, weight, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("ND,NV->VD", h, dl, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(weight.dtype), None
+
+
+_saved.defvjp(_saved_fwd, _saved_bwd)
