@@ -362,6 +362,32 @@ class SFTConfig(Section):
     eval_max_new_tokens: int = Field(64, gt=0)
 
 
+# ---------------------------------------------------------------------------- dpo
+
+
+class DPOConfig(Section):
+    """Preference optimisation (posttrain/dpo.py, posttrain/losses/preference.py; docs/dpo.md)."""
+
+    loss_type: Literal["sigmoid", "robust", "ipo", "hinge", "exo_pair", "simpo", "orpo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0.0)  # ORPO: the odds-ratio term's weight (lambda)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # sigmoid (cDPO), robust, exo_pair, simpo
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    rpo_alpha: float = Field(0.0, ge=0.0)  # weight of the chosen completion's mean NLL, any loss type
+    # Prompts keep their last tokens, completions their first (None: only data.seq_len bounds a pair).
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_smoothing(self) -> DPOConfig:
+        smoothed = ("sigmoid", "robust", "exo_pair", "simpo")  # posttrain.losses.preference.SMOOTHED
+        if self.label_smoothing > 0 and self.loss_type not in smoothed:
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label smoothing "
+                f"(only {', '.join(smoothed)} do)"
+            )
+        return self
+
+
 # ------------------------------------------------------------------------ reward
 
 
@@ -424,6 +450,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)

@@ -1,0 +1,85 @@
+"""DPO and its family on the shared skeleton: a loss over a `PairBatch`, the reference's log-probs beside it.
+
+    loss_fn = preference_objective(cfg.dpo)                    # the core.train contract, for a core.learner.Learner
+    batch = with_reference(batch, reference, groups=2)          # + [P] summed reference log-probs (a FrozenModel)
+    learner.update(batch, micro_batches=2)
+
+The policy's log-probs of both completions come from one pass over the
+shared-prompt layout (`posttrain.pairs`), summed per completion, and go to
+`posttrain.losses.preference.dpo_loss` with the reference's (live from a
+`posttrain.frozen.FrozenModel`; the reference-free `simpo` and `orpo` have
+none). The loss is the mean over the real pairs of the global batch: sums
+over each micro-batch's pairs, divided once by the global pair count, so
+micro-batching leaves the gradient unchanged. Metrics, means over pairs:
+rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies (share
+of pairs whose chosen reward is higher), logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.config import DPOConfig
+from core.targets import target_logprobs
+from posttrain.frozen import FrozenModel
+from posttrain.losses.preference import REFERENCE_FREE, dpo_loss
+from posttrain.pairs import PairBatch
+
+
+def needs_reference(cfg: DPOConfig) -> bool:
+    return cfg.loss_type not in REFERENCE_FREE
+
+
+def sequence_logps(logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """([B] summed log-probs, [B] token counts) of each scored sequence."""
+    mask = mask.astype(jnp.float32)
+    return (logp * mask).sum(axis=-1), mask.sum(axis=-1)
+
+
+def preference_objective(cfg: DPOConfig):
+    """loss_fn(model, PairBatch, rng) -> (sum of per-pair losses, sums) for `core.train.make_train_step`."""
+    reference = needs_reference(cfg)
+
+    def loss_fn(model, batch: PairBatch, rng: jax.Array):
+        del rng
+        logp, _ = target_logprobs(model, batch.packed, entropy=False)
+        seq, n = sequence_logps(logp, batch.packed.target_mask)
+        pc, pr, nc, nr = seq[0::2], seq[1::2], n[0::2], n[1::2]
+        if reference and (batch.ref_chosen is None or batch.ref_rejected is None):
+            raise ValueError(f"dpo.loss_type={cfg.loss_type!r} needs the batch's reference log-probs")
+        out = dpo_loss(
+            pc,
+            pr,
+            batch.ref_chosen if reference else None,
+            batch.ref_rejected if reference else None,
+            loss_type=cfg.loss_type,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            gamma=cfg.simpo_gamma,
+            rpo_alpha=cfg.rpo_alpha,
+            chosen_tokens=nc,
+            rejected_tokens=nr,
+        )
+        m = batch.pair_mask.astype(jnp.float32)
+        chosen, rejected = jax.lax.stop_gradient(out.chosen_rewards), jax.lax.stop_gradient(out.rejected_rewards)
+        sums = {
+            "loss_denominator": m.sum(),
+            "rewards/chosen": (chosen * m).sum(),
+            "rewards/rejected": (rejected * m).sum(),
+            "rewards/margins": ((chosen - rejected) * m).sum(),
+            "rewards/accuracies": ((chosen > rejected) * m).sum(),
+            "logps/chosen": (jax.lax.stop_gradient(pc) * m).sum(),
+            "logps/rejected": (jax.lax.stop_gradient(pr) * m).sum(),
+        }
+        return (out.losses * m).sum(), sums
+
+    return loss_fn
+
+
+def with_reference(batch: PairBatch, reference: FrozenModel, groups: int) -> PairBatch:
+    """`batch` with the reference's summed log-probs of every chosen and rejected completion."""
+    logp = reference.logprobs(batch.packed, groups)  # [2P, C], 0 where there is no target
+    seq = logp.sum(axis=-1).astype(np.float32)
+    return batch.replace(ref_chosen=seq[0::2], ref_rejected=seq[1::2])

@@ -1,0 +1,211 @@
+"""DPO on the shared skeleton: pair rows -> tokens (text and chat, malformed rows named), the shared-prompt layout
+vs transformers on each sequence alone, the objective vs a NumPy DPO of transformers' log-probs, a live
+reference, and micro-batching on gradients."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from core.config import DPOConfig
+from core.data import MalformedRow
+from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
+from tests.helpers import assert_same_gradients, recording_sgd
+from tests.test_chat import chat_tokenizer
+
+
+def random_pairs(n: int, vocab: int, seed: int = 0) -> list[Pair]:
+    rng = np.random.default_rng(seed)
+    ids = lambda k: tuple(int(x) for x in rng.integers(1, vocab, k))
+    return [Pair(i, ids(rng.integers(3, 20)), ids(rng.integers(2, 16)), ids(rng.integers(2, 16))) for i in range(n)]
+
+
+def hf_completion_logps(hf, prompt, completion) -> np.ndarray:
+    """transformers' per-token log-probs of `completion` after `prompt`, the sequence alone."""
+    import torch
+
+    ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids).logits[0].double(), -1).numpy()
+    p = len(prompt)
+    return np.array([logp[p - 1 + j, t] for j, t in enumerate(completion)])
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_hf_dir):
+    import torch
+    import transformers
+
+    from core.hf import load_hf
+
+    path = tiny_hf_dir("llama")
+    model, cfg = load_hf(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, model, cfg, hf
+
+
+def test_shared_prompt_layout_gives_each_sequences_own_log_probs(llama):
+    """Chosen and rejected after one copy of their prompt, several pairs per row: every completion token's
+    log-prob equals transformers' on prompt + that completion alone."""
+    from core.targets import target_logprobs
+
+    _, model, cfg, hf = llama
+    pairs = random_pairs(6, cfg.vocab_size)
+    batch = build_pair_batch(pairs, slots=8, row_len=96)
+    assert batch.packed.rows < 6 and int(np.asarray(batch.packed.branch_ids).max()) == 2  # packed, branched
+    np.testing.assert_array_equal(batch.pair_mask, [1] * 6 + [0] * 2)
+    logp, _ = target_logprobs(model, batch.packed)
+    logp, mask = np.asarray(logp), np.asarray(batch.packed.target_mask)
+    for i, pair in enumerate(pairs):
+        for side, completion in ((0, pair.chosen), (1, pair.rejected)):
+            row = 2 * i + side
+            n = len(completion)
+            assert mask[row].sum() == n
+            ref = hf_completion_logps(hf, pair.prompt, completion)
+            tol = 64 * np.spacing(np.abs(ref).astype(np.float32))  # float32 steps at each value
+            np.testing.assert_array_less(np.abs(logp[row, :n] - ref), tol)
+    assert not mask[12:].any()  # empty slots score nothing
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo"])
+def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
+    """The objective's loss and metrics on a packed batch == NumPy DPO on transformers' sequence log-probs."""
+    from core.learner import Learner  # noqa: F401  (the objective runs as the learner would: jitted)
+    from posttrain.dpo import preference_objective
+
+    _, model, cfg, hf = llama
+    pairs = random_pairs(5, cfg.vocab_size, seed=1)
+    rng = np.random.default_rng(2)
+    ref_c, ref_r = rng.normal(-60, 5, 8).astype(np.float32), rng.normal(-60, 5, 8).astype(np.float32)
+    batch = build_pair_batch(pairs, slots=8, row_len=128).replace(ref_chosen=ref_c, ref_rejected=ref_r)
+    dpo = DPOConfig(loss_type=loss_type, beta=0.2)
+    loss_sum, sums = jax.jit(lambda m, b: preference_objective(dpo)(m, b, jax.random.key(0)))(model, batch)
+    pc = np.array([hf_completion_logps(hf, p.prompt, p.chosen).sum() for p in pairs])
+    pr = np.array([hf_completion_logps(hf, p.prompt, p.rejected).sum() for p in pairs])
+    nc, nr = np.array([len(p.chosen) for p in pairs]), np.array([len(p.rejected) for p in pairs])
+    b = 0.2
+    log_sigmoid = lambda x: -np.logaddexp(0.0, -x)
+    if loss_type == "sigmoid":
+        h = (pc - ref_c[:5]) - (pr - ref_r[:5])
+        want, chosen = -log_sigmoid(b * h), b * (pc - ref_c[:5])
+    elif loss_type == "ipo":
+        h = (pc - ref_c[:5]) / nc - (pr - ref_r[:5]) / nr
+        want, chosen = (h - 1 / (2 * b)) ** 2, b * (pc - ref_c[:5]) / nc
+    else:
+        ac, ar = pc / nc, pr / nr
+        log_odds = (ac - np.log(-np.expm1(ac))) - (ar - np.log(-np.expm1(ar)))
+        want, chosen = -ac - b * log_sigmoid(log_odds), b * ac
+    assert float(sums["loss_denominator"]) == 5.0  # the empty slots do not count
+    assert float(loss_sum) == pytest.approx(want.sum(), rel=1e-5)
+    assert float(sums["rewards/chosen"]) == pytest.approx(chosen.sum(), rel=1e-5, abs=1e-5)
+    assert float(sums["logps/chosen"]) == pytest.approx(pc.sum(), rel=1e-5)
+
+
+def test_a_live_reference_equal_to_the_policy_gives_zero_margins(llama):
+    """With the reference a frozen copy of the policy (and another layout: one pair per row), every implicit
+    reward is ~0 and the sigmoid loss is log 2."""
+    from flax import nnx
+
+    from core.mesh import single_device_mesh
+    from posttrain.dpo import preference_objective, with_reference
+    from posttrain.frozen import FrozenModel
+
+    _, model, cfg, _ = llama
+    pairs = random_pairs(4, cfg.vocab_size, seed=3)
+    graphdef, params = nnx.split(model)
+    reference = FrozenModel.copy_of(graphdef, params, single_device_mesh(), "reference")
+    unpacked = with_reference(build_pair_batch(pairs, slots=4, row_len=64, pack=False), reference, groups=1)
+    packed = build_pair_batch(pairs, slots=4, row_len=128).replace(
+        ref_chosen=unpacked.ref_chosen, ref_rejected=unpacked.ref_rejected
+    )
+    assert packed.packed.rows < unpacked.packed.rows
+    assert (np.asarray(unpacked.ref_chosen) < -1).all()  # real log-probs, not zeros
+    loss_sum, sums = preference_objective(DPOConfig())(model, packed, jax.random.key(0))
+    assert float(loss_sum) / 4 == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(float(sums["rewards/margins"])) < 1e-4
+
+
+def test_micro_batches_leave_the_gradient_unchanged(llama):
+    """8 pairs in one micro-batch and in 4: the same loss and gradient (mean over the global batch's pairs)."""
+    from core.config import OptimConfig
+    from core.hf import load_hf
+    from core.learner import Learner
+    from core.mesh import single_device_mesh
+    from posttrain.dpo import preference_objective
+
+    path, _, cfg, _ = llama
+    pairs = random_pairs(8, cfg.vocab_size, seed=4)
+    rng = np.random.default_rng(5)
+    refs = dict(ref_chosen=rng.normal(-60, 5, 8).astype(np.float32), ref_rejected=rng.normal(-60, 5, 8))
+    refs["ref_rejected"] = refs["ref_rejected"].astype(np.float32)
+    mesh = single_device_mesh()
+    results = []
+    for k in (1, 4):
+        batch = build_pair_batch(pairs, slots=8, row_len=96, groups=k).replace(**refs)
+        with jax.set_mesh(mesh):
+            model, _ = load_hf(path, mesh=mesh)
+        loss = preference_objective(DPOConfig(loss_type="sigmoid", rpo_alpha=0.5))
+        learner = Learner(model, mesh, loss, OptimConfig(), total_updates=1, tx=recording_sgd(1.0))
+        metrics = learner.update(batch, k)
+        results.append((metrics, jax.device_get(learner.state.opt_state)))
+    (m1, g1), (m4, g4) = results
+    assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-6)
+    assert m1["rewards/accuracies"] == pytest.approx(m4["rewards/accuracies"])
+    assert_same_gradients(g1, g4)
+
+
+# ------------------------------------------------------------------ rows
+
+
+def test_text_pairs_tokenize_with_eos_and_malformed_rows_are_named(arithmetic_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    good = {"prompt": "What is 2 + 3?", "chosen": " 5", "rejected": " 6"}
+    (pair,), _ = tokenize_pairs([good], tok, data_format="prompt_completion", seq_len=64)
+    assert list(pair.prompt) == tok(good["prompt"], add_special_tokens=False)["input_ids"]
+    assert list(pair.chosen) == tok(" 5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    bad = [
+        ({"prompt": "x", "chosen": "a"}, "row 0: field 'rejected': missing"),
+        ({"prompt": "x", "chosen": " 5", "rejected": " 5"}, "row 0: chosen and rejected are identical"),
+        ({"prompt": "x", "chosen": 5, "rejected": " 6"}, "row 0: field 'chosen': expected a string"),
+        ({"prompt": "x " * 40, "chosen": " 5", "rejected": " 6"}, r"row 0: prompt \d+ \+ chosen \d+ \+ rejected"),
+    ]
+    for row, message in bad:
+        with pytest.raises(MalformedRow, match=message):
+            tokenize_pairs([row], tok, data_format="prompt_completion", seq_len=32)
+    rows = [good] + [row for row, _ in bad]
+    pairs, skipped = tokenize_pairs(rows, tok, data_format="prompt_completion", seq_len=32, skip_malformed=True)
+    assert [p.row for p in pairs] == [0] and len(skipped) == 4 and "row 4:" in skipped[-1]
+    # truncation: the prompt keeps its end, completions their start
+    (cut,), _ = tokenize_pairs(
+        [good], tok, data_format="prompt_completion", seq_len=64, max_prompt_tokens=2, max_completion_tokens=1
+    )
+    assert cut.prompt == pair.prompt[-2:] and cut.chosen == pair.chosen[:1] and cut.rejected == pair.rejected[:1]
+
+
+@pytest.mark.parametrize("style", ["qwen2.5", "llama3"])
+def test_chat_pairs_share_the_rendered_prompt_and_end_with_the_turns_end(tmp_path, style):
+    """Chat pairs: the prompt is the conversation through the generation prompt, each completion the
+    assistant's answer and its end-of-turn token (a hand-built expectation from the template's own text)."""
+    from transformers import AutoTokenizer
+
+    chat_tokenizer(tmp_path, style)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / style))
+    prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2 + 3?"}]
+    row = {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": "5"}],
+        "rejected": [{"role": "assistant", "content": "6"}],
+    }
+    (pair,), _ = tokenize_pairs([row], tok, data_format="chat", seq_len=256)
+    rendered = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(pair.prompt) == rendered
+    end = {"qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}[style]
+    assert tok.decode(pair.chosen) == "5" + end and tok.decode(pair.rejected) == "6" + end
+    two_turns = dict(row, chosen=[{"role": "assistant", "content": "5"}, {"role": "user", "content": "ok"}])
+    with pytest.raises(MalformedRow, match="row 0: field 'chosen': expected a list of one assistant message"):
+        tokenize_pairs([two_turns], tok, data_format="chat", seq_len=256)
