@@ -73,7 +73,6 @@ def test_shared_prompt_layout_gives_each_sequences_own_log_probs(llama):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo"])
 def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
     """The objective's loss and metrics on a packed batch == NumPy DPO on transformers' sequence log-probs."""
-    from core.learner import Learner  # noqa: F401  (the objective runs as the learner would: jitted)
     from posttrain.dpo import preference_objective
 
     _, model, cfg, hf = llama
