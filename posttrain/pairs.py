@@ -192,14 +192,12 @@ def build_pair_batch(
     rows = pack_rows(segments, row_len, pack=pack, row_multiple=row_multiple, pad_id=pad_id)
     empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
     targets = [empty] * (2 * slots)
+    mask = np.zeros(slots, np.float32)
     for g, group in enumerate(members):
         for s in range(len(group)):
             slot = g * per_group + s
             targets[2 * slot] = branch_targets(rows, g, s, 1)
             targets[2 * slot + 1] = branch_targets(rows, g, s, 2)
+            mask[slot] = 1.0
     longest = max((max(len(p.chosen), len(p.rejected)) for p in pairs), default=1)
-    packed = packed_batch(rows, targets, bucketed_width(longest, row_len))
-    mask = np.zeros(slots, np.float32)
-    for g, group in enumerate(members):
-        mask[g * per_group : g * per_group + len(group)] = 1.0
-    return PairBatch(packed, mask)
+    return PairBatch(packed_batch(rows, targets, bucketed_width(longest, row_len)), mask)

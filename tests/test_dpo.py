@@ -138,8 +138,7 @@ def test_micro_batches_leave_the_gradient_unchanged(llama):
     path, _, cfg, _ = llama
     pairs = random_pairs(8, cfg.vocab_size, seed=4)
     rng = np.random.default_rng(5)
-    refs = dict(ref_chosen=rng.normal(-60, 5, 8).astype(np.float32), ref_rejected=rng.normal(-60, 5, 8))
-    refs["ref_rejected"] = refs["ref_rejected"].astype(np.float32)
+    refs = {k: rng.normal(-60, 5, 8).astype(np.float32) for k in ("ref_chosen", "ref_rejected")}
     mesh = single_device_mesh()
     results = []
     for k in (1, 4):

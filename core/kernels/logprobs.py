@@ -55,7 +55,7 @@ def logprobs_and_entropy(
     """`saved_logprobs_and_entropy` when the [N, V] float32 logits fit `logits_budget_bytes`, else
     `chunked_logprobs_and_entropy`; the entropy is None when `entropy` is False."""
     n = hidden.shape[0] * hidden.shape[1]
-    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    vocab = _vocab_size(weight, layout)
     if n * vocab * 4 <= logits_budget_bytes:
         logp, ent = saved_logprobs_and_entropy(hidden, weight, targets, temperature, layout, entropy)
     else:
@@ -75,7 +75,7 @@ def chunked_logprobs_and_entropy(
     """Same values and gradients as `naive_logprobs_and_entropy`, in O(N * chunk) memory (the entropy is zeros
     when `entropy` is False)."""
     b, t, d = hidden.shape
-    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    vocab = _vocab_size(weight, layout)
     chunk = min(chunk_size, vocab)
     logp, ent = _chunked(
         hidden.reshape(b * t, d),
@@ -106,6 +106,10 @@ def saved_logprobs_and_entropy(
     return logp.reshape(b, t), ent.reshape(b, t)
 
 
+def _vocab_size(weight: jax.Array, layout: Layout) -> int:
+    return weight.shape[1] if layout == "dv" else weight.shape[0]
+
+
 def _num_chunks(vocab: int, chunk: int) -> int:
     return -(-vocab // chunk)
 
@@ -116,7 +120,7 @@ def _chunk_logits(h, weight, i, chunk, temperature, layout):
     The last chunk is clamped to end at V (no padded copy of the weight); its
     columns already covered by the previous chunk are marked invalid.
     """
-    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    vocab = _vocab_size(weight, layout)
     start = jnp.minimum(i * chunk, vocab - chunk)
     if layout == "dv":
         w = jax.lax.dynamic_slice_in_dim(weight, start, chunk, axis=1)  # [D, C]
@@ -152,7 +156,7 @@ def _forward(h, weight, targets, temperature, chunk, layout, entropy):
         jnp.zeros((n,), jnp.float32),
         jnp.zeros((n,), jnp.float32),
     )
-    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    vocab = _vocab_size(weight, layout)
     m, s, u, tgt = jax.lax.fori_loop(0, _num_chunks(vocab, chunk), body, init)
     lse = m + jnp.log(s)
     return tgt - lse, (lse - u / s) if entropy else u, lse
@@ -172,7 +176,7 @@ def _chunked_fwd(h, weight, targets, temperature, chunk, layout, entropy):
 def _chunked_bwd(temperature, chunk, layout, entropy, res, cotangents):
     h, weight, targets, lse, ent = res
     g_lp, g_ent = cotangents  # [N], [N]
-    vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+    vocab = _vocab_size(weight, layout)
 
     def body(i, carry):
         dh, dw = carry
