@@ -376,6 +376,9 @@ class DPOConfig(Section):
     # Prompts keep their last tokens, completions their first (None: only data.seq_len bounds a pair).
     max_prompt_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
+    # Score every pair with the reference once, before training, into run_dir/reference_logps.npz (reused on
+    # resume) and release the reference; False: score each batch live, the reference held in memory.
+    precompute_ref_logps: bool = False
 
     @model_validator(mode="after")
     def _check_smoothing(self) -> DPOConfig:

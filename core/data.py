@@ -98,11 +98,15 @@ def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
     """Problems generated offline by reasoning-gym: question, answer, the task's metadata as JSON (the
     `reasoning_gym` reward scores with the task's own checker from it), and the problem in every
-    `data.format`: `text`, `prompt` / `completion`, and a system + user + assistant `messages` chat.
+    `data.format`: `text`, `prompt` / `completion`, a system + user + assistant `messages` chat, and a
+    preference pair (`prompt`, `chosen` = the completion, `rejected` = a near miss, `near_miss`).
     `task_options` go to the task's dataset config (e.g. `max_digits=2`)."""
+    import random
+
     import reasoning_gym
 
     ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_options)
+    rng = random.Random(seed)
     return [
         {
             "question": e["question"],
@@ -115,10 +119,24 @@ def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) 
                 {"role": "user", "content": e["question"]},
                 {"role": "assistant", "content": str(e["answer"])},
             ],
+            "chosen": f" {e['answer']}",
+            "rejected": f" {near_miss(str(e['answer']), rng)}",
             "metadata": json.dumps(e["metadata"], default=str),
         }
         for e in ds
     ]
+
+
+def near_miss(answer: str, rng: Any) -> str:
+    """A wrong answer close to `answer`: an integer off by 1, 2 or 10, or with its sign lost; anything else
+    with a digit appended."""
+    try:
+        value = int(answer)
+    except ValueError:
+        return answer + "0"
+    if value < 0 and rng.random() < 0.5:
+        return str(-value)
+    return str(value + rng.choice([-10, -2, -1, 1, 2, 10]))
 
 
 # --------------------------------------------------------------- validation
@@ -281,8 +299,12 @@ def _from_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class DataBatch:
-    batch: PackedBatch  # what the model trains on
-    example_ids: np.ndarray  # [B, L] source row of every token, -1 on padding (inspection, resume tests)
+    """A pipeline's item: what the model trains on, and where it came from."""
+
+    # A PackedBatch, or a method's batch holding one (posttrain.pairs.PairBatch); `.tokens` is [R, L] either way.
+    batch: Any
+    # The source row of every token, -1 on padding ([B, L]); for pair batches, of every pair slot ([P]).
+    example_ids: np.ndarray
 
 
 def bucketed_width(most: int, length: int) -> int:

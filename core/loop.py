@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ from core.batch import pad_rows
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
+from core.data import DataBatch
 from core.errors import TemperError
 from core.learner import Learner
 from core.metrics import (
@@ -71,10 +73,13 @@ class Trainer:
         eval_data_fn: Callable[[], Iterable] | None = None,
         tokenizer_dir: str | None = None,
         on_batch: Callable[[int, object], None] | None = None,
+        prepare: Callable[[DataBatch], Any] | None = None,
         hooks: Sequence[Hook] = (),
     ):
-        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging); `hooks` run
-        after the built-in log, eval and checkpoint hooks."""
+        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
+        `prepare(data_batch)` turns it into what the learner trains on (default: its `.batch`), inside the timed
+        step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
+        checkpoint hooks."""
         self.cfg = cfg
         self.learner = learner
         self.mesh = learner.mesh
@@ -83,6 +88,7 @@ class Trainer:
         self.tokenizer_dir = tokenizer_dir
         self.eval_data_fn = eval_data_fn
         self.on_batch = on_batch
+        self.prepare = prepare
         save_config(cfg, self.run_dir)
         self.data_iter = iter(train_data)
 
@@ -153,13 +159,16 @@ class Trainer:
         if self.on_batch is not None:
             self.on_batch(step, data)
         micro = self.cfg.train.micro_batches
+        start = time.perf_counter()
+        batch = data.batch if self.prepare is None else self.prepare(data)
+        prepare_seconds = time.perf_counter() - start
         if not self._compiled:  # compile time is not step time
-            print(self.learner.compile(data.batch, micro), flush=True)
+            print(self.learner.compile(batch, micro), flush=True)
             self._compiled = True
         start = time.perf_counter()
-        metrics = self.learner.update(data.batch, micro)
-        seconds = time.perf_counter() - start
-        n_tokens = int(np.prod(data.batch.tokens.shape))
+        metrics = self.learner.update(batch, micro)
+        seconds = time.perf_counter() - start + prepare_seconds
+        n_tokens = int(np.prod(batch.tokens.shape))
         flops = self.flops_per_token * n_tokens / seconds
         metrics.update(
             step_seconds=seconds,

@@ -162,9 +162,12 @@ class MetricsLogger:
         done = max(step - self.start_step, 1)
         eta = elapsed / done * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]
-        for key in ("loss", "eval_loss", "grad_norm", "learning_rate"):
+        for key in ("loss", "eval_loss", "eval/loss", "grad_norm", "learning_rate"):
             if key in values:
                 parts.append(f"{key} {values[key]:.4g}")
+        for key, label in (("rewards/accuracies", "pref acc"), ("eval/rewards/accuracies", "eval pref acc")):
+            if key in values:  # preference methods: share of pairs whose chosen completion wins
+                parts.append(f"{label} {values[key]:.3f}")
         if "tokens_per_s" in values:
             parts.append(f"{values['tokens_per_s']:,.0f} tok/s")
         if "mfu" in values:

@@ -37,10 +37,25 @@ OVERRIDES = [
 ]
 
 
-def start(run_dir: Path, ids: Path, tokenizer: str) -> subprocess.Popen:
+# Offline DPO: the pair pipeline, the precomputed reference log-probs read back on resume.
+DPO_OVERRIDES = [
+    "--dpo",
+    "train.steps=24",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.batch_size=4",
+    "data.num_examples=400",
+    "data.eval_fraction=0",
+    "dpo.precompute_ref_logps=true",
+    *OVERRIDES[9:],  # the model, checkpoint and logging settings above
+]
+
+
+def start(run_dir: Path, ids: Path, tokenizer: str, overrides: list[str] = OVERRIDES) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    head = overrides[:1] if overrides[:1] == ["--dpo"] else []
     return subprocess.Popen(
-        [sys.executable, str(WORKER), str(ids), tokenizer, f"run.run_dir={run_dir}", *OVERRIDES],
+        [sys.executable, str(WORKER), str(ids), tokenizer, *head, f"run.run_dir={run_dir}", *overrides[len(head) :]],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -61,14 +76,16 @@ def id_records(path: Path) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.integration
-def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, method):
+    overrides, steps, rows = (OVERRIDES, 48, 2000) if method == "sft" else (DPO_OVERRIDES, 24, 400)
     ref_dir, ref_ids = tmp_path / "ref", tmp_path / "ref_ids.jsonl"
-    ref = start(ref_dir, ref_ids, arithmetic_tokenizer)
+    ref = start(ref_dir, ref_ids, arithmetic_tokenizer, overrides)
     out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, out
 
     run_dir, run_ids = tmp_path / "run", tmp_path / "run_ids.jsonl"
-    proc = start(run_dir, run_ids, arithmetic_tokenizer)
+    proc = start(run_dir, run_ids, arithmetic_tokenizer, overrides)
     deadline = time.time() + 300
     # wait until checkpoint 16 is committed and training has moved past it, then kill -9
     while not (
@@ -84,23 +101,25 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer):
     proc.wait()
     before_kill = id_records(run_ids)
     killed_at = before_kill[-1][0]
-    assert killed_at < 48, "the run finished before it could be killed"
+    assert killed_at < steps, "the run finished before it could be killed"
 
-    resumed = start(run_dir, run_ids, arithmetic_tokenizer)
+    resumed = start(run_dir, run_ids, arithmetic_tokenizer, overrides)
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
     resumed_from = int(out.split("resumed from ")[1].split()[0].rsplit("/", 1)[1])
     assert 16 <= resumed_from < killed_at
+    if method == "dpo":
+        assert "reference log-probs: read 400 pairs" in out  # stored by the killed run, not recomputed
 
     want, got = losses(ref_dir), losses(run_dir)
-    assert [s for s, _ in got] == list(range(1, 49)) == [s for s, _ in want]  # no gap, no repeat in metrics.jsonl
+    assert [s for s, _ in got] == list(range(1, steps + 1)) == [s for s, _ in want]  # no gap, no repeat
     for (step, a), (_, b) in zip(want, got):
         assert abs(a - b) <= 1e-6, (step, a, b)
 
     ref_records, run_records = id_records(ref_ids), id_records(run_ids)
-    assert [s for s, _ in ref_records] == list(range(1, 49))
-    # the killed run trained steps 1..killed_at, the resumed one redid resumed_from+1..48, on the same examples
-    assert [s for s, _ in run_records] == list(range(1, killed_at + 1)) + list(range(resumed_from + 1, 49))
+    assert [s for s, _ in ref_records] == list(range(1, steps + 1))
+    # the killed run trained steps 1..killed_at, the resumed one redid resumed_from+1..steps, on the same examples
+    assert [s for s, _ in run_records] == list(range(1, killed_at + 1)) + list(range(resumed_from + 1, steps + 1))
     assert run_records == ref_records[:killed_at] + ref_records[resumed_from:]
     seen = [i for _, ids in ref_records for i in ids]
-    assert len(seen) == len(set(seen)) and all(0 <= i < 2000 for i in seen)  # first epoch: no repeats
+    assert len(seen) == len(set(seen)) and all(0 <= i < rows for i in seen)  # first epoch: no repeats

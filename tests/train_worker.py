@@ -1,7 +1,7 @@
-"""A training process for the resume tests: the supervised (pretraining / SFT) setup plus a log of example ids
-per step.
+"""A training process for the resume tests: the supervised (pretraining / SFT) setup, or offline DPO with
+`--dpo`, plus a log of example ids (source rows) per step.
 
-python tests/train_worker.py IDS_FILE TOKENIZER_DIR [key=value ...]
+python tests/train_worker.py IDS_FILE TOKENIZER_DIR [--dpo] [key=value ...]
 """
 
 import json
@@ -16,7 +16,9 @@ from core.supervised import build_supervised
 
 
 def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
-    cfg = config_from_argv([*overrides, f"data.tokenizer_dir={tokenizer_dir}"], "recipes/configs/pretrain_tiny.yml")
+    dpo = overrides[:1] == ["--dpo"]
+    base = "recipes/configs/dpo_tiny.yml" if dpo else "recipes/configs/pretrain_tiny.yml"
+    cfg = config_from_argv([*overrides[dpo:], f"data.tokenizer_dir={tokenizer_dir}"], base)
 
     def record_ids(step, data):
         ids = sorted({int(i) for i in data.example_ids.ravel() if i >= 0})
@@ -25,7 +27,12 @@ def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    run = build_supervised(cfg)
+    if dpo:
+        from posttrain.dpo_run import build_dpo
+
+        run = build_dpo(cfg)
+    else:
+        run = build_supervised(cfg)
     run.trainer.on_batch = record_ids
     run.trainer.fit()
 

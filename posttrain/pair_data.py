@@ -1,0 +1,142 @@
+"""Preference pairs as a resumable Grain pipeline of `PairBatch`es, the offline DPO run's data.
+
+    data = load_pairs(cfg, tokenizer)                 # PairData: train / eval pairs, skipped rows
+    layout = PairLayout(seq_len=512, pack=True)
+    pipeline = pair_pipeline(data.train, batch_size=8, micro_batches=2, layout=layout, seed=0)
+    for item in pipeline:                            # core.data.DataBatch: .batch a PairBatch, .example_ids [P]
+        ...
+
+The rows (`data.source`, `data.format` prompt_completion or chat; see
+`posttrain.pairs`) are tokenized and validated once, up front; the last
+`data.eval_fraction` of the usable pairs is the eval split. The training split
+is shuffled and repeated (a fresh permutation every epoch), `batch_size` pairs
+per step, each step's pairs packed by `build_pair_batch` (the prompt once,
+chosen and rejected as its branches) into `micro_batches` packing groups. The
+iterator is Grain's, so its position is saved with a checkpoint and a resumed
+run sees exactly the batches an uninterrupted one would. `example_ids` holds
+each slot's source row (-1 for an empty slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grain
+import numpy as np
+
+from core.config import Config
+from core.data import DataBatch, DataSourceError, MalformedRow, bucketed_width, load_records
+from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
+
+
+@dataclass
+class PairData:
+    train: list[Pair]
+    eval: list[Pair]
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Pair]:
+        return self.train + self.eval
+
+
+def pair_texts(records: Sequence[dict]) -> Iterator[str]:
+    """The strings of text pair rows (to train a tokenizer on when none is given)."""
+    for r in records:
+        for name in ("prompt", "chosen", "rejected"):
+            if isinstance(r.get(name), str):
+                yield r[name]
+
+
+def load_pairs(cfg: Config, tokenizer: Any, records: Sequence[dict] | None = None) -> PairData:
+    """Every usable pair of `data.source` (or `records`), split into train and eval."""
+    d = cfg.data
+    if d.format not in ("prompt_completion", "chat"):
+        raise DataSourceError(
+            f"DPO reads pair rows: data.format=prompt_completion (prompt / chosen / rejected strings) or chat "
+            f"(prompt messages, chosen / rejected one assistant message each), not {d.format!r}"
+        )
+    if records is None:
+        if d.source is None:
+            raise DataSourceError("DPO needs data.source (a local jsonl / parquet / arrow file or directory)")
+        records = load_records(d.source, d)
+    source = d.source or "<records>"
+    pairs, skipped = tokenize_pairs(
+        records,
+        tokenizer,
+        data_format=d.format,
+        seq_len=d.seq_len,
+        max_prompt_tokens=cfg.dpo.max_prompt_tokens,
+        max_completion_tokens=cfg.dpo.max_completion_tokens,
+        skip_malformed=d.skip_malformed,
+        source=source,
+    )
+    if not pairs:
+        raise MalformedRow(f"{source}: no usable pairs ({len(skipped)} malformed)")
+    n_eval = round(d.eval_fraction * len(pairs))
+    train, held = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval :]
+    if not train:
+        raise DataSourceError(f"{source}: no training pairs left after data.eval_fraction={d.eval_fraction}")
+    return PairData(train, held, skipped)
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """How a batch's pairs sit in rows: `seq_len` tokens a row, several pairs a row (`pack`) or one, and row
+    counts a multiple of `row_multiple` (the trainer's data-parallel size)."""
+
+    seq_len: int
+    pack: bool = True
+    row_multiple: int = 1
+
+
+def pair_batch(pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout) -> DataBatch:
+    """`pairs` in a `PairBatch` of `slots` pair slots, its rows cut to what they hold: packed rows are
+    `seq_len` long, one pair per row is as long as the longest pair (bucketed, `core.data.bucketed_width`)."""
+    row_len = layout.seq_len if layout.pack else bucketed_width(max(p.length for p in pairs), layout.seq_len)
+    batch = build_pair_batch(
+        pairs,
+        slots=slots,
+        row_len=row_len,
+        groups=micro_batches,
+        pack=layout.pack,
+        row_multiple=layout.row_multiple,
+    )
+    rows = np.full(slots, -1, np.int64)
+    rows[: len(pairs)] = [p.row for p in pairs]
+    return DataBatch(batch, rows)
+
+
+def pair_pipeline(
+    pairs: Sequence[Pair],
+    *,
+    batch_size: int,
+    micro_batches: int,
+    layout: PairLayout,
+    seed: int,
+    shuffle: bool = True,
+) -> grain.IterDataset:
+    """Training batches of `batch_size` pairs, shuffled and repeated forever, checkpointable."""
+    if batch_size % micro_batches:
+        raise ValueError(f"train.batch_size {batch_size} is not divisible by {micro_batches} micro-batches")
+    ds = grain.MapDataset.range(len(pairs))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
+    return (
+        ds.to_iter_dataset()
+        .batch(batch_size, drop_remainder=True)
+        .map(
+            lambda idx: pair_batch(
+                [pairs[int(i)] for i in idx], slots=batch_size, micro_batches=micro_batches, layout=layout
+            )
+        )
+    )
+
+
+def eval_batches(pairs: Sequence[Pair], *, batch_size: int, layout: PairLayout) -> Iterator[DataBatch]:
+    """`pairs` once, in order, `batch_size` pair slots per batch (the last one's unused slots empty)."""
+    for start in range(0, len(pairs), batch_size):
+        yield pair_batch(pairs[start : start + batch_size], slots=batch_size, micro_batches=1, layout=layout)
