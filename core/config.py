@@ -379,6 +379,10 @@ class DPOConfig(Section):
     # Score every pair with the reference once, before training, into run_dir/reference_logps.npz (reused on
     # resume) and release the reference; False: score each batch live, the reference held in memory.
     precompute_ref_logps: bool = False
+    # Online DPO (posttrain/online_dpo.py): pairs from the policy's own samples, the best and worst of
+    # rl.batch.num_generations per prompt by the reward functions, with the sampler, reward and rl.* settings GRPO
+    # reads; False: offline, pairs from data.source.
+    online: bool = False
 
     @model_validator(mode="after")
     def _check_smoothing(self) -> DPOConfig:

@@ -17,7 +17,6 @@ up front. The sampler-driven loop around it is `posttrain.onpolicy.loop`.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +24,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from core.checkpoint import Checkpointer
 from core.config import Config
 from core.learner import Learner
-from core.loop import NonFiniteLoss
 from core.targets import target_logprobs
-from core.train import batch_shards
 from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
 from posttrain.losses.policy import PolicyLossSettings, policy_loss
+from posttrain.onpolicy.learner import PolicyLearner
 from posttrain.rl_batch import RLBatch
 
 
@@ -134,13 +131,12 @@ def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
 # ------------------------------------------------------------------ the learner
 
 
-class GRPOLearner:
+class GRPOLearner(PolicyLearner):
     def __init__(
         self, cfg: Config, model, mesh: Mesh, total_steps: int, tx: optax.GradientTransformation | None = None
     ):
         """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
-        self.cfg = cfg
-        self.mesh = mesh
+        super().__init__(cfg, mesh)
         schedule = cfg.rl.batch
         self.updates_per_step = schedule.num_iterations * schedule.mini_batches
         self.temperature = cfg.rollout.temperature or 1.0
@@ -160,17 +156,6 @@ class GRPOLearner:
             else None
         )
         self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
-        self.version = 0
-        self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
-        self.empty_updates = 0  # mini-batches with no loss token: no optimizer step
-
-    @property
-    def params(self):
-        return self.learner.params
-
-    def batch_shards(self) -> int:
-        """The trainer's data-parallel size: packed row counts are made a multiple of it."""
-        return batch_shards(self.mesh)
 
     def train(self, batch: RLBatch) -> dict[str, float]:
         """One RL step on a rollout batch; returns its metrics (means over the updates)."""
@@ -188,16 +173,7 @@ class GRPOLearner:
         start = time.perf_counter()
         for u in range(self.updates_per_step):
             metrics = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
-            if not metrics["finite"]:
-                # The step left parameters and optimizer state as they were (core.train).
-                if self.cfg.train.nan_policy == "abort":
-                    raise NonFiniteLoss(
-                        f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}: loss "
-                        f"{metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; that update was not "
-                        f"applied"
-                    )
-                self.skipped_updates += 1
-            self.empty_updates += int(metrics["empty"])
+            self._applied(metrics, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
             collected.append(metrics)
         self.version += 1
         return {
@@ -206,18 +182,3 @@ class GRPOLearner:
             "empty_updates": float(self.empty_updates),
             "time/update_s": time.perf_counter() - start,
         }
-
-    # ------------------------------------------------------------ checkpoints
-
-    def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
-        self.learner.save(checkpointer, self.cfg, extra={**extra, "policy_version": self.version}, step=step)
-
-    def restore_latest(self, checkpointer: Checkpointer) -> tuple[int, dict] | None:
-        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
-        restored = self.learner.restore_latest(checkpointer, self.cfg)
-        if restored is not None:
-            self.version = int(restored[1]["policy_version"])
-        return restored
-
-    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
-        return self.learner.export_hf(path, tokenizer_dir)

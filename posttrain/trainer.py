@@ -2,9 +2,12 @@
 
     trainer = start_trainer(cfg, run_dir, pg)       # TrainerHandle: in-process (pg None) or a Ray actor
     metrics = trainer.train(rl_batch)               # one RL step (posttrain.grpo.GRPOLearner)
+    trainer = start_trainer(cfg, run_dir, pg, OnlineDPOLearner)    # another method's learner
+    metrics = trainer.train(pair_batch)
     trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
-The trainer is one class, `LocalTrainer`, used directly (single-controller
+The trainer is one class, `LocalTrainer`, hosting one method's
+`posttrain.onpolicy.learner.PolicyLearner` (GRPO's by default), used directly (single-controller
 mode, with the JAX sampler on another sub-mesh of the same process) or as a
 Ray actor that owns the trainer's devices (bundle 0 of the run's placement
 group, `rollout.placement`); the driver talks to either through
@@ -26,6 +29,8 @@ from typing import Any
 
 from core.config import Config
 from core.errors import TemperError
+from posttrain.onpolicy.learner import LearnerFactory
+from posttrain.pairs import PairBatch
 from posttrain.rl_batch import RLBatch
 from rollout.sampler import Sampler
 
@@ -33,7 +38,14 @@ from rollout.sampler import Sampler
 class LocalTrainer:
     """The policy learner plus its checkpoints and weight sync; the methods the RL driver calls."""
 
-    def __init__(self, cfg_json: dict, run_dir: str, devices_fraction: tuple[float, float] | None = None):
+    def __init__(
+        self,
+        cfg_json: dict,
+        run_dir: str,
+        devices_fraction: tuple[float, float] | None = None,
+        learner_class: LearnerFactory | None = None,
+    ):
+        """`learner_class(cfg, model, mesh, total_steps)`: the method's learner (None: GRPO's)."""
         import jax
 
         from core.checkpoint import Checkpointer, initial_model
@@ -45,7 +57,7 @@ class LocalTrainer:
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
         model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
-        self.learner = GRPOLearner(self.cfg, model, self.mesh, cfg.train.steps)
+        self.learner = (learner_class or GRPOLearner)(self.cfg, model, self.mesh, cfg.train.steps)
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
 
@@ -60,7 +72,7 @@ class LocalTrainer:
     def batch_shards(self) -> int:
         return self.learner.batch_shards()
 
-    def train(self, batch: RLBatch) -> dict:
+    def train(self, batch: RLBatch | PairBatch) -> dict:
         return self.learner.train(batch)
 
     def sync(self, sampler: Sampler) -> dict:
@@ -128,7 +140,7 @@ class TrainerHandle:
     def batch_shards(self) -> int:
         return self._call(LocalTrainer.batch_shards)
 
-    def train(self, batch: RLBatch) -> dict:
+    def train(self, batch: RLBatch | PairBatch) -> dict:
         return self._call(LocalTrainer.train, batch)
 
     def sync(self, sampler: Sampler) -> dict:
@@ -153,12 +165,16 @@ class TrainerHandle:
         return self.target
 
 
-def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
-    """The trainer in this process (pg None) or as a Ray actor in bundle 0 of `pg`."""
+def start_trainer(
+    cfg: Config, run_dir: str | Path, pg=None, learner_class: LearnerFactory | None = None
+) -> TrainerHandle:
+    """The trainer (hosting `learner_class`, None: GRPO's) in this process (pg None) or as a Ray actor in
+    bundle 0 of `pg`."""
     cfg_json = cfg.model_dump(mode="json")
     if pg is None:
         fractions = (cfg.mesh.trainer_devices_fraction, cfg.mesh.sampler_devices_fraction)
-        return TrainerHandle(LocalTrainer(cfg_json, str(run_dir), fractions), remote=False, run_dir=run_dir)
+        local = LocalTrainer(cfg_json, str(run_dir), fractions, learner_class)
+        return TrainerHandle(local, remote=False, run_dir=run_dir)
     import ray
 
     from core.host_memory import malloc_tunables
@@ -175,7 +191,7 @@ def start_trainer(cfg: Config, run_dir: str | Path, pg=None) -> TrainerHandle:
             scheduling_strategy=in_bundle(pg, 0),
             runtime_env={"env_vars": env},
         )
-        .remote(cfg_json, str(run_dir))
+        .remote(cfg_json, str(run_dir), None, learner_class)
     )
     handle = TrainerHandle(actor, remote=True, run_dir=run_dir)
     handle.version()  # surface start-up errors here

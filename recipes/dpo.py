@@ -3,6 +3,7 @@
     python -m recipes.dpo [CONFIG.yml] [key=value ...]
     python -m recipes.dpo recipes/configs/dpo_tiny.yml checkpoint.init_from=runs/sft_tiny
     python -m recipes.dpo recipes/configs/dpo_tiny.yml dpo.loss_type=ipo dpo.precompute_ref_logps=true
+    python -m recipes.dpo recipes/configs/dpo_online_tiny.yml       # online: pairs from the policy's own samples
 
 Rows are `{"prompt": ..., "chosen": ..., "rejected": ...}` strings (`data.format=prompt_completion`) or chat
 messages (`data.format=chat`: `prompt` a list of messages, `chosen` / `rejected` one assistant message each);
@@ -24,6 +25,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "dpo_tiny.yml"
 
 def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, DEFAULT_CONFIG)
+    if cfg.dpo.online:
+        from posttrain.online_dpo import run_online_dpo
+
+        summary = run_online_dpo(cfg)
+        print(f"done: {summary.steps} steps; run directory {summary.run_dir} (metrics.jsonl, reward.png, hf/)")
+        return 0
     from posttrain.dpo_run import run_dpo
 
     run = run_dpo(cfg)

@@ -57,7 +57,9 @@ from core.packing import round_rows
 from core.shapes import SizeCache
 from posttrain.advantages import Advantages, group_advantages
 from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
+from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
+from posttrain.pairs import PairBatch
 from posttrain.rl_batch import RLBatch, build_rl_batch
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
@@ -99,7 +101,25 @@ class InFlight:
     result: Pending | list[Completion]
 
 
-class GRPORun:
+@dataclass
+class StepData:
+    """What a method made of one step's scored completions: the trainer's batch, the completions and rewards the
+    step's metrics describe, and the method's own metrics."""
+
+    batch: RLBatch | PairBatch | None  # None: nothing to learn from this step (no update)
+    completions: list[Completion]
+    rewards: RewardBatch
+    correct: np.ndarray
+    metrics: dict[str, float]
+
+
+class OnPolicyRun:
+    """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
+    method; a method (`GRPORun`, `posttrain.online_dpo.OnlineDPORun`) turns scored completions into its batch
+    (`_prepare`) and hosts its learner in the trainer (`learner_class`)."""
+
+    learner_class: LearnerFactory | None = None  # None: GRPO's
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
@@ -119,7 +139,7 @@ class GRPORun:
 
             ensure_ray()
             self.pg = reserve(cfg)
-        self.trainer = start_trainer(cfg, self.run_dir, self.pg)
+        self.trainer = start_trainer(cfg, self.run_dir, self.pg, self.learner_class)
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
@@ -247,19 +267,15 @@ class GRPORun:
                 t1 = time.perf_counter()
                 staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
                 reward_batch, correct = self._score(rows, completions)
-                adv = self._advantages(reward_batch)
-                rounds = 1
-                if rl.batch.dynamic_sampling:
-                    rows, completions, reward_batch, correct, adv, rounds = self._refill(
-                        rows, completions, reward_batch, correct, adv
-                    )
+                data = self._prepare(rows, completions, reward_batch, correct)
+                completions, batch = data.completions, data.batch
                 reward_s = time.perf_counter() - t1
                 t2 = time.perf_counter()
-                batch = self._batch(completions, adv)
-                train_metrics = self._train(step, batch, in_flight)
+                train_metrics = self._train(step, batch, in_flight) if batch is not None else {}
                 train_s = time.perf_counter() - t2
                 sync_s = self._sync()
-                metrics = self._step_metrics(completions, reward_batch, correct, adv, staleness, rounds)
+                metrics = self._step_metrics(completions, data.rewards, data.correct, staleness)
+                metrics.update(data.metrics)
                 metrics.update(train_metrics)
                 step_s = time.perf_counter() - t0
                 tokens = sum(len(c.token_ids) for c in completions)
@@ -270,8 +286,6 @@ class GRPORun:
                         "time/train_s": train_s,
                         "time/sync_s": sync_s,
                         "time/step_s": step_s,
-                        "pack/rows": float(batch.packed.rows),
-                        "pack/fill": batch.packed.fill(),
                         "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
                         "tokens_per_s": tokens / max(step_s, 1e-9),
                         "policy_version": float(self.samplers.policy_versions[0]),
@@ -279,6 +293,8 @@ class GRPORun:
                         "sampler_redone_prompts": float(self.samplers.redone_prompts),
                     }
                 )
+                if batch is not None:
+                    metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
                 self.metrics.log(step, metrics, console=False)
                 print(self._line(step, metrics), flush=True)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -299,7 +315,10 @@ class GRPORun:
         update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=final_eval)
         return RunSummary(self.run_dir, step, version, final_eval, hf_dir)
 
-    def _train(self, step: int, batch: RLBatch, in_flight: deque[InFlight]) -> dict:
+    def _prepare(self, rows: list[dict], completions: list[Completion], rewards: RewardBatch, correct) -> StepData:
+        raise NotImplementedError  # each method's
+
+    def _train(self, step: int, batch: RLBatch | PairBatch, in_flight: deque[InFlight]) -> dict:
         """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
         try:
             return self.trainer.train(batch)
@@ -313,29 +332,6 @@ class GRPORun:
                     f"after this batch: the same command resumes past it."
                 )
             raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
-
-    def _batch(self, completions: list[Completion], adv: Advantages) -> RLBatch:
-        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
-        a multiple of the trainer's data-parallel size."""
-        rl = self.cfg.rl
-        row_len = self.row_len
-        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
-            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
-            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
-        return build_rl_batch(
-            completions,
-            adv.values,
-            adv.keep,
-            row_len=row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
-            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
-            row_multiple=self.row_multiple,
-            pack=rl.batch.pack_sequences,
-            share_prompts=rl.batch.share_prompts,
-            mask_truncated=rl.loss.mask_truncated,
-            choose_rows=self.row_counts.pick,
-            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
-        )
 
     def _save(self, step: int, in_flight: deque[InFlight]) -> None:
         # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
@@ -353,39 +349,7 @@ class GRPORun:
             },
         )
 
-    def _advantages(self, rewards: RewardBatch) -> Advantages:
-        rl = self.cfg.rl
-        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
-
-    def _refill(self, rows, completions, reward_batch, correct, adv):
-        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
-
-        Groups are picked from the scored batches as they are (no second scoring)."""
-        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
-        scored = [(rows, completions, reward_batch, correct)]  # every batch drawn this step
-        first = adv.keep.reshape(-1, g)[:, 0]
-        picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
-        rounds = 1
-        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
-            request = self._submit(next(self.stream))
-            more_rows, more = request.prompts.rows, self._collect(request)
-            more_batch, more_correct = self._score(more_rows, more)
-            more_adv = self._advantages(more_batch)
-            scored.append((more_rows, more, more_batch, more_correct))
-            ok = more_adv.keep.reshape(-1, g)[:, 0]
-            picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
-            rounds += 1
-        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
-            picks += [(0, i) for i in range(len(rows)) if not first[i]][: want - len(picks)]
-        items = [(scored[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
-        kept_rows = [scored[b][0][i] for b, i in picks]
-        kept_completions = [src[1][j] for src, idx in items for j in idx]
-        reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
-        correct = np.concatenate([src[3][idx] for src, idx in items])
-        adv = self._advantages(reward_batch)
-        return kept_rows, kept_completions, reward_batch, correct, adv, rounds
-
-    def _step_metrics(self, completions, reward_batch, correct, adv: Advantages, staleness, rounds) -> dict:
+    def _step_metrics(self, completions, reward_batch, correct, staleness) -> dict:
         lengths = np.array([len(c.token_ids) for c in completions], float)
         out = reward_batch.metrics()
         out.update(
@@ -394,23 +358,22 @@ class GRPORun:
                 "completion_length/mean": float(lengths.mean()),
                 "completion_length/max": float(lengths.max()),
                 "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-                "zero_variance_groups": float(adv.zero_variance_groups),
-                "reward/failed_groups": float(adv.failed_groups),
                 "staleness_max": float(staleness),
-                "sampling_rounds": float(rounds),
             }
         )
         return out
 
-    @staticmethod
-    def _line(step: int, m: dict) -> str:
+    def _line(self, step: int, m: dict) -> str:
         failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
         return (
             f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
             f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-            f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}{failed} | "
+            f"{self._method_line(m)}{failed} | "
             f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
         )
+
+    def _method_line(self, m: dict) -> str:
+        return ""
 
     # ------------------------------------------------------------- evaluation
 
@@ -485,6 +448,83 @@ class GRPORun:
                 f"of the clean-up to Ray",
                 flush=True,
             )
+
+
+class GRPORun(OnPolicyRun):
+    """GRPO / GSPO: group-relative advantages of each prompt's completions, DAPO's dynamic sampling, an
+    `RLBatch` for `posttrain.grpo.GRPOLearner`."""
+
+    def _prepare(self, rows, completions, reward_batch, correct) -> StepData:
+        adv = self._advantages(reward_batch)
+        rounds = 1
+        if self.cfg.rl.batch.dynamic_sampling:
+            rows, completions, reward_batch, correct, adv, rounds = self._refill(
+                rows, completions, reward_batch, correct, adv
+            )
+        metrics = {
+            "zero_variance_groups": float(adv.zero_variance_groups),
+            "reward/failed_groups": float(adv.failed_groups),
+            "sampling_rounds": float(rounds),
+        }
+        return StepData(self._batch(completions, adv), completions, reward_batch, correct, metrics)
+
+    def _method_line(self, m: dict) -> str:
+        return f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}"
+
+    def _batch(self, completions: list[Completion], adv: Advantages) -> RLBatch:
+        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
+        a multiple of the trainer's data-parallel size."""
+        rl = self.cfg.rl
+        row_len = self.row_len
+        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+        return build_rl_batch(
+            completions,
+            adv.values,
+            adv.keep,
+            row_len=row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+            pack=rl.batch.pack_sequences,
+            share_prompts=rl.batch.share_prompts,
+            mask_truncated=rl.loss.mask_truncated,
+            choose_rows=self.row_counts.pick,
+            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        )
+
+    def _advantages(self, rewards: RewardBatch) -> Advantages:
+        rl = self.cfg.rl
+        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
+
+    def _refill(self, rows, completions, reward_batch, correct, adv):
+        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
+
+        Groups are picked from the scored batches as they are (no second scoring)."""
+        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
+        scored = [(rows, completions, reward_batch, correct)]  # every batch drawn this step
+        first = adv.keep.reshape(-1, g)[:, 0]
+        picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
+        rounds = 1
+        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
+            request = self._submit(next(self.stream))
+            more_rows, more = request.prompts.rows, self._collect(request)
+            more_batch, more_correct = self._score(more_rows, more)
+            more_adv = self._advantages(more_batch)
+            scored.append((more_rows, more, more_batch, more_correct))
+            ok = more_adv.keep.reshape(-1, g)[:, 0]
+            picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
+            rounds += 1
+        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
+            picks += [(0, i) for i in range(len(rows)) if not first[i]][: want - len(picks)]
+        items = [(scored[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
+        kept_rows = [scored[b][0][i] for b, i in picks]
+        kept_completions = [src[1][j] for src, idx in items for j in idx]
+        reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
+        correct = np.concatenate([src[3][idx] for src, idx in items])
+        adv = self._advantages(reward_batch)
+        return kept_rows, kept_completions, reward_batch, correct, adv, rounds
 
 
 def _tokenizer_dir_of(init_from: str | None) -> str:

@@ -1,0 +1,78 @@
+"""What every on-policy method's learner shares: the policy `core.learner.Learner`, its policy version, the
+non-finite-update policy, checkpoints and export. The on-policy loop's trainer (`posttrain.trainer`) hosts one.
+
+    class GRPOLearner(PolicyLearner): ...          # posttrain.grpo: RLBatch, policy-gradient loss
+    class OnlineDPOLearner(PolicyLearner): ...     # posttrain.online_dpo: PairBatch, preference loss
+
+A subclass builds `self.learner` (and any frozen model) and implements `train(batch) -> metrics`, calling
+`self._applied(metrics, where)` after each optimizer update and `self.version += 1` once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from core.checkpoint import Checkpointer
+from core.config import Config
+from core.learner import Learner
+from core.loop import NonFiniteLoss
+from core.train import batch_shards
+
+
+class PolicyLearner:
+    """The shared part; `LearnerFactory` is how a trainer builds a method's subclass."""
+
+    learner: Learner
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.version = 0  # policy updates so far (what samplers tag their completions with)
+        self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
+        self.empty_updates = 0  # updates with nothing to learn from: no optimizer step
+
+    def train(self, batch: Any) -> dict[str, float]:  # pragma: no cover - every method has its own
+        raise NotImplementedError
+
+    @property
+    def params(self):
+        return self.learner.params
+
+    def batch_shards(self) -> int:
+        """The trainer's data-parallel size: packed row counts are made a multiple of it."""
+        return batch_shards(self.mesh)
+
+    def _applied(self, metrics: dict[str, float], where: str) -> None:
+        """Account for one update: under `train.nan_policy=abort` a non-finite one raises (it was not applied:
+        `core.train` left parameters and optimizer state as they were), else it is counted as skipped."""
+        if not metrics["finite"]:
+            if self.cfg.train.nan_policy == "abort":
+                raise NonFiniteLoss(
+                    f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; that "
+                    f"update was not applied"
+                )
+            self.skipped_updates += 1
+        self.empty_updates += int(metrics["empty"])
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
+        self.learner.save(checkpointer, self.cfg, extra={**extra, "policy_version": self.version}, step=step)
+
+    def restore_latest(self, checkpointer: Checkpointer) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
+        restored = self.learner.restore_latest(checkpointer, self.cfg)
+        if restored is not None:
+            self.version = int(restored[1]["policy_version"])
+        return restored
+
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        return self.learner.export_hf(path, tokenizer_dir)
+
+
+# (cfg, model, mesh, total_steps) -> a method's learner: the subclass itself (GRPOLearner, OnlineDPOLearner)
+LearnerFactory = Callable[[Config, Any, Mesh, int], PolicyLearner]
