@@ -9,9 +9,9 @@ STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 # malloc on transparent huge pages for the long-running jobs: XLA's CPU buffers fault in 2 MiB at a
 # time (core/host_memory.py). Not for the tests: their many short processes start slower with it.
-demo demo-pretrain demo-sft bench bench-grpo bench-sft: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+demo demo-dpo demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: install test test-fast lint demo demo-pretrain demo-sft demo-hf bench bench-grpo bench-sft clean
+.PHONY: install test test-fast lint demo demo-dpo demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo clean
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m recipes.quickstart
 
+demo-dpo: $(STAMP)
+	$(PY) -m recipes.quickstart --method dpo
+
+demo-dpo-offline: $(STAMP)
+	$(PY) -m recipes.dpo
+
 demo-pretrain: $(STAMP)
 	$(PY) -m recipes.pretrain
 
@@ -56,6 +62,9 @@ bench-grpo: $(STAMP)
 
 bench-sft: $(STAMP)
 	$(PY) bench/sft_step.py
+
+bench-dpo: $(STAMP)
+	$(PY) bench/dpo_step.py
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

@@ -35,7 +35,15 @@ from core.data import DataBatch
 from core.loop import Hook, Trainer
 from core.train import batch_shards
 from posttrain.dpo import needs_reference, preference_objective, with_reference
-from posttrain.pair_data import PairData, PairLayout, eval_batches, load_pairs, pair_pipeline, pair_texts
+from posttrain.pair_data import (
+    PairData,
+    PairLayout,
+    check_pair_source,
+    eval_batches,
+    load_pairs,
+    pair_pipeline,
+    pair_texts,
+)
 from posttrain.pairs import PairBatch
 from posttrain.reference_logps import ReferenceLogps, compute_reference_logps, fingerprint
 
@@ -71,15 +79,14 @@ def build_dpo(cfg: Config) -> DPORun:
     from core.tokenizer import tokenizer_for_run
     from posttrain.frozen import FrozenModel
 
-    if cfg.data.source is None:
-        raise ConfigError("DPO needs data.source (a local jsonl / parquet / arrow file or directory)")
+    source = check_pair_source(cfg.data)
     try:
         resolve_mesh_shape(cfg.mesh, jax.device_count())
     except ValueError as err:
         raise ConfigError(str(err)) from None
     mesh = make_mesh(cfg.mesh)
     run_dir = Path(cfg.run.run_dir)
-    records = load_records(cfg.data.source, cfg.data)
+    records = load_records(source, cfg.data)
     tokenizer_dir = tokenizer_for_run(cfg.data.tokenizer_dir, pair_texts(records), run_dir, cfg.model.vocab_size)
     data = load_pairs(cfg, AutoTokenizer.from_pretrained(tokenizer_dir), records)
     if data.skipped:
@@ -96,18 +103,24 @@ def build_dpo(cfg: Config) -> DPORun:
     attach: Callable[[DataBatch, int], PairBatch] | None = None
     mode = "none"
     if needs_reference(cfg.dpo):
-        reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+        # The starting policy, frozen (the learner's parameters before any resume: the Trainer restores later).
+        def frozen_start() -> FrozenModel:
+            return FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+
         if cfg.dpo.precompute_ref_logps:
             mode = "precomputed"
+            # Built only when the stored values are missing or stale, and released once they are computed.
             store = ReferenceLogps.load_or_compute(
                 run_dir / REFERENCE_FILE,
                 fingerprint(data.all, reference_origin(cfg)),
-                lambda: compute_reference_logps(data.all, reference, batch_size=cfg.train.batch_size, layout=layout),
+                lambda: compute_reference_logps(
+                    data.all, frozen_start(), batch_size=cfg.train.batch_size, layout=layout
+                ),
             )
-            del reference  # released: only the policy stays in memory
             attach = lambda d, groups: store.attach(d)
         else:
             mode = "live"
+            reference = frozen_start()
             # training batches have one packing group per micro-batch, eval batches one
             attach = lambda d, groups: with_reference(d.batch, reference, groups=groups)
 

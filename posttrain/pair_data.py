@@ -26,7 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from core.config import Config
+from core.config import Config, DataConfig
 from core.data import DataBatch, DataSourceError, MalformedRow, bucketed_width, load_records
 from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
 
@@ -50,19 +50,25 @@ def pair_texts(records: Sequence[dict]) -> Iterator[str]:
                 yield r[name]
 
 
-def load_pairs(cfg: Config, tokenizer: Any, records: Sequence[dict] | None = None) -> PairData:
-    """Every usable pair of `data.source` (or `records`), split into train and eval."""
-    d = cfg.data
+def check_pair_source(d: DataConfig, need_source: bool = True) -> str:
+    """`data.source` (`<records>` when rows come from Python), once checked to be set and in a pair format
+    (before anything is loaded)."""
     if d.format not in ("prompt_completion", "chat"):
         raise DataSourceError(
             f"DPO reads pair rows: data.format=prompt_completion (prompt / chosen / rejected strings) or chat "
             f"(prompt messages, chosen / rejected one assistant message each), not {d.format!r}"
         )
+    if d.source is None and need_source:
+        raise DataSourceError("DPO needs data.source (a local jsonl / parquet / arrow file or directory)")
+    return d.source or "<records>"
+
+
+def load_pairs(cfg: Config, tokenizer: Any, records: Sequence[dict] | None = None) -> PairData:
+    """Every usable pair of `data.source` (or `records`), split into train and eval."""
+    d = cfg.data
+    source = check_pair_source(d, need_source=records is None)
     if records is None:
-        if d.source is None:
-            raise DataSourceError("DPO needs data.source (a local jsonl / parquet / arrow file or directory)")
-        records = load_records(d.source, d)
-    source = d.source or "<records>"
+        records = load_records(source, d)
     pairs, skipped = tokenize_pairs(
         records,
         tokenizer,

@@ -1,6 +1,7 @@
-"""The quickstart: from nothing to a model that GRPO visibly improves, on 2 CPU cores.
+"""The quickstart: from nothing to a model that GRPO (or online DPO) visibly improves, on 2 CPU cores.
 
     python -m recipes.quickstart [--run-dir runs/quickstart] [--seed S] [--grpo-steps N]     # `make demo`
+    python -m recipes.quickstart --method dpo [--run-dir runs/quickstart_dpo]               # `make demo-dpo`
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -9,10 +10,12 @@
    solutions come from a sloppy solver that drops the minus sign of a negative answer 4 times in 5
    (`--sign-slip`): demonstrations with a systematic slip, an exact checker for the rewards;
 5. GRPO it with the vLLM sampler on Ray and the math_verify reward, evaluating held-out
-   greedy accuracy before and after: GRPO undoes what the slip taught.
+   greedy accuracy before and after: GRPO undoes what the slip taught. With `--method dpo`,
+   online DPO instead: the same samples and reward, each prompt's best and worst sample a pair
+   (`posttrain.online_dpo`).
 
 Prints the accuracies, and leaves in the run directory each stage's run
-(`pretrain/`, `sft/`, `grpo/`), the GRPO reward / accuracy curves
+(`pretrain/`, `sft/`, `grpo/` or `dpo/`), the reward / accuracy curves
 (`grpo/reward.png`, `quickstart.png`), the final Hugging Face export (`grpo/hf`)
 and the result (`quickstart.json`). An interrupted quickstart resumes where it
 stopped; a finished one says so and prints its result again.
@@ -66,7 +69,8 @@ SUMMARY = "quickstart.json"
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipes.quickstart", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", default="runs/quickstart")
+    p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), runs/quickstart_dpo (DPO)")
+    p.add_argument("--method", choices=("grpo", "dpo"), default="grpo", help="stage 5: GRPO or online DPO")
     p.add_argument(
         "--seed",
         type=int,
@@ -75,8 +79,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--pretrain-steps", type=int, default=None, help="override pretrain.yml's train.steps")
     p.add_argument("--sft-steps", type=int, default=None, help="override sft.yml's train.steps")
-    p.add_argument("--grpo-steps", type=int, default=None, help="override grpo.yml's train.steps")
-    p.add_argument("--eval-prompts", type=int, default=None, help="override grpo.yml's rl.eval_prompts")
+    p.add_argument("--grpo-steps", type=int, default=None, help="override stage 5's train.steps (either method)")
+    p.add_argument("--eval-prompts", type=int, default=None, help="override stage 5's rl.eval_prompts")
     p.add_argument(
         "--sign-slip",
         type=float,
@@ -86,16 +90,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
+    if args.run_dir is None:
+        args.run_dir = "runs/quickstart" if args.method == "grpo" else "runs/quickstart_dpo"
     return args
 
 
+METHODS = {"grpo": "GRPO", "dpo": "online DPO"}
+
+
 def report(summary: dict) -> None:
-    """The quickstart's result: held-out accuracy before and after GRPO, pass@k, maj@k, where things are."""
+    """The quickstart's result: held-out accuracy before and after stage 5, pass@k, maj@k, where things are."""
     before, after, k = summary["before"], summary["after"], summary["eval_samples"]
+    method = METHODS[summary["settings"].get("method", "grpo")]
     if before is not None:
         print(
             f"held-out greedy accuracy: {before['eval/pass@1']:.1%} after SFT -> {after['eval/pass@1']:.1%} "
-            f"after {summary['grpo_steps']} GRPO steps "
+            f"after {summary['grpo_steps']} {method} steps "
             f"({100 * (after['eval/pass@1'] - before['eval/pass@1']):+.1f} points)"
         )
     print(
@@ -112,6 +122,7 @@ def main(argv: list[str]) -> int:
     done = out / SUMMARY
     if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)
         summary = json.loads(done.read_text())
+        summary["settings"].setdefault("method", "grpo")  # written before --method existed
         if summary["settings"] != settings:
             raise UserError(
                 f"{out} holds a quickstart run with other settings ({summary['settings']}); use another --run-dir"
@@ -186,12 +197,14 @@ def main(argv: list[str]) -> int:
         )
     )
 
-    print("== 5/5 GRPO (vLLM sampler on Ray, math_verify reward)", flush=True)
+    print(f"== 5/5 {METHODS[args.method]} (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
+    from posttrain.online_dpo import OnlineDPORun
     from posttrain.onpolicy.loop import GRPORun
 
+    stage = out / args.method
     overrides = [
-        f"run.run_dir={out / 'grpo'}",
+        f"run.run_dir={stage}",
         f"data.source={rl}",
         f"data.tokenizer_dir={tokenizer}",
         f"checkpoint.init_from={out / 'sft' / 'hf'}",
@@ -199,9 +212,9 @@ def main(argv: list[str]) -> int:
         *steps(args.grpo_steps),
         *steps(args.eval_prompts, "rl.eval_prompts"),
     ]
-    cfg = load_config(CONFIGS / "grpo.yml", overrides)
-    before_file = out / "grpo" / "before.json"  # the fine-tuned model's accuracy, kept for a resumed GRPO stage
-    run = GRPORun(cfg)
+    cfg = load_config(CONFIGS / f"{args.method}.yml", overrides)
+    before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
+    run = GRPORun(cfg) if args.method == "grpo" else OnlineDPORun(cfg)
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))
@@ -213,7 +226,7 @@ def main(argv: list[str]) -> int:
     from core.metrics import plot_curves
 
     plot = (out / "quickstart.png").absolute()
-    plot_curves(out / "grpo", keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"), out=str(plot), ylabel="accuracy")
+    plot_curves(stage, keys=("accuracy", "eval/pass@1", "eval/sampled_pass@1"), out=str(plot), ylabel="accuracy")
     result = {
         "settings": settings,
         "before": before,

@@ -45,6 +45,16 @@ def files(tmp_path, arithmetic_tokenizer):
         "broken_jsonl": write("broken.jsonl", '{"question": "1 + 1", "answer": "2"}\n{"question": \n'),
         "csv": write("data.csv", "question,answer\n"),
         "pretrain_bad_row": write("texts.jsonl", json.dumps({"txt": "no text field"}) + "\n"),
+        "pair_rows": write(
+            "pairs.jsonl",
+            "".join(
+                json.dumps(r) + "\n"
+                for r in [
+                    {"prompt": "1 + 1 =", "chosen": " 2", "rejected": " 3"},
+                    {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 4"},
+                ]
+            ),
+        ),
     }
 
 
@@ -140,6 +150,20 @@ PRETRAIN_CASES = {
 }
 
 
+DPO_CASES = {
+    "identical chosen and rejected": (
+        lambda f: [f"data.source={f['pair_rows']}", f"data.tokenizer_dir={f['tok']}"],
+        "pairs.jsonl: row 1: chosen and rejected are identical",
+    ),
+    "text rows are not pairs": (lambda f: ["data.format=text"], "DPO reads pair rows: data.format=prompt_completion"),
+    "unknown loss": (lambda f: ["dpo.loss_type=kto"], "dpo.loss_type"),
+    "smoothing a loss without it": (
+        lambda f: ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"],
+        "loss_type 'ipo' has no label smoothing",
+    ),
+}
+
+
 def _run(module, argv, capsys):
     """(exit code, stdout, stderr from the error line on: library progress bars may precede it)."""
     import importlib
@@ -163,6 +187,15 @@ def test_grpo_recipe_reports_the_users_mistake(case, files, capsys, tmp_path):
 def test_pretrain_recipe_reports_the_users_mistake(case, files, capsys, tmp_path):
     argv, fragment = PRETRAIN_CASES[case]
     rc, out, err = _run("recipes.pretrain", [*argv(files), f"run.run_dir={tmp_path / 'run'}"], capsys)
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and err.startswith("error: ")
+    assert fragment in err, err
+
+
+@pytest.mark.parametrize("case", sorted(DPO_CASES))
+def test_dpo_recipe_reports_the_users_mistake(case, files, capsys, tmp_path):
+    argv, fragment = DPO_CASES[case]
+    rc, out, err = _run("recipes.dpo", [*argv(files), f"run.run_dir={tmp_path / 'run'}"], capsys)
     assert rc == 2, (out, err)
     assert "Traceback" not in err and err.startswith("error: ")
     assert fragment in err, err

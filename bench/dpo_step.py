@@ -1,0 +1,190 @@
+"""DPO step time: Temper vs TRL's DPOTrainer vs a plain PyTorch loop, on the same model, pairs and batch, one run.
+
+    python bench/dpo_step.py                        # tiny and 100M             (make bench-dpo)
+    python bench/dpo_step.py --sizes tiny --steps 4
+
+Every side trains the same HF model (random init, float32) on the same pairs: reasoning-gym text cut to a
+16-128 token prompt and two 16-127 token completions, `batch` pairs a step, the sigmoid loss with beta 0.1,
+AdamW, and the starting model, frozen, as a live reference (one reference pass a step on every side). Temper's
+step is the reference pass (`posttrain.frozen.FrozenModel`) plus `core.learner.Learner.update` on the
+`posttrain.pairs` batch: each pair one row, its prompt once and the two completions as branches (the same
+pairs per step as the peers), and again packed (several pairs a row). It is also timed with the reference
+log-probs precomputed (`dpo.precompute_ref_logps`: the update alone). Each batch shape is compiled before it is
+timed, as a run compiles it once. TRL's DPOTrainer (`bf16=False`) and the plain loop put each completion after
+its own copy of the prompt; they run in the TRL environment (`.venv-trl`, created on first use). Step times
+exclude the first step; tokens/s counts real (non-padding) tokens of the peers' layout, the work all sides do.
+
+Memory: the shared-prompt layout holds prompt + chosen + rejected tokens where the peers hold
+2 x prompt + chosen + rejected (activations scale with tokens); precomputed reference log-probs keep the
+reference's parameters out of memory. Goal (issue 17): Temper <= 0.5x TRL's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.grpo_step import trl_python  # noqa: E402
+from bench.sft_step import SIZES, VOCAB  # noqa: E402
+
+
+def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[Path, Path, int]:
+    """An HF model directory for `size` (with the tokenizer), the pairs file, and the parameter count."""
+    import numpy as np
+
+    from core.config import ModelConfig
+    from core.data import reasoning_gym_records
+    from core.hf import save_hf
+    from core.models import create_model, param_count
+
+    cfg = ModelConfig(
+        family="llama", vocab_size=VOCAB[size], tie_word_embeddings=False, max_position_embeddings=seq, **SIZES[size]
+    )
+    model = create_model(cfg, seed=0)
+    hf = save_hf(model, cfg, work / f"hf_{size}", tokenizer_dir=tokenizer)
+    data = work / "pairs.jsonl"
+    if not data.exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 3000, seed=0))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        rng = np.random.default_rng(0)
+        out, at = [], 0
+        for _ in range(pairs):
+            p, c, r = int(rng.integers(16, 129)), int(rng.integers(16, 128)), int(rng.integers(16, 128))
+            cut = [at, at + p, at + p + c, at + p + c + r]
+            prompt, chosen, rejected = (tok.decode(ids[cut[i] : cut[i + 1]]) for i in range(3))
+            at = (at + p + c + r) % (len(ids) - 400)
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        data.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return hf, data, param_count(model)
+
+
+def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
+    """mode: `rows` (a pair a row), `packed`, or `precomputed` (a pair a row, no reference pass)."""
+    import jax
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from core.config import DPOConfig, OptimConfig
+    from core.hf import load_hf
+    from core.learner import Learner
+    from core.mesh import single_device_mesh
+    from posttrain.dpo import preference_objective, with_reference
+    from posttrain.frozen import FrozenModel
+    from posttrain.pair_data import PairLayout, pair_batch
+    from posttrain.pairs import tokenize_pairs
+
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model, _ = load_hf(hf, mesh=mesh)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    pairs, _ = tokenize_pairs(
+        rows, AutoTokenizer.from_pretrained(tokenizer), data_format="prompt_completion", seq_len=2 * args.seq
+    )
+    layout = PairLayout(2 * args.seq, pack=mode == "packed")
+    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
+    learner = Learner(model, mesh, preference_objective(DPOConfig(beta=0.1)), optim, total_updates=args.steps + 1)
+    reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+    per_step = 4 * args.batch if mode == "packed" else args.batch  # packed: more pairs in fewer, fuller rows
+    times, tokens, pair_counts, rows_used = [], [], [], []
+    for step in range(args.steps + 1):
+        chunk = pairs[step * per_step : (step + 1) * per_step]
+        item = pair_batch(chunk, slots=per_step, micro_batches=1, layout=layout)
+        batch = with_reference(item.batch, reference, groups=1)
+        learner.compile(batch)  # not step time: a run compiles each shape once
+        start = time.perf_counter()
+        if mode != "precomputed":
+            batch = with_reference(item.batch, reference, groups=1)
+        learner.update(batch)
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in chunk))
+        pair_counts.append(len(chunk))
+        rows_used.append(int((np.asarray(batch.packed.segment_ids) > 0).sum()))
+    steady = times[1:]
+    return {
+        "first_step_s": times[0],
+        "median_step_s": statistics.median(steady),
+        "mean_step_s": statistics.mean(steady),
+        "tokens_per_s": sum(tokens[1:]) / sum(steady),  # in the peers' layout: comparable work
+        "pairs_per_step": statistics.mean(pair_counts[1:]),
+        "held_tokens_per_pair": sum(rows_used[1:]) / sum(pair_counts[1:]),
+        "peer_tokens_per_pair": sum(tokens[1:]) / sum(pair_counts[1:]),
+        "compile_memory": learner.last_compile,
+    }
+
+
+def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
+    out = work / f"{mode}_{hf.name}.json"
+    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_dpo_step.py"), "--mode", mode, "--model", str(hf)]
+    cmd += ["--data", str(data), "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    subprocess.run([*cmd, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=sorted(SIZES))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256, help="the most tokens of prompt + one completion")
+    p.add_argument("--out", default="runs/bench_dpo.json")
+    args = p.parse_args()
+
+    from core.data import reasoning_gym_records
+    from core.tokenizer import build_tokenizer
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer = str(
+            build_tokenizer((r["text"] for r in reasoning_gym_records("basic_arithmetic", 2000, 0)), work / "tok")
+        )
+        for size in args.sizes:
+            hf, data, params = build(size, work, tokenizer, 4 * args.batch * (args.steps + 2), args.seq)
+            print(f"== {size}: {params / 1e6:.1f}M parameters, {args.batch} pairs a step", flush=True)
+            row: dict = {"params": params, "reference_bytes": 4 * params}
+            for name in ("temper", "temper_packed", "temper_precomputed", "trl", "torch"):
+                if name.startswith("temper"):
+                    mode = {"temper": "rows", "temper_packed": "packed", "temper_precomputed": "precomputed"}[name]
+                    row[name] = temper(hf, data, tokenizer, args, mode)
+                else:
+                    row[name] = peer(name, hf, data, args, work)
+                print(f"   {name:19s} {row[name]['median_step_s']:.3f} s/step", flush=True)
+            for name in ("trl", "torch"):
+                row[name]["tokens_per_s"] = row["temper"]["tokens_per_s"] * (
+                    row["temper"]["median_step_s"] / row[name]["median_step_s"]
+                )  # the same pairs per step: the same tokens
+            t = row["temper"]
+            row["ratio_vs_trl"] = t["median_step_s"] / row["trl"]["median_step_s"]
+            row["ratio_vs_torch"] = t["median_step_s"] / row["torch"]["median_step_s"]
+            row["shared_prompt_token_share"] = t["held_tokens_per_pair"] / t["peer_tokens_per_pair"]
+            print(
+                f"   Temper / TRL {row['ratio_vs_trl']:.2f}x, Temper / torch {row['ratio_vs_torch']:.2f}x; tokens/s: "
+                + ", ".join(
+                    f"{k} {row[k]['tokens_per_s']:,.0f}"
+                    for k in ("temper", "temper_packed", "temper_precomputed", "trl", "torch")
+                )
+                + f"; shared prompt holds {row['shared_prompt_token_share']:.0%} of the peers' tokens; "
+                f"precomputing frees {row['reference_bytes'] / 2**20:.0f} MiB of reference parameters",
+                flush=True,
+            )
+            results[size] = row
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
