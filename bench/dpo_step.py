@@ -34,40 +34,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
-from bench.sft_step import SIZES, VOCAB  # noqa: E402
+from bench.sft_step import SIZES, hf_model, text_pieces  # noqa: E402
 
 
 def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[Path, Path, int]:
     """An HF model directory for `size` (with the tokenizer), the pairs file, and the parameter count."""
     import numpy as np
 
-    from core.config import ModelConfig
-    from core.data import reasoning_gym_records
-    from core.hf import save_hf
-    from core.models import create_model, param_count
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=VOCAB[size], tie_word_embeddings=False, max_position_embeddings=seq, **SIZES[size]
-    )
-    model = create_model(cfg, seed=0)
-    hf = save_hf(model, cfg, work / f"hf_{size}", tokenizer_dir=tokenizer)
+    hf, params = hf_model(size, work, tokenizer, seq)
     data = work / "pairs.jsonl"
     if not data.exists():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-        text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 3000, seed=0))
-        ids = tok(text, add_special_tokens=False)["input_ids"]
         rng = np.random.default_rng(0)
-        out, at = [], 0
-        for _ in range(pairs):
-            p, c, r = int(rng.integers(16, 129)), int(rng.integers(16, 128)), int(rng.integers(16, 128))
-            cut = [at, at + p, at + p + c, at + p + c + r]
-            prompt, chosen, rejected = (tok.decode(ids[cut[i] : cut[i + 1]]) for i in range(3))
-            at = (at + p + c + r) % (len(ids) - 400)
-            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        lengths = [
+            [int(rng.integers(16, 129)), int(rng.integers(16, 128)), int(rng.integers(16, 128))] for _ in range(pairs)
+        ]
+        out = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in text_pieces(tokenizer, lengths)]
         data.write_text("".join(json.dumps(r) + "\n" for r in out))
-    return hf, data, param_count(model)
+    return hf, data, params
 
 
 def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:

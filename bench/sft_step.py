@@ -46,12 +46,9 @@ SIZES = {  # Llama-shaped, untied embeddings
 VOCAB = {"tiny": 512, "T2": 32000, "100M": 32000}
 
 
-def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[Path, Path, int]:
-    """An HF model directory for `size` (with the tokenizer), the rows file, and the parameter count."""
-    import numpy as np
-
+def hf_model(size: str, work: Path, tokenizer: str, seq: int) -> tuple[Path, int]:
+    """An HF model directory for `size` (Llama-shaped, random init, with the tokenizer) and its parameter count."""
     from core.config import ModelConfig
-    from core.data import reasoning_gym_records
     from core.hf import save_hf
     from core.models import create_model, param_count
 
@@ -59,23 +56,41 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
         family="llama", vocab_size=VOCAB[size], tie_word_embeddings=False, max_position_embeddings=seq, **SIZES[size]
     )
     model = create_model(cfg, seed=0)
-    hf = save_hf(model, cfg, work / f"hf_{size}", tokenizer_dir=tokenizer)
+    return save_hf(model, cfg, work / f"hf_{size}", tokenizer_dir=tokenizer), param_count(model)
+
+
+def text_pieces(tokenizer: str, lengths: list[list[int]]) -> list[list[str]]:
+    """Consecutive pieces of reasoning-gym text of the given token lengths (one list of pieces per row)."""
+    from transformers import AutoTokenizer
+
+    from core.data import reasoning_gym_records
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 3000, seed=0))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    out, at = [], 0
+    for row in lengths:
+        pieces = []
+        for n in row:
+            pieces.append(tok.decode(ids[at : at + n]))
+            at += n
+        out.append(pieces)
+        at %= len(ids) - 400
+    return out
+
+
+def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[Path, Path, int]:
+    """An HF model directory for `size` (with the tokenizer), the rows file, and the parameter count."""
+    import numpy as np
+
+    hf, params = hf_model(size, work, tokenizer, seq)
     data = work / "rows.jsonl"
     if not data.exists():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-        text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 2000, seed=0))
-        ids = tok(text, add_special_tokens=False)["input_ids"]
         rng = np.random.default_rng(0)
-        out, at = [], 0
-        for _ in range(rows):
-            p, c = int(rng.integers(16, 129)), int(rng.integers(16, 128))
-            prompt, completion = tok.decode(ids[at : at + p]), tok.decode(ids[at + p : at + p + c])
-            at = (at + p + c) % (len(ids) - 300)
-            out.append({"prompt": prompt, "completion": completion})
+        lengths = [[int(rng.integers(16, 129)), int(rng.integers(16, 128))] for _ in range(rows)]
+        out = [{"prompt": p, "completion": c} for p, c in text_pieces(tokenizer, lengths)]
         data.write_text("".join(json.dumps(r) + "\n" for r in out))
-    return hf, data, param_count(model)
+    return hf, data, params
 
 
 def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool) -> dict:

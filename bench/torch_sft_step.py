@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
+
+from peer_timing import step_timer, write_result  # bench/, the script's own directory
 
 
 def main() -> None:
@@ -61,15 +62,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     else:
         from datasets import Dataset
-        from transformers import TrainerCallback
         from trl import SFTConfig, SFTTrainer
-
-        class Timer(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                self.t = time.perf_counter()
-
-            def on_step_end(self, *a, **k):
-                times.append(time.perf_counter() - self.t)
 
         config = SFTConfig(
             output_dir=str(Path(args.out).parent / "trl_sft"),
@@ -92,22 +85,10 @@ def main() -> None:
             args=config,
             train_dataset=Dataset.from_list(rows[: args.batch * (args.steps + 1)]),
             processing_class=tok,
-            callbacks=[Timer()],
+            callbacks=[step_timer(times)],
         )
         trainer.train()
-    steady = times[1:]
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "first_step_s": times[0],
-                "mean_step_s": statistics.mean(steady),
-                "median_step_s": statistics.median(steady),
-                "steps": len(steady),
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-            }
-        )
-    )
+    write_result(args.out, times)
 
 
 if __name__ == "__main__":

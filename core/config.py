@@ -77,7 +77,9 @@ class ModelConfig(Section):
     # The log-prob head (core/kernels/logprobs.py) keeps a micro-batch's [targets, vocab] float32 logits for the
     # backward pass when they fit in logits_budget_mb (three matmuls); above it, it walks the vocabulary in
     # vocab_chunk_size tiles and recomputes them in the backward (a fourth matmul, O(targets x tile) memory).
-    logits_budget_mb: float = Field(256, ge=0)
+    # 512 MB holds a DPO batch of 8 pairs x 2 completions of up to 168 targets at a 32k vocabulary (~0.9 s a
+    # step saved at 100M, bench/dpo_step.py); peers keep every position's logits.
+    logits_budget_mb: float = Field(512, ge=0)
     vocab_chunk_size: int = Field(8192, gt=0)
 
     @property

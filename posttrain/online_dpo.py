@@ -31,7 +31,7 @@ from core.learner import Learner
 from posttrain.dpo import needs_reference, preference_objective, with_reference
 from posttrain.frozen import FrozenModel
 from posttrain.onpolicy.learner import PolicyLearner
-from posttrain.onpolicy.loop import OnPolicyRun, RunSummary, StepData
+from posttrain.onpolicy.loop import OnPolicyRun, RunSummary, StepData, run_to_end
 from posttrain.pairs import Pair, PairBatch, build_pair_batch
 from rewards.runner import RewardBatch
 from rollout.sampler import Completion
@@ -135,8 +135,4 @@ def check_online_config(cfg: Config) -> None:
 
 
 def run_online_dpo(cfg: Config) -> RunSummary:
-    run = OnlineDPORun(cfg)
-    try:
-        return run.run()
-    finally:
-        run.close()
+    return run_to_end(OnlineDPORun(cfg))

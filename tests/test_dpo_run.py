@@ -146,3 +146,20 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
     assert (tmp_path / "run" / "hf" / "model.safetensors").exists()
     if reference == "precomputed":
         assert (tmp_path / "run" / "reference_logps.npz").exists()
+
+
+def test_reference_free_losses_load_no_reference(tmp_path, arithmetic_tokenizer):
+    """simpo and orpo train without a reference: none is built, none is precomputed, the batch carries none."""
+    from posttrain.dpo_run import build_dpo
+
+    cfg = dpo_config(
+        tmp_path, arithmetic_tokenizer, "dpo.loss_type=simpo", "dpo.precompute_ref_logps=true", "data.num_examples=64"
+    )
+    run = build_dpo(cfg)
+    assert run.reference == "none"
+    assert not (tmp_path / "run" / "reference_logps.npz").exists()
+    item = next(run.trainer.data_iter)
+    batch = run.trainer.prepare(item)
+    assert batch.ref_chosen is None and batch.ref_rejected is None
+    metrics = run.trainer.learner.update(batch, cfg.train.micro_batches)
+    assert metrics["finite"] and np.isfinite(metrics["loss"])

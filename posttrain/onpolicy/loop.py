@@ -1,12 +1,16 @@
-"""The on-policy RL loop: sample -> reward -> advantages -> train -> sync weights, on Ray or in one process.
+"""The on-policy loop: sample -> reward -> the method's batch -> train -> sync weights, on Ray or in one process.
 
     summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
+    summary = run_to_end(posttrain.online_dpo.OnlineDPORun(cfg))     # the same loop, another method
 
-The loop drives three parts through typed interfaces: samplers
+The loop (`OnPolicyRun`) drives three parts through typed interfaces: samplers
 (`rollout.group.SamplerGroup` of `rollout.sampler.Sampler`s), reward
 functions (`rewards.runner.RewardRunner`) and the trainer
-(`posttrain.trainer.TrainerHandle`, hosting `posttrain.grpo.GRPOLearner`,
-which trains on the `posttrain.rl_batch.RLBatch` built here).
+(`posttrain.trainer.TrainerHandle`, hosting the method's
+`posttrain.onpolicy.learner.PolicyLearner`). A method turns each step's scored
+completions into its batch (`_prepare`): GRPO (`GRPORun`, here) into the
+`posttrain.rl_batch.RLBatch` of group advantages for `posttrain.grpo.GRPOLearner`;
+online DPO (`posttrain.online_dpo`) into best / worst pairs.
 
 Modes (`rollout.sampler`):
 - `vllm`: the trainer is a Ray actor and `rollout.rollout_data_parallelism`
@@ -533,9 +537,13 @@ def _tokenizer_dir_of(init_from: str | None) -> str:
     raise ConfigError("no tokenizer: set data.tokenizer_dir (or a checkpoint.init_from HF directory with a tokenizer)")
 
 
-def run_grpo(cfg: Config) -> RunSummary:
-    run = GRPORun(cfg)
+def run_to_end(run: OnPolicyRun) -> RunSummary:
+    """Train `run` to `train.steps`, then release its workers, samplers, trainer and placement group."""
     try:
         return run.run()
     finally:
         run.close()
+
+
+def run_grpo(cfg: Config) -> RunSummary:
+    return run_to_end(GRPORun(cfg))
