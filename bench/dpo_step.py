@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
-from bench.sft_step import SIZES, hf_model, text_pieces  # noqa: E402
+from bench.sft_step import SIZES, hf_learner, hf_model, text_pieces  # noqa: E402
 
 
 def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[Path, Path, int]:
@@ -55,30 +55,22 @@ def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[
 
 def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
     """mode: `rows` (a pair a row), `packed`, or `precomputed` (a pair a row, no reference pass)."""
-    import jax
     import numpy as np
     from transformers import AutoTokenizer
 
-    from core.config import DPOConfig, OptimConfig
-    from core.hf import load_hf
-    from core.learner import Learner
-    from core.mesh import single_device_mesh
+    from core.config import DPOConfig
     from posttrain.dpo import preference_objective, with_reference
     from posttrain.frozen import FrozenModel
     from posttrain.pair_data import PairLayout, pair_batch
     from posttrain.pairs import tokenize_pairs
 
-    mesh = single_device_mesh()
-    with jax.set_mesh(mesh):
-        model, _ = load_hf(hf, mesh=mesh)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     pairs, _ = tokenize_pairs(
         rows, AutoTokenizer.from_pretrained(tokenizer), data_format="prompt_completion", seq_len=2 * args.seq
     )
     layout = PairLayout(2 * args.seq, pack=mode == "packed")
-    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
-    learner = Learner(model, mesh, preference_objective(DPOConfig(beta=0.1)), optim, total_updates=args.steps + 1)
-    reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+    learner = hf_learner(hf, preference_objective(DPOConfig(beta=0.1)), total_updates=args.steps + 1)
+    reference = FrozenModel.copy_of(learner.graphdef, learner.params, learner.mesh, "reference")
     per_step = 4 * args.batch if mode == "packed" else args.batch  # packed: more pairs in fewer, fuller rows
     times, tokens, pair_counts, rows_used = [], [], [], []
     for step in range(args.steps + 1):

@@ -79,6 +79,23 @@ def text_pieces(tokenizer: str, lengths: list[list[int]]) -> list[list[str]]:
     return out
 
 
+def hf_learner(hf: Path, loss_fn, total_updates: int):
+    """The HF model on one device, in a `core.learner.Learner` with `loss_fn` and AdamW (1e-4, constant, no weight
+    decay): what every Temper side of the step benchmarks times."""
+    import jax
+
+    from core.config import OptimConfig
+    from core.hf import load_hf
+    from core.learner import Learner
+    from core.mesh import single_device_mesh
+
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model, _ = load_hf(hf, mesh=mesh)
+    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
+    return Learner(model, mesh, loss_fn, optim, total_updates=total_updates)
+
+
 def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[Path, Path, int]:
     """An HF model directory for `size` (with the tokenizer), the rows file, and the parameter count."""
     import numpy as np
@@ -94,24 +111,16 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
 
 
 def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool) -> dict:
-    import jax
     import numpy as np
 
-    from core.config import DataConfig, OptimConfig
+    from core.config import DataConfig
     from core.data import load_records, make_pipeline
-    from core.hf import load_hf
-    from core.learner import Learner
     from core.losses import nll_loss
-    from core.mesh import single_device_mesh
 
-    mesh = single_device_mesh()
-    with jax.set_mesh(mesh):
-        model, _ = load_hf(hf, mesh=mesh)
     dcfg = DataConfig(format="prompt_completion", seq_len=args.seq, packing=packing, shuffle=False)
     records = load_records(str(data), dcfg)
     batches = iter(make_pipeline(dcfg, args.batch, records=records, tokenizer_dir=tokenizer))
-    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
-    learner = Learner(model, mesh, nll_loss, optim, total_updates=args.steps + 1)
+    learner = hf_learner(hf, nll_loss, total_updates=args.steps + 1)
     times, tokens, sequences = [], [], []
     for _ in range(args.steps + 1):
         batch = next(batches)

@@ -19,7 +19,8 @@ import json
 import time
 from pathlib import Path
 
-from peer_timing import step_timer, write_result  # bench/, the script's own directory
+# bench/, the script's own directory
+from peer_common import completion_row, padded, step_timer, trl_arguments, write_result
 
 
 def main() -> None:
@@ -58,17 +59,10 @@ def main() -> None:
         for step in range(args.steps + 1):
             start = time.perf_counter()
             batch = rows[step * args.batch : (step + 1) * args.batch]
-            seqs, labels = [], []
-            for side in ("chosen", "rejected"):
-                for r in batch:
-                    prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
-                    completion = tok(r[side], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                    seqs.append((prompt + completion)[: args.seq])
-                    labels.append(([-100] * len(prompt) + completion)[: args.seq])
-            width = max(map(len, seqs))
-            ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-            attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-            target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+            sides = [
+                completion_row(tok, r["prompt"], r[side], args.seq) for side in ("chosen", "rejected") for r in batch
+            ]
+            ids, attention, target = padded([s for s, _ in sides], [lab for _, lab in sides], tok.pad_token_id)
             with torch.no_grad():
                 ref_logp = logps(ref, ids, attention, target)
             logp = logps(model, ids, attention, target)
@@ -83,22 +77,7 @@ def main() -> None:
         from datasets import Dataset
         from trl import DPOConfig, DPOTrainer
 
-        config = DPOConfig(
-            output_dir=str(Path(args.out).parent / "trl_dpo"),
-            per_device_train_batch_size=args.batch,
-            max_steps=args.steps + 1,
-            learning_rate=1e-4,
-            beta=0.1,
-            loss_type=["sigmoid"],
-            max_length=args.seq,
-            bf16=False,
-            fp16=False,
-            use_cpu=True,
-            logging_steps=1000,
-            save_strategy="no",
-            report_to=[],
-            dataloader_num_workers=0,
-        )
+        config = DPOConfig(**trl_arguments(args, "trl_dpo"), beta=0.1, loss_type=["sigmoid"])
         trainer = DPOTrainer(
             model=model,
             ref_model=copy.deepcopy(model),

@@ -17,7 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from peer_timing import step_timer, write_result  # bench/, the script's own directory
+# bench/, the script's own directory
+from peer_common import completion_row, padded, step_timer, trl_arguments, write_result
 
 
 def main() -> None:
@@ -44,17 +45,8 @@ def main() -> None:
         for step in range(args.steps + 1):
             start = time.perf_counter()
             batch = rows[step * args.batch : (step + 1) * args.batch]
-            seqs, labels = [], []
-            for r in batch:
-                prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
-                completion = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                ids = (prompt + completion)[: args.seq]
-                seqs.append(ids)
-                labels.append(([-100] * len(prompt) + completion)[: args.seq])
-            width = max(map(len, seqs))
-            input_ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-            attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-            target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+            seqs, labels = zip(*(completion_row(tok, r["prompt"], r["completion"], args.seq) for r in batch))
+            input_ids, attention, target = padded(list(seqs), list(labels), tok.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=attention, labels=target).loss
             loss.backward()
             opt.step()
@@ -64,22 +56,7 @@ def main() -> None:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(
-            output_dir=str(Path(args.out).parent / "trl_sft"),
-            per_device_train_batch_size=args.batch,
-            max_steps=args.steps + 1,
-            learning_rate=1e-4,
-            max_length=args.seq,
-            completion_only_loss=True,
-            packing=False,
-            bf16=False,
-            fp16=False,
-            use_cpu=True,
-            logging_steps=1000,
-            save_strategy="no",
-            report_to=[],
-            dataloader_num_workers=0,
-        )
+        config = SFTConfig(**trl_arguments(args, "trl_sft"), completion_only_loss=True, packing=False)
         trainer = SFTTrainer(
             model=model,
             args=config,
