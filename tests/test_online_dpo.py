@@ -123,3 +123,31 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
         assert again.start_step == 8 and again.trainer.version() == 8
     finally:
         again.close()
+
+
+@pytest.mark.integration
+def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_tokenizer):
+    """A reward that never varies gives no pair: the step logs its ties, trains nothing and syncs nothing; the
+    policy version stays 0 (JAX sampler, one process)."""
+    from posttrain.online_dpo import OnlineDPORun
+    from posttrain.onpolicy.loop import run_to_end
+
+    cfg = load_config(
+        TINY,
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "rollout.sampler=jax",
+            "reward.functions=[{fn: format, kwargs: {pattern: 'never matches'}}]",
+            "rl.accuracy_fn=format",
+            "train.steps=2",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+        ],
+    )
+    run = OnlineDPORun(cfg)
+    summary = run_to_end(run)
+    assert summary.policy_version == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["pairs"], r["pairs/ties"], r["time/sync_s"]) for r in rows] == [(0.0, 4.0, 0.0)] * 2
+    assert not any("loss" in r for r in rows)

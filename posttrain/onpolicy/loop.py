@@ -277,7 +277,7 @@ class OnPolicyRun:
                 t2 = time.perf_counter()
                 train_metrics = self._train(step, batch, in_flight) if batch is not None else {}
                 train_s = time.perf_counter() - t2
-                sync_s = self._sync()
+                sync_s = self._sync() if batch is not None else 0.0  # no update: the samplers hold these weights
                 metrics = self._step_metrics(completions, data.rewards, data.correct, staleness)
                 metrics.update(data.metrics)
                 metrics.update(train_metrics)
