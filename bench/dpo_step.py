@@ -107,6 +107,9 @@ def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+SIDES = ["temper", "temper_packed", "temper_precomputed", "trl", "torch"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=sorted(SIZES))
@@ -114,6 +117,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256, help="the most tokens of prompt + one completion")
     p.add_argument("--out", default="runs/bench_dpo.json")
+    p.add_argument("--sides", nargs="+", default=SIDES, choices=SIDES, help="the ratios need every side")
     args = p.parse_args()
 
     from core.data import reasoning_gym_records
@@ -129,13 +133,16 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, 4 * args.batch * (args.steps + 2), args.seq)
             print(f"== {size}: {params / 1e6:.1f}M parameters, {args.batch} pairs a step", flush=True)
             row: dict = {"params": params, "reference_bytes": 4 * params}
-            for name in ("temper", "temper_packed", "temper_precomputed", "trl", "torch"):
+            for name in args.sides:
                 if name.startswith("temper"):
                     mode = {"temper": "rows", "temper_packed": "packed", "temper_precomputed": "precomputed"}[name]
                     row[name] = temper(hf, data, tokenizer, args, mode)
                 else:
                     row[name] = peer(name, hf, data, args, work)
                 print(f"   {name:19s} {row[name]['median_step_s']:.3f} s/step", flush=True)
+            results[size] = row
+            if not set(SIDES) <= set(row):
+                continue
             for name in ("trl", "torch"):
                 row[name]["tokens_per_s"] = row["temper"]["tokens_per_s"] * (
                     row["temper"]["median_step_s"] / row[name]["median_step_s"]
@@ -154,7 +161,6 @@ def main() -> None:
                 f"precomputing frees {row['reference_bytes'] / 2**20:.0f} MiB of reference parameters",
                 flush=True,
             )
-            results[size] = row
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -10,7 +10,7 @@ loss on the completion tokens only, AdamW. Temper's step is
 `core.learner.Learner.update` on the SFT pipeline's batches (no packing: the
 same rows per step as the peers), and again with packing on (more sequences
 per step: compare its tokens/s). Rows and completion-only targets are cut to
-what the batch uses (`core.data.bucketed_width`, multiples of seq / 8), so a
+what the batch uses (`core.shapes.bucketed_width`, multiples of seq / 8), so a
 batch's widths vary among a few values; each is compiled before it is timed,
 as a run compiles it once. TRL's SFTTrainer
 (`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
@@ -158,6 +158,9 @@ def real_tokens(data: Path, tokenizer: str, batch: int, steps: int, seq: int) ->
     return sum(n) / steps
 
 
+SIDES = ["temper", "temper_packed", "trl", "torch"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "T2", "100M"], choices=sorted(SIZES))
@@ -165,6 +168,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="runs/bench_sft.json")
+    p.add_argument("--sides", nargs="+", default=SIDES, choices=SIDES, help="the ratios need temper, trl and torch")
     args = p.parse_args()
 
     from core.data import reasoning_gym_records
@@ -180,15 +184,18 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, args.batch * (args.steps + 2) * 4, args.seq)
             print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
             row: dict = {"params": params}
-            for name in ("temper", "temper_packed", "trl", "torch"):
+            for name in args.sides:
                 if name.startswith("temper"):
                     row[name] = temper(hf, data, tokenizer, args, packing=name == "temper_packed")
                 else:
                     row[name] = peer(name, hf, data, args, work)
                 print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
             per_step = real_tokens(data, tokenizer, args.batch, args.steps, args.seq)
-            for name in ("trl", "torch"):
+            for name in {"trl", "torch"} & set(row):
                 row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
+            results[size] = row
+            if not set(SIDES) <= set(row):
+                continue
             row["ratio_vs_trl"] = row["temper"]["median_step_s"] / row["trl"]["median_step_s"]
             row["ratio_vs_torch"] = row["temper"]["median_step_s"] / row["torch"]["median_step_s"]
             print(
@@ -196,7 +203,6 @@ def main() -> None:
                 + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in ("temper", "temper_packed", "trl", "torch")),
                 flush=True,
             )
-            results[size] = row
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

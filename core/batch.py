@@ -18,6 +18,13 @@ packing group (the rows that travel together in one micro-batch).
     branch_ids                      [R, L] int32
     target_index, target_ids        [B, C] int32
     target_mask                     [B, C] float32  1 where target j exists
+    scored                          int (static)    targets the output head scores per micro-batch
+
+Real targets rarely fill `[B, C]` (C is the longest scored sequence, bucketed), and the vocabulary-sized
+output projection is the costliest per-target work there is, so `core.targets.target_logprobs` scores a flat
+list of the `scored` real targets of each micro-batch and scatters the results back (zeros on empty slots).
+`split_micro_batches` sets `scored` from the mask once the micro-batches are known (`with_scored`); 0 scores
+every slot.
 
 Methods add their own per-target or per-sequence arrays beside it in a typed
 batch of their own (`posttrain.rl_batch.RLBatch`); `core.targets.target_logprobs`
@@ -26,11 +33,13 @@ turns a `PackedBatch` and a model into `[B, C]` log-probs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
+
+from core.shapes import bucketed_width
 
 T = TypeVar("T")
 
@@ -45,6 +54,8 @@ class PackedBatch:
     target_index: Any  # [B, C] int32, flat into the group's [R_g * L] positions
     target_ids: Any  # [B, C] int32
     target_mask: Any  # [B, C] float32
+    # Real targets the head scores per micro-batch (bucketed; static, so part of the compiled shape); 0 = all.
+    scored: int = field(default=0, metadata=dict(static=True))
 
     @property
     def rows(self) -> int:
@@ -53,6 +64,24 @@ class PackedBatch:
     def fill(self) -> float:
         """Share of the row slots that hold a real token (1 - padding)."""
         return float((np.asarray(self.segment_ids) > 0).mean())
+
+
+def with_scored(tree: T, groups: int) -> T:
+    """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `scored` set
+    to the most real targets any micro-batch holds, bucketed (`bucketed_width` of its `[B / groups, C]` slots) so
+    that a run compiles its step for a handful of counts."""
+
+    def one(x):
+        if not isinstance(x, PackedBatch):
+            return x
+        mask = np.asarray(x.target_mask)
+        if mask.shape[0] % groups:
+            return x  # split_micro_batches names the leaf that does not divide
+        per_group = mask.reshape(groups, -1)
+        most = int((per_group > 0).sum(axis=1).max())
+        return replace(x, scored=bucketed_width(most, per_group.shape[1]))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 
 
 def pad_rows(batch: T, rows: int) -> T:

@@ -49,6 +49,7 @@ import numpy as np
 from core.batch import PackedBatch
 from core.config import DataConfig
 from core.errors import MissingPath, UserError
+from core.shapes import bucketed_width
 
 
 class DataSourceError(UserError, ValueError):
@@ -305,13 +306,6 @@ class DataBatch:
     batch: Any
     # The source row of every token, -1 on padding ([B, L]); for pair batches, of every pair slot ([P]).
     example_ids: np.ndarray
-
-
-def bucketed_width(most: int, length: int) -> int:
-    """`most` rounded up to a multiple of length / 8 (at least 8), at most `length`: the row and target widths a
-    batch is cut to, so that a run compiles its step for a handful of widths at most."""
-    step = max(8, length // 8)
-    return min(length, max(step, -(-most // step) * step))
 
 
 def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:

@@ -87,7 +87,8 @@ class Learner:
         return self.last_compile or ""
 
     def _executable(self, placed: Any) -> Callable:
-        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(placed))
+        leaves, treedef = jax.tree.flatten(placed)  # the treedef holds static fields (PackedBatch.scored)
+        key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._executables:
             with jax.set_mesh(self.mesh):
                 compiled = self._step.lower(self.state, placed).compile()

@@ -24,6 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def bucketed_width(most: int, length: int) -> int:
+    """`most` rounded up to a multiple of length / 8 (at least 8), at most `length`: the row and target widths a
+    batch is cut to, so that a run compiles its step for a handful of widths at most."""
+    step = max(8, length // 8)
+    return min(length, max(step, -(-most // step) * step))
+
+
 class SizeCache:
     def __init__(self, bucket: Callable[[int], int], slack: float = 2.0, patience: int = 8):
         if slack < 1.0:

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from core.batch import with_scored
 from core.mesh import logical_to_spec
 from core.optim import global_norm
 
@@ -104,7 +105,8 @@ def batch_shards(mesh: Mesh) -> int:
 
 def split_micro_batches(batch: T, micro_batches: int) -> T:
     """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
-    `[k, N / k, ...]`; names the leaf that does not divide."""
+    `[k, N / k, ...]`; names the leaf that does not divide. Each `PackedBatch`'s `scored` count is set for
+    these micro-batches (`core.batch.with_scored`)."""
 
     def split(path, x):
         if x.shape[0] % micro_batches:
@@ -112,7 +114,7 @@ def split_micro_batches(batch: T, micro_batches: int) -> T:
             raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
         return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
 
-    return jax.tree_util.tree_map_with_path(split, batch)
+    return jax.tree_util.tree_map_with_path(split, with_scored(batch, micro_batches))
 
 
 def place_batch(batch: T, mesh: Mesh) -> T:

@@ -27,7 +27,8 @@ import grain
 import numpy as np
 
 from core.config import Config, DataConfig
-from core.data import DataBatch, DataSourceError, MalformedRow, bucketed_width, load_records
+from core.data import DataBatch, DataSourceError, MalformedRow, load_records
+from core.shapes import bucketed_width
 from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
 
 
@@ -100,7 +101,7 @@ class PairLayout:
 
 def pair_batch(pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout) -> DataBatch:
     """`pairs` in a `PairBatch` of `slots` pair slots, its rows cut to what they hold: packed rows are
-    `seq_len` long, one pair per row is as long as the longest pair (bucketed, `core.data.bucketed_width`)."""
+    `seq_len` long, one pair per row is as long as the longest pair (bucketed, `core.shapes.bucketed_width`)."""
     row_len = layout.seq_len if layout.pack else bucketed_width(max(p.length for p in pairs), layout.seq_len)
     batch = build_pair_batch(
         pairs,

@@ -37,7 +37,8 @@ import jax
 import numpy as np
 
 from core.batch import PackedBatch
-from core.data import MalformedRow, bucketed_width
+from core.data import MalformedRow
+from core.shapes import bucketed_width
 from core.packing import Segment, branch_targets, pack_rows, packed_batch
 
 
@@ -183,7 +184,7 @@ def build_pair_batch(
     pad_id: int = 0,
 ) -> PairBatch:
     """`pairs` in `slots` pair slots (the rest empty), cut into `groups` packing groups (micro-batches) of
-    slots / groups pairs each; the target axis C is the longest completion, bucketed (`bucketed_width`)."""
+    slots / groups pairs each; the target axis C is the longest completion, bucketed (`core.shapes.bucketed_width`)."""
     if len(pairs) > slots or slots % groups:
         raise ValueError(f"{len(pairs)} pairs in {slots} slots, {groups} groups: need pairs <= slots, divisible")
     per_group = slots // groups

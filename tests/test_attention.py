@@ -71,6 +71,36 @@ def test_gradients_agree():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [64, 72, 40])
+def test_causal_blocks_equal_the_reference(t):
+    """Query blocks over the keys up to their own (4 blocks at 64 and 72 tokens; 40 splits into blocks of 10,
+    under the minimum, and falls back): values and gradients equal the reference's on a mask with packed
+    documents, padding and branches."""
+    from core.kernels.attention import causal_blocks, reference
+
+    rng = np.random.RandomState(4)
+    q, k, v = (jnp.asarray(rng.randn(2, t, x, 16), jnp.float32) for x in (4, 2, 2))
+    idx = jnp.broadcast_to(jnp.arange(t), (2, t))
+    seg = np.ones((2, t), np.int32)
+    seg[0, t // 3 :] = 2  # two documents
+    seg[1, t - 5 :] = 0  # padding
+    branch = np.zeros((2, t), np.int32)
+    branch[1, t // 2 : t - 20], branch[1, t - 20 : t - 5] = 1, 2  # a prefix and two branches
+    mask = make_mask(
+        idx, idx, jnp.asarray(seg), jnp.asarray(seg), q_branch=jnp.asarray(branch), kv_branch=jnp.asarray(branch)
+    )
+    cot = jnp.asarray(rng.randn(2, t, 4, 16), jnp.float32)
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
+        return [out, *vjp(cot)]
+
+    for a, b in zip(run(causal_blocks), run(reference), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_less(np.abs(a - b), 16 * np.spacing(np.abs(b).max()))
+    assert np.array_equal(np.asarray(attention(q, k, v, mask, "xla", causal=True)), np.asarray(run(causal_blocks)[0]))
+
+
 def test_unknown_impl():
     q, k, v, _seg = inputs()
     idx = jnp.broadcast_to(jnp.arange(12), (2, 12))

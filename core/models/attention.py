@@ -63,7 +63,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         q, k, v = self.qkv(x, positions)
-        out = attention(q, k, v, mask, self.impl)  # [B, T, N, H]
+        out = attention(q, k, v, mask, self.impl, causal=True)  # [B, T, N, H]; the mask is causal in row order
         return self.o_proj(out)
 
     def with_cache(self, x, positions, cache_k, cache_v, mask):
