@@ -38,8 +38,8 @@ import numpy as np
 
 from core.batch import PackedBatch
 from core.data import MalformedRow
-from core.shapes import bucketed_width
 from core.packing import Segment, branch_targets, pack_rows, packed_batch
+from core.shapes import bucketed_width
 
 
 @dataclass(frozen=True)

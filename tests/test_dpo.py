@@ -100,7 +100,7 @@ def test_the_head_scores_real_targets_only_with_the_same_values_and_gradients(ll
         split = jax.tree.map(lambda x: x.reshape(groups, -1, *x.shape[1:]), batch)  # keeps `scored` as it is
         grads, outs = None, []
         for g in range(groups):
-            micro = jax.tree.map(lambda x: x[g], split)
+            micro = jax.tree.map(lambda x, g=g: x[g], split)
             w = weights.reshape(groups, -1, c)[g]
             gr, out = jax.jit(jax.grad(loss, has_aux=True))(params, micro, w)
             grads = gr if grads is None else jax.tree.map(np.add, grads, gr)
