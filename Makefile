@@ -7,9 +7,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
-# malloc on transparent huge pages for the long-running jobs: XLA's CPU buffers fault in 2 MiB at a
-# time (core/host_memory.py). Not for the tests: their many short processes start slower with it.
-demo demo-dpo demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+# malloc on transparent huge pages that stay in the process, for the long-running jobs: XLA's CPU buffers
+# fault in 2 MiB at a time and are reused, not faulted in again every step (core/host_memory.py HOST_MALLOC,
+# the same list). Not for the tests: their many short processes start slower with it.
+HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
+demo demo-dpo demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
 .PHONY: install test test-fast lint demo demo-dpo demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo clean
 

@@ -450,12 +450,16 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     assert steps == [1, 3]  # step 2 was the bad batch: nothing logged for it, nothing doubled
 
 
-def test_malloc_tunables_add_huge_pages_and_keep_what_is_set():
-    from core.host_memory import malloc_tunables
+def test_malloc_tunables_add_the_host_malloc_and_keep_what_is_set():
+    from pathlib import Path
 
-    assert malloc_tunables("") == "glibc.malloc.hugetlb=1"
-    assert malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's choice stands
+    from core.host_memory import HOST_MALLOC, malloc_tunables
+
+    assert malloc_tunables("") == ":".join(HOST_MALLOC)
+    mine = "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"  # the user's choices stand
+    assert malloc_tunables(mine).split(":") == [*mine.split(":"), HOST_MALLOC[2], HOST_MALLOC[3]]
+    makefile = Path(__file__).resolve().parents[1] / "Makefile"
+    assert f"HOST_MALLOC := {':'.join(HOST_MALLOC)}" in makefile.read_text()  # demos and benches use the same
 
 
 def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
