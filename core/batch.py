@@ -39,8 +39,6 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from core.shapes import bucketed_width
-
 T = TypeVar("T")
 
 
@@ -68,7 +66,7 @@ class PackedBatch:
 
 def with_scored(tree: T, groups: int) -> T:
     """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `scored` set
-    to the most real targets any micro-batch holds, bucketed (`bucketed_width` of its `[B / groups, C]` slots) so
+    to the most real targets any micro-batch holds, rounded up to a quarter of its `[B / groups, C]` slots so
     that a run compiles its step for a handful of counts."""
 
     def one(x):
@@ -79,7 +77,10 @@ def with_scored(tree: T, groups: int) -> T:
             return x  # split_micro_batches names the leaf that does not divide
         per_group = mask.reshape(groups, -1)
         most = int((per_group > 0).sum(axis=1).max())
-        return replace(x, scored=bucketed_width(most, per_group.shape[1]))
+        slots = per_group.shape[1]
+        # Quarters of the slots: each count is another compilation (the test suite's small models compile
+        # more than they run), and completions about half the longest already fill half the slots.
+        return replace(x, scored=min(slots, max(1, -(-most * 4 // slots)) * slots // 4) if slots >= 4 else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 
