@@ -81,7 +81,7 @@ def causal_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, blo
     a quarter of the row's, small enough to stay in cache through the softmax and its backward pass: on the
     2-core CPU, forward + backward at 8 rows x 256 tokens, 8/4 heads of 64 take half the time of `reference`.
     Falls back to `reference` when T does not split into blocks of at least 64 tokens: shorter rows gain
-    little, and the extra ops cost compile time (the test suite's small models ran ~1.6x slower with them)."""
+    little, and the extra ops cost compile time."""
     t = q.shape[1]
     if t % blocks or t // blocks < 64:
         return reference(q, k, v, mask)
