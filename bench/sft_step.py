@@ -8,11 +8,12 @@ prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
 16-127 completion tokens, so rows run 33-256 tokens), `batch` rows a step,
 loss on the completion tokens only, AdamW. Temper's step is
 `core.learner.Learner.update` on the SFT pipeline's batches (no packing: the
-same rows per step as the peers), and again with packing on (more sequences
-per step: compare its tokens/s). Rows and completion-only targets are cut to
+same rows per step as the peers), again padding-free (`data.padding_free`: the
+same 8 sequences and gradient, first-fit into fewer rows) and with packing on
+(more sequences per step: compare its tokens/s). Rows and completion-only targets are cut to
 what the batch uses (`core.shapes.bucketed_width`, multiples of seq / 8), so a
-batch's widths vary among a few values; each is compiled before it is timed,
-as a run compiles it once. TRL's SFTTrainer
+batch's widths vary among a few values; each is compiled and run once before it
+is timed, as a run does once per shape. TRL's SFTTrainer
 (`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
 environment (`.venv-trl`, created on first use), so neither touches Temper's
 dependencies. Step times exclude the first step (compilation, warm-up);
@@ -110,21 +111,26 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
     return hf, data, params
 
 
-def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool) -> dict:
+def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool = False) -> dict:
     import numpy as np
 
     from core.config import DataConfig
     from core.data import load_records, make_pipeline
     from core.losses import nll_loss
 
-    dcfg = DataConfig(format="prompt_completion", seq_len=args.seq, packing=packing, shuffle=False)
+    dcfg = DataConfig(
+        format="prompt_completion", seq_len=args.seq, packing=packing, padding_free=padding_free, shuffle=False
+    )
     records = load_records(str(data), dcfg)
     batches = iter(make_pipeline(dcfg, args.batch, records=records, tokenizer_dir=tokenizer))
     learner = hf_learner(hf, nll_loss, total_updates=args.steps + 1)
     times, tokens, sequences = [], [], []
     for _ in range(args.steps + 1):
         batch = next(batches)
-        learner.compile(batch.batch)  # a new target width compiles once per run: not step time
+        known = learner.compiled_shapes
+        learner.compile(batch.batch)  # a new shape compiles once per run: not step time
+        if learner.compiled_shapes > known:
+            learner.update(batch.batch)  # nor is a new executable's first run (its buffers' first page faults)
         start = time.perf_counter()
         learner.update(batch.batch)
         times.append(time.perf_counter() - start)
@@ -158,7 +164,7 @@ def real_tokens(data: Path, tokenizer: str, batch: int, steps: int, seq: int) ->
     return sum(n) / steps
 
 
-SIDES = ["temper", "temper_packed", "trl", "torch"]
+SIDES = ["temper", "temper_padding_free", "temper_packed", "trl", "torch"]
 
 
 def main() -> None:
@@ -186,7 +192,8 @@ def main() -> None:
             row: dict = {"params": params}
             for name in args.sides:
                 if name.startswith("temper"):
-                    row[name] = temper(hf, data, tokenizer, args, packing=name == "temper_packed")
+                    packing, padding_free = name == "temper_packed", name == "temper_padding_free"
+                    row[name] = temper(hf, data, tokenizer, args, packing, padding_free)
                 else:
                     row[name] = peer(name, hf, data, args, work)
                 print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
@@ -194,15 +201,17 @@ def main() -> None:
             for name in {"trl", "torch"} & set(row):
                 row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
             results[size] = row
-            if not set(SIDES) <= set(row):
-                continue
-            row["ratio_vs_trl"] = row["temper"]["median_step_s"] / row["trl"]["median_step_s"]
-            row["ratio_vs_torch"] = row["temper"]["median_step_s"] / row["torch"]["median_step_s"]
-            print(
-                f"   Temper / TRL {row['ratio_vs_trl']:.2f}x, Temper / torch {row['ratio_vs_torch']:.2f}x; tokens/s: "
-                + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in ("temper", "temper_packed", "trl", "torch")),
-                flush=True,
-            )
+            for side, layout in (("temper", "padded"), ("temper_padding_free", "padding_free")):
+                if not {side, "trl", "torch"} <= set(row):
+                    continue
+                for peer_name in ("trl", "torch"):
+                    row[f"ratio_{layout}_vs_{peer_name}"] = row[side]["median_step_s"] / row[peer_name]["median_step_s"]
+                print(
+                    f"   {layout}: Temper / TRL {row[f'ratio_{layout}_vs_trl']:.2f}x, "
+                    f"Temper / torch {row[f'ratio_{layout}_vs_torch']:.2f}x",
+                    flush=True,
+                )
+            print("   tokens/s: " + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in SIDES if k in row))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

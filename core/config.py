@@ -157,10 +157,21 @@ class DataConfig(Section):
     seq_len: int = Field(256, gt=0)  # the row length, and the most tokens an example keeps
     truncation_side: Literal["right", "left"] = "right"  # which end of a longer example is cut
     packing: bool = True
+    # Without packing: a step's `train.batch_size` examples laid out in the fewest rows, not one padded row each.
+    padding_free: bool = False
     shuffle: bool = True
     seed: int = 0
     # Skip (and count) malformed rows instead of failing on the first one.
     skip_malformed: bool = False
+
+    @model_validator(mode="after")
+    def _check_padding_free(self) -> DataConfig:
+        if self.padding_free and self.packing:
+            raise ValueError(
+                "data.padding_free lays out a padded batch without padding; packing already has none: "
+                "set data.packing=false with it"
+            )
+        return self
 
 
 # ------------------------------------------------------------------------- optim

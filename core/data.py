@@ -31,7 +31,11 @@ Batches are `DataBatch`es: a `PackedBatch` with one scored sequence per row
 each of `micro_batches` groups of rows) and `example_ids` `[B, L]` (the source
 row of every token, -1 on padding). With `data.packing` several examples share
 a row (Grain's first-fit packer), each with its own segment and positions; no
-token attends across examples. The iterator's state (`get_state` /
+token attends across examples. With `data.padding_free` (and no packing) each
+step still takes `batch_size` examples, but lays them first-fit decreasing into
+the fewest rows of `data.seq_len` (segments as with packing), so the model runs
+on the examples' tokens rather than on rows padded to the longest: the same
+examples, loss and gradient as padded rows, in fewer rows. The iterator's state (`get_state` /
 `set_state`, or Orbax via `grain.checkpoint`) restores to the exact next batch.
 """
 
@@ -49,6 +53,7 @@ import numpy as np
 from core.batch import PackedBatch
 from core.config import DataConfig
 from core.errors import MissingPath, UserError
+from core.packing import first_fit_decreasing, round_up
 from core.shapes import bucketed_width
 
 
@@ -287,6 +292,30 @@ def _pad_row(element: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarr
     }
 
 
+def _padding_free(elements: Sequence[dict[str, np.ndarray]], seq_len: int, groups: int, row_multiple: int):
+    """One step's examples in the fewest rows of `seq_len`: each micro-batch group's (consecutive) examples
+    first-fit decreasing into rows of their own, every group the same number of rows (a multiple of
+    `row_multiple`, the data-parallel size), each example its own segment with positions from 0."""
+    per = len(elements) // groups
+    parts = [elements[g * per : (g + 1) * per] for g in range(groups)]
+    layouts = [first_fit_decreasing([len(e["tokens"]) for e in part], seq_len) for part in parts]
+    rows_per_group = round_up(max(len(rows) for rows in layouts), row_multiple)
+    shape = (groups * rows_per_group, seq_len)
+    out = {k: np.zeros(shape, np.int32) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    out["example_ids"] = np.full(shape, -1, np.int32)
+    for g, (part, rows) in enumerate(zip(parts, layouts)):
+        for r, members in enumerate(rows):
+            row, at = g * rows_per_group + r, 0
+            for segment, i in enumerate(members, start=1):
+                n = len(part[i]["tokens"])
+                for key in ("tokens", "loss_mask", "example_ids"):
+                    out[key][row, at : at + n] = part[i][key]
+                out["segment_ids"][row, at : at + n] = segment
+                out["positions"][row, at : at + n] = np.arange(n)
+                at += n
+    return out
+
+
 def _from_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     seg = batch["tokens_segment_ids"].astype(np.int32)
     return {
@@ -362,6 +391,7 @@ def make_pipeline(
     split: str = "train",
     completion_only: bool = True,
     micro_batches: int = 1,
+    row_multiple: int = 1,
     process_index: int = 0,
     process_count: int = 1,
 ) -> Pipeline:
@@ -370,7 +400,9 @@ def make_pipeline(
     `data.eval_fraction` of the rows (the last ones) form the eval split.
     Rows are sharded across JAX processes (`process_index::process_count`)
     after validation, so every process sees a disjoint part. `micro_batches`
-    is the train step's: target indices are local to each micro-batch.
+    is the train step's: target indices are local to each micro-batch. With
+    `data.padding_free` a micro-batch's row count is a multiple of
+    `row_multiple` (the data-parallel size, so that rows split evenly).
     """
     source = cfg.source or "<records>"
     if records is None:
@@ -406,6 +438,9 @@ def make_pipeline(
             it, length_struct=lengths, num_packing_bins=batch_size, shuffle_bins=False
         )
         it = it.batch(batch_size, drop_remainder=True).map(_from_packed)
+    elif cfg.padding_free and split == "train":
+        it = it.batch(batch_size, drop_remainder=True, batch_fn=list)
+        it = it.map(lambda elements: _padding_free(elements, cfg.seq_len, micro_batches, row_multiple))
     else:
         it = it.map(lambda e: _pad_row(e, cfg.seq_len)).batch(batch_size, drop_remainder=split == "train")
     it = it.map(lambda rows: to_data_batch(rows, micro_batches if split == "train" else 1))

@@ -86,6 +86,11 @@ class Learner:
         self._executable(place_batch(split_micro_batches(batch, micro_batches), self.mesh))
         return self.last_compile or ""
 
+    @property
+    def compiled_shapes(self) -> int:
+        """How many batch shapes the update has been compiled for."""
+        return len(self._executables)
+
     def _executable(self, placed: Any) -> Callable:
         leaves, treedef = jax.tree.flatten(placed)  # the treedef holds static fields (PackedBatch.scored)
         key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))

@@ -44,6 +44,7 @@ def build_supervised(cfg: Config, hooks: Callable[[SupervisedRun], Sequence[Hook
     from core.metrics import device_memory
     from core.models.summary import parameter_summary
     from core.tokenizer import tokenizer_for_run
+    from core.train import batch_shards
 
     try:  # fail early, with the sizes, on a bad mesh
         resolve_mesh_shape(cfg.mesh, jax.device_count())
@@ -72,6 +73,7 @@ def build_supervised(cfg: Config, hooks: Callable[[SupervisedRun], Sequence[Hook
             split=split,
             completion_only=completion_only,
             micro_batches=cfg.train.micro_batches,
+            row_multiple=batch_shards(mesh),
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )

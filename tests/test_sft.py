@@ -122,6 +122,49 @@ def test_packing_and_micro_batches_leave_the_gradient_unchanged(qwen_chat):
         assert_same_gradients(base, grads)
 
 
+def test_padding_free_trains_the_same_conversations_in_fewer_rows(qwen_chat):
+    """`data.padding_free`: a step's 8 conversations (the padded pipeline's 8, in the same steps) first-fit into
+    fewer rows, each whole in its own segment with positions from 0, micro-batches keeping their own
+    conversations in their own rows (a multiple of `row_multiple` each); the loss and gradient equal the padded
+    batch's, in 1 micro-batch and in 2."""
+    tokenizer_dir, hf_dir = qwen_chat
+    rows = chats(40, seed=3)
+
+    def first(k: int = 1, **kw):
+        pipe = make_pipeline(
+            data_cfg(packing=False, **kw), 8, records=rows, tokenizer_dir=tokenizer_dir, micro_batches=k, row_multiple=k
+        )
+        return next(iter(pipe))
+
+    padded, free, free2 = first(), first(padding_free=True), first(2, padding_free=True)
+    ids = np.asarray(free.example_ids)
+    assert free.batch.rows < padded.batch.rows == 8 and free2.batch.rows % 4 == 0
+    for r in range(padded.batch.rows):  # every padded row's conversation, whole, in one segment of a free row
+        example = int(padded.example_ids[r, 0])
+        n = int((np.asarray(padded.batch.segment_ids[r]) > 0).sum())
+        row, where = np.nonzero(ids == example)
+        assert len(set(row)) == 1 and len(where) == n and np.array_equal(where, where[0] + np.arange(n))
+        np.testing.assert_array_equal(free.batch.tokens[row[0], where], padded.batch.tokens[r, :n])
+        np.testing.assert_array_equal(free.batch.positions[row[0], where], np.arange(n))
+        assert len(set(np.asarray(free.batch.segment_ids)[row[0], where])) == 1
+    assert int(np.asarray(free.batch.segment_ids).max()) >= 2  # rows really hold several conversations
+    ids2 = np.asarray(free2.example_ids)
+    half = free2.batch.rows // 2
+    first_four = {int(i) for i in padded.example_ids[:4, 0]}
+    assert {int(i) for i in ids2[:half].ravel() if i >= 0} == first_four  # micro-batch 1's rows
+    base_metrics, base = _gradient(tokenizer_dir, hf_dir, padded.batch, 1)
+    for batch, k in ((free.batch, 1), (free2.batch, 2)):
+        metrics, grads = _gradient(tokenizer_dir, hf_dir, batch, k)
+        assert metrics["tokens"] == base_metrics["tokens"] > 0
+        assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-6)
+        assert_same_gradients(base, grads)
+
+
+def test_padding_free_needs_packing_off():
+    with pytest.raises(ValueError, match="data.padding_free"):
+        DataConfig(packing=True, padding_free=True)
+
+
 @pytest.mark.integration
 def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
     """`python -m recipes.sft` on multi-turn chats from a local jsonl: the held-out loss goes down, greedy
