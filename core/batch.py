@@ -66,8 +66,8 @@ class PackedBatch:
 
 def with_scored(tree: T, groups: int) -> T:
     """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `scored` set
-    to the most real targets any micro-batch holds, rounded up to steps of 64 targets, at least an eighth and
-    at most a quarter of its `[B / groups, C]` slots, so that a run compiles its step for a handful of counts."""
+    to the most real targets any micro-batch holds, rounded up to a quarter of its `[B / groups, C]` slots so
+    that a run compiles its step for a handful of counts."""
 
     def one(x):
         if not isinstance(x, PackedBatch):
@@ -78,13 +78,9 @@ def with_scored(tree: T, groups: int) -> T:
         per_group = mask.reshape(groups, -1)
         most = int((per_group > 0).sum(axis=1).max())
         slots = per_group.shape[1]
-        if slots < 4:
-            return replace(x, scored=0)
-        # Each count is another compilation (the test suite's small models compile more than they run), while
-        # at a 32k vocabulary every scored slot costs a [D, V] matmul row (an eighth of T2's slots: ~4% of its
-        # SFT step).
-        step = min(slots // 4, max(slots // 8, 64))
-        return replace(x, scored=min(slots, max(1, -(-most // step)) * step))
+        # Quarters of the slots: each count is another compilation (the test suite's small models compile
+        # more than they run), and completions about half the longest already fill half the slots.
+        return replace(x, scored=min(slots, max(1, -(-most * 4 // slots)) * slots // 4) if slots >= 4 else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 

@@ -53,7 +53,7 @@ import numpy as np
 from core.batch import PackedBatch
 from core.config import DataConfig
 from core.errors import MissingPath, UserError
-from core.packing import first_fit_decreasing, round_up
+from core.packing import Segment, pack_rows, round_up
 from core.shapes import bucketed_width
 
 
@@ -293,26 +293,24 @@ def _pad_row(element: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarr
 
 
 def _padding_free(elements: Sequence[dict[str, np.ndarray]], seq_len: int, groups: int, row_multiple: int):
-    """One step's examples in the fewest rows of `seq_len`: each micro-batch group's (consecutive) examples
-    first-fit decreasing into rows of their own, every group the same number of rows (a multiple of
-    `row_multiple`, the data-parallel size), each example its own segment with positions from 0."""
+    """One step's examples in the fewest rows of `seq_len` (`core.packing.pack_rows`, first-fit decreasing):
+    each micro-batch group's (consecutive) examples in rows of their own, every group the same number of rows
+    (a multiple of `row_multiple`, the data-parallel size), each example its own segment with positions from 0."""
     per = len(elements) // groups
     parts = [elements[g * per : (g + 1) * per] for g in range(groups)]
-    layouts = [first_fit_decreasing([len(e["tokens"]) for e in part], seq_len) for part in parts]
-    rows_per_group = round_up(max(len(rows) for rows in layouts), row_multiple)
-    shape = (groups * rows_per_group, seq_len)
-    out = {k: np.zeros(shape, np.int32) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
-    out["example_ids"] = np.full(shape, -1, np.int32)
-    for g, (part, rows) in enumerate(zip(parts, layouts)):
-        for r, members in enumerate(rows):
-            row, at = g * rows_per_group + r, 0
-            for segment, i in enumerate(members, start=1):
-                n = len(part[i]["tokens"])
-                for key in ("tokens", "loss_mask", "example_ids"):
-                    out[key][row, at : at + n] = part[i][key]
-                out["segment_ids"][row, at : at + n] = segment
-                out["positions"][row, at : at + n] = np.arange(n)
-                at += n
+    packed = pack_rows(
+        [[Segment(prefix=e["tokens"].tolist()) for e in part] for part in parts],
+        seq_len,
+        choose_rows=lambda most: round_up(most, row_multiple),
+    )
+    out = {"tokens": packed.tokens, "segment_ids": packed.segment_ids, "positions": packed.positions}
+    out["loss_mask"] = np.zeros_like(packed.tokens)
+    out["example_ids"] = np.full_like(packed.tokens, -1)
+    for g, part in enumerate(parts):
+        for e, where in zip(part, packed.placements[g], strict=True):
+            row, n = g * packed.rows_per_group + where.row, len(e["tokens"])
+            out["loss_mask"][row, where.start : where.start + n] = e["loss_mask"]
+            out["example_ids"][row, where.start : where.start + n] = e["example_ids"]
     return out
 
 

@@ -71,13 +71,21 @@ def test_gradients_agree():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-def _blocks_vs_reference(t: int, seg: np.ndarray, branch: np.ndarray):
-    """(causal_blocks, reference) values and input gradients on 2 rows of t tokens with these segments/branches."""
+@pytest.mark.parametrize("t", [256, 264, 200])
+def test_causal_blocks_equal_the_reference(t):
+    """Query blocks over the keys up to their own (4 blocks at 256 and 264 tokens; 200 splits into blocks of 50,
+    under the minimum, and falls back): values and gradients equal the reference's on a mask with packed
+    documents, padding and branches."""
     from core.kernels.attention import causal_blocks, reference
 
     rng = np.random.RandomState(4)
     q, k, v = (jnp.asarray(rng.randn(2, t, x, 16), jnp.float32) for x in (4, 2, 2))
     idx = jnp.broadcast_to(jnp.arange(t), (2, t))
+    seg = np.ones((2, t), np.int32)
+    seg[0, t // 3 :] = 2  # two documents
+    seg[1, t - 5 :] = 0  # padding
+    branch = np.zeros((2, t), np.int32)
+    branch[1, t // 2 : t - 20], branch[1, t - 20 : t - 5] = 1, 2  # a prefix and two branches
     mask = make_mask(
         idx, idx, jnp.asarray(seg), jnp.asarray(seg), q_branch=jnp.asarray(branch), kv_branch=jnp.asarray(branch)
     )
@@ -85,25 +93,12 @@ def _blocks_vs_reference(t: int, seg: np.ndarray, branch: np.ndarray):
 
     def run(fn):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
-        return [np.asarray(x) for x in (out, *vjp(cot))]
+        return [out, *vjp(cot)]
 
-    blocks = run(causal_blocks)
-    assert np.array_equal(np.asarray(attention(q, k, v, mask, "xla", causal=True)), blocks[0])
-    return blocks, run(reference)
-
-
-@pytest.mark.parametrize("t", [256, 264, 224, 100])
-def test_causal_blocks_equal_the_reference(t):
-    """Query blocks over the keys up to their own (4 blocks of 64 at 256 and 224 tokens, 5 at 264, the last
-    one shorter; 100 tokens fall back to the reference): values and gradients equal the reference's on a mask
-    with packed documents, padding and branches."""
-    seg = np.ones((2, t), np.int32)
-    seg[0, t // 3 :] = 2  # two documents
-    seg[1, t - 5 :] = 0  # padding
-    branch = np.zeros((2, t), np.int32)
-    branch[1, t // 2 : t - 20], branch[1, t - 20 : t - 5] = 1, 2  # a prefix and two branches
-    for a, b in zip(*_blocks_vs_reference(t, seg, branch), strict=True):
+    for a, b in zip(run(causal_blocks), run(reference), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_array_less(np.abs(a - b), 16 * np.spacing(np.abs(b).max()))
+    assert np.array_equal(np.asarray(attention(q, k, v, mask, "xla", causal=True)), np.asarray(run(causal_blocks)[0]))
 
 
 def test_unknown_impl():

@@ -73,22 +73,22 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
-def causal_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def causal_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, blocks: int = 4) -> jax.Array:
     """`reference` for self-attention whose mask is causal in row order (q, k and v over the same T tokens; key
-    s > t never attends query t), in query blocks of 64 tokens (a multiple of 32 for rows over 512 tokens, at most
-    8 blocks; the last block shorter): block [lo, hi) attends the keys before hi only.
+    s > t never attends query t): query block i attends the keys of blocks 0..i only.
 
-    The skipped scores above the diagonal are 3/8 of a row's at 4 blocks, and each block's scores are small
-    enough to stay in cache through the softmax and its backward pass: on the 2-core CPU, forward + backward at
-    8 rows x 256 tokens, 8/4 heads of 64 take half the time of `reference`. Rows under 128 tokens run
-    `reference`: they gain little, and the extra ops cost compile time."""
+    The skipped blocks above the diagonal are 37.5% of the scores at 4 blocks, and each block's scores are
+    a quarter of the row's, small enough to stay in cache through the softmax and its backward pass: on the
+    2-core CPU, forward + backward at 8 rows x 256 tokens, 8/4 heads of 64 take half the time of `reference`.
+    Falls back to `reference` when T does not split into blocks of at least 64 tokens: shorter rows gain
+    little, and the extra ops cost compile time."""
     t = q.shape[1]
-    if t < 128:
+    if t % blocks or t // blocks < 64:
         return reference(q, k, v, mask)
-    size = max(64, 32 * -(-t // 256))  # ceil(t / 8) rounded up to 32, at least 64
+    size = t // blocks
     outs = []
-    for lo in range(0, t, size):
-        hi = min(t, lo + size)
+    for i in range(blocks):
+        lo, hi = i * size, (i + 1) * size
         outs.append(reference(q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi]))
     return jnp.concatenate(outs, axis=1)
 
@@ -98,12 +98,7 @@ def _dot_product(q, k, v, mask, implementation):
 
 
 def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    impl: Impl = "xla",
-    causal: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: Impl = "xla", causal: bool = False
 ) -> jax.Array:
     """Dispatch to the selected implementation; see the module docstring. `causal` promises that the mask is
     causal in row order over the same T tokens for queries and keys (self-attention in training, not a KV
