@@ -33,10 +33,11 @@ row of every token, -1 on padding). With `data.packing` several examples share
 a row (Grain's first-fit packer), each with its own segment and positions; no
 token attends across examples. With `data.padding_free` (and no packing) each
 step still takes `batch_size` examples, but lays them first-fit decreasing into
-the fewest rows of `data.seq_len` (segments as with packing), so the model runs
-on the examples' tokens rather than on rows padded to the longest: the same
-examples, loss and gradient as padded rows, in fewer rows. The iterator's state (`get_state` /
-`set_state`, or Orbax via `grain.checkpoint`) restores to the exact next batch.
+the fewest rows of `data.seq_len` (`core.packing.pack_rows`, segments as with
+packing), so the model runs on the examples' tokens rather than on rows padded
+to the longest: the same examples, loss and gradient as padded rows, in fewer
+rows. The iterator's state (`get_state` / `set_state`, or Orbax via
+`grain.checkpoint`) restores to the exact next batch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prefixes with branches -> packed rows and their targets as a `core.batch.PackedBatch` (GRPO's groups; DPO's
-pairs sharing a prompt next). Token streams packed by the data pipeline (pretraining, SFT) become one in
-`core.data.to_data_batch`.
+pairs sharing a prompt next; a padding-free SFT step's examples, `core.data`). Token streams packed by the
+data pipeline (pretraining, SFT) become one in `core.data.to_data_batch`.
 
     segments = [Segment(prefix=prompt, branches=(completion_a, completion_b)), ...]
     rows = pack_rows([segments_of_group_0, segments_of_group_1], row_len=512)
