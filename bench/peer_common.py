@@ -36,8 +36,11 @@ def padded(seqs: list[list[int]], labels: list[list[int]], pad_id: int):
 
 def trl_arguments(args, name: str) -> dict:
     """The TrainingArguments every peer run shares: `args.batch` rows a step, `args.steps + 1` steps, learning
-    rate 1e-4, `args.seq` tokens, float32 (bf16 runs ~17x slower on this CPU), on CPU, no logging or saving."""
+    rate 1e-4, `args.seq` tokens, float32 (bf16 runs ~17x slower on this CPU), on CPU, no logging or saving.
+    Gradient checkpointing is TRL's default (on: the backward pass recomputes each layer's forward) for mode
+    `trl`, and off for mode `trl_no_ckpt`, which keeps activations as Temper's default `model.remat_policy` does."""
     return dict(
+        gradient_checkpointing=args.mode != "trl_no_ckpt",
         output_dir=str(Path(args.out).parent / name),
         per_device_train_batch_size=args.batch,
         max_steps=args.steps + 1,

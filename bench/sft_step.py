@@ -14,7 +14,8 @@ same 8 sequences and gradient, first-fit into fewer rows) and with packing on
 what the batch uses (`core.shapes.bucketed_width`, multiples of seq / 8), so a
 batch's widths vary among a few values; each is compiled and run once before it
 is timed, as a run does once per shape. TRL's SFTTrainer
-(`bf16=False`) and the plain loop (HF model, AdamW, eager) run in the TRL
+(`bf16=False`; as TRL ships it, with gradient checkpointing, and again without
+it: `trl_no_ckpt`, which like Temper keeps the activations) and the plain loop (HF model, AdamW, eager) run in the TRL
 environment (`.venv-trl`, created on first use), so neither touches Temper's
 dependencies. Step times exclude the first step (compilation, warm-up);
 tokens/s counts real (non-padding) tokens. Goal (issue 16): Temper <= 0.5x
@@ -164,7 +165,8 @@ def real_tokens(data: Path, tokenizer: str, batch: int, steps: int, seq: int) ->
     return sum(n) / steps
 
 
-SIDES = ["temper", "temper_padding_free", "temper_packed", "trl", "torch"]
+SIDES = ["temper", "temper_padding_free", "temper_packed", "trl", "trl_no_ckpt", "torch"]
+PEERS = ["trl", "trl_no_ckpt", "torch"]
 
 
 def main() -> None:
@@ -190,7 +192,9 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, args.batch * (args.steps + 2) * 4, args.seq)
             print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
             row: dict = {"params": params}
-            for name in args.sides:
+            # The peers first: under the host malloc this process keeps what its Temper sides freed (~15 GiB at
+            # 100M), and a peer run after them (~9 GiB without checkpointing) would not fit in 24 GiB beside it.
+            for name in sorted(args.sides, key=lambda n: n.startswith("temper")):
                 if name.startswith("temper"):
                     packing, padding_free = name == "temper_packed", name == "temper_padding_free"
                     row[name] = temper(hf, data, tokenizer, args, packing, padding_free)
@@ -198,17 +202,17 @@ def main() -> None:
                     row[name] = peer(name, hf, data, args, work)
                 print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
             per_step = real_tokens(data, tokenizer, args.batch, args.steps, args.seq)
-            for name in {"trl", "torch"} & set(row):
+            for name in set(PEERS) & set(row):
                 row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
             results[size] = row
             for side, layout in (("temper", "padded"), ("temper_padding_free", "padding_free")):
                 if not {side, "trl", "torch"} <= set(row):
                     continue
-                for peer_name in ("trl", "torch"):
+                for peer_name in [n for n in PEERS if n in row]:
                     row[f"ratio_{layout}_vs_{peer_name}"] = row[side]["median_step_s"] / row[peer_name]["median_step_s"]
                 print(
-                    f"   {layout}: Temper / TRL {row[f'ratio_{layout}_vs_trl']:.2f}x, "
-                    f"Temper / torch {row[f'ratio_{layout}_vs_torch']:.2f}x",
+                    f"   {layout}: Temper / "
+                    + ", ".join(f"{n} {row[f'ratio_{layout}_vs_{n}']:.2f}x" for n in PEERS if n in row),
                     flush=True,
                 )
             print("   tokens/s: " + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in SIDES if k in row))

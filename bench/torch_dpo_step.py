@@ -6,7 +6,8 @@
 Both train the HF model on the same prompt / chosen / rejected rows Temper trains on (`batch` pairs a step), the
 sigmoid DPO loss with beta 0.1, a frozen copy of the starting model as the live reference, float32, AdamW, on CPU.
 TRL: `DPOTrainer` with `bf16=False` (its default bf16 runs ~17x slower on this CPU), timed per step with a
-callback. torch: the floor, eager: chosen and rejected each after its own copy of the prompt, padded to the
+callback, with TRL's default gradient checkpointing (`trl`) or without it (`trl_no_ckpt`). torch: the floor,
+eager: chosen and rejected each after its own copy of the prompt, padded to the
 longest, one policy forward + backward and one reference forward (no grad) on the 2 x batch sequences, AdamW.
 The first step (warm-up) is reported apart.
 """
@@ -25,7 +26,7 @@ from peer_common import completion_row, padded, step_timer, trl_arguments, write
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["trl", "torch"], required=True)
+    p.add_argument("--mode", choices=["trl", "trl_no_ckpt", "torch"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=4)

@@ -6,7 +6,8 @@
 Both train the HF model on the same prompt / completion rows Temper trains on (`batch` rows a step, loss on
 the completion tokens only, no packing), float32, AdamW, on CPU. TRL: `SFTTrainer` with
 `completion_only_loss=True, bf16=False` (its default bf16 runs ~17x slower on this CPU), timed per step with a
-callback. torch: the floor, eager — tokenize, pad to the longest row, labels -100 on prompt and padding,
+callback, with TRL's default gradient checkpointing (`trl`) or without it (`trl_no_ckpt`). torch: the floor,
+eager — tokenize, pad to the longest row, labels -100 on prompt and padding,
 forward, cross-entropy, backward, AdamW step. The first step (warm-up) is reported apart.
 """
 
@@ -23,7 +24,7 @@ from peer_common import completion_row, padded, step_timer, trl_arguments, write
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["trl", "torch"], required=True)
+    p.add_argument("--mode", choices=["trl", "trl_no_ckpt", "torch"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=4)
