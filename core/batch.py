@@ -19,12 +19,14 @@ packing group (the rows that travel together in one micro-batch).
     target_index, target_ids        [B, C] int32
     target_mask                     [B, C] float32  1 where target j exists
     scored                          int (static)    targets the output head scores per micro-batch
+    compact                         int (static)    positions the layers run on per part (0 = all)
 
 Real targets rarely fill `[B, C]` (C is the longest scored sequence, bucketed), and the vocabulary-sized
 output projection is the costliest per-target work there is, so `core.targets.target_logprobs` scores a flat
 list of the `scored` real targets of each micro-batch and scatters the results back (zeros on empty slots).
 `split_micro_batches` sets `scored` from the mask once the micro-batches are known (`with_scored`); 0 scores
-every slot.
+every slot. Padding positions in the rows likewise never reach the matmuls of the decoder layers: `compact`
+(set by `with_compact`) lets the model run them on the real tokens only (`core.models.compact`).
 
 Methods add their own per-target or per-sequence arrays beside it in a typed
 batch of their own (`posttrain.rl_batch.RLBatch`); `core.targets.target_logprobs`
@@ -38,6 +40,8 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
+
+from core.mesh import row_shards
 
 T = TypeVar("T")
 
@@ -54,6 +58,9 @@ class PackedBatch:
     target_mask: Any  # [B, C] float32
     # Real targets the head scores per micro-batch (bucketed; static, so part of the compiled shape); 0 = all.
     scored: int = field(default=0, metadata=dict(static=True))
+    # Positions the position-wise layers run on per part of a micro-batch's rows (`core.models.compact`;
+    # bucketed, static); 0 = every position of the rows.
+    compact: int = field(default=0, metadata=dict(static=True))
 
     @property
     def rows(self) -> int:
@@ -85,6 +92,36 @@ def with_scored(tree: T, groups: int) -> T:
         # each padded target costs a vocabulary-sized row of the head (~0.5 ms at 56M on 2 CPU cores).
         step = max(-(-slots // 16), min(64, slots // 4))
         return replace(x, scored=min(slots, max(1, -(-most // step)) * step))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
+
+
+# Below this many positions a part, compaction saves too little to pay for another compiled shape (the test
+# suite's batches, the tiny benchmark's).
+COMPACT_MIN_SLOTS = 1024
+
+
+def with_compact(tree: T, groups: int, mesh_shape: dict[str, int] | None = None) -> T:
+    """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `compact`
+    set to the most real tokens any part of a micro-batch holds (a part: the rows of one data shard on a mesh
+    of `mesh_shape`, `core.mesh.row_shards`), rounded up to an eighth of the part's positions so that a run
+    compiles its step for a handful of counts; 0 (every position) when that saves nothing or the part is
+    smaller than `COMPACT_MIN_SLOTS`."""
+
+    def one(x):
+        if not isinstance(x, PackedBatch):
+            return x
+        real = np.asarray(x.segment_ids) > 0
+        if real.shape[0] % groups:
+            return x  # split_micro_batches names the leaf that does not divide
+        shards = row_shards(real.shape[0] // groups, mesh_shape or {})
+        parts = real.reshape(groups * shards, -1)  # a micro-batch's rows are contiguous, and so are a shard's
+        slots = parts.shape[1]
+        if slots < COMPACT_MIN_SLOTS:
+            return replace(x, compact=0)
+        step = -(-slots // 8)
+        count = max(1, -(-int(parts.sum(axis=1).max()) // step)) * step
+        return replace(x, compact=count if count < slots else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 

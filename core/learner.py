@@ -76,14 +76,14 @@ class Learner:
     def update(self, batch: Any, micro_batches: int = 1) -> dict[str, float]:
         """One optimizer update on a host batch (any pytree of `[N, ...]` arrays), accumulated over
         `micro_batches`; the step's metrics as floats (`finite`, `empty` say whether it was applied)."""
-        placed = place_batch(split_micro_batches(batch, micro_batches), self.mesh)
+        placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
             self.state, metrics = self._executable(placed)(self.state, placed)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def compile(self, batch: Any, micro_batches: int = 1) -> str:
         """Compile the update for this batch's shapes now (not inside a timed step); XLA's memory analysis."""
-        self._executable(place_batch(split_micro_batches(batch, micro_batches), self.mesh))
+        self._executable(place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh))
         return self.last_compile or ""
 
     @property
@@ -103,7 +103,7 @@ class Learner:
 
     def evaluate(self, batch: Any) -> tuple[float, dict[str, float]]:
         """(loss sum, other sums) of one host batch under the current parameters, no update."""
-        placed = place_batch(split_micro_batches(batch, 1), self.mesh)
+        placed = place_batch(split_micro_batches(batch, 1, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):
             loss_sum, sums = self._evaluate(self.state.params, jax.tree.map(lambda x: x[0], placed))
         return float(loss_sum), {k: float(v) for k, v in jax.device_get(sums).items()}

@@ -100,6 +100,19 @@ def constrain(x: jax.Array, axes: Logical) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def row_shards(rows: int, mesh_shape: dict[str, int] | None = None) -> int:
+    """Into how many parts the `batch` axis of `rows` rows is split over a mesh of `mesh_shape` (default: the
+    mesh set with `jax.set_mesh`; 1 without one): the product of the data axes that divide it."""
+    if mesh_shape is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh_shape = {} if mesh.empty else dict(mesh.shape)
+    if not mesh_shape:
+        return 1
+    spec = logical_to_spec(("batch",), (rows,), mesh_shape)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(mesh_shape[a] for a in axes)
+
+
 def split_devices(
     devices: Sequence[jax.Device],
     trainer_fraction: float,

@@ -26,7 +26,9 @@ def target_logprobs(
     """([B, C] log p(target j | everything before it), [B, C] entropy of that distribution or None when
     `entropy` is False) under `model`, with logits divided by `temperature` (a sampler's temperature, so that
     its log-probs and these agree)."""
-    hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids)  # [R, L, D]
+    hidden = model.hidden_states(  # [R, L, D]
+        batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids, compact=batch.compact
+    )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [R * L, D]
     weight, layout = model.output_weight()
     b, c = batch.target_index.shape

@@ -25,8 +25,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from core.batch import with_scored
-from core.mesh import logical_to_spec
+from core.batch import with_compact, with_scored
+from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
 
 # loss_fn(model, batch, rng) -> (loss_sum, sums): `batch` is the method's typed batch (a pytree of arrays).
@@ -98,15 +98,14 @@ def batch_shards(mesh: Mesh) -> int:
     """Into how many parts `batch_sharding` can split the batch axis at most (the data-parallel size):
     a micro-batch's row count divisible by it is never replicated across those devices."""
     shape = dict(mesh.shape)
-    spec = logical_to_spec(("batch",), (math.prod(shape.values()),), shape)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    return math.prod(shape[a] for a in axes)
+    return row_shards(math.prod(shape.values()), shape)
 
 
-def split_micro_batches(batch: T, micro_batches: int) -> T:
+def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) -> T:
     """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
-    `[k, N / k, ...]`; names the leaf that does not divide. Each `PackedBatch`'s `scored` count is set for
-    these micro-batches (`core.batch.with_scored`)."""
+    `[k, N / k, ...]`; names the leaf that does not divide. Each `PackedBatch`'s `scored` and `compact` counts
+    are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data shards
+    of `mesh` (the mesh the batch will be placed on; None: one device)."""
 
     def split(path, x):
         if x.shape[0] % micro_batches:
@@ -114,7 +113,8 @@ def split_micro_batches(batch: T, micro_batches: int) -> T:
             raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
         return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
 
-    return jax.tree_util.tree_map_with_path(split, with_scored(batch, micro_batches))
+    counted = with_compact(with_scored(batch, micro_batches), micro_batches, None if mesh is None else dict(mesh.shape))
+    return jax.tree_util.tree_map_with_path(split, counted)
 
 
 def place_batch(batch: T, mesh: Mesh) -> T:

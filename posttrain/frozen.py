@@ -34,7 +34,7 @@ def logprob_pass(graphdef: nnx.GraphDef, temperature: float) -> Callable:
 
 def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:
     """[B, C] float32 host log-probs of every target, computed one packing group at a time."""
-    placed = place_batch(split_micro_batches(batch, groups), mesh)
+    placed = place_batch(split_micro_batches(batch, groups, mesh), mesh)
     out = []
     with jax.set_mesh(mesh):
         for i in range(groups):

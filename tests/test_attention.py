@@ -1,5 +1,7 @@
 """Every attention implementation equals the reference; the reference equals a NumPy loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,7 @@ def test_causal_blocks_equal_the_reference(t):
     )
     cot = jnp.asarray(rng.randn(2, t, 4, 16), jnp.float32)
 
+    @functools.partial(jax.jit, static_argnums=0)  # one compilation instead of eager op-by-op dispatch
     def run(fn):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
         return [out, *vjp(cot)]

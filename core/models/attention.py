@@ -9,6 +9,7 @@ from flax import nnx
 from core.config import ModelConfig
 from core.kernels.attention import attention
 from core.mesh import constrain
+from core.models.compact import Compaction
 from core.models.layers import Dense, RMSNorm, dtype_of
 from core.models.rope import apply_rope, inverse_frequencies
 
@@ -61,9 +62,17 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, layout: Compaction | None = None
+    ) -> jax.Array:
+        """x [B, T, D] in the rows of `mask` [B, T, T], or the compact tokens [S, N, D] of `layout`
+        (`core.models.compact`): attention then runs on q, k, v put back in the rows."""
         q, k, v = self.qkv(x, positions)
+        if layout is not None:
+            q, k, v = layout.to_rows(q), layout.to_rows(k), layout.to_rows(v)
         out = attention(q, k, v, mask, self.impl, causal=True)  # [B, T, N, H]; the mask is causal in row order
+        if layout is not None:
+            out = layout.to_compact(out)
         return self.o_proj(out)
 
     def with_cache(self, x, positions, cache_k, cache_v, mask):

@@ -18,6 +18,7 @@ from core.config import ModelConfig
 from core.kernels.attention import make_mask, window_mask
 from core.mesh import constrain
 from core.models.attention import Attention
+from core.models.compact import Compaction
 from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of
 
 _REMAT_POLICIES = {
@@ -35,8 +36,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.input_norm(x), positions, mask)
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, layout: Compaction | None = None
+    ) -> jax.Array:
+        x = x + self.attn(self.input_norm(x), positions, mask, layout)
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
@@ -135,8 +138,12 @@ class Decoder(nnx.Module):
             return self.embed.embedding[...], "vd"
         return self.lm_head.kernel[...], "dv"
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None, branch_ids=None) -> jax.Array:
-        """Final-norm hidden states [B, T, D] in the compute dtype (input of the output projection)."""
+    def hidden_states(self, tokens, positions=None, segment_ids=None, branch_ids=None, compact: int = 0) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype (input of the output projection).
+
+        With `compact` > 0 (`core.batch.PackedBatch.compact`: at least the real tokens of each data shard's
+        rows) every layer but attention runs on the real tokens only (`core.models.compact`), and padding
+        positions read zeros."""
         b, t = tokens.shape
         index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions
@@ -145,13 +152,16 @@ class Decoder(nnx.Module):
             # On positions, not row indices: a branch's tokens sit further from the prefix in the row than
             # in their sequence (without branches the two differ by a constant within a segment).
             mask &= window_mask(positions, positions, self.cfg.sliding_window)
+        layout = None if segment_ids is None else Compaction.of(segment_ids, compact)
+        if layout is not None:
+            tokens, positions = layout.to_compact(tokens), layout.to_compact(positions)
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
-        x = self._run_layers(x, positions, mask)
-        return self.final_norm(x)
+        x = self.final_norm(self._run_layers(x, positions, mask, layout))
+        return x if layout is None else layout.to_rows(x)
 
-    def _run_layers(self, x, positions, mask):
+    def _run_layers(self, x, positions, mask, layout):
         def apply(graphdef, state, x):
-            return nnx.merge(graphdef, state)(x, positions, mask)
+            return nnx.merge(graphdef, state)(x, positions, mask, layout)
 
         policy = self.cfg.remat_policy
         if policy != "none":
