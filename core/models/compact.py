@@ -1,7 +1,7 @@
 """Running the position-wise layers on a batch's real tokens only (`PackedBatch.compact`).
 
 Rows of a packed batch hold padding (a padded row's tail, the holes first-fit
-packing leaves, a DPO pair shorter than the longest in its batch): 10-35% of
+packing leaves, a DPO pair shorter than the longest in its batch): 10-45% of
 the positions in the SFT and DPO benchmarks. Everything in a decoder layer but
 attention works position by position (projections, MLP, norms, RoPE), so it
 can run on a flat list of the real tokens instead of the rows, and only
