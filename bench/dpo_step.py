@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
-from bench.sft_step import SIZES, hf_learner, hf_model, text_pieces  # noqa: E402
+from bench.sft_step import SIZES, compile_and_warm, hf_learner, hf_model, peers_first, text_pieces  # noqa: E402
 
 
 def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[Path, Path, int]:
@@ -79,10 +79,7 @@ def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
         chunk = pairs[step * per_step : (step + 1) * per_step]
         item = pair_batch(chunk, slots=per_step, micro_batches=1, layout=layout)
         batch = with_reference(item.batch, reference, groups=1)  # compiles and runs the reference pass once
-        known = learner.compiled_shapes
-        learner.compile(batch)  # not step time: a run compiles each shape once
-        if learner.compiled_shapes > known:
-            learner.update(batch)  # nor is a new executable's first run (its buffers' first page faults)
+        compile_and_warm(learner, batch)  # not step time
         start = time.perf_counter()
         if mode != "precomputed":
             batch = with_reference(item.batch, reference, groups=1)
@@ -140,9 +137,7 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, 4 * args.batch * (args.steps + 2), args.seq)
             print(f"== {size}: {params / 1e6:.1f}M parameters, {args.batch} pairs a step", flush=True)
             row: dict = {"params": params, "reference_bytes": 4 * params}
-            # The peers first: under the host malloc this process keeps what its Temper sides freed (~15 GiB at
-            # 100M), and a peer run after them (~9 GiB without checkpointing) would not fit in 24 GiB beside it.
-            for name in sorted(args.sides, key=lambda n: n.startswith("temper")):
+            for name in peers_first(args.sides):
                 if name.startswith("temper"):
                     mode = {"temper": "rows", "temper_packed": "packed", "temper_precomputed": "precomputed"}[name]
                     row[name] = temper(hf, data, tokenizer, args, mode)

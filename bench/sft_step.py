@@ -98,6 +98,21 @@ def hf_learner(hf: Path, loss_fn, total_updates: int):
     return Learner(model, mesh, loss_fn, optim, total_updates=total_updates)
 
 
+def compile_and_warm(learner, batch) -> None:
+    """Compile the update for `batch`'s shape and, when that shape is new, run it once untimed: a run compiles
+    each shape once, and a new executable's first run pays its buffers' first page faults."""
+    known = learner.compiled_shapes
+    learner.compile(batch)
+    if learner.compiled_shapes > known:
+        learner.update(batch)
+
+
+def peers_first(sides: list[str]) -> list[str]:
+    """`sides` with the peers before Temper's: under the host malloc this process keeps what its Temper sides
+    freed (~15 GiB at 100M), and a peer run after them (~9 GiB without checkpointing) would not fit in 24 GiB."""
+    return sorted(sides, key=lambda n: n.startswith("temper"))
+
+
 def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[Path, Path, int]:
     """An HF model directory for `size` (with the tokenizer), the rows file, and the parameter count."""
     import numpy as np
@@ -128,10 +143,7 @@ def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_fr
     times, tokens, sequences = [], [], []
     for _ in range(args.steps + 1):
         batch = next(batches)
-        known = learner.compiled_shapes
-        learner.compile(batch.batch)  # a new shape compiles once per run: not step time
-        if learner.compiled_shapes > known:
-            learner.update(batch.batch)  # nor is a new executable's first run (its buffers' first page faults)
+        compile_and_warm(learner, batch.batch)  # not step time
         start = time.perf_counter()
         learner.update(batch.batch)
         times.append(time.perf_counter() - start)
@@ -192,9 +204,7 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, args.batch * (args.steps + 2) * 4, args.seq)
             print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
             row: dict = {"params": params}
-            # The peers first: under the host malloc this process keeps what its Temper sides freed (~15 GiB at
-            # 100M), and a peer run after them (~9 GiB without checkpointing) would not fit in 24 GiB beside it.
-            for name in sorted(args.sides, key=lambda n: n.startswith("temper")):
+            for name in peers_first(args.sides):
                 if name.startswith("temper"):
                     packing, padding_free = name == "temper_packed", name == "temper_padding_free"
                     row[name] = temper(hf, data, tokenizer, args, packing, padding_free)
