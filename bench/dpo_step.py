@@ -36,7 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
-from bench.sft_step import SIZES, compile_and_warm, hf_learner, hf_model, peers_first, text_pieces  # noqa: E402
+from bench.sft_step import (  # noqa: E402
+    SIZES,
+    compile_and_warm,
+    hf_learner,
+    hf_model,
+    peers_first,
+    steps_for,
+    text_pieces,
+    with_steps,
+)
 
 
 def build(size: str, work: Path, tokenizer: str, pairs: int, seq: int) -> tuple[Path, Path, int]:
@@ -115,7 +124,7 @@ SIDES = ["temper", "temper_packed", "temper_precomputed", "trl", "trl_no_ckpt", 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=sorted(SIZES))
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="timed steps a side (default: 16 at tiny, else 4)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256, help="the most tokens of prompt + one completion")
     p.add_argument("--out", default="runs/bench_dpo.json")
@@ -133,16 +142,18 @@ def main() -> None:
         tokenizer = str(
             build_tokenizer((r["text"] for r in reasoning_gym_records("basic_arithmetic", 2000, 0)), work / "tok")
         )
+        most_steps = max(steps_for(size, args.steps) for size in args.sizes)  # one pairs file serves every size
         for size in args.sizes:
-            hf, data, params = build(size, work, tokenizer, 4 * args.batch * (args.steps + 2), args.seq)
+            hf, data, params = build(size, work, tokenizer, 4 * args.batch * (most_steps + 2), args.seq)
+            args_at = with_steps(args, size)
             print(f"== {size}: {params / 1e6:.1f}M parameters, {args.batch} pairs a step", flush=True)
             row: dict = {"params": params, "reference_bytes": 4 * params}
             for name in peers_first(args.sides):
                 if name.startswith("temper"):
                     mode = {"temper": "rows", "temper_packed": "packed", "temper_precomputed": "precomputed"}[name]
-                    row[name] = temper(hf, data, tokenizer, args, mode)
+                    row[name] = temper(hf, data, tokenizer, args_at, mode)
                 else:
-                    row[name] = peer(name, hf, data, args, work)
+                    row[name] = peer(name, hf, data, args_at, work)
                 print(f"   {name:19s} {row[name]['median_step_s']:.3f} s/step", flush=True)
             results[size] = row
             if not {"temper", "trl", "trl_no_ckpt", "torch"} <= set(row):

@@ -107,6 +107,17 @@ def compile_and_warm(learner, batch) -> None:
         learner.update(batch)
 
 
+def steps_for(size: str, steps: int | None) -> int:
+    """Timed steps at `size`: `--steps` when given; else 16 at tiny, whose ~0.1-0.4 s steps swing by a third
+    from step to step on this VM (4 steps leave the median to chance), and 4 above it."""
+    return steps if steps is not None else (16 if size == "tiny" else 4)
+
+
+def with_steps(args: argparse.Namespace, size: str) -> argparse.Namespace:
+    """`args` with `steps` resolved for `size` (`steps_for`), for the side runners that read `args.steps`."""
+    return argparse.Namespace(**{**vars(args), "steps": steps_for(size, args.steps)})
+
+
 def peers_first(sides: list[str]) -> list[str]:
     """`sides` with the peers before Temper's: under the host malloc this process keeps what its Temper sides
     freed (~15 GiB at 100M), and a peer run after them (~9 GiB without checkpointing) would not fit in 24 GiB."""
@@ -184,7 +195,7 @@ PEERS = ["trl", "trl_no_ckpt", "torch"]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "T2", "100M"], choices=sorted(SIZES))
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="timed steps a side (default: 16 at tiny, else 4)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="runs/bench_sft.json")
@@ -200,18 +211,20 @@ def main() -> None:
         tokenizer = str(
             build_tokenizer((r["text"] for r in reasoning_gym_records("basic_arithmetic", 2000, 0)), work / "tok")
         )
+        most_steps = max(steps_for(size, args.steps) for size in args.sizes)  # one rows file serves every size
         for size in args.sizes:
-            hf, data, params = build(size, work, tokenizer, args.batch * (args.steps + 2) * 4, args.seq)
+            hf, data, params = build(size, work, tokenizer, args.batch * (most_steps + 2) * 4, args.seq)
+            args_at = with_steps(args, size)
             print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
             row: dict = {"params": params}
             for name in peers_first(args.sides):
                 if name.startswith("temper"):
                     packing, padding_free = name == "temper_packed", name == "temper_padding_free"
-                    row[name] = temper(hf, data, tokenizer, args, packing, padding_free)
+                    row[name] = temper(hf, data, tokenizer, args_at, packing, padding_free)
                 else:
-                    row[name] = peer(name, hf, data, args, work)
+                    row[name] = peer(name, hf, data, args_at, work)
                 print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
-            per_step = real_tokens(data, tokenizer, args.batch, args.steps, args.seq)
+            per_step = real_tokens(data, tokenizer, args.batch, args_at.steps, args.seq)
             for name in set(PEERS) & set(row):
                 row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
             results[size] = row
