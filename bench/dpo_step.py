@@ -1,7 +1,7 @@
 """DPO step time: Temper vs TRL's DPOTrainer vs a plain PyTorch loop, on the same model, pairs and batch, one run.
 
     python bench/dpo_step.py                        # tiny and 100M             (make bench-dpo)
-    python bench/dpo_step.py --sizes tiny                   # tiny only: 16 timed steps (--steps N to change)
+    python bench/dpo_step.py --sizes tiny           # tiny only: 16 timed steps (--steps N to change)
 
 Every side trains the same HF model (random init, float32) on the same pairs: reasoning-gym text cut to a
 16-128 token prompt and two 16-127 token completions, `batch` pairs a step, the sigmoid loss with beta 0.1,
