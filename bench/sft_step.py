@@ -2,6 +2,7 @@
 
     python bench/sft_step.py                        # tiny, T2 (56M) and 100M      (make bench-sft)
     python bench/sft_step.py --sizes T2 --steps 4
+    python bench/sft_step.py --sizes T2 --steps 9 --interleave   # Temper and the plain loop in alternation
 
 Every side trains the same HF model (random init, float32) on the same
 prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
+from bench.interleaved import PeerStepper, interleave  # noqa: E402
 
 SIZES = {  # Llama-shaped, untied embeddings
     "tiny": dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
@@ -138,9 +141,8 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
     return hf, data, params
 
 
-def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool = False) -> dict:
-    import numpy as np
-
+def temper_side(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool):
+    """A Temper learner on the HF model and the SFT pipeline's batches of `data` (rows in file order)."""
     from core.config import DataConfig
     from core.data import load_records, make_pipeline
     from core.losses import nll_loss
@@ -150,16 +152,34 @@ def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_fr
     )
     records = load_records(str(data), dcfg)
     batches = iter(make_pipeline(dcfg, args.batch, records=records, tokenizer_dir=tokenizer))
-    learner = hf_learner(hf, nll_loss, total_updates=args.steps + 1)
+    return hf_learner(hf, nll_loss, total_updates=args.steps + 1), batches
+
+
+def timed_update(learner, batch) -> float:
+    """Seconds of one `learner.update(batch)`, after compiling (and warming) its shape untimed."""
+    compile_and_warm(learner, batch)
+    start = time.perf_counter()
+    learner.update(batch)
+    return time.perf_counter() - start
+
+
+def sequences_of(batch) -> list[int]:
+    """The source rows (indices into the rows file) a pipeline batch holds."""
+    import numpy as np
+
+    return sorted({int(i) for i in np.asarray(batch.example_ids).ravel() if i >= 0})
+
+
+def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool = False) -> dict:
+    import numpy as np
+
+    learner, batches = temper_side(hf, data, tokenizer, args, packing, padding_free)
     times, tokens, sequences = [], [], []
     for _ in range(args.steps + 1):
         batch = next(batches)
-        compile_and_warm(learner, batch.batch)  # not step time
-        start = time.perf_counter()
-        learner.update(batch.batch)
-        times.append(time.perf_counter() - start)
+        times.append(timed_update(learner, batch.batch))
         tokens.append(int((np.asarray(batch.batch.segment_ids) > 0).sum()))
-        sequences.append(len({int(i) for i in np.asarray(batch.example_ids).ravel() if i >= 0}))
+        sequences.append(len(sequences_of(batch)))
     steady = times[1:]
     return {
         "first_step_s": times[0],
@@ -168,6 +188,24 @@ def temper(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_fr
         "tokens_per_s": sum(tokens[1:]) / sum(steady),
         "sequences_per_step": statistics.mean(sequences[1:]),
     }
+
+
+def interleaved_with_torch(hf: Path, data: Path, tokenizer: str, args, padding_free: bool) -> dict:
+    """Temper's step (padded or padding-free rows) and the plain loop's, alternated round by round on the same
+    rows (bench/interleaved.py): the ratio is the median of the per-round ratios."""
+    learner, batches = temper_side(hf, data, tokenizer, args, packing=False, padding_free=padding_free)
+    steps = [next(batches) for _ in range(args.steps + 1)]
+    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_sft_step.py"), "--mode", "torch", "--model", str(hf)]
+    cmd += ["--data", str(data), "--seq", str(args.seq), "--serve"]
+    # The plain loop inherits this environment, host malloc included (`make bench-sft`): it runs faster with it
+    # (T2: ~3.9 s a step against ~5.5 s without, docs/benchmarks.md), unlike TRL's GRPO step (bench/grpo_step.py).
+    with PeerStepper(cmd, dict(os.environ)) as torch_side:
+        result = interleave(
+            args.steps,
+            lambda i: timed_update(learner, steps[i].batch),
+            lambda i: torch_side.step(sequences_of(steps[i])),
+        )
+    return result.summary()
 
 
 def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
@@ -190,6 +228,48 @@ def real_tokens(data: Path, tokenizer: str, batch: int, steps: int, seq: int) ->
 
 SIDES = ["temper", "temper_padding_free", "temper_packed", "trl", "trl_no_ckpt", "torch"]
 PEERS = ["trl", "trl_no_ckpt", "torch"]
+LAYOUTS = (("temper", "padded"), ("temper_padding_free", "padding_free"))  # Temper's unpacked sides
+
+
+def sides_in_turn(hf: Path, data: Path, tokenizer: str, args, work: Path, params: int) -> dict:
+    """Each side's steps in a block of their own (peers first), and the ratios of the medians."""
+    row: dict = {"params": params}
+    for name in peers_first(args.sides):
+        if name.startswith("temper"):
+            packing, padding_free = name == "temper_packed", name == "temper_padding_free"
+            row[name] = temper(hf, data, tokenizer, args, packing, padding_free)
+        else:
+            row[name] = peer(name, hf, data, args, work)
+        print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
+    per_step = real_tokens(data, tokenizer, args.batch, args.steps, args.seq)
+    for name in set(PEERS) & set(row):
+        row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
+    for side, layout in LAYOUTS:
+        if not {side, "trl", "torch"} <= set(row):
+            continue
+        for peer_name in [n for n in PEERS if n in row]:
+            row[f"ratio_{layout}_vs_{peer_name}"] = row[side]["median_step_s"] / row[peer_name]["median_step_s"]
+        ratios = ", ".join(f"{n} {row[f'ratio_{layout}_vs_{n}']:.2f}x" for n in PEERS if n in row)
+        print(f"   {layout}: Temper / {ratios}", flush=True)
+    print("   tokens/s: " + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in SIDES if k in row))
+    return row
+
+
+def interleaved_sides(hf: Path, data: Path, tokenizer: str, args, params: int) -> dict:
+    """Each of Temper's unpacked sides in `args.sides` against the plain loop, step by step in alternation."""
+    row: dict = {"params": params}
+    for side, layout in LAYOUTS:
+        if side not in args.sides:
+            continue
+        print(f"   {layout} rows and the plain loop in alternation (Temper s / torch s):", flush=True)
+        r = interleaved_with_torch(hf, data, tokenizer, args, padding_free=side == "temper_padding_free")
+        row[f"interleaved_{layout}_vs_torch"] = r
+        print(
+            f"   {layout}: Temper / torch {r['median_ratio']:.2f}x (median of {len(r['ratios'])} rounds; "
+            f"medians {r['a_median_s']:.3f} s / {r['b_median_s']:.3f} s)",
+            flush=True,
+        )
+    return row
 
 
 def main() -> None:
@@ -200,6 +280,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="runs/bench_sft.json")
     p.add_argument("--sides", nargs="+", default=SIDES, choices=SIDES, help="the ratios need temper, trl and torch")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time Temper's unpacked sides against the plain loop step by step in alternation (bench/interleaved.py)",
+    )
     args = p.parse_args()
 
     from core.data import reasoning_gym_records
@@ -216,29 +301,10 @@ def main() -> None:
             hf, data, params = build(size, work, tokenizer, args.batch * (most_steps + 2) * 4, args.seq)
             args_at = with_steps(args, size)
             print(f"== {size}: {params / 1e6:.1f}M parameters, batch {args.batch} x {args.seq}", flush=True)
-            row: dict = {"params": params}
-            for name in peers_first(args.sides):
-                if name.startswith("temper"):
-                    packing, padding_free = name == "temper_packed", name == "temper_padding_free"
-                    row[name] = temper(hf, data, tokenizer, args_at, packing, padding_free)
-                else:
-                    row[name] = peer(name, hf, data, args_at, work)
-                print(f"   {name:14s} {row[name]['median_step_s']:.3f} s/step", flush=True)
-            per_step = real_tokens(data, tokenizer, args.batch, args_at.steps, args.seq)
-            for name in set(PEERS) & set(row):
-                row[name]["tokens_per_s"] = per_step / row[name]["median_step_s"]
-            results[size] = row
-            for side, layout in (("temper", "padded"), ("temper_padding_free", "padding_free")):
-                if not {side, "trl", "torch"} <= set(row):
-                    continue
-                for peer_name in [n for n in PEERS if n in row]:
-                    row[f"ratio_{layout}_vs_{peer_name}"] = row[side]["median_step_s"] / row[peer_name]["median_step_s"]
-                print(
-                    f"   {layout}: Temper / "
-                    + ", ".join(f"{n} {row[f'ratio_{layout}_vs_{n}']:.2f}x" for n in PEERS if n in row),
-                    flush=True,
-                )
-            print("   tokens/s: " + ", ".join(f"{k} {row[k]['tokens_per_s']:,.0f}" for k in SIDES if k in row))
+            if args.interleave:
+                results[size] = interleaved_sides(hf, data, tokenizer, args_at, params)
+            else:
+                results[size] = sides_in_turn(hf, data, tokenizer, args_at, work, params)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

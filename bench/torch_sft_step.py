@@ -2,6 +2,7 @@
 
     .venv-trl/bin/python bench/torch_sft_step.py --mode trl   --model HF_DIR --data rows.jsonl --out r.json
     .venv-trl/bin/python bench/torch_sft_step.py --mode torch --model HF_DIR --data rows.jsonl --out r.json
+    .venv-trl/bin/python bench/torch_sft_step.py --mode torch --model HF_DIR --data rows.jsonl --serve
 
 Both train the HF model on the same prompt / completion rows Temper trains on (`batch` rows a step, loss on
 the completion tokens only, no packing), float32, AdamW, on CPU. TRL: `SFTTrainer` with
@@ -9,12 +10,16 @@ the completion tokens only, no packing), float32, AdamW, on CPU. TRL: `SFTTraine
 callback, with TRL's default gradient checkpointing (`trl`) or without it (`trl_no_ckpt`). torch: the floor,
 eager — tokenize, pad to the longest row, labels -100 on prompt and padding,
 forward, cross-entropy, backward, AdamW step. The first step (warm-up) is reported apart.
+
+`--serve` (torch only) steps on request, for bench/interleaved.py: each stdin line is a JSON list of row indices
+into `--data`, answered by one stdout line `{"seconds": ...}` once that step is done.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -30,8 +35,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
+    p.add_argument("--serve", action="store_true", help="torch only: step on the rows each stdin line names")
     args = p.parse_args()
+    if args.serve != (args.out is None) or (args.serve and args.mode != "torch"):
+        p.error("give --out, or --serve with --mode torch")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,16 +51,23 @@ def main() -> None:
     if args.mode == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model.train()
-        for step in range(args.steps + 1):
+
+        def step(batch: list[dict]) -> float:
             start = time.perf_counter()
-            batch = rows[step * args.batch : (step + 1) * args.batch]
             seqs, labels = zip(*(completion_row(tok, r["prompt"], r["completion"], args.seq) for r in batch))
             input_ids, attention, target = padded(list(seqs), list(labels), tok.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=attention, labels=target).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
+            return time.perf_counter() - start
+
+        if args.serve:
+            for line in sys.stdin:
+                print(json.dumps({"seconds": step([rows[i] for i in json.loads(line)])}), flush=True)
+            return
+        for i in range(args.steps + 1):
+            times.append(step(rows[i * args.batch : (i + 1) * args.batch]))
     else:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
