@@ -2,7 +2,7 @@
 
     python bench/sft_step.py                        # tiny, T2 (56M) and 100M      (make bench-sft)
     python bench/sft_step.py --sizes T2 --steps 4
-    python bench/sft_step.py --sizes T2 --steps 9 --interleave   # Temper and the plain loop in alternation
+    python bench/sft_step.py --sizes T2 --steps 8 --interleave   # Temper and the plain loop in alternation
 
 Every side trains the same HF model (random init, float32) on the same
 prompt / completion rows (reasoning-gym text cut to 16-128 prompt and
@@ -195,8 +195,7 @@ def interleaved_with_torch(hf: Path, data: Path, tokenizer: str, args, padding_f
     rows (bench/interleaved.py): the ratio is the median of the per-round ratios."""
     learner, batches = temper_side(hf, data, tokenizer, args, packing=False, padding_free=padding_free)
     steps = [next(batches) for _ in range(args.steps + 1)]
-    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_sft_step.py"), "--mode", "torch", "--model", str(hf)]
-    cmd += ["--data", str(data), "--seq", str(args.seq), "--serve"]
+    cmd = [*peer_cmd("torch", hf, data, args), "--serve"]
     # The plain loop inherits this environment, host malloc included (`make bench-sft`): it runs faster with it
     # (T2: ~3.9 s a step against ~5.5 s without, docs/benchmarks.md), unlike TRL's GRPO step (bench/grpo_step.py).
     with PeerStepper(cmd, dict(os.environ)) as torch_side:
@@ -208,10 +207,15 @@ def interleaved_with_torch(hf: Path, data: Path, tokenizer: str, args, padding_f
     return result.summary()
 
 
+def peer_cmd(mode: str, hf: Path, data: Path, args) -> list[str]:
+    """bench/torch_sft_step.py in the TRL environment, for `mode` on the HF model and the rows file."""
+    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_sft_step.py"), "--mode", mode, "--model", str(hf)]
+    return [*cmd, "--data", str(data), "--seq", str(args.seq)]
+
+
 def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
     out = work / f"{mode}_{hf.name}.json"
-    cmd = [str(trl_python()), str(ROOT / "bench" / "torch_sft_step.py"), "--mode", mode, "--model", str(hf)]
-    cmd += ["--data", str(data), "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd = [*peer_cmd(mode, hf, data, args), "--steps", str(args.steps), "--batch", str(args.batch)]
     subprocess.run([*cmd, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
