@@ -69,7 +69,7 @@ def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from core.config import DPOConfig
+    from posttrain.config import DPOConfig
     from posttrain.dpo import preference_objective, with_reference
     from posttrain.frozen import FrozenModel
     from posttrain.pair_data import PairLayout, pair_batch

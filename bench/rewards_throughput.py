@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "rewards_throughput.json"))
     args = p.parse_args()
 
-    from core.config import RewardConfig
+    from rewards.config import RewardConfig
     from rewards.runner import RewardRunner
 
     prompts, comps, golds = completions(args.n)

@@ -72,7 +72,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.config import RolloutConfig
+    from rollout.config import RolloutConfig
     from core.data import reasoning_gym_records
     from core.hf import load_hf
     from core.models import param_count

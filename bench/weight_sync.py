@@ -51,7 +51,7 @@ def main() -> None:
 
     from flax import nnx
 
-    from core.config import RolloutConfig
+    from rollout.config import RolloutConfig
     from core.config_loader import load_config
     from core.data import reasoning_gym_records
     from core.hf import save_hf

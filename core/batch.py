@@ -29,14 +29,15 @@ every slot. Padding positions in the rows likewise never reach the matmuls of th
 (set by `with_compact`) lets the model run them on the real tokens only (`core.models.compact`).
 
 Methods add their own per-target or per-sequence arrays beside it in a typed
-batch of their own (`posttrain.rl_batch.RLBatch`); `core.targets.target_logprobs`
-turns a `PackedBatch` and a model into `[B, C]` log-probs.
+batch of their own (`TrainBatch`: `posttrain.onpolicy.policy_gradient.RLBatch`,
+`posttrain.dpo.pairs.PairBatch`); `core.targets.target_logprobs` turns a
+`PackedBatch` and a model into `[B, C]` log-probs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -69,6 +70,15 @@ class PackedBatch:
     def fill(self) -> float:
         """Share of the row slots that hold a real token (1 - padding)."""
         return float((np.asarray(self.segment_ids) > 0).mean())
+
+
+class TrainBatch(Protocol):
+    """What every method's batch is: its sequences as a `PackedBatch` (`.packed`), with the method's own per-target
+    or per-sequence arrays beside it (`posttrain.onpolicy.policy_gradient.RLBatch`, `posttrain.dpo.pairs.PairBatch`).
+    A registered pytree dataclass, so that `core.train` splits, places and scores it like any other."""
+
+    @property
+    def packed(self) -> PackedBatch: ...
 
 
 def with_scored(tree: T, groups: int) -> T:

@@ -1,22 +1,35 @@
 """Chat conversations -> token ids and the assistant tokens a loss trains on, with the tokenizer's own template.
 
-    ids, targets = render_chat(tokenizer, messages)   # targets: positions of every assistant token
+    ids, targets = render_chat(tokenizer, messages)                     # every assistant turn's tokens (SFT)
+    prompt_ids, completion_ids = split_last_turn(tokenizer, messages)   # the last assistant turn (preference pairs)
 
-Assistant spans are found by rendering the conversation prefix by prefix, so
-any chat template works, with or without `{% generation %}` markers: the span
-of assistant message i runs from the end of `messages[:i]` rendered with a
-generation prompt to the end of `messages[:i + 1]` rendered, minus template
-text after the turn's closing special token (the newline Qwen's template puts
-after `<|im_end|>`), so each turn's content and its end-of-turn token
-(`<|im_end|>`, `<|eot_id|>`, EOS) are targets and nothing else is. The
-rendered text is tokenized once, with offsets, and a token is a target when it
-starts inside a span. A template that does not render a conversation's
-prefixes as prefixes of it (one that rewrites earlier turns, as Qwen3's drops
-earlier reasoning) is a `ChatTemplateError` naming the message.
+Chat templates as model families ship them are not prefix-stable: Qwen3 drops the reasoning of earlier turns
+and writes a think block into the last one, DeepSeek-R1 strips reasoning from the history and prefills
+`<think>\\n` in its generation prompt, gpt-oss closes the last turn with `<|return|>` and earlier ones with
+`<|end|>`, Phi-3 appends EOS when no generation prompt is asked for, Mistral moves the system prompt into the
+last user turn. Rendering a conversation prefix by prefix and comparing therefore fails on them. Instead, each
+assistant turn is located in ONE rendering of the whole conversation (the text the model trains on):
+
+- it starts where the conversation before it, rendered with a generation prompt (what a sampler gives the model),
+  stops agreeing with that rendering: the end of the generation prompt when it is a prefix (most templates), or
+  the point inside it where the two part (DeepSeek-R1 and Nemotron prefill `<think>` text the history does not
+  have). Where the two already disagree before the generation prompt (Mistral's moved system prompt), and for a
+  turn that opens the conversation, the turn starts at its own content;
+- it ends with the first end-of-turn token after its content: a special token the template writes right after an
+  assistant message (found once per template by rendering a probe conversation; `<|im_end|>`, `<|eot_id|>`,
+  `<|end|>` and `<|return|>`, ...), or EOS.
+
+Everything in between is the model's to produce and becomes a target (the reasoning a template keeps, the empty
+think block Qwen3 writes, gpt-oss's channel headers); system, user and tool turns never do. The text is tokenized
+once, with offsets and without adding special tokens (the template writes its own BOS); a token is a target when
+it overlaps a turn's span. The ids are the template's own, as `apply_chat_template(tokenize=True)` gives them. A conversation the template cannot render, or
+an assistant turn whose content or end cannot be found in the rendering, is a `ChatTemplateError` naming the
+message and why.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,8 +40,91 @@ class ChatTemplateError(UserError, ValueError):
     """A conversation the tokenizer's chat template cannot render into assistant spans."""
 
 
+# A probe conversation, rendered once per template to learn which special token closes an assistant turn.
+_PROBE_USER, _PROBE_REPLY = "Probe question 7?", "Probe reply 7."
+_closers_cache: dict[tuple, tuple[str, ...]] = {}
+
+
 def _render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as err:  # jinja's TemplateError, the template's raise_exception(...), an undefined field
+        reason = str(err).splitlines()[0] if str(err) else ""
+        raise ChatTemplateError(f"the chat template cannot render it ({type(err).__name__}: {reason})") from None
+
+
+def _atomic_tokens(tokenizer: Any) -> list[str]:
+    """Every special or added token's text, longest first (none of them is ever split by the tokenizer)."""
+    found = {t for t in tokenizer.all_special_tokens if t}
+    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content}
+    return sorted(found, key=len, reverse=True)
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    found = {t for t in tokenizer.all_special_tokens if t}
+    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content}
+    return sorted(found, key=len, reverse=True)
+
+
+def end_of_turn_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The tokens that close an assistant turn in this template: EOS, and the first special token the template
+    writes after an assistant reply, as the last message and followed by a user turn (cached per template)."""
+    specials = _special_tokens(tokenizer)
+    key = (tokenizer.chat_template, tokenizer.eos_token, tuple(specials))
+    if key not in _closers_cache:
+        closers = {tokenizer.eos_token} if tokenizer.eos_token else set()
+        user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
+        pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+        for probe in ([user, reply], [user, reply, user]):
+            try:
+                text = _render(tokenizer, probe, False)
+            except ChatTemplateError:
+                continue
+            at = text.find(_PROBE_REPLY)
+            found = pattern.search(text, at + len(_PROBE_REPLY)) if pattern is not None and at >= 0 else None
+            if found is not None:
+                closers.add(found.group())
+        _closers_cache[key] = tuple(sorted(closers, key=len, reverse=True))
+    return _closers_cache[key]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _token_boundary(text: str, at: int, atomic: Sequence[str]) -> int:
+    """`at`, moved back to the start of an atomic token it would cut through (`<|end|>` vs `<|assistant|>` agree
+    on `<|`)."""
+    for token in atomic:
+        start = text.rfind(token, max(0, at - len(token) + 1), at + len(token) - 1)
+        if 0 <= start < at < start + len(token):
+            return start
+    return at
+
+
+def _turn_start(tokenizer: Any, messages: Sequence[dict], i: int, text: str, cursor: int, atomic) -> int | None:
+    """Where assistant message i begins in `text` (see the module docstring), or None when the rendering of the
+    conversation before it is not part of `text`."""
+    prompt = _render(tokenizer, messages[:i], True)
+    bare = _render(tokenizer, messages[:i], False) if i else ""
+    generation = _token_boundary(prompt, _common_prefix(prompt, bare), atomic)  # where the generation prompt begins
+    agree = _token_boundary(prompt, _common_prefix(prompt, text), atomic)
+    return agree if agree >= generation and agree >= cursor else None
+
+
+def _find_content(text: str, content: str, start: int) -> tuple[int, int] | None:
+    """(start, end) of an assistant message's content in `text` at or after `start`: as given, stripped, or the
+    part after its reasoning (templates that drop `<think>...</think>` from the history)."""
+    for candidate in (content, content.strip(), content.split("</think>")[-1].strip()):
+        if candidate:
+            at = text.find(candidate, start)
+            if at >= 0:
+                return at, at + len(candidate)
+    return None
 
 
 def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -36,31 +132,106 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
     text = _render(tokenizer, messages, False)
-    specials = [t for t in tokenizer.all_special_tokens if t]
-    spans = []
+    atomic = _atomic_tokens(tokenizer)
+    closers = end_of_turn_tokens(tokenizer)
+    closing = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
+    spans: list[tuple[int, int]] = []
+    cursor = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True)
-        through = _render(tokenizer, messages[: i + 1], False)
-        if not (text.startswith(through) and through.startswith(before)):
-            raise ChatTemplateError(
-                f"message {i}: the chat template does not render the conversation's prefixes as prefixes of it "
-                f"(it rewrites earlier turns), so assistant tokens cannot be located"
-            )
-        start, end = len(before), len(through)
-        # The turn ends with its closing special token; template text after it (a newline) is not the model's.
-        closes = [text.rfind(t, start, end) + len(t) for t in specials if text.rfind(t, start, end) >= start]
-        if closes and not text[max(closes) : end].strip():
-            end = max(closes)
+        try:  # a turn that opens the conversation has no prompt to render: it starts at its content
+            start = _turn_start(tokenizer, messages, i, text, cursor, atomic) if i else None
+        except ChatTemplateError as err:
+            raise ChatTemplateError(f"message {i}: the conversation before it: {err}") from None
+        content = message.get("content") or ""
+        if start is None:  # earlier turns render differently in the whole conversation: start at the content
+            after = cursor
+            previous = messages[i - 1].get("content") or "" if i else ""
+            if previous.strip() and (found := _find_content(text, previous, cursor)) is not None:
+                after = found[1]
+            where = _find_content(text, content, after)
+            if where is None:
+                raise ChatTemplateError(
+                    f"message {i}: the template renders the conversation before this assistant turn differently "
+                    f"when the turn follows, and the turn's content is not found in the rendering either"
+                    if i
+                    else f"message {i}: this opening assistant turn's content is not found in the rendering"
+                )
+            start = where[0]
+        if content.strip():
+            where = _find_content(text, content, start)
+            if where is None:
+                raise ChatTemplateError(
+                    f"message {i}: the template does not write this assistant turn's content as given (it rewrites "
+                    f"it), so its tokens cannot be located"
+                )
+            content_end = where[1]
+        else:
+            content_end = start
+        close = closing.search(text, content_end) if closing is not None else None
+        following = next((m for m in messages[i + 1 :] if m["role"] != "assistant"), None)
+        boundary = _find_content(text, following.get("content") or "", content_end) if following else None
+        if close is None or (boundary is not None and boundary[0] < close.start()):
+            if following is None and not text[content_end:].strip():
+                end = content_end  # the template closes no final turn (nothing follows its content)
+            else:
+                raise ChatTemplateError(
+                    f"message {i}: no end-of-turn token ({', '.join(closers) or 'none known'}) closes this assistant "
+                    f"turn before the next message"
+                )
+        else:
+            end = close.end()
         spans.append((start, end))
+        cursor = end
     return text, spans
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def _span_tokens(offsets: Sequence[tuple[int, int]], span: tuple[int, int], message: int) -> list[int]:
+    start, end = span
+    # A token that straddles the start is the model's too: " 5" after Mistral's `[/INST]`, where the turn starts at
+    # its content (a header never shares a token with the content: special tokens and newlines end tokens).
+    tokens = [k for k, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+    if not tokens:
+        raise ChatTemplateError(f"message {message}: the assistant turn holds no token")
+    return tokens
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
     """(token ids of the rendered conversation, positions of its assistant tokens)."""
     text, spans = assistant_char_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    targets = [k for k, (a, _) in enumerate(offsets) if any(s <= a < e for s, e in spans)]
+    ids, offsets = _encode(tokenizer, text)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    targets = [k for span, i in zip(spans, turns) for k in _span_tokens(offsets, span, i)]
     return ids, targets
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """The conversation rendered with a generation prompt, tokenized as a sampler does: what the model is given
+    to continue with an assistant turn."""
+    return _encode(tokenizer, _render(tokenizer, messages, True))[0]
+
+
+def split_last_turn(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a conversation ending with an assistant turn: the prompt is the conversation
+    before it rendered with a generation prompt (`chat_prompt_ids`), the completion the last assistant turn's
+    tokens in the rendering of the whole conversation, through its end-of-turn token. Earlier assistant turns
+    (a multi-turn preference prompt) are part of the prompt."""
+    last = len(messages) - 1
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ChatTemplateError("the conversation does not end with an assistant turn")
+    if last == 0:
+        raise ChatTemplateError("message 0: an assistant turn with nothing before it has no prompt")
+    text, spans = assistant_char_spans(tokenizer, messages)
+    ids, offsets = _encode(tokenizer, text)
+    completion = [ids[k] for k in _span_tokens(offsets, spans[-1], last)]
+    try:
+        prompt = chat_prompt_ids(tokenizer, messages[:-1])
+    except ChatTemplateError as err:
+        raise ChatTemplateError(f"message {last}: the prompt before it: {err}") from None
+    return prompt, completion

@@ -24,7 +24,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grain
 import jax
@@ -276,10 +276,12 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
 
 
 def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
-    """A model from an HF directory (config.json + safetensors) or a Temper run / checkpoint directory."""
+    """A model from an HF directory (config.json + safetensors), a Hugging Face Hub model id (`core.hub`: through
+    the Hub cache; a local path of that name wins) or a Temper run / checkpoint directory."""
     from core.hf import load_hf
+    from core.hub import resolve_model
 
-    p = Path(path)
+    p = resolve_model(str(path))
     if (p / "config.json").exists():
         model, _ = load_hf(p, dtype=dtype, mesh=mesh)
         return model
@@ -289,7 +291,10 @@ def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
     raise MissingPath(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")
 
 
-def initial_model(cfg: Config, mesh) -> tuple[Any, Config]:
+C = TypeVar("C", bound=Config)
+
+
+def initial_model(cfg: C, mesh) -> tuple[Any, C]:
     """Where every method's run starts: `checkpoint.init_from` (an HF directory or a Temper run / checkpoint,
     whose shape wins over `model.*`) or a random init of `model.*`. Returns the model on `mesh` and the config
     with the model section it actually has."""

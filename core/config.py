@@ -9,9 +9,12 @@ the fields they constrain, and quote the offending values.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.errors import MissingPath
 
 
 class Section(BaseModel):
@@ -151,15 +154,21 @@ class MeshConfig(Section):
 class DataConfig(Section):
     """Where training examples come from and how they become token batches (see core/data.py)."""
 
-    # A local file or directory (jsonl / parquet / arrow / `save_to_disk`) or `reasoning_gym:TASK`.
+    # A local file or directory (jsonl / parquet / arrow / `save_to_disk` / a dataset repository's files), a Hugging
+    # Face Hub dataset id (`trl-lib/ultrafeedback_binarized`: through the hub cache, honouring HF_HUB_OFFLINE; a
+    # local path of that name wins), or `reasoning_gym:TASK`.
     source: str | None = None
+    subset: str | None = None  # the dataset's configuration (`datasets.load_dataset(source, subset)`)
+    split: str = "train"  # the dataset split the rows come from (the held-out rows are data.eval_fraction of it)
+    # Temper's field name -> the dataset's column, e.g. {text: content} or {messages: conversations}.
+    columns: dict[str, str] = Field(default_factory=dict)
     format: Literal["text", "chat", "prompt_completion"] = "text"
-    text_field: str = "text"
     # Rows generated for a `reasoning_gym:` source.
     num_examples: int = Field(10_000, gt=0)
     # The last fraction of rows is held out as the eval split.
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    # A local Hugging Face tokenizer directory; recipes may build one (core/tokenizer.py) when unset.
+    # A Hugging Face tokenizer directory or Hub model id; unset, recipes build one (core/tokenizer.py) or use the
+    # checkpoint's.
     tokenizer_dir: str | None = None
     seq_len: int = Field(256, gt=0)  # the row length, and the most tokens an example keeps
     truncation_side: Literal["right", "left"] = "right"  # which end of a longer example is cut
@@ -236,8 +245,9 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    # Start from these weights (an HF directory or a Temper run / checkpoint; parameters only), e.g. SFT
-    # after pretraining. The model shape comes from the checkpoint. Resuming a run takes precedence.
+    # Start from these weights (an HF directory, a Hub model id such as Qwen/Qwen2.5-0.5B-Instruct, or a Temper run /
+    # checkpoint; parameters only), e.g. SFT after pretraining. The model shape comes from the checkpoint. Resuming a
+    # run takes precedence.
     init_from: str | None = None
     enabled: bool = True
     every_steps: int = Field(100, gt=0)
@@ -245,198 +255,6 @@ class CheckpointConfig(Section):
     async_save: bool = True
     # Write a Hugging Face directory (run_dir/hf) at the end of training.
     export_hf: bool = True
-
-
-# ----------------------------------------------------------------------- rollout
-
-
-class RolloutConfig(Section):
-    sampler: Literal["vllm", "jax"] = "vllm"
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1  # -1: off
-    max_tokens: int = Field(128, gt=0)
-    max_model_len: int = Field(1024, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    kv_cache_gib: float = Field(1.0, gt=0.0)
-    dtype: DType = "float32"
-    enforce_eager: bool = True
-    # Cores for vLLM's OpenMP threads per sampler, e.g. "0" or "0-1"; None lets vLLM choose.
-    omp_threads_bind: str | None = None
-    reshard_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    rollout_data_parallelism: int = Field(1, gt=0)  # vLLM sampler actors, each with the whole model
-    sampler_timeout_s: float = Field(600.0, gt=0.0)  # a sampler call slower than this counts as dead
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutConfig:
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        return self
-
-
-# ---------------------------------------------------------------------------- rl
-
-
-# The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
-GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
-
-
-class RLBatchConfig(Section):
-    """`rl.batch`: what one RL step samples and how it is cut into updates and packed rows."""
-
-    prompts_per_step: int = Field(4, gt=0)
-    num_generations: int = Field(4, gt=1)  # completions per prompt (the group)
-    num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
-    mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
-    pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
-    share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
-    pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = rollout.max_model_len
-    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
-    max_sampling_rounds: int = Field(4, gt=0)
-
-
-class RLLossConfig(Section):
-    """`rl.loss`: the clipped policy objective, its aggregation and the KL term (posttrain/losses)."""
-
-    epsilon: float = Field(0.2, ge=0.0)
-    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
-    dual_clip: float | None = Field(None, gt=1.0)
-    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
-    loss_agg: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = "token-mean"
-    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
-    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
-    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
-    # and verl); false: only where the policy term applies (Temper before 2026-11).
-    kl_every_token: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> RLLossConfig:
-        if self.epsilon_high < self.epsilon:
-            raise ValueError(f"rl.loss.epsilon_high ({self.epsilon_high}) must be >= rl.loss.epsilon ({self.epsilon})")
-        return self
-
-
-class AdvantageConfig(Section):
-    """`rl.advantage`: how a group's rewards become advantages (posttrain/advantages.py)."""
-
-    estimator: Literal["group_norm", "drgrpo", "rloo"] = "group_norm"
-    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
-
-
-class RLConfig(Section):
-    """GRPO / GSPO and their variants (posttrain/grpo.py; docs/grpo.md), by concern: `rl.batch`, `rl.loss`,
-    `rl.advantage`, and the prompts, async bound and evaluation here.
-
-    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
-    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
-    The policy starts from `checkpoint.init_from` (None: a random init, for tests).
-    """
-
-    algorithm: Literal["grpo", "gspo"] = "grpo"
-    prompt_template: str = "{question}"  # formatted with each dataset row
-    use_chat_template: bool = False
-    batch: RLBatchConfig = Field(default_factory=RLBatchConfig)
-    loss: RLLossConfig = Field(default_factory=RLLossConfig)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
-    accuracy_fn: str = "math_verify"  # reward function that defines "correct" (value > 0) for metrics / eval
-    eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
-    eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
-
-    @model_validator(mode="before")
-    @classmethod
-    def _algorithm_defaults(cls, data):
-        """Fill the clip range and aggregation the algorithm's paper uses where the user named none."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        loss = data.get("loss")
-        if isinstance(loss, BaseModel):
-            return data  # already built (a model_copy): its defaults were filled then
-        loss = dict(loss or {})
-        gspo = data.get("algorithm") == "gspo"
-        if loss.get("epsilon") is None:
-            loss["epsilon"] = GSPO_EPSILON if gspo else 0.2
-            if loss.get("epsilon_high") is None and gspo:
-                loss["epsilon_high"] = GSPO_EPSILON_HIGH
-        if loss.get("epsilon_high") is None:
-            loss["epsilon_high"] = loss["epsilon"]
-        if loss.get("loss_agg") is None:
-            loss["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
-        data["loss"] = loss
-        return data
-
-
-# ---------------------------------------------------------------------------- sft
-
-
-class SFTConfig(Section):
-    """Supervised fine-tuning (posttrain/sft.py; docs/sft.md)."""
-
-    # Train only on assistant / completion tokens (prompt, system and user tokens masked out).
-    completion_only_loss: bool = True
-    # At each evaluation (train.eval_every): greedy completions of this many held-out prompts, logged to
-    # run_dir/generations.jsonl (0: none).
-    eval_generations: int = Field(4, ge=0)
-    eval_max_new_tokens: int = Field(64, gt=0)
-
-
-# ---------------------------------------------------------------------------- dpo
-
-
-class DPOConfig(Section):
-    """Preference optimisation (posttrain/dpo.py, posttrain/losses/preference.py; docs/dpo.md)."""
-
-    loss_type: Literal["sigmoid", "robust", "ipo", "hinge", "exo_pair", "simpo", "orpo"] = "sigmoid"
-    beta: float = Field(0.1, gt=0.0)  # ORPO: the odds-ratio term's weight (lambda)
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # sigmoid (cDPO), robust, exo_pair, simpo
-    simpo_gamma: float = 0.5  # SimPO's target margin
-    rpo_alpha: float = Field(0.0, ge=0.0)  # weight of the chosen completion's mean NLL, any loss type
-    # Prompts keep their last tokens, completions their first (None: only data.seq_len bounds a pair).
-    max_prompt_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    # Score every pair with the reference once, before training, into run_dir/reference_logps.npz (reused on
-    # resume) and release the reference; False: score each batch live, the reference held in memory.
-    precompute_ref_logps: bool = False
-    # Online DPO (posttrain/online_dpo.py): pairs from the policy's own samples, the best and worst of
-    # rl.batch.num_generations per prompt by the reward functions, with the sampler, reward and rl.* settings GRPO
-    # reads; False: offline, pairs from data.source.
-    online: bool = False
-
-    @model_validator(mode="after")
-    def _check_smoothing(self) -> DPOConfig:
-        smoothed = ("sigmoid", "robust", "exo_pair", "simpo")  # posttrain.losses.preference.SMOOTHED
-        if self.label_smoothing > 0 and self.loss_type not in smoothed:
-            raise ValueError(
-                f"dpo.label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label smoothing "
-                f"(only {', '.join(smoothed)} do)"
-            )
-        return self
-
-
-# ------------------------------------------------------------------------ reward
-
-
-class RewardFn(Section):
-    """One reward function: a built-in name, `package.module:function`, `path/file.py:function` or an entry point.
-
-    Validation never imports it: a config read back from a run directory (a checkpoint) must not run
-    code. `core.config_loader.load_config` resolves every function once, so a typo fails at load.
-    """
-
-    fn: str
-    weight: float = 1.0
-    kwargs: dict = Field(default_factory=dict)
-
-
-class RewardConfig(Section):
-    functions: list[RewardFn] = Field(default_factory=list)
-    math_verify_timeout: float = Field(10.0, gt=0.0)
-    math_verify_num_procs: int = Field(2, gt=0)
-    # None: a completion a reward function failed on (raised, hung, NaN) drops its whole group from the loss.
-    # A number: score such failures as that value instead (an explicit opt-in).
-    failure_reward: float | None = None
 
 
 # ----------------------------------------------------------------------- logging
@@ -465,7 +283,10 @@ class ProfilerConfig(Section):
 
 
 class Config(Section):
-    """The whole job. Sections are nested, never merged."""
+    """The whole job of the core engine (pretraining). Sections are nested, never merged; post-training methods
+    add theirs in `posttrain.config.PostTrainConfig`. Each method checks what it needs of several sections at
+    once itself, before anything starts (`check` functions next to the method), so a job never fails on the
+    checks of a method it does not run."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -474,42 +295,21 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    rl: RLConfig = Field(default_factory=RLConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    dpo: DPOConfig = Field(default_factory=DPOConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
 
-    @model_validator(mode="after")
-    def _check_rl(self) -> Config:
-        """What an RL run needs of several sections at once, checked before anything starts."""
-        rl, rollout, batch = self.rl, self.rollout, self.rl.batch
-        updates = batch.mini_batches * self.train.micro_batches
-        completions = batch.prompts_per_step * batch.num_generations
-        if completions % updates:
-            raise ValueError(
-                f"rl.batch.prompts_per_step * rl.batch.num_generations ({batch.prompts_per_step} * "
-                f"{batch.num_generations} = {completions}) must be divisible by rl.batch.mini_batches * "
-                f"train.micro_batches ({batch.mini_batches} * {self.train.micro_batches} = {updates})"
-            )
-        if rollout.max_tokens >= rollout.max_model_len:
-            raise ValueError(
-                f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
-                f"({rollout.max_model_len}): a prompt needs at least one token of the model length"
-            )
-        if rl.off_policy_steps and rollout.sampler != "vllm":
-            raise ValueError(
-                f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
-                f"the JAX sampler shares the trainer's process"
-            )
-        if batch.pack_length and batch.pack_length < rollout.max_model_len:
-            raise ValueError(
-                f"rl.batch.pack_length ({batch.pack_length}) < rollout.max_model_len "
-                f"({rollout.max_model_len}): a full-length sequence would not fit in a row"
-            )
-        return self
+    def check_at_load(self, source: str) -> None:
+        """What loading a user's config checks beyond its schema (`core.config_loader.load_config`; never when a
+        config is read back from a run directory): every local path it names exists (a Hub id is resolved when the
+        run starts)."""
+        from core.hub import looks_like_hub_id
+
+        paths = {"checkpoint.init_from": self.checkpoint.init_from, "data.tokenizer_dir": self.data.tokenizer_dir}
+        if self.data.source is not None and not self.data.source.startswith("reasoning_gym:"):
+            paths["data.source"] = self.data.source
+        for key, value in paths.items():
+            if value is not None and not Path(value).exists() and not looks_like_hub_id(value):
+                raise MissingPath(f"{source}: {key}: {value} does not exist (and is not a Hugging Face Hub id)")
 
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

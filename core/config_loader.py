@@ -14,13 +14,13 @@ import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from core.config import Config, resolve_mesh_shape
-from core.errors import MissingPath, UserError
+from core.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESET_DIR = CONFIG_DIR / "models"
@@ -30,57 +30,52 @@ class ConfigError(UserError, ValueError):
     """A config that cannot be loaded; the message names the file (and line) or the dotted key."""
 
 
+C = TypeVar("C", bound=Config)
+
+
+@overload
+def load_config(
+    path: str | Path | None = None, overrides: Iterable[str] = (), *, num_devices: int | None = None
+) -> Config: ...
+
+
+@overload
 def load_config(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
     *,
     num_devices: int | None = None,
+    schema: type[C],
+) -> C: ...
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    num_devices: int | None = None,
+    schema: type[Config] = Config,
 ) -> Config:
-    """Read, merge, resolve and validate a config; resolve its reward functions and check that the paths it
-    names exist. `num_devices` also checks the mesh product. Every failure is a `ConfigError` (or a
-    `MissingPath`) naming the file, line or dotted key."""
+    """Read, merge, resolve and validate a config against `schema` (`core.config.Config` for pretraining,
+    `posttrain.config.PostTrainConfig` for the post-training methods), then run its load-time checks
+    (`check_at_load`: paths exist, reward functions resolve). `num_devices` also checks the mesh product. Every
+    failure is a `ConfigError` (or a `MissingPath`) naming the file, line or dotted key."""
     raw = _read_tree(Path(path)) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     _resolve_model_section(raw)
     source = str(path) if path is not None else "<defaults>"
     try:
-        cfg = Config.model_validate(raw)
+        cfg = schema.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_explain(err, source)) from None
+        raise ConfigError(_explain(err, source, schema)) from None
     if num_devices is not None:
         try:
             resolve_mesh_shape(cfg.mesh, num_devices)
         except ValueError as err:
             raise ConfigError(f"{source}: {err}") from None
-    check_reward_functions(cfg, source)
-    check_paths(cfg, source)
+    cfg.check_at_load(source)
     return cfg
-
-
-def check_reward_functions(cfg: Config, source: str = "<config>") -> None:
-    """Import every configured reward function once, so that a typo fails at load, not after a rollout.
-    (Only here: validating a config read back from a run directory never imports user code.)"""
-    from rewards.registry import UnknownReward, resolve
-
-    for i, fn in enumerate(cfg.reward.functions):
-        try:
-            resolve(fn.fn)
-        except UnknownReward as err:
-            raise ConfigError(f"{source}: reward.functions[{i}].fn: {err}") from None
-
-
-def check_paths(cfg: Config, source: str = "<config>") -> None:
-    """Every local path the config names must exist (checked at load, before any work starts)."""
-    paths = {
-        "checkpoint.init_from": cfg.checkpoint.init_from,
-        "data.tokenizer_dir": cfg.data.tokenizer_dir,
-    }
-    if cfg.data.source is not None and not cfg.data.source.startswith("reasoning_gym:"):
-        paths["data.source"] = cfg.data.source
-    for key, value in paths.items():
-        if value is not None and not Path(value).exists():
-            raise MissingPath(f"{source}: {key}: {value} does not exist")
 
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:
@@ -235,20 +230,14 @@ def _resolve_model_section(raw: dict[str, Any]) -> None:
     raw["model"] = _deep_merge(base, model)
 
 
-def _explain(err: ValidationError, source: str) -> str:
+def _explain(err: ValidationError, source: str, schema: type[BaseModel]) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        loc = [p for p in e["loc"] if not isinstance(p, int)]
         dotted = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            valid = sorted(_fields_at(loc[:-1]))
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=3, cutoff=0.5)
-            if not close:  # a key that moved into a sub-section (rl.num_generations -> rl.batch.num_generations)
-                section = ".".join(str(p) for p in loc[:-1])
-                inner = {f"{sub}.{k}": k for sub in valid for k in _fields_at([*loc[:-1], sub])}
-                leaf = difflib.get_close_matches(str(loc[-1]), list(inner.values()), n=3, cutoff=0.8)
-                close = [f"{section}.{dotted}" for dotted, k in inner.items() if k in leaf]
-            hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(valid)}"
+            loc = [str(p) for p in e["loc"] if not isinstance(p, int)]
+            close = suggestions(".".join(loc), schema)
+            hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(_fields_at(loc[:-1], schema))}"
             lines.append(f"  unknown key '{dotted}': {hint}")
         elif e["type"] == "value_error":  # a cross-field check: its message names the keys and values
             lines.append(f"  {dotted + ': ' if dotted else ''}{e['msg'].removeprefix('Value error, ')}")
@@ -259,9 +248,40 @@ def _explain(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def _fields_at(loc: list[Any]) -> list[str]:
-    """Valid field names of the section at a dotted location inside `Config`."""
-    cls: type[BaseModel] = Config
+def dotted_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of a config schema as a full dotted path: sections and the fields inside them."""
+    out = []
+    for name, field in schema.model_fields.items():
+        out.append(prefix + name)
+        sub = _model_in(field.annotation)
+        if sub is not None:
+            out += dotted_keys(sub, f"{prefix}{name}.")
+    return out
+
+
+def suggestions(key: str, schema: type[BaseModel]) -> list[str]:
+    """Full dotted keys that exist and look like the unknown dotted `key`: the same last name elsewhere
+    (`rl.num_generations` -> `rl.batch.num_generations`), a near spelling in the same section
+    (`model.hiden_size`), the same words joined otherwise (`run_dir`, `run.dir` -> `run.run_dir`)."""
+    keys = dotted_keys(schema)
+    parent, _, leaf = key.rpartition(".")
+
+    def squash(k: str) -> str:
+        return k.replace(".", "").replace("_", "").lower()
+
+    found = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    section = [k for k in keys if k.rpartition(".")[0] == parent]
+    found += [f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(
+        leaf, [k.rpartition(".")[2] for k in section], n=3, cutoff=0.75)]
+    found += [k for k in keys if squash(k) == squash(key) or squash(k.rpartition(".")[2]) == squash(key)]
+    if not found:
+        found = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    return list(dict.fromkeys(found))[:3]
+
+
+def _fields_at(loc: list[Any], schema: type[BaseModel]) -> list[str]:
+    """Valid field names of the section at a dotted location inside `schema`."""
+    cls: type[BaseModel] = schema
     for part in loc:
         field = cls.model_fields.get(str(part))
         if field is None:
@@ -284,9 +304,27 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def config_from_argv(argv: list[str], default: str | Path | None = None, *, num_devices: int | None = None) -> Config:
+@overload
+def config_from_argv(
+    argv: list[str], default: str | Path | None = None, *, num_devices: int | None = None
+) -> Config: ...
+
+
+@overload
+def config_from_argv(
+    argv: list[str], default: str | Path | None = None, *, num_devices: int | None = None, schema: type[C]
+) -> C: ...
+
+
+def config_from_argv(
+    argv: list[str],
+    default: str | Path | None = None,
+    *,
+    num_devices: int | None = None,
+    schema: type[Config] = Config,
+) -> Config:
     """`[CONFIG.yml] [key=value ...]` as recipes take them; the file defaults to `default`."""
     path: str | Path | None = default
     if argv and "=" not in argv[0]:
         path, argv = argv[0], argv[1:]
-    return load_config(path, argv, num_devices=num_devices)
+    return load_config(path, argv, num_devices=num_devices, schema=schema)

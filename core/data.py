@@ -1,42 +1,36 @@
-"""Grain input pipelines: records -> tokens and targets -> packed `PackedBatch`es, with resumable state.
+"""Data: rows from a source, read by a method's row format into token examples, in resumable Grain pipelines.
 
-    pipeline = make_pipeline(cfg.data, batch_size=8, records=rows, tokenizer_dir=tok, micro_batches=2)
+    records = load_records(cfg.data)                                    # the rows of data.source
+    examples = tokenize_examples(records, TextRows(), tokenizer, cfg.data)   # validated + tokenized, split
+    pipeline = make_pipeline(examples, cfg.data, batch_size=8, micro_batches=2)
     for item in pipeline:            # DataBatch: .batch (a core.batch.PackedBatch), .example_ids
         learner.update(item.batch, micro_batches=2)
 
 Sources (`data.source`):
 - a local file: `.jsonl` / `.json` / `.parquet` / `.arrow`, read with Hugging Face `datasets`;
-- a directory written by `datasets.Dataset.save_to_disk` (`load_from_disk`);
-- `reasoning_gym:TASK` (e.g. `reasoning_gym:basic_arithmetic`): `data.num_examples`
-  problems generated offline with seed `data.seed`;
+- a local directory: one written by `datasets.Dataset.save_to_disk`, or a dataset repository's files
+  (`datasets.load_dataset(dir, data.subset, split=data.split)`);
+- a Hugging Face Hub dataset id (`trl-lib/ultrafeedback_binarized`), resolved through the Hub cache
+  (`core.hub`; offline with `HF_HUB_OFFLINE=1`), then read as a directory; a local path of that name wins;
+- `reasoning_gym:TASK` (e.g. `reasoning_gym:basic_arithmetic`): `data.num_examples` problems generated offline
+  with seed `data.seed`;
 - in Python, any list of dicts.
+`data.columns` takes a field from another column (`{messages: conversations}`).
 
-Formats (`data.format`) and their targets (the tokens a loss scores, each
-predicted from the token before it):
-- `text`: the `data.text_field` column plus EOS; every token after the first.
-- `prompt_completion`: `prompt` + `completion` strings plus EOS; the completion
-  and its EOS (every token after the first without `completion_only_loss`).
-- `chat`: a `messages` list rendered with the tokenizer's own chat template;
-  every assistant turn with its end-of-turn token (`core.chat.render_chat`:
-  spans found by rendering prefix by prefix, any template).
+A method reads rows through its `RowFormat`: which fields a row needs (a malformed row is named: source, row,
+field, what is wrong) and how it becomes token ids and target positions (pretraining's text, SFT's prompt /
+completion and chat rows). Every row is validated and tokenized once, up front; a row that cannot be used
+raises `MalformedRow`, or with `data.skip_malformed` is skipped and counted (`Examples.skipped`). The last
+`data.eval_fraction` of the usable rows is held out (`held_out`, the one split every method uses).
 
-Every row is tokenized and validated once, up front. A row that cannot be used
-(missing field, wrong type, empty text, a template that cannot render it, or
-no target left after truncating to `data.seq_len` on `data.truncation_side`)
-raises `MalformedRow` naming the source, row index and what is wrong, or, with
-`data.skip_malformed`, is skipped and counted (`Pipeline.skipped`).
-
-Batches are `DataBatch`es: a `PackedBatch` with one scored sequence per row
-(its targets packed to the left of `[B, C]`, C <= seq_len, `target_index` local to
-each of `micro_batches` groups of rows) and `example_ids` `[B, L]` (the source
-row of every token, -1 on padding). With `data.packing` several examples share
-a row (Grain's first-fit packer), each with its own segment and positions; no
-token attends across examples. With `data.padding_free` (and no packing) each
-step still takes `batch_size` examples, but lays them first-fit decreasing into
-the fewest rows of `data.seq_len` (`core.packing.pack_rows`, segments as with
-packing), so the model runs on the examples' tokens rather than on rows padded
-to the longest: the same examples, loss and gradient as padded rows, in fewer
-rows. The iterator's state (`get_state` / `set_state`, or Orbax via
+Batches are `DataBatch`es: a `PackedBatch` with one scored sequence per row (its targets packed to the left of
+`[B, C]`, C <= seq_len, `target_index` local to each of `micro_batches` groups of rows) and `example_ids` `[B, L]`
+(the source row of every token, -1 on padding). With `data.packing` several examples share a row (Grain's
+first-fit packer), each with its own segment and positions; no token attends across examples. With
+`data.padding_free` (and no packing) each step still takes `batch_size` examples, but lays them first-fit
+decreasing into the fewest rows of `data.seq_len` (`core.packing.pack_rows`, segments as with packing), so the
+model runs on the examples' tokens rather than on rows padded to the longest: the same examples, loss and
+gradient as padded rows, in fewer rows. The iterator's state (`get_state` / `set_state`, or Orbax via
 `grain.checkpoint`) restores to the exact next batch.
 """
 
@@ -45,17 +39,20 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import grain
 import numpy as np
 
 from core.batch import PackedBatch
 from core.config import DataConfig
+from core.encoding import encode_document
 from core.errors import MissingPath, UserError
 from core.packing import Segment, pack_rows, round_up
 from core.shapes import bucketed_width
+
+T = TypeVar("T")
+B = TypeVar("B")
 
 
 class DataSourceError(UserError, ValueError):
@@ -69,44 +66,87 @@ class MalformedRow(UserError, ValueError):
 # ------------------------------------------------------------------ sources
 
 
-def load_records(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict]:
-    """Rows of a source as a random-access sequence of dicts."""
+def load_records(cfg: DataConfig, source: str | Sequence[dict] | None = None) -> Sequence[dict]:
+    """The rows of `source` (default `data.source`) as a random-access sequence of dicts, with `data.columns`
+    applied."""
+    source = cfg.source if source is None else source
+    if source is None:
+        raise DataSourceError("data.source is not set")
+    rows = _read_source(source, cfg)
+    return _with_columns(rows, cfg.columns, str(source) if isinstance(source, str) else "<records>")
+
+
+def _read_source(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict]:
     if not isinstance(source, str):
         return list(source)
     if source.startswith("reasoning_gym:"):
         return reasoning_gym_records(source.split(":", 1)[1], cfg.num_examples, cfg.seed)
     import datasets
 
-    path = Path(source)
+    from core.hub import resolve_dataset
+
+    path = resolve_dataset(source)
     if not path.exists():
-        raise MissingPath(f"data.source {source!r}: no such file or directory")
+        raise MissingPath(f"data.source {source!r}: no such file or directory (and not a Hugging Face Hub id)")
     if path.is_dir():
-        if (
-            (path / "dataset_info.json").exists()
-            or (path / "state.json").exists()
-            or (path / "dataset_dict.json").exists()
-        ):
+        if any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
             ds = datasets.load_from_disk(str(path))
-            return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-        raise DataSourceError(f"data.source {source!r} is a directory but not a `save_to_disk` dataset")
+            return ds[cfg.split] if isinstance(ds, datasets.DatasetDict) else ds
+        return _read(lambda: datasets.load_dataset(str(path), cfg.subset, split=cfg.split), source, "a dataset")
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
     if path.suffix not in builders:
         raise DataSourceError(f"data.source {source!r}: unsupported file type {path.suffix!r}; use {sorted(builders)}")
+    builder = builders[path.suffix]
+    return _read(lambda: datasets.load_dataset(builder, data_files=str(path), split="train"), source, builder)
+
+
+def _read(load, source: str, what: str):
     try:
-        return datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+        return load()
     except Exception as err:
         cause = err.__cause__ or err
         raise DataSourceError(
-            f"data.source {source!r}: cannot be read as {builders[path.suffix]} "
+            f"data.source {source!r}: cannot be read as {what} "
             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
         ) from None
+
+
+def _with_columns(rows: Sequence[dict], columns: dict[str, str], source: str) -> Sequence[dict]:
+    """Every row with field `ours` taken from column `theirs`, for each `ours: theirs` of `data.columns`."""
+    if not columns:
+        return rows
+    names = getattr(rows, "column_names", None) or (sorted(rows[0]) if len(rows) else [])
+    missing = [theirs for theirs in columns.values() if theirs not in names]
+    if missing:
+        raise DataSourceError(
+            f"data.source {source!r}: data.columns names {missing}, which the rows do not have (columns: {names}); "
+            f"set data.columns to map the rows' own columns, or data.columns={{}} when they already hold the fields"
+        )
+    return _Renamed(rows, columns)
+
+
+class _Renamed(Sequence):
+    """A read-only view of rows with fields copied from other columns (`data.columns`)."""
+
+    def __init__(self, rows: Sequence[dict], columns: dict[str, str]):
+        self.rows, self.columns = rows, columns
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = dict(self.rows[i])
+        for ours, theirs in self.columns.items():
+            row[ours] = row[theirs]
+        return row
 
 
 def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) -> list[dict]:
     """Problems generated offline by reasoning-gym: question, answer, the task's metadata as JSON (the
     `reasoning_gym` reward scores with the task's own checker from it), and the problem in every
-    `data.format`: `text`, `prompt` / `completion`, a system + user + assistant `messages` chat, and a
-    preference pair (`prompt`, `chosen` = the completion, `rejected` = a near miss, `near_miss`).
+    `data.format`: `text`, `prompt` / `completion`, a system + user + assistant `messages` chat, and a wrong
+    completion close to the right one (`wrong_completion`, a near miss: e.g. the rejected side of a preference
+    pair, `data.columns={chosen: completion, rejected: wrong_completion}`).
     `task_options` go to the task's dataset config (e.g. `max_digits=2`)."""
     import random
 
@@ -126,8 +166,7 @@ def reasoning_gym_records(task: str, size: int, seed: int, **task_options: Any) 
                 {"role": "user", "content": e["question"]},
                 {"role": "assistant", "content": str(e["answer"])},
             ],
-            "chosen": f" {e['answer']}",
-            "rejected": f" {near_miss(str(e['answer']), rng)}",
+            "wrong_completion": f" {near_miss(str(e['answer']), rng)}",
             "metadata": json.dumps(e["metadata"], default=str),
         }
         for e in ds
@@ -146,27 +185,26 @@ def near_miss(answer: str, rng: Any) -> str:
     return str(value + rng.choice([-10, -2, -1, 1, 2, 10]))
 
 
-# --------------------------------------------------------------- validation
+# ---------------------------------------------------------------- row formats
 
 
-def _problem(row: Any, cfg: DataConfig) -> tuple[str, str] | None:
-    """(field, what is wrong) for a malformed row, or None."""
+class RowFormat(Protocol):
+    """How a method reads a row: what makes it malformed, and its token ids and target positions."""
+
+    def problem(self, row: dict) -> tuple[str, str] | None:
+        """(field, what is wrong) for a row that cannot be used, or None."""
+        ...
+
+    def tokenize(self, row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """(token ids, positions of the target tokens) before truncation; a `UserError` for a row that cannot be
+        tokenized (a chat template that cannot render it)."""
+        ...
+
+
+def string_fields_problem(row: Any, fields: Sequence[str]) -> tuple[str, str] | None:
+    """The first of `fields` that is missing, not a string or empty, as (field, what is wrong)."""
     if not isinstance(row, dict):
         return "<row>", f"expected a mapping, got {type(row).__name__}"
-    if cfg.format == "text":
-        fields = [cfg.text_field]
-    elif cfg.format == "prompt_completion":
-        fields = ["prompt", "completion"]
-    else:
-        msgs = row.get("messages")
-        if msgs is None:
-            return "messages", "missing"
-        if not isinstance(msgs, list) or not msgs:
-            return "messages", f"expected a non-empty list, got {type(msgs).__name__}"
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return f"messages[{j}]", "expected {role: str, content: str}"
-        return None
     for name in fields:
         if name not in row or row[name] is None:
             return name, "missing"
@@ -177,21 +215,33 @@ def _problem(row: Any, cfg: DataConfig) -> tuple[str, str] | None:
     return None
 
 
-def validate(records: Sequence[dict], cfg: DataConfig, source: str) -> tuple[list[int], list[str]]:
-    """Indices of usable rows and a description of each skipped one (raises unless skipping)."""
-    keep, skipped = [], []
-    for i in range(len(records)):
-        bad = _problem(records[i], cfg)
-        if bad is None:
-            keep.append(i)
-            continue
-        message = f"{source}: row {i}: field '{bad[0]}': {bad[1]}"
-        if not cfg.skip_malformed:
-            raise MalformedRow(message + " (set data.skip_malformed=true to skip such rows)")
-        skipped.append(message)
-    if not keep:
-        raise MalformedRow(f"{source}: no usable rows ({len(skipped)} malformed)")
-    return keep, skipped
+def messages_problem(row: Any, field: str = "messages") -> tuple[str, str] | None:
+    """What is wrong with a chat field: a non-empty list of {role: str, content: str} (other string fields such as
+    `reasoning_content` or `thinking` ride along to the template)."""
+    if not isinstance(row, dict):
+        return "<row>", f"expected a mapping, got {type(row).__name__}"
+    msgs = row.get(field)
+    if msgs is None:
+        return field, "missing"
+    if not isinstance(msgs, list) or not msgs:
+        return field, f"expected a non-empty list, got {type(msgs).__name__}"
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"{field}[{j}]", "expected {role: str, content: str}"
+    return None
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """Pretraining text: the `text` field as a document (`core.encoding.encode_document`: the tokenizer's BOS, the
+    text, EOS); every token after the first is a target."""
+
+    def problem(self, row: dict) -> tuple[str, str] | None:
+        return string_fields_problem(row, ["text"])
+
+    def tokenize(self, row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+        ids = encode_document(tokenizer, row["text"])
+        return ids, list(range(1, len(ids)))
 
 
 # ---------------------------------------------------------------- tokenising
@@ -203,29 +253,16 @@ class Example:
     targets: np.ndarray  # [n] int32: 1 where the token is a target (never at position 0)
 
 
-def _load_tokenizer(tokenizer_dir: str):
+def load_tokenizer(tokenizer_dir: str):
+    """A Hugging Face tokenizer from a directory (or a Hub model id, `core.hub`)."""
     from transformers import AutoTokenizer
 
-    if not Path(tokenizer_dir).is_dir():
+    from core.hub import resolve_model
+
+    path = resolve_model(tokenizer_dir, "data.tokenizer_dir")
+    if not path.is_dir():
         raise MissingPath(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-def token_targets(row: dict, tok: Any, cfg: DataConfig, completion_only: bool) -> tuple[list[int], list[int]]:
-    """(token ids, target positions) of one row in `cfg.format`, before truncation."""
-    if cfg.format == "text":
-        ids = tok(row[cfg.text_field], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return ids, list(range(1, len(ids)))
-    if cfg.format == "prompt_completion":
-        prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
-        completion = tok(row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids = prompt + completion
-        first = len(prompt) if completion_only else 1
-        return ids, list(range(max(first, 1), len(ids)))
-    from core.chat import render_chat
-
-    ids, targets = render_chat(tok, row["messages"])
-    return ids, targets if completion_only else list(range(1, len(ids)))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def truncate(ids: list[int], targets: list[int], length: int, side: str) -> tuple[list[int], list[int]]:
@@ -239,20 +276,41 @@ def truncate(ids: list[int], targets: list[int], length: int, side: str) -> tupl
     return ids[cut:], [k - cut for k in targets if k - cut >= 1]
 
 
-def tokenize_rows(
-    records: Sequence[dict], keep: Sequence[int], tok: Any, cfg: DataConfig, completion_only: bool, source: str
-) -> tuple[dict[int, Example], list[str]]:
-    """Every kept row as an `Example` (by row index), and a description of each row skipped for having no target
-    (raises unless `data.skip_malformed`)."""
-    from core.chat import ChatTemplateError
+def held_out(items: Sequence[T], fraction: float) -> tuple[list[T], list[T]]:
+    """(training part, held-out part): the last `round(fraction * n)` items are held out. The one split every
+    method uses (rows, pairs, prompts), so that a method's evaluation never sees a training row."""
+    n_eval = round(fraction * len(items))
+    return list(items[: len(items) - n_eval]), list(items[len(items) - n_eval :])
 
-    examples, skipped = {}, []
-    for i in keep:
-        try:
-            ids, targets = token_targets(records[i], tok, cfg, completion_only)
-            problem = None
-        except ChatTemplateError as err:
-            problem = f"chat template: {err}"
+
+@dataclass
+class Examples:
+    """Every usable row of a source as an `Example`, split into training and held-out rows."""
+
+    by_row: dict[int, Example]  # source row -> its example
+    train: list[int]  # source rows of the training split, in order
+    eval: list[int]  # source rows of the held-out split
+    skipped: list[str] = field(default_factory=list)  # a description of each row left out
+    source: str = "<records>"
+
+
+def tokenize_examples(
+    records: Sequence[dict], rows: RowFormat, tokenizer: Any, cfg: DataConfig, source: str | None = None
+) -> Examples:
+    """Validate and tokenize every row (truncated to `data.seq_len` on `data.truncation_side`), then hold out the
+    last `data.eval_fraction` of the usable ones. A row that cannot be used raises `MalformedRow` naming it, or is
+    skipped and counted with `data.skip_malformed`."""
+    source = source or (cfg.source if isinstance(cfg.source, str) else None) or "<records>"
+    by_row, skipped = {}, []
+    for i in range(len(records)):
+        row = records[i]
+        bad = rows.problem(row)
+        problem = f"field '{bad[0]}': {bad[1]}" if bad is not None else None
+        if problem is None:
+            try:
+                ids, targets = rows.tokenize(row, tokenizer)
+            except UserError as err:
+                problem = str(err)
         if problem is None:
             ids, targets = truncate(ids, targets, cfg.seq_len, cfg.truncation_side)
             if not targets:
@@ -268,8 +326,13 @@ def tokenize_rows(
             continue
         mask = np.zeros(len(ids), np.int32)
         mask[targets] = 1
-        examples[i] = Example(np.asarray(ids, np.int32), mask)
-    return examples, skipped
+        by_row[i] = Example(np.asarray(ids, np.int32), mask)
+    if not by_row:
+        raise MalformedRow(f"{source}: no usable rows ({len(skipped)} malformed)")
+    train, held = held_out(sorted(by_row), cfg.eval_fraction)
+    if not train:
+        raise DataSourceError(f"{source}: no training rows left after data.eval_fraction={cfg.eval_fraction}")
+    return Examples(by_row, train, held, skipped, source)
 
 
 def _element(index: int, example: Example) -> dict[str, np.ndarray]:
@@ -337,12 +400,12 @@ def _from_packed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class DataBatch:
-    """A pipeline's item: what the model trains on, and where it came from."""
+class DataBatch(Generic[B]):
+    """A pipeline's item: what the model trains on (a `PackedBatch`, or a method's batch holding one), and the
+    source rows it came from (the method says at what granularity: every token's row here, `[B, L]`, -1 on
+    padding)."""
 
-    # A PackedBatch, or a method's batch holding one (posttrain.pairs.PairBatch); `.tokens` is [R, L] either way.
-    batch: Any
-    # The source row of every token, -1 on padding ([B, L]); for pair batches, of every pair slot ([P]).
+    batch: B
     example_ids: np.ndarray
 
 
@@ -381,24 +444,21 @@ def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
 
 @dataclass
 class Pipeline:
-    """A batched Grain dataset plus what validation found."""
+    """A batched Grain dataset of one split, and the source rows it holds."""
 
     dataset: grain.IterDataset
-    num_rows: int
-    skipped: list[str] = field(default_factory=list)
+    rows: list[int]  # the source rows of this split (this process's share)
 
     def __iter__(self):
         return iter(self.dataset)
 
 
 def make_pipeline(
+    examples: Examples,
     cfg: DataConfig,
     batch_size: int,
     *,
-    records: Sequence[dict] | None = None,
-    tokenizer_dir: str | None = None,
     split: str = "train",
-    completion_only: bool = True,
     micro_batches: int = 1,
     row_multiple: int = 1,
     process_index: int = 0,
@@ -406,41 +466,23 @@ def make_pipeline(
 ) -> Pipeline:
     """Training split: shuffled, repeated forever, packed or padded. Eval split: one pass, in order.
 
-    `data.eval_fraction` of the rows (the last ones) form the eval split.
-    Rows are sharded across JAX processes (`process_index::process_count`)
-    after validation, so every process sees a disjoint part. `micro_batches`
-    is the train step's: target indices are local to each micro-batch. With
-    `data.padding_free` a micro-batch's row count is a multiple of
-    `row_multiple` (the data-parallel size, so that rows split evenly).
+    Rows are sharded across JAX processes (`process_index::process_count`), so every process sees a disjoint
+    part. `micro_batches` is the train step's: target indices are local to each micro-batch. With
+    `data.padding_free` a micro-batch's row count is a multiple of `row_multiple` (the data-parallel size, so
+    that rows split evenly).
     """
-    source = cfg.source or "<records>"
-    if records is None:
-        if cfg.source is None:
-            raise DataSourceError("data.source is not set")
-        records = load_records(cfg.source, cfg)
-    tokenizer_dir = tokenizer_dir or cfg.tokenizer_dir
-    if tokenizer_dir is None:
-        raise DataSourceError("data.tokenizer_dir is not set")
     if batch_size % micro_batches:
         raise ValueError(f"batch size {batch_size} is not divisible by {micro_batches} micro-batches")
-    keep, skipped = validate(records, cfg, str(source))
-    n_eval = round(cfg.eval_fraction * len(keep))
-    keep = keep[len(keep) - n_eval :] if split == "eval" else keep[: len(keep) - n_eval]
-    keep = keep[process_index::process_count]
-    if not keep:
-        raise DataSourceError(f"{source}: the {split} split is empty (eval_fraction={cfg.eval_fraction})")
-    examples, no_targets = tokenize_rows(records, keep, _load_tokenizer(tokenizer_dir), cfg, completion_only, source)
-    skipped += no_targets
-    usable = sorted(examples)
+    usable = (examples.train if split == "train" else examples.eval)[process_index::process_count]
     if not usable:
-        raise MalformedRow(f"{source}: no usable rows in the {split} split ({len(skipped)} malformed)")
-
+        raise DataSourceError(f"{examples.source}: the {split} split is empty (data.eval_fraction={cfg.eval_fraction})")
+    by_row = examples.by_row
     ds = grain.MapDataset.source(usable)
     if split == "train":
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         ds = ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
-    it = ds.map(lambda i: _element(i, examples[i])).to_iter_dataset()
+    it = ds.map(lambda i: _element(i, by_row[i])).to_iter_dataset()
     if cfg.packing and split == "train":
         lengths = {"tokens": cfg.seq_len, "loss_mask": cfg.seq_len, "example_ids": cfg.seq_len}
         it = grain.experimental.FirstFitPackIterDataset(
@@ -453,4 +495,4 @@ def make_pipeline(
     else:
         it = it.map(lambda e: _pad_row(e, cfg.seq_len)).batch(batch_size, drop_remainder=split == "train")
     it = it.map(lambda rows: to_data_batch(rows, micro_batches if split == "train" else 1))
-    return Pipeline(it, len(usable), skipped)
+    return Pipeline(it, list(usable))

@@ -7,11 +7,11 @@
     learner.save(checkpointer, cfg, data_iterator, extra); learner.restore_latest(checkpointer, cfg, data_iterator)
     learner.export_hf("run/hf", tokenizer_dir)
 
-Every method trains through one: pretraining and SFT in `core.loop.Trainer`,
-GRPO inside its trainer (`posttrain.grpo`), which adds the frozen reference
-and pi_old passes around it. Each batch shape is compiled once, ahead of time
-(`update` reports the first compilation's XLA memory analysis in
-`last_compile`), and executed with the state donated.
+Every method trains through one: the offline methods in `core.loop.TrainLoop`, the on-policy ones inside their
+policy learner (`posttrain.onpolicy.learner.PolicyLearner`), which adds the frozen models' and pi_old's passes
+around it. Each batch shape is compiled once, ahead of time (`update` reports the first compilation's XLA memory
+analysis in `last_compile`), and executed with the state donated. An update whose loss or gradient is not finite
+is never applied (`core.train`); `apply_nan_policy` is what every loop then does about it (`train.nan_policy`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
+from core.errors import TemperError
 from core.models import Decoder
 from core.optim import make_optimizer, make_schedule
 from core.train import (
@@ -38,6 +39,23 @@ from core.train import (
     place_batch,
     split_micro_batches,
 )
+
+
+class NonFiniteLoss(TemperError, FloatingPointError):
+    """An update's loss or gradient was not finite under `train.nan_policy=abort` (the update was not applied)."""
+
+
+def apply_nan_policy(metrics: dict[str, float], policy: str, where: str) -> bool:
+    """What a loop does about an update (`Learner.update`'s metrics): True when it was applied or had nothing to
+    apply; False when it was not finite and `policy` is `skip` (said on the console); `abort` raises
+    `NonFiniteLoss` (the caller saves a checkpoint of the state without it first)."""
+    if metrics["finite"]:
+        return True
+    what = f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; the update was not applied"
+    if policy == "abort":
+        raise NonFiniteLoss(what)
+    print(f"{what} (train.nan_policy=skip)", flush=True)
+    return False
 
 
 class Learner:

@@ -1,38 +1,38 @@
-"""The training loop: a `core.learner.Learner`'s update on each batch, then hooks that own their cadence.
+"""The offline training loop: a `core.learner.Learner`'s update on each batch, then hooks that own their cadence.
 
     learner = Learner(model, mesh, nll_loss, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
-    trainer = Trainer(cfg, learner, train_pipeline, eval_data_fn=..., tokenizer_dir=..., hooks=[...])
-    state = trainer.fit()
+    loop = TrainLoop(cfg, learner, train_pipeline, evaluation=Evaluation(...), tokenizer_dir=..., hooks=[...])
+    state = loop.fit()
 
-Pretraining and SFT (and every offline method) run here: the data yields
-`core.data.DataBatch`es, the learner trains on their `PackedBatch`. A restart
-on the same `run.run_dir` resumes from the latest checkpoint that restores
-(parameters, optimizer, step, RNG and data-iterator position). SIGTERM saves a
-checkpoint and returns cleanly. A non-finite loss or gradient never reaches
-the parameters; `train.nan_policy` then either skips the step or aborts after
-making sure a checkpoint of the last good state exists.
+Every offline method runs here (pretraining, SFT, offline DPO; `core.run.build_run` assembles the loop from a
+method): the data yields `core.data.DataBatch`es, the method's `prepare` turns each into what its loss reads
+(attaching a frozen model's log-probs, say; default: the batch itself), the learner trains on it. The built-in
+hooks log (`train.log_every`), evaluate (`train.eval_every`: the loss and the loss's own metrics, as means over
+the held-out split, plus what the method derives from them) and checkpoint (`checkpoint.every_steps`); a
+method adds its own. A restart on the same `run.run_dir` resumes from the latest checkpoint that restores
+(parameters, optimizer, step, RNG and data-iterator position). SIGTERM saves a checkpoint and returns cleanly.
+A non-finite loss or gradient never reaches the parameters; `train.nan_policy` (`core.learner.apply_nan_policy`,
+the on-policy methods' too) then either skips the step or aborts after making sure a checkpoint of the last good
+state exists.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
 
-from core.batch import pad_rows
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
 from core.data import DataBatch
-from core.errors import TemperError
-from core.learner import Learner
+from core.learner import Learner, NonFiniteLoss, apply_nan_policy
 from core.metrics import (
     MetricsLogger,
     device_memory,
@@ -47,38 +47,59 @@ from core.models import param_count
 from core.train import TrainState
 
 
-class NonFiniteLoss(TemperError, FloatingPointError):
-    """Raised under `train.nan_policy=abort`; a checkpoint of the last good state has been written."""
+__all__ = ["Evaluation", "Hook", "NonFiniteLoss", "Prepare", "TrainLoop"]
+
+H = TypeVar("H")
 
 
 @dataclass
-class Hook:
-    """Runs `fn(trainer, step)` after every `every`-th step (never when `every` is 0)."""
+class Hook(Generic[H]):
+    """Runs `fn(owner, step)` after every `every`-th step (never when `every` is 0): the owner is the loop that
+    runs it (a `TrainLoop`, or the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun`)."""
 
     name: str
     every: int
-    fn: Callable[[Trainer, int], None]
+    fn: Callable[[H, int], None]
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
 
-class Trainer:
+# (a pipeline's item, the packing groups its rows form: train.micro_batches when training, 1 when evaluating)
+# -> what the method's loss reads.
+Prepare = Callable[[DataBatch, int], Any]
+
+
+def _as_is(data: DataBatch, groups: int) -> Any:
+    return data.batch
+
+
+@dataclass
+class Evaluation:
+    """The held-out evaluation of an offline method: one pass over `batches()`, each prepared as for training,
+    the loss and every metric the loss sums reported as means over the split (`eval/loss`, `eval/<metric>`),
+    plus what `derive` computes from those means (the perplexity of a next-token loss)."""
+
+    batches: Callable[[], Iterable[DataBatch]]
+    derive: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+
+class TrainLoop:
     def __init__(
         self,
         cfg: Config,
         learner: Learner,
         train_data: Iterable,
         *,
-        eval_data_fn: Callable[[], Iterable] | None = None,
+        evaluation: Evaluation | None = None,
         tokenizer_dir: str | None = None,
         on_batch: Callable[[int, object], None] | None = None,
-        prepare: Callable[[DataBatch], Any] | None = None,
+        prepare: Prepare = _as_is,
         hooks: Sequence[Hook] = (),
     ):
         """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
-        `prepare(data_batch)` turns it into what the learner trains on (default: its `.batch`), inside the timed
-        step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
+        `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
+        timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
         checkpoint hooks."""
         self.cfg = cfg
         self.learner = learner
@@ -86,7 +107,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.run_dir)
         self.total_steps = cfg.train.steps
         self.tokenizer_dir = tokenizer_dir
-        self.eval_data_fn = eval_data_fn
+        self.evaluation = evaluation
         self.on_batch = on_batch
         self.prepare = prepare
         save_config(cfg, self.run_dir)
@@ -115,10 +136,10 @@ class Trainer:
             mesh=dict(self.mesh.shape),
             versions=library_versions(),
         )
-        self.hooks = [
-            Hook("log", cfg.train.log_every, Trainer._log),
-            Hook("eval", cfg.train.eval_every if eval_data_fn else 0, Trainer._evaluate),
-            Hook("checkpoint", cfg.checkpoint.every_steps if self.ckpt else 0, Trainer._checkpoint),
+        self.hooks: list[Hook] = [
+            Hook("log", cfg.train.log_every, TrainLoop._log),
+            Hook("eval", cfg.train.eval_every if evaluation else 0, TrainLoop._evaluate),
+            Hook("checkpoint", cfg.checkpoint.every_steps if self.ckpt else 0, TrainLoop._checkpoint),
             *hooks,
         ]
         self._window: list[dict] = []
@@ -160,7 +181,7 @@ class Trainer:
             self.on_batch(step, data)
         micro = self.cfg.train.micro_batches
         start = time.perf_counter()
-        batch = data.batch if self.prepare is None else self.prepare(data)
+        batch = self.prepare(data, micro)
         prepare_seconds = time.perf_counter() - start
         if not self._compiled:  # compile time is not step time
             print(self.learner.compile(batch, micro), flush=True)
@@ -184,19 +205,15 @@ class Trainer:
         return metrics
 
     def _non_finite(self, step: int, metrics: dict) -> None:
-        if self.cfg.train.nan_policy == "skip":
-            print(
-                f"step {step}: non-finite loss {metrics['loss']} / grad norm {metrics['grad_norm']}: update skipped",
-                flush=True,
-            )
-            return
-        self._save_if_new()
-        where = f" ({self.ckpt.directory})" if self.ckpt else ""
-        raise NonFiniteLoss(
-            f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}: the update was not applied. "
-            f"Checkpoint {step}{where} holds the last good parameters and optimizer state, with the data "
-            f"positioned after the bad batch. Set train.nan_policy=skip to skip such steps."
-        )
+        try:
+            apply_nan_policy(metrics, self.cfg.train.nan_policy, f"step {step}")
+        except NonFiniteLoss as err:
+            self._save_if_new()
+            where = f" ({self.ckpt.directory})" if self.ckpt else ""
+            raise NonFiniteLoss(
+                f"{err}. Checkpoint {step}{where} holds the last good parameters and optimizer state, with the data "
+                f"positioned after the bad batch. Set train.nan_policy=skip to skip such steps."
+            ) from None
 
     # ----------------------------------------------------------------- hooks
 
@@ -210,15 +227,22 @@ class Trainer:
         self.logger.log(step, means)
 
     def _evaluate(self, step: int) -> None:
-        """Mean loss per target over the eval split (and its exponential, the perplexity)."""
-        assert self.eval_data_fn is not None  # the hook is registered only with one
-        total = denom = 0.0
-        for data in self.eval_data_fn():
-            loss_sum, sums = self.learner.evaluate(pad_rows(data.batch, self.cfg.train.batch_size))
-            total += loss_sum
-            denom += sums["loss_denominator"]
-        loss = total / max(denom, 1.0)
-        self.logger.log(step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}, console=True)
+        self.logger.log(step, self.evaluate(), console=True)
+
+    def evaluate(self) -> dict[str, float]:
+        """`eval/loss` and `eval/<metric>`: the loss's sums over the held-out split, each divided by the summed
+        denominator (a mean per target token, per pair, ...), and what the method derives from them."""
+        assert self.evaluation is not None  # the hook is registered only with one
+        totals: dict[str, float] = {}
+        for data in self.evaluation.batches():
+            loss_sum, sums = self.learner.evaluate(self.prepare(data, 1))
+            for k, v in {"loss": loss_sum, **sums}.items():
+                totals[k] = totals.get(k, 0.0) + v
+        n = max(totals.pop("loss_denominator", 0.0), 1.0)
+        means = {k: v / n for k, v in totals.items()}
+        if self.evaluation.derive is not None:
+            means.update(self.evaluation.derive(means))
+        return {f"eval/{k}": v for k, v in means.items()}
 
     def _checkpoint(self, step: int) -> None:
         self._save_if_new()

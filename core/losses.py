@@ -1,6 +1,7 @@
 """The next-token loss on a packed batch's targets: pretraining (every token) and SFT (assistant tokens) alike.
 
     loss_sum, sums = nll_loss(model, batch, rng)     # the core.train contract; sums["loss_denominator"]
+    perplexity({"loss": 2.3})                        # what an evaluation derives from the mean loss
 
 The sum runs over every target of the micro-batch and the denominator is
 their count, so the train step divides once by the targets of the whole global
@@ -8,6 +9,8 @@ batch: micro-batching and packing leave the gradient unchanged.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,3 +25,8 @@ def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> tuple[jax.Array, dict
     logp, _ = target_logprobs(model, batch, entropy=False)
     mask = batch.target_mask.astype(jnp.float32)
     return -(logp * mask).sum(), {"loss_denominator": mask.sum()}
+
+
+def perplexity(means: dict[str, float]) -> dict[str, float]:
+    """exp(mean NLL per target) from a held-out evaluation's means (capped: exp(50) already says "diverged")."""
+    return {"perplexity": math.exp(min(means["loss"], 50.0))}

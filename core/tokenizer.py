@@ -69,10 +69,24 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     return out
 
 
-def tokenizer_for_run(tokenizer_dir: str | None, texts: Iterable[str], run_dir: str | Path, vocab_size: int) -> str:
-    """`tokenizer_dir` if set; else a BPE tokenizer trained on `texts` into `run_dir/tokenizer` (reused on resume)."""
+def tokenizer_for_run(
+    tokenizer_dir: str | None,
+    texts: Iterable[str],
+    run_dir: str | Path,
+    vocab_size: int,
+    init_from: str | None = None,
+) -> str:
+    """The run's tokenizer directory: `tokenizer_dir` if set (a Hub id is resolved, `core.hub`); else the initial
+    checkpoint's, when it is a Hugging Face directory with a tokenizer (or a Temper run that recorded one); else a
+    BPE tokenizer trained on `texts` into `run_dir/tokenizer` (reused on resume)."""
+    from core.hub import resolve_model
+
     if tokenizer_dir is not None:
-        return str(tokenizer_dir)
+        return str(resolve_model(tokenizer_dir, "data.tokenizer_dir"))
+    if init_from is not None:
+        found = checkpoint_tokenizer(init_from)
+        if found is not None:
+            return found
     out = Path(run_dir) / "tokenizer"
     if not (out / "tokenizer.json").exists():
         build_tokenizer(texts, out, vocab_size=vocab_size)
@@ -92,3 +106,36 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def checkpoint_tokenizer(init_from: str) -> str | None:
+    """The tokenizer that came with a checkpoint: an HF directory's own (or a Hub id's), a Temper run's
+    `tokenizer/` or the `data.tokenizer_dir` its saved config names; None when there is none."""
+    from core.hub import resolve_model
+
+    path = resolve_model(init_from, "checkpoint.init_from")
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        return str(path)
+    if (path / "tokenizer" / "tokenizer.json").exists():
+        return str(path / "tokenizer")
+    saved = path / "config.yaml"
+    if saved.exists():
+        import yaml
+
+        named = (yaml.safe_load(saved.read_text()) or {}).get("data", {}).get("tokenizer_dir")
+        if named and Path(named).exists():
+            return str(named)
+    return None
+
+
+def check_vocab(vocab_size: int, tokenizer_dir: str) -> None:
+    """The model's embedding must cover every token id of the tokenizer (a larger, padded embedding is fine)."""
+    from transformers import AutoTokenizer
+
+    from core.config_loader import ConfigError
+
+    n = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    if n > vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)"
+        )

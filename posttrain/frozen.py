@@ -1,12 +1,16 @@
 """Models that do not train beside the one that does: a reference (GRPO's KL, DPO) or a teacher (distillation).
 
     reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")   # the start, held still
+    teacher = FrozenModel.load("Qwen/Qwen2.5-1.5B-Instruct", mesh, "teacher")    # any checkpoint, its own shape
     logp = reference.logprobs(batch, groups=4)          # [B, C] float32 on the host, one packing group at a time
     logp = grouped_logprobs(logprob_pass(graphdef, 1.0), params, batch, groups, mesh)   # the same, any parameters
 
-Log-probs are computed live, per batch, by one jitted pass over the packed
-batch's targets (`core.targets.target_logprobs`), a packing group (one
-micro-batch's rows) at a time so that memory stays that of one micro-batch.
+A frozen model is either a copy of the learner's starting parameters (a reference) or read from any checkpoint
+with the shape it was saved with (an HF directory, a Hub id, a Temper run: `core.checkpoint.load_model_from`;
+a teacher larger or smaller than the learner, `cfg` its model config). Log-probs are computed live, per batch,
+by one jitted pass over the packed batch's targets (`core.targets.target_logprobs`), a packing group (one
+micro-batch's rows) at a time so that memory stays that of one micro-batch; `posttrain.token_store` keeps
+values computed once instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from core.batch import PackedBatch
+from core.config import ModelConfig
 from core.targets import target_logprobs
 from core.train import place_batch, split_micro_batches
 
@@ -51,13 +56,35 @@ class FrozenModel:
     params: nnx.State
     mesh: Mesh
     _pass: Callable
+    cfg: ModelConfig | None = None  # its shape (vocabulary, layers, width)
 
     @classmethod
-    def copy_of(cls, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh, name: str, temperature: float = 1.0):
+    def copy_of(
+        cls,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        mesh: Mesh,
+        name: str,
+        temperature: float = 1.0,
+        cfg: ModelConfig | None = None,
+    ) -> FrozenModel:
         """A frozen copy of `params` (the trainer's next update donates its own buffers)."""
         with jax.set_mesh(mesh):
             copied = jax.tree.map(jnp.copy, params)
-        return cls(name, copied, mesh, logprob_pass(graphdef, temperature))
+        return cls(name, copied, mesh, logprob_pass(graphdef, temperature), cfg)
+
+    @classmethod
+    def load(
+        cls, path: str, mesh: Mesh, name: str, temperature: float = 1.0, dtype: str = "float32"
+    ) -> FrozenModel:
+        """A model read from `path` (an HF directory, a Hub model id, a Temper run or checkpoint) with its own
+        shape, placed on `mesh` by its logical axes. Reading never imports code the directory names."""
+        from core.checkpoint import load_model_from
+
+        with jax.set_mesh(mesh):
+            model = load_model_from(path, mesh, dtype=dtype)
+        graphdef, params = nnx.split(model)
+        return cls(name, params, mesh, logprob_pass(graphdef, temperature), model.cfg)
 
     def logprobs(self, batch: PackedBatch, groups: int) -> np.ndarray:
         """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target."""

@@ -1,184 +1,133 @@
-"""GRPO / GSPO as a method on the shared skeleton: its loss on an `RLBatch`, its update schedule, its metrics.
+"""GRPO / GSPO (and the DAPO, Dr.GRPO and RLOO variants) as a method of the on-policy run.
 
-    learner = GRPOLearner(cfg, model, mesh, total_steps=cfg.train.steps)
-    metrics = learner.train(rl_batch)          # one RL step: the reference / pi_old passes, then the updates
-    learner.params, learner.version            # what weight sync sends, and its policy version
+    summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
 
-One RL step is `rl.batch.num_iterations` passes over the batch, each cut into
-`rl.batch.mini_batches` optimizer updates (each accumulated over
-`train.micro_batches`), on a `core.learner.Learner` whose loss is
-`policy_objective`. The reference (`rl.loss.beta` > 0) is a
-`posttrain.frozen.FrozenModel`, a frozen copy of the starting policy; pi_old's
-log-probs come from the update's own forward pass when the step has one
-update (held constant by a stop-gradient: no extra pass), else from one pass
-up front. The sampler-driven loop around it is `posttrain.onpolicy.loop`.
+What is GRPO's own: each prompt's `rl.batch.num_generations` completions form a group, scored by the reward
+functions; their group-relative advantages (`posttrain.advantages.group_advantages`: group_norm, drgrpo, rloo)
+weight every token of their completion; DAPO's dynamic sampling (`rl.batch.dynamic_sampling`) drops groups
+without reward variance and refills the batch. The batch is the policy-gradient `RLBatch` and the update the
+clipped objective of `posttrain.onpolicy.policy_gradient` (GRPO's per-token ratio or GSPO's sequence ratio,
+`rl.algorithm`), hosted by the trainer; the sampling, rewards, weight sync, evaluation and checkpoints are the
+on-policy run's (`posttrain.onpolicy.run.OnPolicyRun`). A group a reward function failed on trains not at all
+(`reward/failed_groups`); a group whose rewards are all equal carries no policy signal (`zero_variance_groups`).
 """
 
 from __future__ import annotations
 
-import time
-
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh
 
-from core.config import Config
-from core.learner import Learner
-from core.targets import target_logprobs
-from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
-from posttrain.losses.policy import PolicyLossSettings, policy_loss
-from posttrain.onpolicy.learner import PolicyLearner
-from posttrain.rl_batch import RLBatch
+from core.config_loader import ConfigError
+from posttrain.advantages import Advantages, group_advantages
+from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, run_to_end
+from rewards.runner import RewardBatch
 
 
-def loss_settings(cfg: Config) -> PolicyLossSettings:
-    loss = cfg.rl.loss
-    return PolicyLossSettings(
-        algorithm=cfg.rl.algorithm,
-        epsilon=loss.epsilon,
-        epsilon_high=loss.epsilon_high,
-        dual_clip=loss.dual_clip,
-        tis_cap=loss.tis_cap,
-        beta=loss.beta,
-        kl_estimator=loss.kl_estimator,
-        loss_agg=loss.loss_agg,
-        max_tokens=cfg.rollout.max_tokens,
-    )
-
-
-# ------------------------------------------------------------------ the loss
-
-
-def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
-    """Sums for the sampler/trainer mismatch: |gap| over the completion tokens (and its max), and the
-    k1 estimate of KL(sampler || trainer) summed per sequence (tokens were drawn by the sampler).
-    `summarise_updates` turns them into mean / max gap and the per-sequence KL."""
-    gap = jnp.abs(trainer_logp - sampler_logp) * mask
-    rows = mask.sum(axis=-1) > 0
-    return {
-        "mismatch_gap": gap.sum(),
-        "mismatch_tokens": mask.sum(),
-        "max/mismatch_gap": gap.max(),
-        "mismatch_seq_kl": ((sampler_logp - trainer_logp) * mask).sum(),
-        "mismatch_sequences": rows.sum().astype(jnp.float32),
-    }
-
-
-def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
-    """loss_fn(model, RLBatch, rng) -> (loss_sum, sums) for `core.train.make_train_step`. Log-probs are taken at
-    the sampling temperature, as the sampler drew them."""
-
-    def loss_fn(model, batch: RLBatch, rng: jax.Array):
-        del rng
-        logp, entropy = target_logprobs(model, batch.packed, temperature)
-        assert entropy is not None  # asked for (the default)
-        mask = batch.loss_mask.astype(jnp.float32)
-        # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
-        old_logp = batch.old_logp if batch.old_logp is not None else jax.lax.stop_gradient(logp)
-        loss_sum, sums = policy_loss(
-            logp,
-            old_logp,
-            batch.advantages,
-            mask,
-            settings,
-            sampler_logp=batch.sampler_logp,
-            ref_logp=batch.ref_logp,
-            kl_mask=batch.kl_mask,
+def check_config(cfg: PostTrainConfig) -> None:
+    """What GRPO needs of several sections at once (before a Ray cluster or an engine starts)."""
+    batch = cfg.rl.batch
+    if batch.num_generations < 2:
+        raise ConfigError(
+            f"GRPO's advantages compare each completion with the rest of its group: rl.batch.num_generations must "
+            f"be >= 2, not {batch.num_generations}"
         )
-        sums["entropy"] = (jax.lax.stop_gradient(entropy) * mask).sum()
-        sums.update(mismatch_sums(old_logp, batch.sampler_logp, batch.packed.target_mask.astype(jnp.float32)))
-        return loss_sum, sums
-
-    return loss_fn
-
-
-# ------------------------------------------------------------------ metrics
-
-
-def summarise_updates(updates: list[dict[str, float]], passes: int) -> dict[str, float]:
-    """One step's metrics from its updates' (each normalised by its own denominator `tokens`):
-    loss / grad norm / learning rate averaged, token statistics as ratios of the summed raw sums,
-    and the sampler mismatch over the first pass (pi_old's log-probs, every completion token once)."""
-
-    def total(key: str, ms: list[dict[str, float]] = updates) -> float:
-        return sum(m[key] * m["tokens"] for m in ms)
-
-    out: dict[str, float] = {
-        k: float(np.mean([m[k] for m in updates])) for k in ("loss", "grad_norm", "learning_rate") if k in updates[0]
-    }
-    tokens = max(total("completion_tokens"), 1e-9)
-    out["clip_fraction"] = total("clipped_tokens") / tokens
-    out["entropy"] = total("entropy") / tokens
-    if "kl" in updates[0]:
-        out["kl"] = total("kl") / max(total("kl_tokens"), 1e-9)
-    if "tis_weight" in updates[0]:
-        out["tis_weight_mean"] = total("tis_weight") / tokens
-    first = updates[: len(updates) // passes]
-    out["mismatch/logp_gap_mean"] = total("mismatch_gap", first) / max(total("mismatch_tokens", first), 1e-9)
-    out["mismatch/logp_gap_max"] = max(max(m["max/mismatch_gap"] for m in first), 0.0)
-    out["mismatch/seq_kl"] = total("mismatch_seq_kl", first) / max(total("mismatch_sequences", first), 1e-9)
-    return out
-
-
-def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
-    """Mini-batch m: every array's first axis cut in `mini_batches` (rows and completions alike: `rl_batch` packs
-    per group)."""
-    return jax.tree.map(lambda x: x[m * (x.shape[0] // mini_batches) : (m + 1) * (x.shape[0] // mini_batches)], batch)
-
-
-# ------------------------------------------------------------------ the learner
-
-
-class GRPOLearner(PolicyLearner):
-    def __init__(
-        self, cfg: Config, model, mesh: Mesh, total_steps: int, tx: optax.GradientTransformation | None = None
-    ):
-        """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
-        super().__init__(cfg, mesh)
-        schedule = cfg.rl.batch
-        self.updates_per_step = schedule.num_iterations * schedule.mini_batches
-        self.temperature = cfg.rollout.temperature or 1.0
-        self.learner = Learner(
-            model,
-            mesh,
-            policy_objective(loss_settings(cfg), self.temperature),
-            cfg.optim,
-            total_updates=total_steps * self.updates_per_step,
-            seed=cfg.run.seed,
-            tx=tx,
+    if not cfg.reward.functions:
+        raise ConfigError("GRPO needs reward.functions (at least one reward function to score completions)")
+    updates = batch.mini_batches * cfg.train.micro_batches
+    completions = batch.prompts_per_step * batch.num_generations
+    if completions % updates:
+        raise ConfigError(
+            f"rl.batch.prompts_per_step * rl.batch.num_generations ({batch.prompts_per_step} * "
+            f"{batch.num_generations} = {completions}) must be divisible by rl.batch.mini_batches * "
+            f"train.micro_batches ({batch.mini_batches} * {cfg.train.micro_batches} = {updates})"
         )
-        # The reference is the starting policy, frozen (beta = 0: none at all).
-        self.reference = (
-            FrozenModel.copy_of(self.learner.graphdef, self.learner.params, mesh, "reference", self.temperature)
-            if cfg.rl.loss.beta > 0
-            else None
-        )
-        self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
 
-    def train(self, batch: RLBatch) -> dict[str, float]:
-        """One RL step on a rollout batch; returns its metrics (means over the updates)."""
-        rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
-        groups = rl.mini_batches * micro  # the batch's packing groups
-        # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
-        # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
-        targets = np.asarray(batch.packed.target_mask) > 0
-        if self.updates_per_step > 1:
-            old = grouped_logprobs(self._policy_logprobs, self.learner.params, batch.packed, groups, self.mesh)
-            batch = batch.replace(old_logp=old * targets)
-        if self.reference is not None:
-            batch = batch.replace(ref_logp=self.reference.logprobs(batch.packed, groups))
-        collected: list[dict] = []
-        start = time.perf_counter()
-        for u in range(self.updates_per_step):
-            metrics = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
-            self._applied(metrics, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
-            collected.append(metrics)
-        self.version += 1
-        return {
-            **summarise_updates(collected, rl.num_iterations),
-            "skipped_updates": float(self.skipped_updates),
-            "empty_updates": float(self.empty_updates),
-            "time/update_s": time.perf_counter() - start,
+
+class GRPORun(OnPolicyRun):
+    """Group advantages of each prompt's completions, DAPO's dynamic sampling, an `RLBatch` for the
+    `PolicyGradientLearner`."""
+
+    learner_class = PolicyGradientLearner
+
+    def check(self, cfg: PostTrainConfig) -> None:
+        check_config(cfg)
+
+    def _prepare(self, scored: Scored) -> StepData:
+        assert scored.rewards is not None  # GRPO has reward functions (checked)
+        adv = self._advantages(scored.rewards)
+        rounds = 1
+        if self.cfg.rl.batch.dynamic_sampling:
+            scored, adv, rounds = self._refill(scored, adv)
+        metrics = {
+            "zero_variance_groups": float(adv.zero_variance_groups),
+            "reward/failed_groups": float(adv.failed_groups),
+            "sampling_rounds": float(rounds),
         }
+        return StepData(self._batch(scored, adv), scored, metrics)
+
+    def _method_line(self, m: dict) -> str:
+        return f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}"
+
+    def _batch(self, scored: Scored, adv: Advantages) -> RLBatch:
+        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
+        a multiple of the trainer's data-parallel size."""
+        rl, completions = self.cfg.rl, scored.completions
+        row_len = self.row_len
+        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+        return build_rl_batch(
+            completions,
+            adv.values,
+            adv.keep,
+            row_len=row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+            pack=rl.batch.pack_sequences,
+            share_prompts=rl.batch.share_prompts,
+            mask_truncated=rl.loss.mask_truncated,
+            choose_rows=self.row_counts.pick,
+            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        )
+
+    def _advantages(self, rewards: RewardBatch) -> Advantages:
+        rl = self.cfg.rl
+        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
+
+    def _refill(self, scored: Scored, adv: Advantages) -> tuple[Scored, Advantages, int]:
+        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
+
+        Groups are picked from the scored batches as they are (no second scoring)."""
+        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
+        batches = [scored]  # every batch drawn this step
+        first = adv.keep.reshape(-1, g)[:, 0]
+        picks = [(0, i) for i in range(len(scored.rows)) if first[i]]  # (batch, group) in training order
+        rounds = 1
+        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
+            request = self._submit(next(self.stream))
+            more = self._score(request.prompts.rows, self._collect(request))
+            assert more.rewards is not None
+            batches.append(more)
+            ok = self._advantages(more.rewards).keep.reshape(-1, g)[:, 0]
+            picks += [(len(batches) - 1, i) for i in range(len(more.rows)) if ok[i]][: want - len(picks)]
+            rounds += 1
+        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
+            picks += [(0, i) for i in range(len(scored.rows)) if not first[i]][: want - len(picks)]
+        items = [(batches[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
+        rewards = RewardBatch.concat([src.rewards.take(idx) for src, idx in items])  # type: ignore[union-attr]
+        correct = None
+        if scored.correct is not None:
+            correct = np.concatenate([src.correct[idx] for src, idx in items])  # type: ignore[index]
+        kept = Scored(
+            [batches[b].rows[i] for b, i in picks],
+            [src.completions[j] for src, idx in items for j in idx],
+            rewards,
+            correct,
+        )
+        return kept, self._advantages(rewards), rounds
+
+
+def run_grpo(cfg: PostTrainConfig) -> RunSummary:
+    return run_to_end(GRPORun(cfg))

@@ -1,42 +1,88 @@
-"""Supervised fine-tuning: next-token loss on the completion or the assistant turns, on the shared skeleton.
+"""Supervised fine-tuning: the next-token loss on the completion or the assistant turns (`core.run.Method`).
 
-    summary = run_sft(cfg)        # python -m recipes.sft CONFIG.yml [key=value ...]
+    run = build_run(cfg, SFT)        # python -m recipes.sft CONFIG.yml [key=value ...]
+    run.fit()
 
-SFT is the supervised core (`core.supervised`: the `core.learner.Learner`
-with `core.losses.nll_loss` over a `core.batch.PackedBatch`, in the
-`core.loop.Trainer`) on rows of two formats (`data.format`):
+SFT is the core's next-token training (`core.pretrain.next_token_parts`: `core.losses.nll_loss` over a
+`core.batch.PackedBatch`) on rows of two formats (`data.format`):
 
-- `prompt_completion`: `prompt` and `completion` strings; targets are the
-  completion's tokens and EOS;
-- `chat`: a `messages` list (system / user / assistant, any number of turns)
-  rendered with the tokenizer's own chat template; targets are every
-  assistant turn's tokens and its end-of-turn token (`core.chat`).
+- `prompt_completion`: `prompt` and `completion` strings; the prompt as a model is given it (the tokenizer's BOS
+  if it adds one), the completion and EOS after it (`core.encoding`); targets are the completion's tokens and EOS;
+- `chat`: a `messages` list (system / user / assistant / tool turns, any number; `reasoning_content` or `thinking`
+  fields ride along) rendered with the tokenizer's own chat template; targets are every assistant turn's tokens
+  and its end-of-turn token, located in one rendering of the whole conversation (`core.chat`: any template the
+  model families ship, without a hand-written training template).
 
-`sft.completion_only_loss=false` trains on every token instead. Rows are
-packed (`data.packing`) several conversations per row with attention kept
-inside each; the loss is the mean over the target tokens of the whole global
-batch, so packing and micro-batching do not change the gradient. A row with
-no target left (after truncation to `data.seq_len` on
-`data.truncation_side`) is an error naming it, or skipped and counted with
-`data.skip_malformed`.
+`sft.completion_only_loss=false` trains on every token instead. Rows are packed (`data.packing`) several
+conversations per row with attention kept inside each; the loss is the mean over the target tokens of the whole
+global batch, so packing and micro-batching do not change the gradient. A row that cannot be used (a missing
+field, a template that cannot render it, no target left after truncation to `data.seq_len` on
+`data.truncation_side`) is an error naming it, or skipped and counted with `data.skip_malformed`.
 
-At every evaluation (`train.eval_every`, on `data.eval_fraction` of the rows
-held out) it logs the held-out loss and perplexity over the targets, and the
-greedy completions of `sft.eval_generations` held-out prompts
-(`run_dir/generations.jsonl`).
+At every evaluation (`train.eval_every`, on the `data.eval_fraction` of the usable rows held out) it logs the
+held-out loss and perplexity over the targets, and the greedy completions of the first `sft.eval_generations`
+held-out rows (`run_dir/generations.jsonl`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from core.config import Config
 from core.config_loader import ConfigError
-from core.loop import Hook, Trainer
-from core.supervised import SupervisedRun, run_supervised
+from core.data import Examples, messages_problem, string_fields_problem
+from core.encoding import encode_completion, encode_prompt
+from core.loop import Hook, TrainLoop
+from core.losses import nll_loss
+from core.pretrain import next_token_parts
+from core.run import MethodParts, RunContext
+from core.train import LossFn
+from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
+
+# ------------------------------------------------------------------ rows
+
+
+@dataclass(frozen=True)
+class PromptCompletionRows:
+    """`prompt` + `completion` strings: the prompt as a model is given it, then the completion and EOS."""
+
+    completion_only: bool = True
+
+    def problem(self, row: dict) -> tuple[str, str] | None:
+        return string_fields_problem(row, ["prompt", "completion"])
+
+    def tokenize(self, row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+        prompt = encode_prompt(tokenizer, row["prompt"])
+        ids = prompt + encode_completion(tokenizer, row["completion"])
+        first = len(prompt) if self.completion_only else 1
+        return ids, list(range(max(first, 1), len(ids)))
+
+
+@dataclass(frozen=True)
+class ChatRows:
+    """A `messages` conversation, rendered by the tokenizer's chat template; every assistant turn a target."""
+
+    completion_only: bool = True
+
+    def problem(self, row: dict) -> tuple[str, str] | None:
+        return messages_problem(row)
+
+    def tokenize(self, row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
+        from core.chat import render_chat
+
+        ids, targets = render_chat(tokenizer, row["messages"])
+        return ids, targets if self.completion_only else list(range(1, len(ids)))
+
+
+def row_format(data_format: str, completion_only: bool) -> PromptCompletionRows | ChatRows:
+    return ChatRows(completion_only) if data_format == "chat" else PromptCompletionRows(completion_only)
+
+
+# ------------------------------------------------------------------ held-out generations
 
 
 def generation_prompt(row: dict, data_format: str) -> tuple[Prompt, str] | None:
@@ -51,11 +97,19 @@ def generation_prompt(row: dict, data_format: str) -> tuple[Prompt, str] | None:
     return list(messages[:last]), messages[last]["content"]
 
 
-def generation_hook(run: SupervisedRun) -> Sequence[Hook]:
-    """Greedy completions of the first `sft.eval_generations` held-out prompts at every evaluation."""
+def held_out_prompts(
+    records: Sequence[dict], examples: Examples, data_format: str, n: int
+) -> list[tuple[Prompt, str]]:
+    """(prompt, reference answer) of the first `n` rows of the held-out split that have one: rows the run never
+    trains on, and never one it skipped as malformed."""
+    held = (generation_prompt(records[i], data_format) for i in examples.eval)
+    return [p for p in held if p is not None][:n]
+
+
+def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
+    """Greedy completions of the first `sft.eval_generations` rows of the held-out split at every evaluation."""
     cfg = run.cfg
-    chosen = [p for p in (generation_prompt(r, cfg.data.format) for r in run.eval_records) if p is not None]
-    chosen = chosen[: cfg.sft.eval_generations]
+    chosen = held_out_prompts(run.records, examples, cfg.data.format, cfg.sft.eval_generations)
     if not chosen or not cfg.train.eval_every:
         return []
     from rollout.jax_sampler import JaxSampler
@@ -64,15 +118,13 @@ def generation_hook(run: SupervisedRun) -> Sequence[Hook]:
     sampler: list[JaxSampler] = []  # built on first use (compiles then)
     out = Path(cfg.run.run_dir) / "generations.jsonl"
 
-    def generate(trainer: Trainer, step: int) -> None:
+    def generate(loop: TrainLoop, step: int) -> None:
         if not sampler:
             sampler.append(
-                JaxSampler(
-                    trainer.learner.model(), run.tokenizer_dir, mesh=trainer.mesh, max_model_len=cfg.data.seq_len * 2
-                )
+                JaxSampler(loop.learner.model(), run.tokenizer_dir, mesh=loop.mesh, max_model_len=cfg.data.seq_len * 2)
             )
         # The learner's current parameters, read before its next update donates them.
-        sampler[0].update_weights(trainer.learner.params, version=step)
+        sampler[0].update_weights(loop.learner.params, version=step)
         params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens)
         completions = sampler[0].generate([p for p, _ in chosen], params)
         with out.open("a") as f:
@@ -84,17 +136,41 @@ def generation_hook(run: SupervisedRun) -> Sequence[Hook]:
     return [Hook("generations", cfg.train.eval_every, generate)]
 
 
-def check_sft_config(cfg: Config) -> None:
+# ------------------------------------------------------------------ the method
+
+
+@dataclass(frozen=True)
+class SupervisedFineTuning:
+    name: str = "SFT"
+
+    def check(self, cfg: PostTrainConfig) -> None:
+        check_config(cfg)
+
+    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
+        for r in records:
+            for name in ("prompt", "completion"):
+                if isinstance(r.get(name), str):
+                    yield r[name]
+            for m in r.get("messages") or []:
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    yield m["content"]
+
+    def loss(self, cfg: PostTrainConfig) -> LossFn:
+        return nll_loss
+
+    def parts(self, run: RunContext) -> MethodParts:
+        rows = row_format(run.cfg.data.format, run.cfg.sft.completion_only_loss)
+        return next_token_parts(run, rows, hooks=lambda examples: generation_hooks(run, examples))
+
+
+SFT = SupervisedFineTuning()
+
+
+def check_config(cfg: PostTrainConfig) -> None:
     if cfg.data.format not in ("chat", "prompt_completion"):
         raise ConfigError(
             f"SFT trains on data.format=chat (a `messages` list) or prompt_completion (`prompt`, `completion`), "
             f"not {cfg.data.format!r}; plain text is pretraining (python -m recipes.pretrain)"
         )
     if cfg.data.source is None:
-        raise ConfigError("SFT needs data.source (a local jsonl / parquet / arrow file or directory)")
-
-
-def run_sft(cfg: Config) -> SupervisedRun:
-    """Fine-tune to `train.steps` (resuming from `run.run_dir`); returns the finished run."""
-    check_sft_config(cfg)
-    return run_supervised(cfg, hooks=generation_hook)
+        raise ConfigError("SFT needs data.source (a local jsonl / parquet / arrow file, a directory or a Hub id)")

@@ -1,13 +1,13 @@
-"""The RL trainer as a process-independent service: in this process or as a Ray actor, one typed handle.
+"""The on-policy trainer as a process-independent service: in this process or as a Ray actor, one typed handle.
 
-    trainer = start_trainer(cfg, run_dir, pg)       # TrainerHandle: in-process (pg None) or a Ray actor
-    metrics = trainer.train(rl_batch)               # one RL step (posttrain.grpo.GRPOLearner)
-    trainer = start_trainer(cfg, run_dir, pg, OnlineDPOLearner)    # another method's learner
+    trainer = start_trainer(cfg, run_dir, PolicyGradientLearner, pg)   # TrainerHandle: in-process (pg None) or an actor
+    metrics = trainer.train(rl_batch)               # one step of the method's learner
+    trainer = start_trainer(cfg, run_dir, OnlineDPOLearner, pg)        # another method's learner
     metrics = trainer.train(pair_batch)
     trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
 The trainer is one class, `LocalTrainer`, hosting one method's
-`posttrain.onpolicy.learner.PolicyLearner` (GRPO's by default), used directly (single-controller
+`posttrain.onpolicy.learner.PolicyLearner`, used directly (single-controller
 mode, with the JAX sampler on another sub-mesh of the same process) or as a
 Ray actor that owns the trainer's devices (bundle 0 of the run's placement
 group, `rollout.placement`); the driver talks to either through
@@ -27,11 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core.config import Config
+from core.batch import TrainBatch
 from core.errors import TemperError
+from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.learner import LearnerFactory
-from posttrain.pairs import PairBatch
-from posttrain.rl_batch import RLBatch
 from rollout.sampler import Sampler
 
 
@@ -42,22 +41,21 @@ class LocalTrainer:
         self,
         cfg_json: dict,
         run_dir: str,
+        learner_class: LearnerFactory,
         devices_fraction: tuple[float, float] | None = None,
-        learner_class: LearnerFactory | None = None,
     ):
-        """`learner_class(cfg, model, mesh, total_steps)`: the method's learner (None: GRPO's)."""
+        """`learner_class(cfg, model, mesh, total_steps)`: the method's learner."""
         import jax
 
         from core.checkpoint import Checkpointer, initial_model
         from core.mesh import make_mesh, split_devices
-        from posttrain.grpo import GRPOLearner
 
-        cfg = Config.model_validate(cfg_json)
+        cfg = PostTrainConfig.model_validate(cfg_json)
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
         model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
-        self.learner = (learner_class or GRPOLearner)(self.cfg, model, self.mesh, cfg.train.steps)
+        self.learner = learner_class(self.cfg, model, self.mesh, cfg.train.steps)
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
 
@@ -72,7 +70,7 @@ class LocalTrainer:
     def batch_shards(self) -> int:
         return self.learner.batch_shards()
 
-    def train(self, batch: RLBatch | PairBatch) -> dict:
+    def train(self, batch: TrainBatch) -> dict:
         return self.learner.train(batch)
 
     def sync(self, sampler: Sampler) -> dict:
@@ -140,7 +138,7 @@ class TrainerHandle:
     def batch_shards(self) -> int:
         return self._call(LocalTrainer.batch_shards)
 
-    def train(self, batch: RLBatch | PairBatch) -> dict:
+    def train(self, batch: TrainBatch) -> dict:
         return self._call(LocalTrainer.train, batch)
 
     def sync(self, sampler: Sampler) -> dict:
@@ -166,14 +164,13 @@ class TrainerHandle:
 
 
 def start_trainer(
-    cfg: Config, run_dir: str | Path, pg=None, learner_class: LearnerFactory | None = None
+    cfg: PostTrainConfig, run_dir: str | Path, learner_class: LearnerFactory, pg=None
 ) -> TrainerHandle:
-    """The trainer (hosting `learner_class`, None: GRPO's) in this process (pg None) or as a Ray actor in
-    bundle 0 of `pg`."""
+    """The trainer (hosting `learner_class`) in this process (pg None) or as a Ray actor in bundle 0 of `pg`."""
     cfg_json = cfg.model_dump(mode="json")
     if pg is None:
         fractions = (cfg.mesh.trainer_devices_fraction, cfg.mesh.sampler_devices_fraction)
-        local = LocalTrainer(cfg_json, str(run_dir), fractions, learner_class)
+        local = LocalTrainer(cfg_json, str(run_dir), learner_class, fractions)
         return TrainerHandle(local, remote=False, run_dir=run_dir)
     import ray
 
@@ -191,7 +188,7 @@ def start_trainer(
             scheduling_strategy=in_bundle(pg, 0),
             runtime_env={"env_vars": env},
         )
-        .remote(cfg_json, str(run_dir), None, learner_class)
+        .remote(cfg_json, str(run_dir), learner_class, None)
     )
     handle = TrainerHandle(actor, remote=True, run_dir=run_dir)
     handle.version()  # surface start-up errors here

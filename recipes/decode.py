@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
                 model, _ = load_hf(hf_dir)
             sampler: JaxSampler | VLLMSampler = JaxSampler(model, tokenizer, max_model_len=max_len)
         else:
-            from core.config import RolloutConfig
+            from rollout.config import RolloutConfig
             from rollout.vllm_sampler import VLLMSampler
 
             if args.tokenizer:

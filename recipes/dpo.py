@@ -24,16 +24,20 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "dpo_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    cfg = config_from_argv(argv, DEFAULT_CONFIG)
+    from posttrain.config import PostTrainConfig
+
+    cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
     if cfg.dpo.online:
-        from posttrain.online_dpo import run_online_dpo
+        from posttrain.dpo.online import run_online_dpo
 
         summary = run_online_dpo(cfg)
         print(f"done: {summary.steps} steps; run directory {summary.run_dir} (metrics.jsonl, reward.png, hf/)")
         return 0
-    from posttrain.dpo_run import run_dpo
+    from core.run import build_run
+    from posttrain.dpo.offline import DPO
 
-    run = run_dpo(cfg)
+    run = build_run(cfg, DPO)
+    run.fit()
     print(f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, hf/)")
     return 0
 

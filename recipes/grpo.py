@@ -26,19 +26,21 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    cfg = config_from_argv(argv, DEFAULT_CONFIG)
+    from posttrain.config import PostTrainConfig
+
+    cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
     if cfg.checkpoint.init_from is None and cfg.data.tokenizer_dir is None:
         from core.data import load_records
         from core.tokenizer import tokenizer_for_run
 
         if cfg.data.source is None:
             raise ConfigError("data.source is not set (the prompt dataset)")
-        records = load_records(cfg.data.source, cfg.data)
+        records = load_records(cfg.data)
         texts = (f"{r.get('question', '')} {r.get('answer', '')}" for r in records)
         tok = tokenizer_for_run(None, texts, cfg.run.run_dir, cfg.model.vocab_size)
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer_dir": tok})})
 
-    from posttrain.onpolicy.loop import run_grpo
+    from posttrain.grpo import run_grpo
 
     summary = run_grpo(cfg)
     print(

@@ -7,7 +7,7 @@
 
 With `checkpoint.init_from` it continues from existing weights (continued
 pretraining). Supervised fine-tuning on prompts and chats is `recipes.sft`,
-on the same core (`core/supervised.py`).
+on the same skeleton (`core/run.py`).
 
 Textbook pretraining: AdamW, cosine schedule with warm-up, documents packed
 with `segment_ids` so no token attends across a document boundary. When
@@ -40,9 +40,11 @@ def main(argv: list[str]) -> int:
 
         compile_train_step(cfg)
         return 0
-    from core.supervised import run_supervised
+    from core.pretrain import PRETRAINING
+    from core.run import build_run
 
-    run = run_supervised(cfg)
+    run = build_run(cfg, PRETRAINING)
+    run.fit()
     print(
         f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, tensorboard/, "
         f"loss.png, hf/)"

@@ -199,8 +199,9 @@ def main(argv: list[str]) -> int:
 
     print(f"== 5/5 {METHODS[args.method]} (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
-    from posttrain.online_dpo import OnlineDPORun
-    from posttrain.onpolicy.loop import GRPORun
+    from posttrain.config import PostTrainConfig
+    from posttrain.dpo.online import OnlineDPORun
+    from posttrain.grpo import GRPORun
 
     stage = out / args.method
     overrides = [
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
         *steps(args.grpo_steps),
         *steps(args.eval_prompts, "rl.eval_prompts"),
     ]
-    cfg = load_config(CONFIGS / f"{args.method}.yml", overrides)
+    cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
     run = GRPORun(cfg) if args.method == "grpo" else OnlineDPORun(cfg)
     try:

@@ -23,10 +23,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    cfg = config_from_argv(argv, DEFAULT_CONFIG)
-    from posttrain.sft import run_sft
+    from core.run import build_run
+    from posttrain.config import PostTrainConfig
+    from posttrain.sft import SFT
 
-    run = run_sft(cfg)
+    cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
+    run = build_run(cfg, SFT)
+    run.fit()
     print(
         f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, "
         f"generations.jsonl, hf/)"

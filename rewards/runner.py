@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.config import RewardConfig
+from rewards.config import RewardConfig
 from rewards.pool import WorkerPool
 from rewards.registry import canonical, resolve
 
@@ -108,9 +108,10 @@ def function_names(specs: Sequence[str]) -> list[str]:
 
 class RewardRunner:
     def __init__(self, cfg: RewardConfig, num_procs: int | None = None):
-        if not cfg.functions:
-            raise ValueError("reward.functions is empty: name at least one reward function")
+        """The configured functions, resolved, and the worker pool they (and `score_fn`'s accuracy checks) run in.
+        A method without reward functions has none to `score` with (`functions` is empty)."""
         self.cfg = cfg
+        self.functions = list(cfg.functions)
         self.specs = [canonical(f.fn) for f in cfg.functions]
         for spec in self.specs:
             resolve(spec)  # fail here, in the caller's process, on a name that does not resolve
@@ -124,6 +125,8 @@ class RewardRunner:
         columns: Mapping[str, Sequence] | None = None,
         completion_ids: Sequence[Sequence[int]] | None = None,
     ) -> RewardBatch:
+        if not self.functions:
+            raise ValueError("reward.functions is empty: name at least one reward function")
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")

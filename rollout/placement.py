@@ -9,11 +9,11 @@ the numbers, not halfway through.
 
 from __future__ import annotations
 
-from core.config import Config
+from rollout.config import SamplingJob
 from rollout.vllm_actor import RemoteVLLMSampler
 
 
-def placement_bundles(cfg: Config, resources: dict[str, float]) -> list[dict[str, float]]:
+def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> list[dict[str, float]]:
     """Bundle 0: the trainer; then one per vLLM sampler (`rollout.rollout_data_parallelism`).
 
     With GPUs the split follows `mesh.trainer_devices_fraction` /
@@ -37,7 +37,7 @@ def placement_bundles(cfg: Config, resources: dict[str, float]) -> list[dict[str
     return [{"CPU": 1.0}] + [{"CPU": round(share, 2)}] * k
 
 
-def reserve(cfg: Config, timeout_s: float = 120.0):
+def reserve(cfg: SamplingJob, timeout_s: float = 120.0):
     """A ready placement group for the run (raises with the numbers if the cluster cannot hold it)."""
     import ray
     from ray.util.placement_group import placement_group
@@ -59,7 +59,7 @@ def in_bundle(pg, index: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def start_vllm_sampler(cfg: Config, hf_dir: str, index: int, pg=None) -> RemoteVLLMSampler:
+def start_vllm_sampler(cfg: SamplingJob, hf_dir: str, index: int, pg=None) -> RemoteVLLMSampler:
     """Sampler `index` (seeded `run.seed + index`) in its bundle of `pg` (None: anywhere)."""
     bundle = pg.bundle_specs[1 + index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
     return RemoteVLLMSampler.start(

@@ -109,17 +109,20 @@ class Sampler(Protocol):
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Token ids for every prompt; chats get the chat template with a generation prompt."""
+    """Token ids for every prompt, as training encodes prompts: a text with what the tokenizer puts in front of one
+    (its BOS; `core.encoding.encode_prompt`), a chat rendered by its template with a generation prompt
+    (`core.chat.chat_prompt_ids`), token ids as they are."""
+    from core.chat import chat_prompt_ids
+    from core.encoding import encode_prompt
+
     if not prompts:
         raise ValueError("generate() got an empty prompt list")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+            ids = encode_prompt(tokenizer, p)
         elif len(p) and isinstance(p[0], dict):
-            ids = tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
+            ids = chat_prompt_ids(tokenizer, p)  # type: ignore[arg-type]
         else:
             ids = [int(t) for t in p]  # type: ignore[arg-type]  # token ids
         if not ids:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from core.config import RolloutConfig
+from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
 
 

@@ -17,8 +17,42 @@ def recording_sgd(learning_rate: float):
 
 
 def assert_same_gradients(a, b, steps: float = 32.0) -> None:
-    """Two gradient pytrees equal to within `steps` float32 steps (ulps) at each tensor's largest entry."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    """Two gradient pytrees equal tensor by tensor, each to within `steps` float32 steps (ulps) of that tensor's
+    own largest entry (a small tensor is held to its own scale, not to the largest gradient anywhere); and not
+    zero: an equivalence of two steps that did nothing proves nothing."""
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+    flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+    assert tree_a == tree_b, "the two gradients have different structures"
+    largest = 0.0
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-        scale = max(float(np.abs(x).max()), float(np.finfo(np.float32).tiny))
-        assert float(np.abs(x - y).max()) <= steps * float(np.spacing(np.float32(scale))), (x.shape, scale)
+        assert x.shape == y.shape, (jax.tree_util.keystr(path), x.shape, y.shape)
+        scale = max(float(np.abs(x).max(initial=0.0)), float(np.finfo(np.float32).tiny))
+        largest = max(largest, float(np.abs(x).max(initial=0.0)))
+        diff = float(np.abs(x - y).max(initial=0.0))
+        tol = steps * float(np.spacing(np.float32(scale)))
+        assert diff <= tol, f"{jax.tree_util.keystr(path)} {x.shape}: |diff| {diff:.3g} > {steps:g} ulps ({tol:.3g})"
+    assert largest > 0.0, "every gradient is zero: the steps compared did not train"
+
+
+def pipeline(
+    records,
+    cfg,
+    batch_size: int,
+    tokenizer_dir: str,
+    *,
+    split: str = "train",
+    micro_batches: int = 1,
+    row_multiple: int = 1,
+    completion_only: bool = True,
+):
+    """`core.data.make_pipeline` over `records`, read by the row format of `cfg.format` (pretraining's text, SFT's
+    prompt / completion or chat rows)."""
+    from core.data import TextRows, load_tokenizer, make_pipeline, tokenize_examples
+    from posttrain.sft import row_format
+
+    rows = TextRows() if cfg.format == "text" else row_format(cfg.format, completion_only)
+    examples = tokenize_examples(records, rows, load_tokenizer(tokenizer_dir), cfg)
+    return make_pipeline(
+        examples, cfg, batch_size, split=split, micro_batches=micro_batches, row_multiple=row_multiple
+    )

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from core.checkpoint import Checkpointer, CheckpointMismatch, load_params, save_params
 from core.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
-from core.data import make_pipeline
+from tests.helpers import pipeline
 from core.mesh import make_mesh
 from core.models import abstract_sharded_state, create_model
 from core.optim import make_optimizer
@@ -42,7 +42,7 @@ def test_round_trip_with_data_iterator(tmp_path, arithmetic_tokenizer):
     _, state = make_state(cfg.model)
     records = [{"text": f"Calculate {i} + 1."} for i in range(50)]
     dcfg = DataConfig(seq_len=16)
-    it = iter(make_pipeline(dcfg, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
+    it = iter(pipeline(records, dcfg, 2, arithmetic_tokenizer))
     next(it), next(it)
     ckpt = Checkpointer(tmp_path / "ck", keep=2, async_save=True)
     ckpt.save(state, it, cfg)
@@ -50,7 +50,7 @@ def test_round_trip_with_data_iterator(tmp_path, arithmetic_tokenizer):
     expected_next = next(it)
 
     _, target = make_state(cfg.model, seed=1)  # different values, same structure
-    it2 = iter(make_pipeline(dcfg, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
+    it2 = iter(pipeline(records, dcfg, 2, arithmetic_tokenizer))
     restored, meta = Checkpointer(tmp_path / "ck").restore(7, target, it2, cfg)
     assert meta["step"] == 7 and int(restored.step) == 7
     leaves_equal(restored.params, state.params)
@@ -196,13 +196,14 @@ def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
     imported, then one that is gone); loading the model reads the config as data and imports nothing."""
     from core.checkpoint import load_checkpoint_model, load_model_from
     from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
 
     plugin = tmp_path / "plugin.py"
     marker = tmp_path / "imported"
     plugin.write_text(
         f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
     )
-    cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"])
+    cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"], schema=PostTrainConfig)
     marker.unlink()
     _, state = make_state(cfg.model)
     Checkpointer(tmp_path / "run" / "checkpoints", async_save=False).save(state, None, cfg)

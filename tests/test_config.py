@@ -3,6 +3,12 @@ import yaml
 
 from core.config import Config, MeshConfig, resolve_mesh_shape
 from core.config_loader import ConfigError, list_presets, load_config, save_config
+from posttrain.config import PostTrainConfig
+
+
+def post(*overrides, **kw):
+    """A post-training config (the core sections and the methods')."""
+    return load_config(overrides=list(overrides), schema=PostTrainConfig, **kw)
 
 
 def write(tmp_path, name, data):
@@ -61,14 +67,12 @@ def test_fraction_sums_checked():
 
 
 def test_overrides_parse_types():
-    cfg = load_config(
-        overrides=[
-            "rl.batch.num_generations=8",
-            "optim.learning_rate=1e-5",
-            "model.scan_layers=false",
-            "reward.functions=[{fn: gsm8k, weight: 0.5}]",
-            "model.rope_scaling=null",
-        ]
+    cfg = post(
+        "rl.batch.num_generations=8",
+        "optim.learning_rate=1e-5",
+        "model.scan_layers=false",
+        "reward.functions=[{fn: gsm8k, weight: 0.5}]",
+        "model.rope_scaling=null",
     )
     assert cfg.rl.batch.num_generations == 8
     assert cfg.optim.learning_rate == pytest.approx(1e-5)
@@ -77,13 +81,32 @@ def test_overrides_parse_types():
 
 
 def test_override_unknown_key_fails():
-    with pytest.raises(ConfigError, match=r"rl.batch.num_generation'.*did you mean num_generations"):
-        load_config(overrides=["rl.batch.num_generation=8"])
+    with pytest.raises(ConfigError, match=r"rl.batch.num_generation'.*did you mean rl.batch.num_generations"):
+        post("rl.batch.num_generation=8")
     # a key of the flat RL section of old points to where it lives now
     with pytest.raises(ConfigError, match=r"unknown key 'rl.num_generations': did you mean rl.batch.num_generations"):
-        load_config(overrides=["rl.num_generations=8"])
+        post("rl.num_generations=8")
     with pytest.raises(ConfigError, match="not of the form"):
-        load_config(overrides=["rl.batch.num_generations"])
+        post("rl.batch.num_generations")
+
+
+@pytest.mark.parametrize(
+    "key,suggested",
+    [
+        ("run_dir", "run.run_dir"),  # a top-level key that lives in a section
+        ("run.dir", "run.run_dir"),  # the section's name, then the field's other half
+        ("model.hiden_size", "model.hidden_size"),  # a near spelling
+        ("rl.batch.num_generation", "rl.batch.num_generations"),
+        ("rl.epsilon", "rl.loss.epsilon"),  # a field of a sub-section
+        ("tokenizer_dir", "data.tokenizer_dir"),
+        ("sft.eval_generation", "sft.eval_generations"),
+    ],
+)
+def test_a_misspelt_key_suggests_the_full_dotted_key_that_exists(key, suggested):
+    with pytest.raises(ConfigError) as err:
+        post(f"{key}=1")
+    message = str(err.value)
+    assert f"unknown key '{key}': did you mean" in message and suggested in message.split("did you mean")[1], message
 
 
 def test_base_config_inheritance_and_precedence(tmp_path):
@@ -148,15 +171,15 @@ def test_config_is_immutable():
 
 
 def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
-    gspo = load_config(overrides=["rl.algorithm=gspo"]).rl.loss
+    gspo = post("rl.algorithm=gspo").rl.loss
     assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_agg) == (3e-4, 4e-4, "sequence-mean-token-mean")
-    grpo = load_config().rl.loss
+    grpo = post().rl.loss
     assert (grpo.epsilon, grpo.epsilon_high, grpo.loss_agg) == (0.2, 0.2, "token-mean")
     # what the user names wins, and epsilon_high follows an explicit epsilon
-    mine = load_config(overrides=["rl.algorithm=gspo", "rl.loss.epsilon=1e-3", "rl.loss.loss_agg=token-mean"]).rl.loss
+    mine = post("rl.algorithm=gspo", "rl.loss.epsilon=1e-3", "rl.loss.loss_agg=token-mean").rl.loss
     assert (mine.epsilon, mine.epsilon_high, mine.loss_agg) == (1e-3, 1e-3, "token-mean")
-    assert load_config(overrides=["rl.algorithm=gspo", "rl.loss.epsilon_high=5e-4"]).rl.loss.epsilon == 3e-4
-    assert load_config(overrides=["rl.loss.epsilon=0.1"]).rl.loss.epsilon_high == 0.1
+    assert post("rl.algorithm=gspo", "rl.loss.epsilon_high=5e-4").rl.loss.epsilon == 3e-4
+    assert post("rl.loss.epsilon=0.1").rl.loss.epsilon_high == 0.1
 
 
 @pytest.mark.parametrize(
@@ -168,34 +191,57 @@ def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
         ),
         (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1, got 0"),
         (["rollout.top_k=-2"], r"rollout.top_k must be -1 \(off\) or >= 1, got -2"),
-        (
-            ["rollout.max_tokens=64", "rollout.max_model_len=64"],
-            r"rollout.max_tokens \(64\) must be < rollout.max_model_len \(64\)",
-        ),
-        (
-            [
-                "rl.batch.prompts_per_step=3",
-                "rl.batch.num_generations=2",
-                "rl.batch.mini_batches=2",
-                "train.micro_batches=2",
-            ],
-            r"rl.batch.prompts_per_step \* rl.batch.num_generations \(3 \* 2 = 6\) must be divisible by "
-            r"rl.batch.mini_batches \* train.micro_batches \(2 \* 2 = 4\)",
-        ),
-        (
-            ["rl.off_policy_steps=1", "rollout.sampler=jax"],
-            r"rl.off_policy_steps=1 \(async\) needs rollout.sampler=vllm",
-        ),
-        (
-            ["rl.batch.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"],
-            r"rl.batch.pack_length \(64\) < rollout.max_model_len \(128\)",
-        ),
     ],
 )
-def test_rl_cross_field_checks_at_load(overrides, message):
-    """Checked when the config loads, before a Ray cluster or an engine starts (they used to surface mid-run)."""
+def test_section_checks_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides=overrides)
+        post(*overrides)
+
+
+RL_CHECKS = [
+    (
+        ["rollout.max_tokens=64", "rollout.max_model_len=64"],
+        r"rollout.max_tokens \(64\) must be < rollout.max_model_len \(64\)",
+    ),
+    (
+        ["rl.batch.prompts_per_step=3", "rl.batch.num_generations=2", "rl.batch.mini_batches=2", "train.micro_batches=2"],
+        r"rl.batch.prompts_per_step \* rl.batch.num_generations \(3 \* 2 = 6\) must be divisible by "
+        r"rl.batch.mini_batches \* train.micro_batches \(2 \* 2 = 4\)",
+    ),
+    (["rl.off_policy_steps=1", "rollout.sampler=jax"], r"rl.off_policy_steps=1 \(async\) needs rollout.sampler=vllm"),
+    (
+        ["rl.batch.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"],
+        r"rl.batch.pack_length \(64\) < rollout.max_model_len \(128\)",
+    ),
+    (["rl.batch.num_generations=1"], r"rl.batch.num_generations must be >= 2, not 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", RL_CHECKS)
+def test_grpos_cross_field_checks_are_grpos(overrides, message):
+    """GRPO's checks of several sections at once run when a GRPO run is built (before a Ray cluster or an engine
+    starts: they used to surface mid-run), and only then: an SFT or pretraining job with the same values loads."""
+    from posttrain import grpo
+    from posttrain.onpolicy import run
+
+    base = ["data.source=reasoning_gym:basic_arithmetic", "reward.functions=[{fn: math_verify}]"]
+    cfg = post(*base, *overrides)  # loads: these are not section checks
+    with pytest.raises(ConfigError, match=message):
+        run.check_config(cfg)
+        grpo.check_config(cfg)
+
+
+def test_an_sft_job_never_fails_on_rls_checks():
+    """The batch SFT accumulates in 3 micro-batches is fine for SFT, whatever RL would make of it."""
+    from posttrain.sft import check_config
+
+    cfg = post("train.batch_size=6", "train.micro_batches=3", "data.format=chat", "data.source=reasoning_gym:x")
+    check_config(cfg)
+    assert load_config(overrides=["train.batch_size=6", "train.micro_batches=3"]).train.micro_batches == 3
+
+
+def test_one_completion_per_prompt_is_allowed_where_a_method_allows_it():
+    assert post("rl.batch.num_generations=1").rl.batch.num_generations == 1
 
 
 def test_saved_config_holds_no_code_and_loading_it_imports_none(tmp_path):
@@ -205,10 +251,10 @@ def test_saved_config_holds_no_code_and_loading_it_imports_none(tmp_path):
     plugin.write_text(
         f"open({str(marker)!r}, 'w').close()\ndef fn(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
     )
-    cfg = load_config(overrides=[f"reward.functions=[{{fn: {plugin}:fn}}]"])
+    cfg = post(f"reward.functions=[{{fn: {plugin}:fn}}]")
     assert marker.exists()  # loading a user's config does resolve the plugin (a typo fails at load)
     marker.unlink()
-    Config.model_validate(cfg.model_dump(mode="json"))  # what a checkpoint restore does
+    PostTrainConfig.model_validate(cfg.model_dump(mode="json"))  # what a checkpoint restore does
     plugin.unlink()  # even a plugin that is gone
-    Config.model_validate(cfg.model_dump(mode="json"))
+    PostTrainConfig.model_validate(cfg.model_dump(mode="json"))
     assert not marker.exists()

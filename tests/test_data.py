@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from core.config import DataConfig
-from core.data import MalformedRow, load_records, make_pipeline
+from core.data import MalformedRow, TextRows, load_records, load_tokenizer, tokenize_examples
+from tests.helpers import pipeline
 
 TEXTS = [f"Calculate {i} + {i + 1}.\nAnswer: {2 * i + 1}" for i in range(40)]
 
@@ -17,6 +18,10 @@ def cfg(**kw):
     base = dict(seq_len=32, seed=0)
     base.update(kw)
     return DataConfig(**base)
+
+
+def make_pipeline(c, batch_size, *, records, tokenizer_dir, **kw):
+    return pipeline(records, c, batch_size, tokenizer_dir, **kw)
 
 
 def as_rows(data):
@@ -130,17 +135,14 @@ def test_state_restores_exact_next_batch(arithmetic_tokenizer):
 
 def test_process_sharding_is_disjoint(arithmetic_tokenizer):
     records = [{"text": t} for t in TEXTS]
+    from core.data import make_pipeline as core_pipeline
+
+    c = cfg(packing=False, shuffle=False)
+    examples = tokenize_examples(records, TextRows(), load_tokenizer(arithmetic_tokenizer), c)
     seen = []
     for p in range(2):
-        pipe = make_pipeline(
-            cfg(packing=False, shuffle=False),
-            4,
-            records=records,
-            tokenizer_dir=arithmetic_tokenizer,
-            process_index=p,
-            process_count=2,
-        )
-        assert pipe.num_rows == 20
+        pipe = core_pipeline(examples, c, 4, process_index=p, process_count=2)
+        assert len(pipe.rows) == 20
         it = iter(pipe)
         seen.append({int(x) for _ in range(5) for x in next(it).example_ids[:, 0]})
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 40
@@ -214,10 +216,11 @@ def test_truncation_side_and_rows_left_without_targets(arithmetic_tokenizer, sid
             r"data.seq_len=16 on the right",
         ):
             make_pipeline(c, 1, records=rows, tokenizer_dir=arithmetic_tokenizer)
-        pipe = make_pipeline(
-            c.model_copy(update={"skip_malformed": True}), 1, records=rows, tokenizer_dir=arithmetic_tokenizer
-        )
-        assert pipe.num_rows == 1 and "row 0: no target token left" in pipe.skipped[0]
+        from posttrain.sft import PromptCompletionRows
+
+        skipping = c.model_copy(update={"skip_malformed": True})
+        examples = tokenize_examples(rows, PromptCompletionRows(), tok, skipping)
+        assert examples.train == [1] and "row 0: no target token left" in examples.skipped[0]
         return
     b = as_rows(next(iter(make_pipeline(c, 1, records=rows, tokenizer_dir=arithmetic_tokenizer))))
     assert tok.decode(b["tokens"][0, b["targets"][0]]) == " 3<|endoftext|>"  # the end kept, the prompt's start cut
@@ -233,8 +236,9 @@ def test_local_files_and_save_to_disk(tmp_path, arithmetic_tokenizer):
     ds.save_to_disk(str(tmp_path / "disk"))
     for source in (jsonl, tmp_path / "d.parquet", tmp_path / "disk"):
         c = cfg(source=str(source), tokenizer_dir=arithmetic_tokenizer, packing=False, shuffle=False)
-        assert [r["text"] for r in load_records(str(source), c)] == TEXTS[:10]
-        assert next(iter(make_pipeline(c, 2))).batch.tokens.shape[0] == 2
+        records = load_records(c)
+        assert [r["text"] for r in records] == TEXTS[:10]
+        assert next(iter(make_pipeline(c, 2, records=records, tokenizer_dir=arithmetic_tokenizer))).batch.rows == 2
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -264,14 +268,25 @@ def test_rows_are_cut_to_the_longest_row_and_only_padding_is_dropped(packing, ar
 
 
 def test_reasoning_gym_source():
-    recs = load_records("reasoning_gym:basic_arithmetic", cfg(num_examples=5, seed=3))
+    c = cfg(source="reasoning_gym:basic_arithmetic", num_examples=5, seed=3)
+    recs = load_records(c)
     assert len(recs) == 5 and all(r["text"].endswith(r["answer"]) for r in recs)
-    assert recs == load_records("reasoning_gym:basic_arithmetic", cfg(num_examples=5, seed=3))
+    assert recs == load_records(c)
 
 
 def test_missing_file_is_named():
     with pytest.raises(FileNotFoundError, match="no/such.jsonl"):
-        load_records("no/such.jsonl", cfg())
+        load_records(cfg(source="no/such.jsonl"))
+
+
+def test_columns_take_fields_from_other_columns(tmp_path):
+    rows = [{"content": t, "other": i} for i, t in enumerate(TEXTS[:3])]
+    source = tmp_path / "d.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = load_records(cfg(source=str(source), columns={"text": "content"}))
+    assert [r["text"] for r in records] == TEXTS[:3] and records[0]["other"] == 0
+    with pytest.raises(ValueError, match=r"data.columns names \['body'\], which the rows do not have"):
+        load_records(cfg(source=str(source), columns={"text": "body"}))
 
 
 @pytest.mark.parametrize(
@@ -286,11 +301,10 @@ def test_malformed_row_named_or_skipped(arithmetic_tokenizer, row, field, what):
     records = [{"text": t} for t in TEXTS[:5]] + [row] + [{"text": t} for t in TEXTS[5:10]]
     with pytest.raises(MalformedRow, match=f"row 5: field '{field}': {what}"):
         make_pipeline(cfg(), 2, records=records, tokenizer_dir=arithmetic_tokenizer)
-    pipe = make_pipeline(
-        cfg(skip_malformed=True, packing=False, shuffle=False), 2, records=records, tokenizer_dir=arithmetic_tokenizer
-    )
-    assert pipe.num_rows == 10 and len(pipe.skipped) == 1 and "row 5" in pipe.skipped[0]
-    it = iter(pipe)
+    c = cfg(skip_malformed=True, packing=False, shuffle=False)
+    examples = tokenize_examples(records, TextRows(), load_tokenizer(arithmetic_tokenizer), c)
+    assert len(examples.train) == 10 and len(examples.skipped) == 1 and "row 5" in examples.skipped[0]
+    it = iter(make_pipeline(c, 2, records=records, tokenizer_dir=arithmetic_tokenizer))
     ids = [int(x) for _ in range(5) for x in next(it).example_ids[:, 0]]
     assert sorted(ids) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]  # one epoch, row 5 skipped
 
@@ -303,3 +317,31 @@ def test_malformed_chat_row(arithmetic_tokenizer):
             records=[{"messages": [{"role": "user", "content": "x"}, {"role": 1}]}],
             tokenizer_dir=arithmetic_tokenizer,
         )
+
+
+def test_a_chat_row_a_template_cannot_render_is_named_or_skipped(tmp_path):
+    """A conversation opening with an assistant turn, under Gemma's template (roles must alternate): an error
+    naming the row and the template's reason, or with data.skip_malformed skipped and counted."""
+    from posttrain.sft import ChatRows
+    from tests.chat_families import chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path / "gemma", "gemma")
+    good = {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]}
+    opening = {"messages": [{"role": "assistant", "content": "Hi."}, *good["messages"]]}
+    rows = [good, opening, good]
+    with pytest.raises(MalformedRow, match="row 1: .*roles must alternate"):
+        tokenize_examples(rows, ChatRows(), tok, cfg(format="chat"))
+    examples = tokenize_examples(rows, ChatRows(), tok, cfg(format="chat", skip_malformed=True))
+    assert examples.train == [0, 2] and len(examples.skipped) == 1 and "row 1" in examples.skipped[0]
+
+
+def test_held_out_rows_are_the_last_usable_ones(arithmetic_tokenizer):
+    """The one split every method uses: the last data.eval_fraction of the usable rows (a skipped row is not
+    counted), never a training row."""
+    from core.data import held_out
+
+    assert held_out(list(range(10)), 0.2) == (list(range(8)), [8, 9])
+    records = [{"text": t} for t in TEXTS[:9]] + [{"text": ""}]
+    c = cfg(eval_fraction=0.2, skip_malformed=True)
+    examples = tokenize_examples(records, TextRows(), load_tokenizer(arithmetic_tokenizer), c)
+    assert examples.eval == [7, 8] and examples.train == list(range(7))

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from core.config import DPOConfig
 from core.data import MalformedRow
-from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
+from posttrain.config import DPOConfig
+from posttrain.dpo.pairs import Pair, build_pair_batch, tokenize_pairs
+from tests.chat_families import chat_tokenizer
 from tests.helpers import assert_same_gradients, recording_sgd
-from tests.test_chat import chat_tokenizer
 
 
 def random_pairs(n: int, vocab: int, seed: int = 0) -> list[Pair]:
@@ -122,7 +122,7 @@ def test_the_head_scores_real_targets_only_with_the_same_values_and_gradients(ll
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo"])
 def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
     """The objective's loss and metrics on a packed batch == NumPy DPO on transformers' sequence log-probs."""
-    from posttrain.dpo import preference_objective
+    from posttrain.dpo.objective import preference_objective
 
     _, model, cfg, hf = llama
     pairs = random_pairs(5, cfg.vocab_size, seed=1)
@@ -158,7 +158,7 @@ def test_a_live_reference_equal_to_the_policy_gives_zero_margins(llama):
     from flax import nnx
 
     from core.mesh import single_device_mesh
-    from posttrain.dpo import preference_objective, with_reference
+    from posttrain.dpo.objective import preference_objective, with_reference
     from posttrain.frozen import FrozenModel
 
     _, model, cfg, _ = llama
@@ -182,7 +182,7 @@ def test_micro_batches_leave_the_gradient_unchanged(llama):
     from core.hf import load_hf
     from core.learner import Learner
     from core.mesh import single_device_mesh
-    from posttrain.dpo import preference_objective
+    from posttrain.dpo.objective import preference_objective
 
     path, _, cfg, _ = llama
     pairs = random_pairs(8, cfg.vocab_size, seed=4)
@@ -199,6 +199,9 @@ def test_micro_batches_leave_the_gradient_unchanged(llama):
         metrics = learner.update(batch, k)
         results.append((metrics, jax.device_get(learner.state.opt_state)))
     (m1, g1), (m4, g4) = results
+    for m in (m1, m4):  # both steps ran, on real pairs: a skipped or empty step would compare zeros with zeros
+        assert m["finite"] == 1.0 and m["empty"] == 0.0 and m["tokens"] == 8.0 and np.isfinite(m["loss"])
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(g1)) > 1e-3
     assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-6)
     assert m1["rewards/accuracies"] == pytest.approx(m4["rewards/accuracies"])
     assert_same_gradients(g1, g4)
@@ -212,7 +215,7 @@ def test_text_pairs_tokenize_with_eos_and_malformed_rows_are_named(arithmetic_to
 
     tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
     good = {"prompt": "What is 2 + 3?", "chosen": " 5", "rejected": " 6"}
-    (pair,), _ = tokenize_pairs([good], tok, data_format="prompt_completion", seq_len=64)
+    (pair,), _, _ = tokenize_pairs([good], tok, data_format="prompt_completion", seq_len=64)
     assert list(pair.prompt) == tok(good["prompt"], add_special_tokens=False)["input_ids"]
     assert list(pair.chosen) == tok(" 5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     bad = [
@@ -225,34 +228,54 @@ def test_text_pairs_tokenize_with_eos_and_malformed_rows_are_named(arithmetic_to
         with pytest.raises(MalformedRow, match=message):
             tokenize_pairs([row], tok, data_format="prompt_completion", seq_len=32)
     rows = [good] + [row for row, _ in bad]
-    pairs, skipped = tokenize_pairs(rows, tok, data_format="prompt_completion", seq_len=32, skip_malformed=True)
+    pairs, skipped, _ = tokenize_pairs(rows, tok, data_format="prompt_completion", seq_len=32, skip_malformed=True)
     assert [p.row for p in pairs] == [0] and len(skipped) == 4 and "row 4:" in skipped[-1]
     # truncation: the prompt keeps its end, completions their start
-    (cut,), _ = tokenize_pairs(
-        [good], tok, data_format="prompt_completion", seq_len=64, max_prompt_tokens=2, max_completion_tokens=1
+    (cut,), _, _ = tokenize_pairs(
+        [good], tok, data_format="prompt_completion", seq_len=64, max_prompt_tokens=2, max_completion_tokens=2
     )
-    assert cut.prompt == pair.prompt[-2:] and cut.chosen == pair.chosen[:1] and cut.rejected == pair.rejected[:1]
+    assert cut.prompt == pair.prompt[-2:] and cut.chosen == pair.chosen[:2] and cut.rejected == pair.rejected[:2]
+    assert len(pair.chosen) > 2  # the cut really cut
+    # completions identical once truncated carry no preference: dropped (and said), never an error
+    same_start = {"prompt": "What is 2 + 3?", "chosen": " 5 and done", "rejected": " 5 or not"}
+    kept, skipped, dropped = tokenize_pairs(
+        [good, same_start], tok, data_format="prompt_completion", seq_len=64, max_completion_tokens=2
+    )
+    assert [p.row for p in kept] == [0] and not skipped and "row 1: chosen and rejected are identical" in dropped[0]
 
 
-@pytest.mark.parametrize("style", ["qwen2.5", "llama3"])
-def test_chat_pairs_share_the_rendered_prompt_and_end_with_the_turns_end(tmp_path, style):
-    """Chat pairs: the prompt is the conversation through the generation prompt, each completion the
-    assistant's answer and its end-of-turn token (a hand-built expectation from the template's own text)."""
-    from transformers import AutoTokenizer
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "qwen3", "deepseek_r1_distill"])
+def test_chat_pairs_share_the_rendered_prompt_and_end_with_the_turns_end(tmp_path, family):
+    """Chat pairs on the families' shipped templates: the prompt is the conversation through the generation
+    prompt, each completion the assistant's answer and its end-of-turn token; a multi-turn (hh-rlhf style)
+    prompt holding earlier assistant turns splits the same way; so do whole conversations with an implicit
+    prompt."""
+    from tests.chat_families import FAMILIES
 
-    chat_tokenizer(tmp_path, style)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / style))
-    prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2 + 3?"}]
+    tok = chat_tokenizer(tmp_path / family, family)
+    closers = FAMILIES[family]["closers"]
+    history = [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 10 + 7?"},
+    ]
     row = {
-        "prompt": prompt,
-        "chosen": [{"role": "assistant", "content": "5"}],
-        "rejected": [{"role": "assistant", "content": "6"}],
+        "prompt": history,
+        "chosen": [{"role": "assistant", "content": "17"}],
+        "rejected": [{"role": "assistant", "content": "18"}],
     }
-    (pair,), _ = tokenize_pairs([row], tok, data_format="chat", seq_len=256)
-    rendered = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    implicit = {"chosen": history + row["chosen"], "rejected": history + row["rejected"]}
+    (pair, same), skipped, _ = tokenize_pairs([row, implicit], tok, data_format="chat", seq_len=256)
+    assert not skipped and (pair.prompt, pair.chosen, pair.rejected) == (same.prompt, same.chosen, same.rejected)
+    rendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     assert tok.decode(pair.prompt) == rendered
-    end = {"qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}[style]
-    assert tok.decode(pair.chosen) == "5" + end and tok.decode(pair.rejected) == "6" + end
+    chosen, rejected = tok.decode(pair.chosen), tok.decode(pair.rejected)
+    assert chosen.endswith(closers) and rejected.endswith(closers), (chosen, rejected)
+    assert "17" in chosen and "18" in rejected and "10 + 7" not in chosen + rejected
     two_turns = dict(row, chosen=[{"role": "assistant", "content": "5"}, {"role": "user", "content": "ok"}])
     with pytest.raises(MalformedRow, match="row 0: field 'chosen': expected a list of one assistant message"):
         tokenize_pairs([two_turns], tok, data_format="chat", seq_len=256)
+    apart = {"chosen": history + row["chosen"], "rejected": history[:2] + row["rejected"]}
+    with pytest.raises(MalformedRow, match="share every message but their last"):
+        tokenize_pairs([apart], tok, data_format="chat", seq_len=256)

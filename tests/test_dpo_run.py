@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
 from core.config_loader import config_from_argv
+from posttrain.config import PostTrainConfig
 
 TINY = [
     "model.hidden_size=64",
@@ -33,16 +35,24 @@ def dpo_config(tmp_path, tokenizer, *extra):
             *extra,
         ],
         "recipes/configs/dpo_tiny.yml",
+        schema=PostTrainConfig,
     )
 
 
-def test_pipeline_covers_every_pair_once_per_epoch_and_packs_the_prompt_once(tmp_path, arithmetic_tokenizer):
+def pairs_of(cfg, tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from posttrain.pair_data import PairLayout, load_pairs, pair_pipeline
+    from core.data import load_records
+    from posttrain.dpo.data import load_pairs
+
+    return load_pairs(cfg, AutoTokenizer.from_pretrained(tokenizer_dir), load_records(cfg.data))
+
+
+def test_pipeline_covers_every_pair_once_per_epoch_and_packs_the_prompt_once(tmp_path, arithmetic_tokenizer):
+    from posttrain.dpo.data import PairLayout, pair_pipeline
 
     cfg = dpo_config(tmp_path, arithmetic_tokenizer, "data.eval_fraction=0.1")
-    data = load_pairs(cfg, AutoTokenizer.from_pretrained(arithmetic_tokenizer))
+    data = pairs_of(cfg, arithmetic_tokenizer)
     assert len(data.train) == 360 and len(data.eval) == 40
     assert {p.row for p in data.train}.isdisjoint({p.row for p in data.eval})
     it = iter(pair_pipeline(data.train, batch_size=8, micro_batches=2, layout=PairLayout(128), seed=0))
@@ -65,47 +75,54 @@ def test_pipeline_covers_every_pair_once_per_epoch_and_packs_the_prompt_once(tmp
 
 def test_precomputed_reference_equals_live(tmp_path, arithmetic_tokenizer):
     """The stored reference log-probs attached to a training batch == the frozen reference scoring that batch
-    live (another packing of the same pairs); a second load reads the file, other pairs recompute."""
+    live (another packing of the same pairs); a second load reads the file; other pairs, or the same path holding
+    other weights, recompute."""
     from flax import nnx
-    from transformers import AutoTokenizer
 
     from core.checkpoint import initial_model
     from core.mesh import make_mesh
-    from posttrain.dpo import with_reference
-    from posttrain.dpo_run import reference_origin
+    from posttrain.dpo.data import PairLayout, pair_pipeline
+    from posttrain.dpo.objective import with_reference
+    from posttrain.dpo.offline import attach_stored, compute_reference_logps
     from posttrain.frozen import FrozenModel
-    from posttrain.pair_data import PairLayout, load_pairs, pair_pipeline
-    from posttrain.reference_logps import ReferenceLogps, compute_reference_logps, fingerprint
+    from posttrain.token_store import TokenStore, tokens_digest, weights_digest
 
     cfg = dpo_config(tmp_path, arithmetic_tokenizer, "data.eval_fraction=0", "data.num_examples=64")
-    data = load_pairs(cfg, AutoTokenizer.from_pretrained(arithmetic_tokenizer))
+    data = pairs_of(cfg, arithmetic_tokenizer)
+    every = data.train + data.eval
     mesh = make_mesh(cfg.mesh)
     model, cfg = initial_model(cfg, mesh)
     graphdef, params = nnx.split(model)
     reference = FrozenModel.copy_of(graphdef, params, mesh, "reference")
     path = tmp_path / "ref.npz"
-    digest = fingerprint(data.all, reference_origin(cfg))
+    digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every) + weights_digest(params)
     calls = []
 
     def compute():
         calls.append(1)
-        return compute_reference_logps(data.all, reference, batch_size=16, layout=PairLayout(128, pack=False))
+        return compute_reference_logps(every, reference, batch_size=16, layout=PairLayout(128, pack=False))
 
-    store = ReferenceLogps.load_or_compute(path, digest, compute)
-    assert len(store.by_row) == 64 and calls == [1]
+    store = TokenStore.load_or_compute(path, digest, compute)
+    assert len(store.values) == 128 and calls == [1]  # two sequences a pair
     it = iter(pair_pipeline(data.train, batch_size=8, micro_batches=2, layout=PairLayout(128), seed=3))
     for _ in range(3):
         item = next(it)
         live = with_reference(item.batch, reference, groups=2)
-        stored = store.attach(item)
+        stored = attach_stored(store, item)
         for a, b in ((live.ref_chosen, stored.ref_chosen), (live.ref_rejected, stored.ref_rejected)):
             a, b = np.asarray(a), np.asarray(b)
             assert (a < -1.0).all()  # real sums of log-probs, not zeros
             np.testing.assert_array_less(np.abs(a - b), 64 * np.spacing(np.abs(a).astype(np.float32)))
-    again = ReferenceLogps.load_or_compute(path, digest, compute)
-    assert calls == [1] and again.by_row == store.by_row  # read back, not recomputed
-    ReferenceLogps.load_or_compute(path, fingerprint(data.all[1:], reference_origin(cfg)), compute)
+    again = TokenStore.load_or_compute(path, digest, compute)
+    assert calls == [1] and again.values.keys() == store.values.keys()  # read back, not recomputed
+    for key, value in store.values.items():
+        np.testing.assert_array_equal(again.values[key], value)
+    other_pairs = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every[1:]) + weights_digest(params)
+    TokenStore.load_or_compute(path, other_pairs, compute)
     assert calls == [1, 1]  # other pairs: recomputed
+    changed = jax.tree.map(lambda x: x * 1.01, params)  # another checkpoint behind the same init_from path
+    TokenStore.load_or_compute(path, digest[:64] + weights_digest(changed), compute)
+    assert calls == [1, 1, 1]  # other weights: recomputed
 
 
 @pytest.mark.parametrize("reference", ["live", "precomputed"])
@@ -114,10 +131,11 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
     pick up): from policy == reference (held-out loss log 2 at step 0), DPO raises the held-out preference
     accuracy and lowers the held-out loss; the run exports an HF model."""
     from core.data import reasoning_gym_records
-    from posttrain.dpo_run import build_dpo
+    from core.run import build_run
+    from posttrain.dpo.offline import DPO
 
     rows = [
-        {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["chosen"] + "0"}
+        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["completion"] + "0"}
         for r in reasoning_gym_records("basic_arithmetic", 400, seed=5, max_digits=2)
     ]
     source = tmp_path / "pairs.jsonl"
@@ -132,11 +150,12 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
         "train.log_every=5",
         "optim.learning_rate=1e-3",
         f"dpo.precompute_ref_logps={reference == 'precomputed'}",
+        "data.columns={}",
     )
-    run = build_dpo(cfg)
-    assert run.reference == reference
-    run.trainer.hooks[-1].fn(run.trainer, 0)  # the eval hook at step 0
-    run.trainer.fit()
+    run = build_run(cfg, DPO)
+    assert any(note.startswith(f"reference: {reference}") for note in run.parts.notes), run.parts.notes
+    run.loop.logger.log(0, run.loop.evaluate())  # the evaluation at step 0
+    run.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]
@@ -150,16 +169,17 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
 
 def test_reference_free_losses_load_no_reference(tmp_path, arithmetic_tokenizer):
     """simpo and orpo train without a reference: none is built, none is precomputed, the batch carries none."""
-    from posttrain.dpo_run import build_dpo
+    from core.run import build_run
+    from posttrain.dpo.offline import DPO
 
     cfg = dpo_config(
         tmp_path, arithmetic_tokenizer, "dpo.loss_type=simpo", "dpo.precompute_ref_logps=true", "data.num_examples=64"
     )
-    run = build_dpo(cfg)
-    assert run.reference == "none"
+    run = build_run(cfg, DPO)
+    assert any(note.startswith("reference: none") for note in run.parts.notes)
     assert not (tmp_path / "run" / "reference_logps.npz").exists()
-    item = next(run.trainer.data_iter)
-    batch = run.trainer.prepare(item)
+    item = next(run.loop.data_iter)
+    batch = run.loop.prepare(item, cfg.train.micro_batches)
     assert batch.ref_chosen is None and batch.ref_rejected is None
-    metrics = run.trainer.learner.update(batch, cfg.train.micro_batches)
+    metrics = run.loop.learner.update(batch, cfg.train.micro_batches)
     assert metrics["finite"] and np.isfinite(metrics["loss"])

@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from core.config_loader import load_config
+from posttrain.config import PostTrainConfig
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,11 @@ VARIED_REWARD = "reward.functions=[{fn: tests.reward_plugins:char_count, weight:
 
 
 def tiny_cfg(run_dir, tokenizer, *overrides):
-    return load_config(TINY, [f"run.run_dir={run_dir}", f"data.tokenizer_dir={tokenizer}", VARIED_REWARD, *overrides])
+    return load_config(
+        TINY,
+        [f"run.run_dir={run_dir}", f"data.tokenizer_dir={tokenizer}", VARIED_REWARD, *overrides],
+        schema=PostTrainConfig,
+    )
 
 
 def metric_rows(run_dir):
@@ -70,7 +75,7 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
     which a random tiny model can learn) goes up over the 8 steps."""
     import ray
 
-    from posttrain.onpolicy.loop import GRPORun
+    from posttrain.grpo import GRPORun
     from posttrain.trainer import TrainerUnavailable
 
     cfg = tiny_cfg(
@@ -157,7 +162,7 @@ def _kill_tree(pid):
 
 
 def test_staleness_check_refuses_old_completions():
-    from posttrain.onpolicy.loop import StalenessError, check_staleness
+    from posttrain.onpolicy.run import StalenessError, check_staleness
     from rollout.sampler import Completion
 
     batch = [Completion([1], [2], [0.0], "stop", "x", policy_version=v) for v in (3, 4)]

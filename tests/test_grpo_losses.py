@@ -150,7 +150,7 @@ def _data(seed, B=10, T=10, spread=0.8, sampler_spread=0.6):
 
 def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None, kl_mask=None):
     def total(lp):
-        loss_sum, sums = policy_loss(
+        loss_sum, denominator, terms = policy_loss(
             lp,
             jnp.asarray(old),
             jnp.asarray(adv),
@@ -160,10 +160,10 @@ def _jax_loss(logp, old, adv, mask, s, sampler=None, ref=None, kl_mask=None):
             None if ref is None else jnp.asarray(ref),
             None if kl_mask is None else jnp.asarray(kl_mask),
         )
-        return loss_sum / sums["loss_denominator"], sums
+        return loss_sum / denominator, terms
 
-    (value, sums), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
-    return float(value), np.asarray(grad), sums
+    (value, terms), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    return float(value), np.asarray(grad), terms
 
 
 # ------------------------------------------------------------------- tests
@@ -243,13 +243,13 @@ def test_policy_loss_and_gradient_match_numpy(s):
     counted = int(mask.sum())
     for branch, hits in np_branches(logp, old, adv, mask, s, sampler).items():
         assert 0 < hits < counted, (branch, hits, counted)
-    value, grad, sums = _jax_loss(logp, old, adv, mask, s, sampler, ref, kl_mask)
+    value, grad, terms = _jax_loss(logp, old, adv, mask, s, sampler, ref, kl_mask)
     ref_value, ref_grad = np_policy_loss(logp, old, adv, mask, s, sampler, ref, kl_mask)
     assert value == pytest.approx(ref_value, abs=1e-6)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
-    assert float(sums["clipped_tokens"]) == np_branches(logp, old, adv, mask, s)["clip"]
+    assert float(terms.clipped_tokens) == np_branches(logp, old, adv, mask, s)["clip"]
     if s.beta > 0:  # the KL term reaches tokens the policy term does not (a zero-variance or truncated sequence)
-        assert np.abs(ref_grad[-1]).sum() > 0 and float(sums["kl_tokens"]) == kl_mask.sum() > mask.sum()
+        assert np.abs(ref_grad[-1]).sum() > 0 and float(terms.kl_tokens) == kl_mask.sum() > mask.sum()
 
 
 def test_dr_grpo_normaliser_does_not_depend_on_filtering():
@@ -271,7 +271,7 @@ def test_all_truncated_group_and_zero_advantages():
     logp, old, _sampler, _ref, adv, mask, _ = _data(2)
     mask[:3] = 0.0
     for s in (PolicyLossSettings(loss_agg=a) for a in AGGS):
-        value, grad, _sums = _jax_loss(logp, old, adv, mask, s)
+        value, grad, _terms = _jax_loss(logp, old, adv, mask, s)
         ref_value, _ref_grad = np_policy_loss(logp, old, adv, mask, s)
         assert value == pytest.approx(ref_value, abs=1e-6)
         np.testing.assert_allclose(grad[:3], 0.0)
@@ -342,7 +342,7 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
     """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, pairs
     sharing their prompt, or one per row), with sampler / old / ref log-probs; the first two completions are a
     zero-variance group (no policy tokens, KL tokens)."""
-    from posttrain.rl_batch import build_rl_batch
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(seed)
@@ -376,36 +376,32 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
 
 @pytest.mark.parametrize("algorithm,agg", [("grpo", a) for a in AGGS] + [("gspo", "sequence-mean-token-mean")])
 def test_micro_batches_give_the_same_gradient(agg, algorithm):
-    from flax import nnx
-
-    from core.config import ModelConfig, OptimConfig
+    from core.config import ModelConfig
     from core.models import create_model
-    from core.optim import make_optimizer
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
-    from posttrain.grpo import policy_objective
+    from posttrain.onpolicy.policy_gradient import policy_objective
+    from tests.helpers import assert_same_gradients, recording_sgd
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, beta=0.05, tis_cap=2.0, max_tokens=19)
     loss_fn = policy_objective(settings, temperature=0.7)
-    sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
-    results, start = [], None
+    results = []
     # one row per sequence in one micro-batch vs sequences packed four groups' worth of rows, 4 micro-batches
     for k, pack in ((1, False), (4, True)):
         batch = _rl_batch(groups=k, pack=pack)
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
-        tx = make_optimizer(sgd, 10, nnx.state(model))
+        tx = recording_sgd(1.0)  # its state is the gradient the step applied
         graphdef, state = init_train_state(model, tx, seed=0)
-        start = jax.device_get(state.params)
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(batch, k))
-        results.append((jax.device_get(state.params), jax.device_get(metrics)))
+        results.append((jax.device_get(state.opt_state), jax.device_get(metrics)))
     assert len(batch.packed.tokens) < len(batch.advantages)  # the packed batch really shares rows
-    (p1, m1), (p4, m4) = results
+    (g1, m1), (g4, m4) = results
+    for m in (m1, m4):  # both steps ran on real tokens
+        assert float(m["finite"]) == 1.0 and float(m["empty"]) == 0.0 and float(m["grad_norm"]) > 0
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), abs=1e-6)
-    assert float(m1["grad_norm"]) > 0
-    # SGD with lr 1: the parameter change is the gradient; compare in float32 terms.
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)))
-    update = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(start)))
-    assert diff <= 1e-5 * update, (diff, update)
+    # every tensor, in float32 steps of its own scale: one sequence per row vs packed rows changes the order of
+    # every sum (attention over other row lengths, the embedding's scatter over ~250 tokens): measured 43-58 steps
+    assert_same_gradients(g1, g4, steps=96)
 
 
 def _mismatch_reference(trainer, sampler, mask):
@@ -421,21 +417,18 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     """Without `old_logp` the step uses stop_gradient(logp) as pi_old: the same update as a separate
     pi_old pass, for 1 and 4 micro-batches, and the mismatch statistics (max-reduced across
     micro-batches) match a NumPy reference on the trainer's log-probs."""
-    from flax import nnx
-
-    from core.config import ModelConfig, OptimConfig
+    from core.config import ModelConfig
     from core.models import create_model
-    from core.optim import make_optimizer
     from core.targets import target_logprobs
     from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
-    from posttrain.grpo import policy_objective, summarise_updates
+    from posttrain.onpolicy.policy_gradient import PolicyStats, policy_objective
+    from tests.helpers import assert_same_gradients, recording_sgd
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
     loss_fn = policy_objective(settings, temperature=0.7)
     # the same sequences packed for 1 and for 4 micro-batches; the masked group's tokens still count for the
     # mismatch (completion_mask)
     batches = {k: _rl_batch(groups=k) for k in (1, 4)}
-    sgd = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
     model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
     mask = batches[1].packed.target_mask
     trainer_logp = np.asarray(jax.jit(lambda m, b: target_logprobs(m, b, 0.7)[0])(model, batches[1].packed)) * (
@@ -448,23 +441,20 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     results = {}
     for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
-        tx = make_optimizer(sgd, 10, nnx.state(model))
+        tx = recording_sgd(1.0)  # its state is the gradient the step applied
         graphdef, state = init_train_state(model, tx, seed=0)
-        start = jax.device_get(state.params)
         b = batches[k].replace(old_logp=None, ref_logp=None, sampler_logp=sampler_logp)
         inputs = b.replace(old_logp=trainer_logp.astype(np.float32)) if name == "separate" else b
         step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
         state, metrics = step(state, split_micro_batches(inputs, k))
         metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
-        results[name, k] = (jax.device_get(state.params), summarise_updates([metrics], 1))
+        assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0 and metrics["grad_norm"] > 0
+        stats = PolicyStats.summarise([metrics], 1, settings).metrics()
+        results[name, k] = jax.device_get(state.opt_state)
         for key, value in expected.items():
-            assert results[name, k][1][key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (name, k, key)
-    base = results["separate", 1][0]
-    update = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(start)))
-    assert update > 0
-    for key in (("fused", 1), ("fused", 4)):
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(results[key][0]), jax.tree.leaves(base)))
-        assert diff <= 1e-5 * update, (key, diff, update)
+            assert stats[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (name, k, key)
+    for key in (("fused", 1), ("fused", 4)):  # every tensor, in float32 steps of that tensor
+        assert_same_gradients(results["separate", 1], results[key])
 
 
 def test_pass_at_k_matches_enumeration():

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from core.config_loader import load_config
+from posttrain.config import PostTrainConfig
 from core.data import MalformedRow
 from core.packing import round_rows
 from core.shapes import SizeCache
 from posttrain.onpolicy.prompts import PromptStream, columns_of, prompt_rows, render_prompt
-from posttrain.rl_batch import build_rl_batch
+from posttrain.onpolicy.policy_gradient import build_rl_batch
 from rollout.group import SamplerFailed, SamplerGroup, SamplerInputError
 from rollout.placement import placement_bundles
 from rollout.sampler import Completion, SamplingParams
@@ -156,7 +157,10 @@ def test_prompt_rows_render_and_errors(tmp_path):
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(20)]
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(overrides=[f"data.source={src}", "data.eval_fraction=0.1", "rl.prompt_template='Q: {question}'"])
+    cfg = load_config(
+        overrides=[f"data.source={src}", "data.eval_fraction=0.1", "rl.prompt_template='Q: {question}'"],
+        schema=PostTrainConfig,
+    )
     train, held_out = prompt_rows(cfg)
     assert len(train) == 18 and [r["answer"] for r in held_out] == ["18", "19"]
     assert render_prompt(train[0], cfg.rl) == "Q: q0"
@@ -166,8 +170,10 @@ def test_prompt_rows_render_and_errors(tmp_path):
 
     src.write_text(json.dumps({"question": "ok"}) + "\n" + json.dumps({"answer": "1"}) + "\n")
     with pytest.raises(MalformedRow, match=r"row 1: field 'question' \(used by rl.prompt_template\)"):
-        prompt_rows(load_config(overrides=[f"data.source={src}"]))
-    train, _ = prompt_rows(load_config(overrides=[f"data.source={src}", "data.skip_malformed=true"]))
+        prompt_rows(load_config(overrides=[f"data.source={src}"], schema=PostTrainConfig))
+    train, _ = prompt_rows(
+        load_config(overrides=[f"data.source={src}", "data.skip_malformed=true"], schema=PostTrainConfig)
+    )
     assert [r["question"] for r in train] == ["ok"]
 
 
@@ -182,14 +188,15 @@ def test_prompt_stream_resumes_where_it_stopped():
 
 
 def test_placement_bundles():
-    cfg = load_config(overrides=["rollout.rollout_data_parallelism=2"])
+    cfg = load_config(overrides=["rollout.rollout_data_parallelism=2"], schema=PostTrainConfig)
     assert placement_bundles(cfg, {"CPU": 2.0}) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
     gpu = load_config(
         overrides=[
             "rollout.rollout_data_parallelism=2",
             "mesh.trainer_devices_fraction=0.5",
             "mesh.sampler_devices_fraction=0.5",
-        ]
+        ],
+        schema=PostTrainConfig,
     )
     assert placement_bundles(gpu, {"CPU": 32, "GPU": 8}) == [
         {"CPU": 1, "GPU": 4},
@@ -293,12 +300,13 @@ def _jax_config(tmp_path, tokenizer, *overrides):
     return load_config(
         "recipes/configs/grpo_tiny.yml",
         [f"run.run_dir={tmp_path / 'run'}", f"data.tokenizer_dir={tokenizer}", "rollout.sampler=jax", *overrides],
+        schema=PostTrainConfig,
     )
 
 
 def _jax_run(tmp_path, tokenizer, *overrides, run_class=None):
     """A two-step run without checkpoints (`run_class`: a GRPORun subclass that records what it builds)."""
-    from posttrain.onpolicy.loop import GRPORun
+    from posttrain.grpo import GRPORun
 
     cfg = _jax_config(
         tmp_path, tokenizer, "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides
@@ -349,13 +357,13 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
 def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, arithmetic_tokenizer):
     """A reward function that fails on a group's items: that group has no policy or KL token in the batch the
     trainer gets, and the step counts it (reward/failed_groups); the other groups train."""
-    from posttrain.onpolicy.loop import GRPORun
+    from posttrain.grpo import GRPORun
 
     batches = []
 
     class Recording(GRPORun):
-        def _batch(self, completions, adv):
-            batch = super()._batch(completions, adv)
+        def _batch(self, scored, adv):
+            batch = super()._batch(scored, adv)
             batches.append(batch)
             return batch
 
@@ -379,7 +387,7 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
         assert m["reward/failed_groups"] == 1 and m["reward/failure_rate"] == g / len(batch.advantages)
         assert not batch.loss_mask[:g].any() and not batch.kl_mask[:g].any()
         assert batch.packed.target_mask[:g].any() and batch.loss_mask[g:].any() and batch.kl_mask[g:].any()
-        assert not batch.advantages[:g].any() and np.isfinite(m["loss"])
+        assert not batch.advantages[:g].any() and batch.advantages[g:].any() and np.isfinite(m["loss"])
 
 
 @pytest.mark.integration
@@ -390,14 +398,14 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     the same config resumes after the bad batch."""
     import jax
 
-    from core.loop import NonFiniteLoss
-    from posttrain.onpolicy.loop import GRPORun
+    from core.learner import NonFiniteLoss
+    from posttrain.grpo import GRPORun
 
     class NaNAtStep2(GRPORun):
         calls = 0
 
-        def _batch(self, completions, adv):
-            batch = super()._batch(completions, adv)
+        def _batch(self, scored, adv):
+            batch = super()._batch(scored, adv)
             NaNAtStep2.calls += 1
             if NaNAtStep2.calls == 2:
                 batch.advantages[:] = np.nan
@@ -471,7 +479,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
 
     from core.mesh import single_device_mesh
     from core.models import create_model
-    from posttrain.grpo import GRPOLearner
+    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
 
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
@@ -482,6 +490,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
             "rl.loss.beta=0.05",
             "rollout.max_tokens=6",
         ],
+        schema=PostTrainConfig,
     )
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]  # 4 prompts x 4 completions
@@ -511,7 +520,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
         mesh = single_device_mesh()
         with jax.set_mesh(mesh):
             model = create_model(cfg.model, mesh, seed=0)
-        learner = GRPOLearner(cfg, model, mesh, total_steps=1, tx=recording_sgd(0.1))
+        learner = PolicyGradientLearner(cfg, model, mesh, total_steps=1, tx=recording_sgd(0.1))
         core, updates = learner.learner, []
         update = core.update
 

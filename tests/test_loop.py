@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from core.config_loader import load_config
-from core.data import DataBatch, make_pipeline
+from core.data import DataBatch
 from core.learner import Learner
-from core.loop import NonFiniteLoss, Trainer
-from core.losses import nll_loss
+from core.loop import Evaluation, NonFiniteLoss, TrainLoop
+from core.losses import nll_loss, perplexity
 from core.mesh import make_mesh
 from core.models import create_model
+from tests.helpers import pipeline
 
 RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
 
@@ -50,18 +51,16 @@ POISON = 511  # a token id the poisoned loss turns into NaN
 
 
 def trainer(cfg, tokenizer, loss_fn=nll_loss, on_batch=None, poison=False):
-    """A Trainer on RECORDS; with `poison`, the batch holding example 4 (step 3 with batch 2, no shuffle) carries
+    """A TrainLoop on RECORDS; with `poison`, the batch holding example 4 (step 3 with batch 2, no shuffle) carries
     the POISON token, inside the (checkpointable) Grain pipeline."""
     mesh = make_mesh(cfg.mesh)
     model = create_model(cfg.model, mesh)
     learner = Learner(model, mesh, loss_fn, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
-    data = make_pipeline(cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer)
+    data = pipeline(RECORDS, cfg.data, cfg.train.batch_size, tokenizer)
     if poison:
         data.dataset = data.dataset.map(poisoned)
-    eval_fn = lambda: make_pipeline(
-        cfg.data, cfg.train.batch_size, records=RECORDS, tokenizer_dir=tokenizer, split="eval"
-    )
-    return Trainer(cfg, learner, data, eval_data_fn=eval_fn, tokenizer_dir=tokenizer, on_batch=on_batch)
+    held = Evaluation(lambda: pipeline(RECORDS, cfg.data, cfg.train.batch_size, tokenizer, split="eval"), perplexity)
+    return TrainLoop(cfg, learner, data, evaluation=held, tokenizer_dir=tokenizer, on_batch=on_batch)
 
 
 def poisoned(data: DataBatch) -> DataBatch:
@@ -83,7 +82,8 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
     trainer(cfg, arithmetic_tokenizer).fit()
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8]
-    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8]
+    assert all(r["eval/perplexity"] == pytest.approx(np.exp(r["eval/loss"])) for r in rows if "eval/loss" in r)
     assert all(k in rows[0] for k in ("grad_norm", "learning_rate", "tokens_per_s", "tflops_per_s", "mfu"))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]  # every 3 steps + final, keep 2
     for name in ("config.yaml", "run_info.json", "loss.png", "hf/config.json", "hf/tokenizer.json"):
@@ -120,9 +120,10 @@ def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):
     state = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True).fit()
     assert int(state.step) == 8
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    skipped = {r["step"]: r["skipped_steps"] for r in rows if "skipped_steps" in r}
-    assert skipped[4] == 1.0 and skipped[2] == 0.0  # the window (3, 4] held the poisoned step
-    assert "step 3: non-finite loss" in capsys.readouterr().out
+    # a list of (step, skipped) as logged: a step logged twice, or one missing, is seen
+    skipped = [(r["step"], r["skipped_steps"]) for r in rows if "skipped_steps" in r]
+    assert skipped == [(2, 0.0), (4, 1.0), (6, 0.0), (8, 0.0)]  # the window (3, 4] held the poisoned step
+    assert "step 3: loss nan, grad norm nan is not finite; the update was not applied" in capsys.readouterr().out
 
 
 def test_sigterm_saves_and_resumes(tmp_path, arithmetic_tokenizer, capsys):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from core.config_loader import ConfigError, load_config
+from posttrain.config import PostTrainConfig
 from rollout.sampler import Completion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,7 @@ def completions(n: int, seed: int) -> list[Completion]:
 
 
 def test_best_worst_pairs_match_a_numpy_reference():
-    from posttrain.online_dpo import best_worst_pairs
+    from posttrain.dpo.online import best_worst_pairs
 
     comps = completions(24, seed=0)  # 6 prompts x 4 samples
     rewards = np.array(
@@ -37,8 +38,8 @@ def test_best_worst_pairs_match_a_numpy_reference():
         + [7.0, 6.0, 5.0, 4.0],
         np.float32,
     )
-    pairs, ties, failed = best_worst_pairs(comps, rewards, 4)
-    assert (ties, failed) == (1, 1)
+    pairs, left_out = best_worst_pairs(comps, rewards, 4)
+    assert left_out == {"ties": 1, "failed": 1, "identical": 0}
     want = []
     for g in range(6):
         r = rewards[4 * g : 4 * g + 4].astype(np.float64)
@@ -52,15 +53,48 @@ def test_best_worst_pairs_match_a_numpy_reference():
     assert all(list(p.prompt) == comps[4 * p.row].prompt_ids for p in pairs)
 
 
+def test_missing_eos_penalty_and_identical_samples():
+    """A sample cut at the length limit loses `dpo.missing_eos_penalty` from its reward before the pair is picked
+    (here it stops being the best); best and worst samples with the same tokens make no pair."""
+    from posttrain.dpo.online import best_worst_pairs
+
+    comps = completions(8, seed=1)
+    comps[1].finish_reason = "length"  # the best by reward, but truncated
+    rewards = np.array([0.5, 1.0, 0.6, 0.0, 0.3, 0.9, 0.3, 0.3], np.float32)
+    comps[5].token_ids = list(comps[4].token_ids)  # group 2: its best and worst are the same tokens
+    (plain,), left_out = best_worst_pairs(comps, rewards, 4)
+    assert list(plain.chosen) == comps[1].token_ids and left_out["identical"] == 1
+    (penalised,), _ = best_worst_pairs(comps, rewards, 4, missing_eos_penalty=1.0)
+    assert list(penalised.chosen) == comps[2].token_ids  # 1.0 - 1.0 < 0.6
+    assert list(penalised.rejected) == comps[1].token_ids  # and now the worst
+
+
 def test_online_settings_are_checked(tmp_path):
-    from posttrain.online_dpo import check_online_config
+    from posttrain.dpo.online import check_config
 
     for override, match in (
         ("rl.batch.mini_batches=2", "one update per step"),
         ("train.micro_batches=8", "prompts_per_step=4 is not divisible by train.micro_batches=8"),
+        ("rl.batch.num_generations=1", "num_generations >= 2"),
+        ("rl.batch.pack_length=130", r"rl.batch.pack_length \(130\) cannot hold a sampled pair"),
     ):
         with pytest.raises(ConfigError, match=match):
-            check_online_config(load_config(TINY, [override]))
+            check_config(load_config(TINY, [override], schema=PostTrainConfig))
+
+
+def test_a_long_sampled_pair_fits_its_row():
+    """With the GSM8K 1.5B config's limits (max_tokens 768, max_model_len 1280) a prompt of 512 tokens and two
+    full-length completions (1280 + 768 tokens) lays out in one row: the rows are as long as a pair can be."""
+    from posttrain.dpo.online import pair_length
+    from posttrain.dpo.pairs import Pair, build_pair_batch
+
+    cfg = load_config(
+        TINY, ["rollout.max_tokens=768", "rollout.max_model_len=1280", "rl.batch.pack_length=0"], schema=PostTrainConfig
+    )
+    longest = Pair(0, tuple(range(1, 513)), tuple([7] * 768), tuple([8] * 768))
+    assert longest.length == 2048 == pair_length(cfg)
+    batch = build_pair_batch([longest], slots=4, row_len=pair_length(cfg))
+    assert int((np.asarray(batch.packed.segment_ids) > 0).sum()) == 2048
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +113,7 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
     """Real Ray, real vLLM, a reward a random tiny model can learn (share of digits): pairs of its own best and
     worst samples raise the reward over 8 steps; the weights reach the sampler after every update; a second run
     on the same directory resumes at the last checkpoint."""
-    from posttrain.online_dpo import OnlineDPORun
+    from posttrain.dpo.online import OnlineDPORun
 
     cfg = load_config(
         TINY,
@@ -97,6 +131,7 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
             "rl.eval_samples=2",
             "checkpoint.every_steps=4",
         ],
+        schema=PostTrainConfig,
     )
     run = OnlineDPORun(cfg)
     try:
@@ -108,7 +143,8 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
     steps = [r for r in rows if "reward/mean" in r]
     assert [m["step"] for m in steps] == list(range(1, 9))
     for m in steps:
-        assert m["pairs"] + m["pairs/ties"] + m["pairs/failed"] == 8 and m["pairs/failed"] == 0
+        assert m["pairs"] + m["pairs/ties"] + m["pairs/failed"] + m["pairs/identical"] == 8
+        assert m["pairs/failed"] == 0
         assert m["policy_version"] == m["step"]
         for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
             assert np.isfinite(m[key]), key
@@ -129,8 +165,8 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
 def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_tokenizer):
     """A reward that never varies gives no pair: the step logs its ties, trains nothing and syncs nothing; the
     policy version stays 0 (JAX sampler, one process)."""
-    from posttrain.online_dpo import OnlineDPORun
-    from posttrain.onpolicy.loop import run_to_end
+    from posttrain.dpo.online import OnlineDPORun
+    from posttrain.onpolicy.run import run_to_end
 
     cfg = load_config(
         TINY,
@@ -144,6 +180,7 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
             "checkpoint.enabled=false",
             "checkpoint.export_hf=false",
         ],
+        schema=PostTrainConfig,
     )
     run = OnlineDPORun(cfg)
     summary = run_to_end(run)

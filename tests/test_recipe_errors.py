@@ -152,7 +152,7 @@ PRETRAIN_CASES = {
 
 DPO_CASES = {
     "identical chosen and rejected": (
-        lambda f: [f"data.source={f['pair_rows']}", f"data.tokenizer_dir={f['tok']}"],
+        lambda f: [f"data.source={f['pair_rows']}", "data.columns={}", f"data.tokenizer_dir={f['tok']}"],
         "pairs.jsonl: row 1: chosen and rejected are identical",
     ),
     "text rows are not pairs": (lambda f: ["data.format=text"], "DPO reads pair rows: data.format=prompt_completion"),

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from core.config import RewardConfig
+from rewards.config import RewardConfig
 from core.config_loader import ConfigError, load_config
+from posttrain.config import PostTrainConfig
 from rewards.gsm8k import gsm8k
 from rewards.mathverify import math_verify
 from rewards.registry import BUILTINS, UnknownReward, canonical, resolve
@@ -308,7 +309,7 @@ def test_builtins_resolve_and_unknown_names_list_them():
     with pytest.raises(UnknownReward, match="does not exist"):
         resolve("no/such/file.py:f")
     with pytest.raises(ConfigError, match=r"reward\.functions\[0\]\.fn.*Built-ins: math_verify"):
-        load_config(overrides=["reward.functions=[{fn: mathverify}]"])
+        load_config(overrides=["reward.functions=[{fn: mathverify}]"], schema=PostTrainConfig)
 
 
 def test_file_and_entry_point_plugins(tmp_path, monkeypatch):
@@ -327,7 +328,9 @@ def test_file_and_entry_point_plugins(tmp_path, monkeypatch):
     assert canonical("chars") == f"{PLUGINS}:char_count"
 
     monkeypatch.chdir(tmp_path)  # file plugins are relative to the working directory
-    cfg = load_config(overrides=["reward.functions=[{fn: 'my_reward.py:brevity'}, {fn: chars, weight: 2}]"]).reward
+    cfg = load_config(
+        overrides=["reward.functions=[{fn: 'my_reward.py:brevity'}, {fn: chars, weight: 2}]"], schema=PostTrainConfig
+    ).reward
     with RewardRunner(cfg) as runner:
         batch = runner.score(["p", "p"], ["ab", "abcd"])
     np.testing.assert_allclose(batch.total, [-2 + 4, -4 + 8])

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from core.config import DataConfig
-from core.data import make_pipeline
-from tests.helpers import assert_same_gradients, recording_sgd
-from tests.test_chat import chat_tokenizer
+from tests.chat_families import chat_tokenizer
+from tests.helpers import assert_same_gradients, pipeline, recording_sgd
+
+
+def make_pipeline(c, batch_size, *, records, tokenizer_dir, **kw):
+    return pipeline(records, c, batch_size, tokenizer_dir, **kw)
 
 
 def chats(n: int, seed: int = 0) -> list[dict]:
@@ -37,7 +40,8 @@ def qwen_chat(tmp_path_factory):
     from core.tiny import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("sft")
-    chat_tokenizer(root, "qwen2.5")
+    corpus = [m["content"] for row in chats(50) for m in row["messages"]]
+    chat_tokenizer(root / "qwen2.5", "qwen2_5", corpus=corpus)
     return str(root / "qwen2.5"), str(save_tiny_hf_model(root / "model", "qwen2", max_position_embeddings=512))
 
 
@@ -181,6 +185,25 @@ def test_padding_free_rows_widen_only_when_that_takes_fewer_positions(lengths, w
     assert sorted(set(out["example_ids"].ravel()) - {-1}) == list(range(len(lengths)))  # every example, once
 
 
+def test_held_out_generations_come_from_the_eval_split(qwen_chat):
+    """The prompts SFT generates from at each evaluation are held-out rows: never a training row, never a row
+    skipped as malformed (here the raw tail of the rows holds one of each kind)."""
+    from transformers import AutoTokenizer
+
+    from core.data import tokenize_examples
+    from posttrain.sft import ChatRows, held_out_prompts
+
+    tokenizer_dir, _ = qwen_chat
+    rows = chats(20, seed=4)
+    rows[-1] = {"messages": [{"role": "user", "content": 3}]}  # malformed, last of all
+    c = data_cfg(eval_fraction=0.2, skip_malformed=True)
+    examples = tokenize_examples(rows, ChatRows(), AutoTokenizer.from_pretrained(tokenizer_dir), c)
+    assert examples.eval == [15, 16, 17, 18] and len(examples.skipped) == 1
+    prompts = held_out_prompts(rows, examples, "chat", 10)
+    want = [(rows[i]["messages"][:-1], rows[i]["messages"][-1]["content"]) for i in examples.eval]
+    assert prompts == want
+
+
 def test_padding_free_needs_packing_off():
     with pytest.raises(ValueError, match="data.padding_free"):
         DataConfig(packing=True, padding_free=True)
@@ -220,7 +243,7 @@ def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
         == 0
     )
     rows = read_metrics(run_dir)
-    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] - 0.2, evals  # measured: 2.36 -> 1.95
     generations = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in generations] == [15] * 4 + [30] * 4

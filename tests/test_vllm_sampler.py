@@ -4,7 +4,7 @@ JAX sampler, in-place weight updates == a fresh engine, processed log-probs, bad
 import numpy as np
 import pytest
 
-from core.config import RolloutConfig
+from rollout.config import RolloutConfig
 from core.hf import hf_tensors, load_hf
 from rollout.sampler import SamplingParams
 

@@ -6,7 +6,8 @@ Everything here works on per-token arrays aligned with the completion tokens:
     old_logp    [B, T]  the same under the policy that started this step (pi_old; constant)
     sampler_logp[B, T]  what the sampler reported for the tokens it drew (vLLM / JAX sampler)
     ref_logp    [B, T]  the reference policy, only when beta > 0
-    advantages  [B]     one per completion (posttrain.advantages)
+    advantages  [B] or [B, T]   one per completion (GRPO's group advantages) or one per token (on-policy
+                        distillation's per-token reverse KL)
     mask        [B, T]  1 on completion tokens whose policy term counts
     kl_mask     [B, T]  1 on completion tokens whose KL term counts (beta > 0; default: mask)
 
@@ -22,9 +23,10 @@ TIS        loss_t *= min(exp(old_logp_t - sampler_logp_t), tis_cap)        (samp
 KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, k one of the estimators of
            `posttrain.losses.kl` (k3 by default, whose gradient follows KL(pi_ref || pi_theta))
 
-Aggregation returns `(loss_sum, denominator)` in the core train-step contract
-(sums over the micro-batch; the step divides once by the global denominator,
-so micro-batching is exact). A token counts when its policy or its KL term
+`policy_loss` returns `(loss_sum, denominator, PolicyTerms)` in the core
+train-step contract (sums over the micro-batch; the step divides once by the
+global denominator, so micro-batching is exact); `PolicyTerms` sums the
+statistics a step reports (clipped tokens, the TIS weight, the KL). A token counts when its policy or its KL term
 does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 
     token-mean                     sum_it loss / sum_it m           (counted tokens in the whole batch)
@@ -36,7 +38,7 @@ does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +46,12 @@ import jax.numpy as jnp
 from posttrain.losses.kl import KLEstimator, kl_penalty
 
 LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
+Algorithm = Literal["grpo", "gspo"]
 
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    algorithm: Literal["grpo", "gspo"] = "grpo"
+    algorithm: Algorithm = "grpo"
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon
     dual_clip: float | None = None
@@ -57,6 +60,18 @@ class PolicyLossSettings:
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
     max_tokens: int = 1  # Dr.GRPO's constant normaliser (the generation budget)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PolicyTerms:
+    """Token sums over a micro-batch that describe the policy term (each 0 where its part is off)."""
+
+    clipped_tokens: Any  # counted tokens whose clipped term won (the ratio left the trust region)
+    completion_tokens: Any  # tokens whose policy term counts
+    tis_weight: Any  # the truncated importance weights (tis_cap None: 0)
+    kl: Any  # the KL estimator over the KL tokens (beta 0: 0)
+    kl_tokens: Any
 
 
 def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:
@@ -93,11 +108,12 @@ def policy_loss(
     sampler_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
     kl_mask: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`(loss_sum, sums)`: sums holds `loss_denominator` and token-summed statistics (see module doc)."""
+) -> tuple[jax.Array, jax.Array, PolicyTerms]:
+    """`(loss_sum, denominator, terms)` over the micro-batch (see the module docstring)."""
     mask = mask.astype(jnp.float32)
     logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
-    adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
+    adv = advantages.astype(jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1] per sequence or [B, T] per token
     ratio = importance_ratio(logp, old_logp, mask, settings.algorithm)
     high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
     unclipped = -adv * ratio
@@ -105,7 +121,8 @@ def policy_loss(
     per_token = jnp.maximum(unclipped, clipped)
     if settings.dual_clip is not None:
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * settings.dual_clip), per_token)
-    sums = {"clipped_tokens": ((clipped > unclipped) * mask).sum(), "completion_tokens": mask.sum()}
+    zero = jnp.zeros((), jnp.float32)
+    tis_sum = kl_sum = kl_tokens = zero
     if settings.tis_cap is not None and sampler_logp is not None:
         log_w = old_logp - sampler_logp.astype(jnp.float32)  # [B, T] log pi_old / pi_sampler
         if settings.algorithm == "gspo":
@@ -114,7 +131,7 @@ def policy_loss(
             )
         weight = jnp.minimum(jnp.exp(log_w), settings.tis_cap)
         per_token = per_token * jax.lax.stop_gradient(weight)
-        sums["tis_weight"] = (weight * mask).sum()
+        tis_sum = (weight * mask).sum()
     per_token = per_token * mask
     counted = mask
     if settings.beta > 0.0:
@@ -124,8 +141,7 @@ def policy_loss(
         kl = kl_penalty(logp, ref_logp.astype(jnp.float32), settings.kl_estimator)
         per_token = per_token + settings.beta * kl * kl_mask
         counted = jnp.maximum(mask, kl_mask)
-        sums["kl"] = (kl * kl_mask).sum()
-        sums["kl_tokens"] = kl_mask.sum()
+        kl_sum, kl_tokens = (kl * kl_mask).sum(), kl_mask.sum()
     loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
-    sums["loss_denominator"] = denominator
-    return loss_sum, sums
+    terms = PolicyTerms(((clipped > unclipped) * mask).sum(), mask.sum(), tis_sum, kl_sum, kl_tokens)
+    return loss_sum, denominator, terms

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 LossType = Literal["sigmoid", "robust", "ipo", "hinge", "exo_pair", "simpo", "orpo"]
-LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "ipo", "hinge", "exo_pair", "simpo", "orpo")
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")  # no reference model is loaded for these
 LENGTH_NORMALISED: tuple[str, ...] = ("ipo", "simpo", "orpo")
 SMOOTHED: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "simpo")  # the types that read label_smoothing

@@ -1,8 +1,9 @@
 """What every on-policy method's learner shares: the policy `core.learner.Learner`, its policy version, the
-non-finite-update policy, checkpoints and export. The on-policy loop's trainer (`posttrain.trainer`) hosts one.
+non-finite-update policy (`core.learner.apply_nan_policy`, as the offline loop's), checkpoints and export. The
+on-policy run's trainer (`posttrain.trainer`) hosts one.
 
-    class GRPOLearner(PolicyLearner): ...          # posttrain.grpo: RLBatch, policy-gradient loss
-    class OnlineDPOLearner(PolicyLearner): ...     # posttrain.online_dpo: PairBatch, preference loss
+    class PolicyGradientLearner(PolicyLearner): ...   # posttrain.onpolicy.policy_gradient: RLBatch (GRPO)
+    class OnlineDPOLearner(PolicyLearner): ...        # posttrain.dpo.online: PairBatch, preference loss
 
 A subclass builds `self.learner` (and any frozen model) and implements `train(batch) -> metrics`, calling
 `self._applied(metrics, where)` after each optimizer update and `self.version += 1` once per step.
@@ -12,30 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from jax.sharding import Mesh
 
+from core.batch import TrainBatch
 from core.checkpoint import Checkpointer
-from core.config import Config
-from core.learner import Learner
-from core.loop import NonFiniteLoss
+from core.learner import Learner, apply_nan_policy
 from core.train import batch_shards
+from posttrain.config import PostTrainConfig
 
 
-class PolicyLearner:
-    """The shared part; `LearnerFactory` is how a trainer builds a method's subclass."""
+B = TypeVar("B", bound=TrainBatch)
+
+
+class PolicyLearner(Generic[B]):
+    """The shared part; `LearnerFactory` is how a trainer builds a method's subclass. `B`: the method's batch."""
 
     learner: Learner
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: PostTrainConfig, mesh: Mesh):
         self.cfg = cfg
         self.mesh = mesh
         self.version = 0  # policy updates so far (what samplers tag their completions with)
         self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
         self.empty_updates = 0  # updates with nothing to learn from: no optimizer step
 
-    def train(self, batch: Any) -> dict[str, float]:  # pragma: no cover - every method has its own
+    def train(self, batch: B) -> dict[str, float]:  # pragma: no cover - every method has its own
         raise NotImplementedError
 
     @property
@@ -49,12 +53,7 @@ class PolicyLearner:
     def _applied(self, metrics: dict[str, float], where: str) -> None:
         """Account for one update: under `train.nan_policy=abort` a non-finite one raises (it was not applied:
         `core.train` left parameters and optimizer state as they were), else it is counted as skipped."""
-        if not metrics["finite"]:
-            if self.cfg.train.nan_policy == "abort":
-                raise NonFiniteLoss(
-                    f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; that "
-                    f"update was not applied"
-                )
+        if not apply_nan_policy(metrics, self.cfg.train.nan_policy, where):
             self.skipped_updates += 1
         self.empty_updates += int(metrics["empty"])
 
@@ -74,5 +73,5 @@ class PolicyLearner:
         return self.learner.export_hf(path, tokenizer_dir)
 
 
-# (cfg, model, mesh, total_steps) -> a method's learner: the subclass itself (GRPOLearner, OnlineDPOLearner)
-LearnerFactory = Callable[[Config, Any, Mesh, int], PolicyLearner]
+# (cfg, model, mesh, total_steps) -> a method's learner: the subclass itself (PolicyGradientLearner, OnlineDPOLearner)
+LearnerFactory = Callable[[PostTrainConfig, Any, Mesh, int], PolicyLearner[Any]]

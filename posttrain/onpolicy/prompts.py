@@ -21,19 +21,20 @@ from typing import Any
 
 import grain
 
-from core.config import Config, RLConfig
-from core.data import DataSourceError, MalformedRow, load_records
+from core.data import DataSourceError, MalformedRow, held_out, load_records
+from posttrain.config import PostTrainConfig, RLConfig
 
 
 def template_fields(template: str) -> list[str]:
     return [name for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
-def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows) of `data.source`, checked against the prompt template."""
+def prompt_rows(cfg: PostTrainConfig) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows) of `data.source`, checked against the prompt template; the held-out rows are the
+    last `data.eval_fraction` of the usable ones (`core.data.held_out`)."""
     if cfg.data.source is None:
-        raise DataSourceError("data.source is not set: RL needs prompts")
-    records = load_records(cfg.data.source, cfg.data)
+        raise DataSourceError("data.source is not set: an on-policy method needs prompts")
+    records = load_records(cfg.data)
     fields = template_fields(cfg.rl.prompt_template)
     rows, skipped = [], 0
     for i in range(len(records)):
@@ -50,8 +51,7 @@ def prompt_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
         rows.append(row)
     if not rows:
         raise MalformedRow(f"{cfg.data.source}: no usable rows ({skipped} malformed)")
-    n_eval = round(cfg.data.eval_fraction * len(rows))
-    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]
+    return held_out(rows, cfg.data.eval_fraction)
 
 
 def prompt_text(row: dict, rl: RLConfig) -> str:

@@ -1,11 +1,11 @@
-"""DPO and its family on the shared skeleton: a loss over a `PairBatch`, the reference's log-probs beside it.
+"""The DPO family's objective: a loss over a `PairBatch`, the reference's log-probs beside it, and its metrics.
 
     loss_fn = preference_objective(cfg.dpo)                    # the core.train contract, for a core.learner.Learner
     batch = with_reference(batch, reference, groups=2)          # + [P] summed reference log-probs (a FrozenModel)
     learner.update(batch, micro_batches=2)
 
 The policy's log-probs of both completions come from one pass over the
-shared-prompt layout (`posttrain.pairs`), summed per completion, and go to
+shared-prompt layout (`posttrain.dpo.pairs`), summed per completion, and go to
 `posttrain.losses.preference.dpo_loss` with the reference's (live from a
 `posttrain.frozen.FrozenModel`; the reference-free `simpo` and `orpo` have
 none). The loss is the mean over the real pairs of the global batch: sums
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.config import DPOConfig
 from core.targets import target_logprobs
+from posttrain.config import DPOConfig
+from posttrain.dpo.pairs import PairBatch
 from posttrain.frozen import FrozenModel
 from posttrain.losses.preference import REFERENCE_FREE, dpo_loss
-from posttrain.pairs import PairBatch
 
 
 def needs_reference(cfg: DPOConfig) -> bool:

@@ -1,14 +1,14 @@
 """Preference pairs as a resumable Grain pipeline of `PairBatch`es, the offline DPO run's data.
 
-    data = load_pairs(cfg, tokenizer)                 # PairData: train / eval pairs, skipped rows
+    data = load_pairs(cfg, tokenizer, records)        # PairData: train / eval pairs, skipped and dropped rows
     layout = PairLayout(seq_len=512, pack=True)
     pipeline = pair_pipeline(data.train, batch_size=8, micro_batches=2, layout=layout, seed=0)
     for item in pipeline:                            # core.data.DataBatch: .batch a PairBatch, .example_ids [P]
         ...
 
 The rows (`data.source`, `data.format` prompt_completion or chat; see
-`posttrain.pairs`) are tokenized and validated once, up front; the last
-`data.eval_fraction` of the usable pairs is the eval split. The training split
+`posttrain.dpo.pairs`) are tokenized and validated once, up front; the last
+`data.eval_fraction` of the usable pairs is the eval split (`core.data.held_out`). The training split
 is shuffled and repeated (a fresh permutation every epoch), `batch_size` pairs
 per step, each step's pairs packed by `build_pair_batch` (the prompt once,
 chosen and rejected as its branches) into `micro_batches` packing groups. The
@@ -26,17 +26,18 @@ from typing import Any
 import grain
 import numpy as np
 
-from core.config import Config, DataConfig
-from core.data import DataBatch, DataSourceError, MalformedRow, load_records
+from core.data import DataBatch, DataSourceError, MalformedRow, held_out
 from core.shapes import bucketed_width
-from posttrain.pairs import Pair, build_pair_batch, tokenize_pairs
+from posttrain.config import PostTrainConfig
+from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch, tokenize_pairs
 
 
 @dataclass
 class PairData:
     train: list[Pair]
     eval: list[Pair]
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # malformed rows left out (data.skip_malformed)
+    dropped: list[str] = field(default_factory=list)  # pairs whose completions are identical once truncated
 
     @property
     def all(self) -> list[Pair]:
@@ -51,26 +52,11 @@ def pair_texts(records: Sequence[dict]) -> Iterator[str]:
                 yield r[name]
 
 
-def check_pair_source(d: DataConfig, need_source: bool = True) -> str:
-    """`data.source` (`<records>` when rows come from Python), once checked to be set and in a pair format
-    (before anything is loaded)."""
-    if d.format not in ("prompt_completion", "chat"):
-        raise DataSourceError(
-            f"DPO reads pair rows: data.format=prompt_completion (prompt / chosen / rejected strings) or chat "
-            f"(prompt messages, chosen / rejected one assistant message each), not {d.format!r}"
-        )
-    if d.source is None and need_source:
-        raise DataSourceError("DPO needs data.source (a local jsonl / parquet / arrow file or directory)")
-    return d.source or "<records>"
-
-
-def load_pairs(cfg: Config, tokenizer: Any, records: Sequence[dict] | None = None) -> PairData:
-    """Every usable pair of `data.source` (or `records`), split into train and eval."""
+def load_pairs(cfg: PostTrainConfig, tokenizer: Any, records: Sequence[dict]) -> PairData:
+    """Every usable pair of `records`, split into train and eval."""
     d = cfg.data
-    source = check_pair_source(d, need_source=records is None)
-    if records is None:
-        records = load_records(source, d)
-    pairs, skipped = tokenize_pairs(
+    source = d.source or "<records>"
+    pairs, skipped, dropped = tokenize_pairs(
         records,
         tokenizer,
         data_format=d.format,
@@ -81,12 +67,11 @@ def load_pairs(cfg: Config, tokenizer: Any, records: Sequence[dict] | None = Non
         source=source,
     )
     if not pairs:
-        raise MalformedRow(f"{source}: no usable pairs ({len(skipped)} malformed)")
-    n_eval = round(d.eval_fraction * len(pairs))
-    train, held = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval :]
+        raise MalformedRow(f"{source}: no usable pairs ({len(skipped)} malformed, {len(dropped)} identical)")
+    train, held = held_out(pairs, d.eval_fraction)
     if not train:
         raise DataSourceError(f"{source}: no training pairs left after data.eval_fraction={d.eval_fraction}")
-    return PairData(train, held, skipped)
+    return PairData(train, held, skipped, dropped)
 
 
 @dataclass(frozen=True)
@@ -99,7 +84,9 @@ class PairLayout:
     row_multiple: int = 1
 
 
-def pair_batch(pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout) -> DataBatch:
+def pair_batch(
+    pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout
+) -> DataBatch[PairBatch]:
     """`pairs` in a `PairBatch` of `slots` pair slots, its rows cut to what they hold: packed rows are
     `seq_len` long, one pair per row is as long as the longest pair (bucketed, `core.shapes.bucketed_width`)."""
     row_len = layout.seq_len if layout.pack else bucketed_width(max(p.length for p in pairs), layout.seq_len)
@@ -143,7 +130,7 @@ def pair_pipeline(
     )
 
 
-def eval_batches(pairs: Sequence[Pair], *, batch_size: int, layout: PairLayout) -> Iterator[DataBatch]:
+def eval_batches(pairs: Sequence[Pair], *, batch_size: int, layout: PairLayout) -> Iterator[DataBatch[PairBatch]]:
     """`pairs` once, in order, `batch_size` pair slots per batch (the last one's unused slots empty)."""
     for start in range(0, len(pairs), batch_size):
         yield pair_batch(pairs[start : start + batch_size], slots=batch_size, micro_batches=1, layout=layout)

@@ -1,6 +1,6 @@
 """Preference pairs: rows -> token ids -> the typed batch DPO-family losses train on (pure NumPy).
 
-    pairs, skipped = tokenize_pairs(records, tokenizer, data_format="prompt_completion", seq_len=512)
+    pairs, dropped = tokenize_pairs(records, tokenizer, data_format="prompt_completion", seq_len=512)
     batch = build_pair_batch([pairs[i] for i in chosen_rows], slots=8, row_len=512, groups=2)
     batch.packed        # core.batch.PackedBatch: scored sequence 2i = pair i's chosen, 2i + 1 its rejected
     batch.pair_mask     # [P] 1 for a real pair, 0 for an empty slot (a short last eval batch)
@@ -8,22 +8,22 @@
 
 Rows (`data.format`):
 
-- `prompt_completion`: `prompt`, `chosen`, `rejected` strings. The prompt is
-  tokenized alone, each completion alone plus EOS (as TRL does).
-- `chat`: `prompt` a list of messages (system / user / assistant turns),
-  `chosen` and `rejected` each a list holding one assistant message, rendered
-  with the tokenizer's chat template (`core.chat`): the prompt is the
-  conversation up to the generation prompt, a completion is the assistant
-  turn's tokens through its end-of-turn token.
+- `prompt_completion`: `prompt`, `chosen`, `rejected` strings. The prompt as a model is given it (with the
+  tokenizer's BOS, if it adds one), each completion alone plus EOS (`core.encoding`).
+- `chat`: `prompt` a list of messages (system / user / assistant / tool turns: a multi-turn, hh-rlhf-style prompt
+  holds earlier assistant turns), `chosen` and `rejected` each a list holding one assistant message; or, without
+  `prompt`, `chosen` and `rejected` whole conversations that share every message but their last (the implicit
+  prompt, as TRL reads it). The prompt is the conversation rendered with a generation prompt, what a sampler gives
+  the model; a completion is the last assistant turn's tokens in the rendering of the whole conversation, through
+  its end-of-turn token (`core.chat.split_last_turn`: any template the model families ship).
 
-Chosen and rejected share one copy of their prompt: the pair is one segment,
-the prompt its prefix (branch 0) and the two completions branches 1 and 2,
-each attending to the prompt and to itself only (`core.packing`), so the
-prompt is encoded once. Prompts longer than `max_prompt_tokens` keep their
-end; completions longer than `max_completion_tokens` keep their start. A row
-with a missing or mistyped field, identical chosen and rejected, an empty
-completion, or more than `seq_len` tokens in all is an error naming it, or
-skipped and counted with `skip_malformed`.
+Chosen and rejected share one copy of their prompt: the pair is one segment, the prompt its prefix (branch 0) and
+the two completions branches 1 and 2, each attending to the prompt and to itself only (`core.packing`), so the
+prompt is encoded once. Prompts longer than `max_prompt_tokens` keep their end; completions longer than
+`max_completion_tokens` keep their start. A row with a missing or mistyped field, identical chosen and rejected,
+an empty completion, a conversation its template cannot split, or more than `seq_len` tokens in all is an error
+naming it, or skipped and counted with `skip_malformed`; a pair whose two completions become identical once
+truncated carries no preference and is dropped (counted, said at start-up).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import jax
 import numpy as np
 
 from core.batch import PackedBatch
-from core.data import MalformedRow
+from core.data import MalformedRow, messages_problem
+from core.encoding import encode_completion, encode_prompt
 from core.packing import Segment, branch_targets, pack_rows, packed_batch
 from core.shapes import bucketed_width
 
@@ -73,10 +74,20 @@ class PairBatch:
 # ------------------------------------------------------------------ rows
 
 
+def chat_sides(row: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) messages of a chat pair row: an explicit `prompt`, or the messages the two whole
+    conversations share (the implicit prompt)."""
+    if row.get("prompt") is not None:
+        return row["prompt"], row["chosen"], row["rejected"]
+    chosen, rejected = row["chosen"], row["rejected"]
+    return chosen[:-1], chosen[-1:], rejected[-1:]
+
+
 def _row_problem(row: Any, data_format: str) -> str | None:
     if not isinstance(row, dict):
         return f"expected a mapping, got {type(row).__name__}"
-    for name in ("prompt", "chosen", "rejected"):
+    needed = ("chosen", "rejected") if data_format == "chat" else ("prompt", "chosen", "rejected")
+    for name in needed:
         if row.get(name) is None:
             return f"field '{name}': missing"
     if data_format == "prompt_completion":
@@ -86,32 +97,37 @@ def _row_problem(row: Any, data_format: str) -> str | None:
         if not row["chosen"].strip() or not row["rejected"].strip():
             return "field 'chosen' or 'rejected': empty text"
     else:
-        if not isinstance(row["prompt"], list) or not row["prompt"]:
-            return "field 'prompt': expected a non-empty list of messages"
-        for name in ("chosen", "rejected"):
-            value = row[name]
-            if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)):
-                return f"field '{name}': expected a list of one assistant message"
-            if value[0].get("role") != "assistant" or not isinstance(value[0].get("content"), str):
-                return f"field '{name}': expected {{role: assistant, content: str}}"
-        for j, m in enumerate(row["prompt"]):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return f"field 'prompt[{j}]': expected {{role: str, content: str}}"
+        for name in ("prompt", "chosen", "rejected"):
+            if name in row and row[name] is not None and (bad := messages_problem(row, name)) is not None:
+                return f"field '{bad[0]}': {bad[1]}"
+        if row.get("prompt") is None:  # whole conversations: they must share all but their last message
+            chosen, rejected = row["chosen"], row["rejected"]
+            if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+                return (
+                    "without a 'prompt' field, 'chosen' and 'rejected' must be whole conversations that share "
+                    "every message but their last"
+                )
+        else:
+            for name in ("chosen", "rejected"):
+                if len(row[name]) != 1:
+                    return f"field '{name}': expected a list of one assistant message (the prompt holds the rest)"
+        for name, side in zip(("chosen", "rejected"), chat_sides(row)[1:]):
+            if side[-1]["role"] != "assistant":
+                return f"field '{name}': its last message must be an assistant turn"
     if row["chosen"] == row["rejected"]:
         return "chosen and rejected are identical (the pair carries no preference)"
     return None
 
 
-def _chat_pair(tok: Any, prompt: list[dict], answer: list[dict]) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids) of one chat side: the completion is the assistant turn through its
-    end-of-turn token."""
-    from core.chat import render_chat
+def _chat_pair(tok: Any, row: dict) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of a chat pair: the prompt with a generation prompt, each completion
+    its last assistant turn through the end-of-turn token."""
+    from core.chat import split_last_turn
 
-    ids, targets = render_chat(tok, [*prompt, *answer])
-    first, last = min(targets), max(targets)  # one assistant turn (checked): its tokens are contiguous
-    if targets != list(range(first, last + 1)):
-        raise MalformedRow("the chat template interleaves non-assistant tokens with the answer")
-    return ids[:first], ids[first : last + 1]
+    prompt, chosen, rejected = chat_sides(row)
+    prompt_ids, chosen_ids = split_last_turn(tok, [*prompt, *chosen])
+    _, rejected_ids = split_last_turn(tok, [*prompt, *rejected])
+    return prompt_ids, chosen_ids, rejected_ids
 
 
 def tokenize_pairs(
@@ -125,27 +141,25 @@ def tokenize_pairs(
     skip_malformed: bool = False,
     source: str = "<records>",
     rows: Sequence[int] | None = None,
-) -> tuple[list[Pair], list[str]]:
-    """Every usable row as a `Pair`, and a description of each skipped one (raises `MalformedRow` on the first
-    unless `skip_malformed`)."""
-    from core.chat import ChatTemplateError
+) -> tuple[list[Pair], list[str], list[str]]:
+    """(every usable row as a `Pair`, a description of each skipped row, of each dropped pair). A malformed row
+    raises `MalformedRow` naming it unless `skip_malformed`; a pair whose completions are identical once truncated
+    is dropped either way (it carries no preference)."""
+    from core.errors import UserError
 
-    pairs, skipped = [], []
+    pairs, skipped, dropped = [], [], []
     for i in range(len(records)) if rows is None else rows:
         row = records[i]
         problem = _row_problem(row, data_format)
         if problem is None:
             try:
                 if data_format == "prompt_completion":
-                    prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
-                    chosen = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                    rejected = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                    prompt = encode_prompt(tok, row["prompt"])
+                    chosen = encode_completion(tok, row["chosen"])
+                    rejected = encode_completion(tok, row["rejected"])
                 else:
-                    prompt, chosen = _chat_pair(tok, row["prompt"], row["chosen"])
-                    prompt_r, rejected = _chat_pair(tok, row["prompt"], row["rejected"])
-                    if prompt_r != prompt:
-                        raise MalformedRow("the prompt renders differently before chosen and rejected")
-            except (ChatTemplateError, MalformedRow) as err:
+                    prompt, chosen, rejected = _chat_pair(tok, row)
+            except UserError as err:  # a template that cannot render or split the conversation
                 problem = str(err)
         if problem is None:
             if max_prompt_tokens is not None:
@@ -155,6 +169,12 @@ def tokenize_pairs(
             pair = Pair(i, tuple(prompt), tuple(chosen), tuple(rejected))
             if not prompt:
                 problem = "empty prompt (a completion needs a token to follow)"
+            elif pair.chosen == pair.rejected:
+                dropped.append(
+                    f"{source}: row {i}: chosen and rejected are identical once truncated to "
+                    f"dpo.max_completion_tokens={max_completion_tokens}"
+                )
+                continue
             elif pair.length > seq_len:
                 problem = (
                     f"prompt {len(prompt)} + chosen {len(chosen)} + rejected {len(rejected)} tokens > "
@@ -167,7 +187,7 @@ def tokenize_pairs(
             skipped.append(message)
             continue
         pairs.append(pair)
-    return pairs, skipped
+    return pairs, skipped, dropped
 
 
 # ----------------------------------------------------------------- batch

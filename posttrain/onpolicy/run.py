@@ -1,16 +1,16 @@
-"""The on-policy loop: sample -> reward -> the method's batch -> train -> sync weights, on Ray or in one process.
+"""The on-policy run: sample -> score -> the method's batch -> train -> sync weights, on Ray or in one process.
 
-    summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
-    summary = run_to_end(posttrain.online_dpo.OnlineDPORun(cfg))     # the same loop, another method
+    summary = run_to_end(posttrain.grpo.GRPORun(cfg))           # python -m recipes.grpo CONFIG.yml [key=value ...]
+    summary = run_to_end(posttrain.dpo.online.OnlineDPORun(cfg))  # the same run, another method
 
-The loop (`OnPolicyRun`) drives three parts through typed interfaces: samplers
-(`rollout.group.SamplerGroup` of `rollout.sampler.Sampler`s), reward
-functions (`rewards.runner.RewardRunner`) and the trainer
-(`posttrain.trainer.TrainerHandle`, hosting the method's
-`posttrain.onpolicy.learner.PolicyLearner`). A method turns each step's scored
-completions into its batch (`_prepare`): GRPO (`GRPORun`, here) into the
-`posttrain.rl_batch.RLBatch` of group advantages for `posttrain.grpo.GRPOLearner`;
-online DPO (`posttrain.online_dpo`) into best / worst pairs.
+`OnPolicyRun` drives three parts through typed interfaces: samplers (`rollout.group.SamplerGroup` of
+`rollout.sampler.Sampler`s), reward functions (`rewards.runner.RewardRunner`; optional: a method may need none)
+and the trainer (`posttrain.trainer.TrainerHandle`, hosting the method's
+`posttrain.onpolicy.learner.PolicyLearner`). A method is a subclass that says what it makes of each step's
+scored completions (`_prepare` -> `StepData`, its batch any `core.batch.TrainBatch`), which learner the trainer
+hosts (`learner_class`), what it checks of the config (`check`) and how long its packed rows are (`row_length`):
+GRPO (`posttrain.grpo`) makes group advantages into a policy-gradient `RLBatch`; online DPO
+(`posttrain.dpo.online`) makes best / worst pairs.
 
 Modes (`rollout.sampler`):
 - `vllm`: the trainer is a Ray actor and `rollout.rollout_data_parallelism`
@@ -26,14 +26,12 @@ policy. Async mode (`off_policy_steps = d > 0`, vLLM only) keeps d batches
 in flight: samplers generate the next batches while the trainer trains, so
 a completion is at most d policy versions old (checked every step).
 
-Per step the run logs reward mean/std (total and per function), accuracy,
-completion length, truncation rate, clip fraction, KL, entropy, the
-sampler/trainer mismatch, zero-variance groups, staleness and a time
-breakdown; evaluates on the held-out split every `train.eval_every` steps;
-checkpoints every `checkpoint.every_steps` (policy, optimizer, step, policy
-version, prompt-stream position, sampling-seed counter and, in async mode,
-the completions still in flight) and resumes from the run directory exactly
-where an uninterrupted run would be.
+Cadence is hooks (`core.loop.Hook`, as in the offline loop): every step logs (reward mean/std, total and per
+function, accuracy, completion length, truncation rate, the method's metrics: clip fraction, KL, entropy, the
+sampler/trainer mismatch, staleness, a time breakdown); `train.eval_every` evaluates on the held-out prompts;
+`checkpoint.every_steps` and the last step checkpoint (policy, optimizer, step, policy version, prompt-stream
+position, sampling-seed counter and, in async mode, the completions still in flight), from which the run resumes
+exactly where an uninterrupted one would be; the end exports a Hugging Face directory and plots the curves.
 
 Failures: a reward function that fails on an item drops that item's group
 (`reward/failed_groups`); a sampler that fails is restarted and its share
@@ -53,18 +51,17 @@ from pathlib import Path
 
 import numpy as np
 
-from core.config import Config
+from core.batch import TrainBatch
 from core.config_loader import ConfigError, save_config
-from core.loop import NonFiniteLoss
+from core.learner import NonFiniteLoss
+from core.loop import Hook
 from core.metrics import MetricsLogger, plot_curves, update_run_info
 from core.packing import round_rows
 from core.shapes import SizeCache
-from posttrain.advantages import Advantages, group_advantages
+from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
 from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
-from posttrain.pairs import PairBatch
-from posttrain.rl_batch import RLBatch, build_rl_batch
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
 from rewards.runner import RewardBatch, RewardRunner
@@ -106,31 +103,65 @@ class InFlight:
 
 
 @dataclass
+class Scored:
+    """A step's completions and what was made of them: rewards (None when the method has no reward functions) and
+    correctness by `rl.accuracy_fn` (None without one)."""
+
+    rows: list[dict]
+    completions: list[Completion]
+    rewards: RewardBatch | None
+    correct: np.ndarray | None
+
+
+@dataclass
 class StepData:
     """What a method made of one step's scored completions: the trainer's batch, the completions and rewards the
     step's metrics describe, and the method's own metrics."""
 
-    batch: RLBatch | PairBatch | None  # None: nothing to learn from this step (no update)
-    completions: list[Completion]
-    rewards: RewardBatch
-    correct: np.ndarray
+    batch: TrainBatch | None  # None: nothing to learn from this step (no update)
+    scored: Scored
     metrics: dict[str, float]
+
+
+def check_config(cfg: PostTrainConfig) -> None:
+    """What every on-policy method needs of several sections at once, checked before a Ray cluster or an engine
+    starts."""
+    rl, rollout, batch = cfg.rl, cfg.rollout, cfg.rl.batch
+    if rollout.max_tokens >= rollout.max_model_len:
+        raise ConfigError(
+            f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
+            f"({rollout.max_model_len}): a prompt needs at least one token of the model length"
+        )
+    if rl.off_policy_steps and rollout.sampler != "vllm":
+        raise ConfigError(
+            f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
+            f"the JAX sampler shares the trainer's process"
+        )
+    if batch.pack_length and batch.pack_length < rollout.max_model_len:
+        raise ConfigError(
+            f"rl.batch.pack_length ({batch.pack_length}) < rollout.max_model_len "
+            f"({rollout.max_model_len}): a full-length sequence would not fit in a row"
+        )
+    if cfg.data.source is None:
+        raise ConfigError("data.source is not set: an on-policy method needs prompts")
 
 
 class OnPolicyRun:
     """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
-    method; a method (`GRPORun`, `posttrain.online_dpo.OnlineDPORun`) turns scored completions into its batch
-    (`_prepare`) and hosts its learner in the trainer (`learner_class`)."""
+    method; a method (`posttrain.grpo.GRPORun`, `posttrain.dpo.online.OnlineDPORun`) turns scored completions into
+    its batch (`_prepare`), hosts its learner in the trainer (`learner_class`) and checks its config (`check`)."""
 
-    learner_class: LearnerFactory | None = None  # None: GRPO's
+    learner_class: LearnerFactory
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: PostTrainConfig):
+        check_config(cfg)
+        self.check(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir)
         rl, rollout = cfg.rl, cfg.rollout
-        self.row_len = rl.batch.pack_length or rollout.max_model_len
+        self.row_len = self.row_length()
         self.train_rows, self.eval_rows = prompt_rows(cfg)
         self.stream = PromptStream(
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
@@ -143,7 +174,7 @@ class OnPolicyRun:
 
             ensure_ray()
             self.pg = reserve(cfg)
-        self.trainer = start_trainer(cfg, self.run_dir, self.pg, self.learner_class)
+        self.trainer = start_trainer(cfg, self.run_dir, self.learner_class, self.pg)
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
@@ -167,6 +198,28 @@ class OnPolicyRun:
             )
         self.samplers = self._start_samplers()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
+        self.hooks: list[Hook[OnPolicyRun]] = [
+            Hook("eval", cfg.train.eval_every, OnPolicyRun._eval_hook),
+            Hook("checkpoint", cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0, OnPolicyRun._save_hook),
+        ]
+        self.final_eval: dict | None = None
+        self._in_flight: deque[InFlight] = deque(self._resumed_in_flight)
+
+    # ---------------------------------------------------------------- the method's
+
+    def check(self, cfg: PostTrainConfig) -> None:
+        """Raise `ConfigError` for what this method cannot run (before anything starts)."""
+
+    def row_length(self) -> int:
+        """Tokens per packed trainer row: `rl.batch.pack_length`, else `rollout.max_model_len` (a prompt and its
+        completions fit in it, the prompt once)."""
+        return self.cfg.rl.batch.pack_length or self.cfg.rollout.max_model_len
+
+    def _prepare(self, scored: Scored) -> StepData:
+        raise NotImplementedError  # each method's
+
+    def _method_line(self, m: dict) -> str:
+        return ""
 
     # ---------------------------------------------------------------- set-up
 
@@ -245,70 +298,91 @@ class OnPolicyRun:
         request.result = self.samplers.collect(request.result, self._push)
         return request.result
 
-    def _score(self, rows: list[dict], completions: list[Completion]):
+    def _score(self, rows: list[dict], completions: list[Completion]) -> Scored:
+        """The completions' rewards (none without reward functions) and correctness (none without an accuracy
+        function)."""
         g = self.cfg.rl.batch.num_generations
         prompts = [prompt_text(r, self.cfg.rl) for r in rows for _ in range(g)]
         texts = [c.text for c in completions]
         columns = columns_of(rows, g)
-        batch = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
-        correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=batch)
-        return batch, correct
+        rewards = None
+        if self.rewards.functions:
+            rewards = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
+        correct = None
+        if self.cfg.rl.accuracy_fn is not None:
+            correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=rewards)
+        return Scored(rows, completions, rewards, correct)
 
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
-        cfg, rl = self.cfg, self.cfg.rl
-        in_flight: deque[InFlight] = deque(self._resumed_in_flight)
-        final_eval = None
+        cfg = self.cfg
         step = self.start_step
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
-                t0 = time.perf_counter()
-                while len(in_flight) < 1 + rl.off_policy_steps:
-                    in_flight.append(self._submit(next(self.stream)))
-                request = in_flight.popleft()
-                rows, completions = request.prompts.rows, self._collect(request)
-                gen_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
-                reward_batch, correct = self._score(rows, completions)
-                data = self._prepare(rows, completions, reward_batch, correct)
-                completions, batch = data.completions, data.batch
-                reward_s = time.perf_counter() - t1
-                t2 = time.perf_counter()
-                train_metrics = self._train(step, batch, in_flight) if batch is not None else {}
-                train_s = time.perf_counter() - t2
-                sync_s = self._sync() if batch is not None else 0.0  # no update: the samplers hold these weights
-                metrics = self._step_metrics(completions, data.rewards, data.correct, staleness)
-                metrics.update(data.metrics)
-                metrics.update(train_metrics)
-                step_s = time.perf_counter() - t0
-                tokens = sum(len(c.token_ids) for c in completions)
-                metrics.update(
-                    {
-                        "time/generate_s": gen_s,
-                        "time/reward_s": reward_s,
-                        "time/train_s": train_s,
-                        "time/sync_s": sync_s,
-                        "time/step_s": step_s,
-                        "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
-                        "tokens_per_s": tokens / max(step_s, 1e-9),
-                        "policy_version": float(self.samplers.policy_versions[0]),
-                        "sampler_restarts": float(self.samplers.restarts),
-                        "sampler_redone_prompts": float(self.samplers.redone_prompts),
-                    }
-                )
-                if batch is not None:
-                    metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
+                metrics = self._step(step)
                 self.metrics.log(step, metrics, console=False)
                 print(self._line(step, metrics), flush=True)
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    final_eval = self.evaluate(step)
-                if cfg.checkpoint.enabled and (step % cfg.checkpoint.every_steps == 0 or step == cfg.train.steps):
-                    self._save(step, in_flight)
+                for hook in self.hooks:
+                    if hook.due(step):
+                        hook.fn(self, step)
                 if on_step is not None:
                     on_step(self, step, metrics)
         finally:
             self.metrics.close()
+        return self._finish(step)
+
+    def _step(self, step: int) -> dict[str, float]:
+        """One step: sample (or collect what is in flight), score, the method's batch, train, sync."""
+        rl = self.cfg.rl
+        t0 = time.perf_counter()
+        while len(self._in_flight) < 1 + rl.off_policy_steps:
+            self._in_flight.append(self._submit(next(self.stream)))
+        request = self._in_flight.popleft()
+        rows, completions = request.prompts.rows, self._collect(request)
+        gen_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
+        data = self._prepare(self._score(rows, completions))
+        batch = data.batch
+        reward_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        train_metrics = self._train(step, batch) if batch is not None else {}
+        train_s = time.perf_counter() - t2
+        sync_s = self._sync() if batch is not None else 0.0  # no update: the samplers hold these weights
+        metrics = self._step_metrics(data.scored, staleness)
+        metrics.update(data.metrics)
+        metrics.update(train_metrics)
+        step_s = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for c in data.scored.completions)
+        metrics.update(
+            {
+                "time/generate_s": gen_s,
+                "time/reward_s": reward_s,
+                "time/train_s": train_s,
+                "time/sync_s": sync_s,
+                "time/step_s": step_s,
+                "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
+                "tokens_per_s": tokens / max(step_s, 1e-9),
+                "policy_version": float(self.samplers.policy_versions[0]),
+                "sampler_restarts": float(self.samplers.restarts),
+                "sampler_redone_prompts": float(self.samplers.redone_prompts),
+            }
+        )
+        if batch is not None:
+            metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
+        return metrics
+
+    def _eval_hook(self, step: int) -> None:
+        self.final_eval = self.evaluate(step)
+
+    def _save_hook(self, step: int) -> None:
+        self._save(step, self._in_flight)
+
+    def _finish(self, step: int) -> RunSummary:
+        """The last checkpoint (unless the hook just wrote it), the Hugging Face export, the curves."""
+        cfg = self.cfg
+        if cfg.checkpoint.enabled and step > self.start_step and step % cfg.checkpoint.every_steps:
+            self._save(step, self._in_flight)
         hf_dir = None
         if cfg.checkpoint.export_hf:
             hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
@@ -316,20 +390,17 @@ class OnPolicyRun:
             self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png", ylabel="reward / accuracy"
         )
         version = self.trainer.version()
-        update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=final_eval)
-        return RunSummary(self.run_dir, step, version, final_eval, hf_dir)
+        update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=self.final_eval)
+        return RunSummary(self.run_dir, step, version, self.final_eval, hf_dir)
 
-    def _prepare(self, rows: list[dict], completions: list[Completion], rewards: RewardBatch, correct) -> StepData:
-        raise NotImplementedError  # each method's
-
-    def _train(self, step: int, batch: RLBatch | PairBatch, in_flight: deque[InFlight]) -> dict:
+    def _train(self, step: int, batch: TrainBatch) -> dict:
         """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
         try:
             return self.trainer.train(batch)
         except NonFiniteLoss as err:
             saved = ""
             if self.cfg.checkpoint.enabled:
-                self._save(step, in_flight)
+                self._save(step, self._in_flight)
                 saved = (
                     f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
                     f"state without that update (every update applied was finite) and the prompt stream "
@@ -353,12 +424,14 @@ class OnPolicyRun:
             },
         )
 
-    def _step_metrics(self, completions, reward_batch, correct, staleness) -> dict:
+    def _step_metrics(self, scored: Scored, staleness: int) -> dict:
+        completions = scored.completions
         lengths = np.array([len(c.token_ids) for c in completions], float)
-        out = reward_batch.metrics()
+        out = scored.rewards.metrics() if scored.rewards is not None else {}
+        if scored.correct is not None:
+            out["accuracy"] = float(np.nan_to_num(scored.correct > 0).mean())
         out.update(
             {
-                "accuracy": float(np.nan_to_num(correct > 0).mean()),
                 "completion_length/mean": float(lengths.mean()),
                 "completion_length/max": float(lengths.max()),
                 "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
@@ -369,23 +442,22 @@ class OnPolicyRun:
 
     def _line(self, step: int, m: dict) -> str:
         failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
+        reward = f"reward {m['reward/mean']:.3f} | " if "reward/mean" in m else ""
+        accuracy = f"acc {m['accuracy']:.3f} | " if "accuracy" in m else ""
         return (
-            f"step {step} | reward {m['reward/mean']:.3f} | acc {m['accuracy']:.3f} | "
+            f"step {step} | {reward}{accuracy}"
             f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
             f"{self._method_line(m)}{failed} | "
             f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
         )
 
-    def _method_line(self, m: dict) -> str:
-        return ""
-
     # ------------------------------------------------------------- evaluation
 
     def evaluate(self, step: int | None = None) -> dict:
-        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts."""
+        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts, by `rl.accuracy_fn`."""
         rl = self.cfg.rl
         rows = self.eval_rows[: rl.eval_prompts]
-        if not rows:
+        if not rows or rl.accuracy_fn is None:
             return {}
         prompts = [render_prompt(r, rl) for r in rows]
         greedy = self.samplers.collect(
@@ -454,83 +526,6 @@ class OnPolicyRun:
             )
 
 
-class GRPORun(OnPolicyRun):
-    """GRPO / GSPO: group-relative advantages of each prompt's completions, DAPO's dynamic sampling, an
-    `RLBatch` for `posttrain.grpo.GRPOLearner`."""
-
-    def _prepare(self, rows, completions, reward_batch, correct) -> StepData:
-        adv = self._advantages(reward_batch)
-        rounds = 1
-        if self.cfg.rl.batch.dynamic_sampling:
-            rows, completions, reward_batch, correct, adv, rounds = self._refill(
-                rows, completions, reward_batch, correct, adv
-            )
-        metrics = {
-            "zero_variance_groups": float(adv.zero_variance_groups),
-            "reward/failed_groups": float(adv.failed_groups),
-            "sampling_rounds": float(rounds),
-        }
-        return StepData(self._batch(completions, adv), completions, reward_batch, correct, metrics)
-
-    def _method_line(self, m: dict) -> str:
-        return f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}"
-
-    def _batch(self, completions: list[Completion], adv: Advantages) -> RLBatch:
-        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
-        a multiple of the trainer's data-parallel size."""
-        rl = self.cfg.rl
-        row_len = self.row_len
-        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
-            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
-            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
-        return build_rl_batch(
-            completions,
-            adv.values,
-            adv.keep,
-            row_len=row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
-            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
-            row_multiple=self.row_multiple,
-            pack=rl.batch.pack_sequences,
-            share_prompts=rl.batch.share_prompts,
-            mask_truncated=rl.loss.mask_truncated,
-            choose_rows=self.row_counts.pick,
-            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
-        )
-
-    def _advantages(self, rewards: RewardBatch) -> Advantages:
-        rl = self.cfg.rl
-        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
-
-    def _refill(self, rows, completions, reward_batch, correct, adv):
-        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
-
-        Groups are picked from the scored batches as they are (no second scoring)."""
-        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
-        scored = [(rows, completions, reward_batch, correct)]  # every batch drawn this step
-        first = adv.keep.reshape(-1, g)[:, 0]
-        picks = [(0, i) for i in range(len(rows)) if first[i]]  # (batch, group) in training order
-        rounds = 1
-        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
-            request = self._submit(next(self.stream))
-            more_rows, more = request.prompts.rows, self._collect(request)
-            more_batch, more_correct = self._score(more_rows, more)
-            more_adv = self._advantages(more_batch)
-            scored.append((more_rows, more, more_batch, more_correct))
-            ok = more_adv.keep.reshape(-1, g)[:, 0]
-            picks += [(len(scored) - 1, i) for i in range(len(more_rows)) if ok[i]][: want - len(picks)]
-            rounds += 1
-        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
-            picks += [(0, i) for i in range(len(rows)) if not first[i]][: want - len(picks)]
-        items = [(scored[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
-        kept_rows = [scored[b][0][i] for b, i in picks]
-        kept_completions = [src[1][j] for src, idx in items for j in idx]
-        reward_batch = RewardBatch.concat([src[2].take(idx) for src, idx in items])
-        correct = np.concatenate([src[3][idx] for src, idx in items])
-        adv = self._advantages(reward_batch)
-        return kept_rows, kept_completions, reward_batch, correct, adv, rounds
-
-
 def _tokenizer_dir_of(init_from: str | None) -> str:
     if init_from and (Path(init_from) / "tokenizer.json").exists():
         return init_from
@@ -543,7 +538,3 @@ def run_to_end(run: OnPolicyRun) -> RunSummary:
         return run.run()
     finally:
         run.close()
-
-
-def run_grpo(cfg: Config) -> RunSummary:
-    return run_to_end(GRPORun(cfg))

@@ -1,0 +1,82 @@
+"""Pretraining: the next-token loss over documents, the core engine's own method (`core.run.Method`).
+
+    run = build_run(cfg, PRETRAINING)      # python -m recipes.pretrain CONFIG.yml
+    run.fit()
+
+Rows are text (`data.format=text`, the `text` field; `data.columns={text: ...}` names another column), each a
+document: the tokenizer's BOS (if it adds one), the text, EOS. Every token after the first is a target; the loss
+is `core.losses.nll_loss`, the mean over the targets of the whole global batch, so packing (`data.packing`,
+documents in their own segments) and micro-batching leave the gradient unchanged. `next_token_parts` is what SFT
+shares with it: the pipelines of a row format and the held-out loss and perplexity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from core.batch import pad_rows
+from core.config import Config
+from core.config_loader import ConfigError
+from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, tokenize_examples
+from core.loop import Evaluation, Hook
+from core.losses import nll_loss, perplexity
+from core.run import MethodParts, RunContext
+from core.train import LossFn, batch_shards
+
+
+def next_token_parts(
+    run: RunContext, rows: RowFormat, hooks: Callable[[Examples], Sequence[Hook]] | None = None
+) -> MethodParts:
+    """The training pipeline of `rows`, and, with `data.eval_fraction`, the held-out loss and perplexity (the last
+    eval batch padded to `train.batch_size` rows, so that it runs the compiled shape); `hooks(examples)`: the
+    method's own, given the tokenized rows and their split."""
+    cfg = run.cfg
+
+    def pipeline(split: str):
+        return make_pipeline(
+            examples,
+            cfg.data,
+            cfg.train.batch_size,
+            split=split,
+            micro_batches=cfg.train.micro_batches if split == "train" else 1,
+            row_multiple=batch_shards(run.mesh),
+        )
+
+    examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
+    evaluation = None
+    if examples.eval:
+
+        def batches() -> Iterable[DataBatch]:
+            for d in pipeline("eval"):
+                yield DataBatch(pad_rows(d.batch, cfg.train.batch_size), d.example_ids)
+
+        evaluation = Evaluation(batches, derive=perplexity)
+    own = hooks(examples) if hooks is not None else ()
+    return MethodParts(pipeline("train"), evaluation, hooks=own, skipped=examples.skipped)
+
+
+@dataclass(frozen=True)
+class Pretraining:
+    name: str = "pretraining"
+
+    def check(self, cfg: Config) -> None:
+        if cfg.data.format != "text":
+            raise ConfigError(
+                f"pretraining reads text rows (data.format=text), not {cfg.data.format!r}; prompt / completion and "
+                f"chat rows are SFT (python -m recipes.sft)"
+            )
+        if cfg.data.source is None:
+            raise ConfigError("pretraining needs data.source (a local jsonl / parquet / arrow file, a directory, a Hub id)")
+
+    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
+        return (r["text"] for r in records if isinstance(r.get("text"), str))
+
+    def loss(self, cfg: Config) -> LossFn:
+        return nll_loss
+
+    def parts(self, run: RunContext) -> MethodParts:
+        return next_token_parts(run, TextRows())
+
+
+PRETRAINING = Pretraining()

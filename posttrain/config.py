@@ -1,0 +1,185 @@
+"""The post-training methods' config: the core sections plus `rollout`, `reward`, `rl`, `sft` and `dpo`.
+
+    cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
+
+Each section is one pydantic model, closed (unknown keys fail with the dotted key that exists) and validated on
+its own. What a method needs of several sections at once is checked by the method when its run is built
+(`posttrain.sft.check_config`, `posttrain.dpo.offline.check_config`, `posttrain.onpolicy.run.check_config`,
+`posttrain.grpo.check_config`, ...), before any work starts: an SFT job never fails on RL's checks. The values an
+option may take are defined once, by the code that reads them (the loss modules' Literals), and imported here.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+from core.config import Config, Section
+from posttrain.advantages import Estimator
+from posttrain.losses.kl import KLEstimator
+from posttrain.losses.policy import Algorithm, LossAgg
+from posttrain.losses.preference import SMOOTHED, LossType
+from rewards.config import RewardConfig, check_reward_functions
+from rollout.config import RolloutConfig
+
+# ---------------------------------------------------------------------------- rl
+
+# The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
+GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
+
+
+class RLBatchConfig(Section):
+    """`rl.batch`: what one on-policy step samples and how it is cut into updates and packed rows."""
+
+    prompts_per_step: int = Field(4, gt=0)
+    # Completions per prompt (GRPO's group: >= 2, checked by GRPO; online DPO >= 2; one is allowed where a
+    # method learns from a single sample, as on-policy distillation does).
+    num_generations: int = Field(4, gt=0)
+    num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
+    mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
+    pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
+    share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
+    pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = the method's (rollout.max_model_len)
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
+    max_sampling_rounds: int = Field(4, gt=0)
+
+
+class RLLossConfig(Section):
+    """`rl.loss`: the clipped policy objective, its aggregation and the KL term (posttrain/losses)."""
+
+    epsilon: float = Field(0.2, ge=0.0)
+    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
+    dual_clip: float | None = Field(None, gt=1.0)
+    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
+    loss_agg: LossAgg = "token-mean"
+    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
+    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
+    kl_estimator: KLEstimator = "k3"
+    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
+    # and verl); false: only where the policy term applies (Temper before 2026-11).
+    kl_every_token: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> RLLossConfig:
+        if self.epsilon_high < self.epsilon:
+            raise ValueError(f"rl.loss.epsilon_high ({self.epsilon_high}) must be >= rl.loss.epsilon ({self.epsilon})")
+        return self
+
+
+class AdvantageConfig(Section):
+    """`rl.advantage`: how a group's rewards become advantages (posttrain/advantages.py)."""
+
+    estimator: Estimator = "group_norm"
+    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
+
+
+class RLConfig(Section):
+    """The on-policy methods (GRPO / GSPO and their variants, online DPO): `rl.batch`, `rl.loss`, `rl.advantage`,
+    and the prompts, async bound and evaluation here (docs/grpo.md).
+
+    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
+    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
+    The policy starts from `checkpoint.init_from` (None: a random init, for tests).
+    """
+
+    algorithm: Algorithm = "grpo"
+    prompt_template: str = "{question}"  # formatted with each dataset row
+    use_chat_template: bool = False
+    batch: RLBatchConfig = Field(default_factory=RLBatchConfig)
+    loss: RLLossConfig = Field(default_factory=RLLossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
+    # The reward function that defines "correct" (value > 0) for accuracy metrics and evaluation; None: none.
+    accuracy_fn: str | None = "math_verify"
+    eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
+    eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data):
+        """Fill the clip range and aggregation the algorithm's paper uses where the user named none."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        loss = data.get("loss")
+        if isinstance(loss, BaseModel):
+            return data  # already built (a model_copy): its defaults were filled then
+        loss = dict(loss or {})
+        gspo = data.get("algorithm") == "gspo"
+        if loss.get("epsilon") is None:
+            loss["epsilon"] = GSPO_EPSILON if gspo else 0.2
+            if loss.get("epsilon_high") is None and gspo:
+                loss["epsilon_high"] = GSPO_EPSILON_HIGH
+        if loss.get("epsilon_high") is None:
+            loss["epsilon_high"] = loss["epsilon"]
+        if loss.get("loss_agg") is None:
+            loss["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
+        data["loss"] = loss
+        return data
+
+
+# ---------------------------------------------------------------------------- sft
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (posttrain/sft.py; docs/sft.md)."""
+
+    # Train only on assistant / completion tokens (prompt, system and user tokens masked out).
+    completion_only_loss: bool = True
+    # At each evaluation (train.eval_every): greedy completions of this many held-out prompts, logged to
+    # run_dir/generations.jsonl (0: none).
+    eval_generations: int = Field(4, ge=0)
+    eval_max_new_tokens: int = Field(64, gt=0)
+
+
+# ---------------------------------------------------------------------------- dpo
+
+
+class DPOConfig(Section):
+    """Preference optimisation (posttrain/dpo/; docs/dpo.md)."""
+
+    loss_type: LossType = "sigmoid"
+    beta: float = Field(0.1, gt=0.0)  # ORPO: the odds-ratio term's weight (lambda)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # sigmoid (cDPO), robust, exo_pair, simpo
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    rpo_alpha: float = Field(0.0, ge=0.0)  # weight of the chosen completion's mean NLL, any loss type
+    # Prompts keep their last tokens, completions their first (None: only data.seq_len bounds a pair).
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    # Score every pair with the reference once, before training, into run_dir/reference_logps.npz (reused on
+    # resume while the pairs and the reference's weights are the same) and release the reference; False: score
+    # each batch live, the reference held in memory.
+    precompute_ref_logps: bool = False
+    # Online DPO (posttrain/dpo/online.py): pairs from the policy's own samples, the best and worst of
+    # rl.batch.num_generations per prompt by the reward functions, with the sampler, reward and rl.* settings GRPO
+    # reads; False: offline, pairs from data.source.
+    online: bool = False
+    # Online DPO: subtracted from the reward of a sample cut at rollout.max_tokens (no end-of-sequence token)
+    # before the pair is picked, as TRL's missing_eos_penalty; None (the default, as TRL's): no penalty.
+    missing_eos_penalty: float | None = Field(None, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_smoothing(self) -> DPOConfig:
+        if self.label_smoothing > 0 and self.loss_type not in SMOOTHED:
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label smoothing "
+                f"(only {', '.join(SMOOTHED)} do)"
+            )
+        return self
+
+
+# ------------------------------------------------------------------------- root
+
+
+class PostTrainConfig(Config):
+    """A post-training job: the core sections, and the sections the methods read."""
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+
+    def check_at_load(self, source: str) -> None:
+        """The core's checks, and every reward function resolves (imported once: a typo fails at load)."""
+        super().check_at_load(source)
+        check_reward_functions(self.reward, source)

@@ -1,0 +1,148 @@
+"""Offline DPO: a dataset of preference pairs, the policy trained in the core loop, the reference beside it.
+
+    run = build_run(cfg, DPO)          # python -m recipes.dpo CONFIG.yml [key=value ...]
+    run.fit()
+
+A `core.run.Method`: the policy starts from `checkpoint.init_from` (or a random init, for tests) and trains with
+`posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.loop.TrainLoop` every offline method uses
+(checkpoints with the data position, exact resume, SIGTERM, NaN policy, HF export). Pairs come from
+`posttrain.dpo.data`. The reference is the starting policy, frozen:
+
+- live (default): a `posttrain.frozen.FrozenModel` scores each batch inside the timed step;
+- `dpo.precompute_ref_logps`: scored once over every pair before the first step into
+  `run_dir/reference_logps.npz` (a `posttrain.token_store.TokenStore`: every target's log-prob, keyed by pair row
+  and side; reused on resume while the pairs' tokens and the reference's weights are the same) and released.
+
+Reference-free losses (`simpo`, `orpo`) load none. Every `train.eval_every` steps the held-out pairs give
+eval/loss, eval/rewards/accuracies (the share of pairs whose chosen completion gets the higher implicit reward),
+eval/rewards/margins and the other means the objective sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.config_loader import ConfigError
+from core.data import DataBatch
+from core.loop import Evaluation
+from core.run import MethodParts, RunContext
+from core.train import LossFn, batch_shards
+from posttrain.config import PostTrainConfig
+from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
+from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
+from posttrain.dpo.pairs import Pair, PairBatch
+from posttrain.frozen import FrozenModel
+from posttrain.token_store import Key, TokenStore, tokens_digest, weights_digest
+
+REFERENCE_FILE = "reference_logps.npz"
+
+
+def pair_keys(example_ids: np.ndarray) -> list[Key | None]:
+    """The store keys of a pair batch's scored sequences, in its order: slot i's chosen (row, 0), rejected (row, 1)."""
+    return [key for row in example_ids for key in (((int(row), 0), (int(row), 1)) if row >= 0 else (None, None))]
+
+
+def compute_reference_logps(
+    pairs: Sequence[Pair], reference: FrozenModel, *, batch_size: int, layout: PairLayout
+) -> dict[Key, np.ndarray]:
+    """Every target's log-prob under the reference, for both sides of every pair, `batch_size` pairs a pass."""
+    out: dict[Key, np.ndarray] = {}
+    for n, item in enumerate(eval_batches(pairs, batch_size=batch_size, layout=layout)):
+        logp = reference.logprobs(item.batch.packed, groups=1)  # [2P, C]
+        counts = np.asarray(item.batch.packed.target_mask).sum(axis=1).astype(int)
+        for k, key in enumerate(pair_keys(item.example_ids)):
+            if key is not None:
+                out[key] = logp[k, : counts[k]].astype(np.float32)
+        if (n + 1) % 20 == 0 or len(out) == 2 * len(pairs):
+            print(f"reference log-probs: {len(out) // 2}/{len(pairs)} pairs", flush=True)
+    return out
+
+
+def attach_stored(store: TokenStore, data: DataBatch[PairBatch]) -> PairBatch:
+    """`data`'s pair batch with the stored reference log-probs of its pairs, summed per side (0 for an empty slot)."""
+    batch = data.batch
+    width = int(np.asarray(batch.packed.target_mask).shape[1])
+    seq = store.gather(pair_keys(np.asarray(data.example_ids)), width).sum(axis=1)
+    return batch.replace(ref_chosen=seq[0::2].astype(np.float32), ref_rejected=seq[1::2].astype(np.float32))
+
+
+@dataclass(frozen=True)
+class OfflineDPO:
+    name: str = "DPO"
+
+    def check(self, cfg: PostTrainConfig) -> None:
+        check_config(cfg)
+
+    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
+        for r in records:
+            for name in ("prompt", "chosen", "rejected"):
+                if isinstance(r.get(name), str):
+                    yield r[name]
+
+    def loss(self, cfg: PostTrainConfig) -> LossFn:
+        return preference_objective(cfg.dpo)
+
+    def parts(self, run: RunContext) -> MethodParts:
+        cfg, learner, mesh = run.cfg, run.learner, run.mesh
+        data = load_pairs(cfg, run.tokenizer, run.records)
+        layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=batch_shards(mesh))
+        notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
+
+        def as_is(d: DataBatch[PairBatch], groups: int) -> PairBatch:
+            return d.batch
+
+        prepare = as_is
+        if not needs_reference(cfg.dpo):
+            notes.append(f"reference: none (dpo.loss_type={cfg.dpo.loss_type} is reference-free)")
+        elif cfg.dpo.precompute_ref_logps:
+            # The starting policy (the learner's parameters before any resume restores: the loop restores later),
+            # built only when the stored values are missing or stale, and released once they are computed.
+            every = data.train + data.eval
+            digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every)
+            digest += weights_digest(learner.params)
+            store = TokenStore.load_or_compute(
+                Path(cfg.run.run_dir) / REFERENCE_FILE,
+                digest,
+                lambda: compute_reference_logps(
+                    every,
+                    FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference"),
+                    batch_size=cfg.train.batch_size,
+                    layout=layout,
+                ),
+            )
+            prepare = lambda d, groups: attach_stored(store, d)
+            notes.append(f"reference: precomputed ({REFERENCE_FILE})")
+        else:
+            reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+            prepare = lambda d, groups: with_reference(d.batch, reference, groups=groups)
+            notes.append("reference: live (the starting policy, frozen)")
+
+        train = pair_pipeline(
+            data.train,
+            batch_size=cfg.train.batch_size,
+            micro_batches=cfg.train.micro_batches,
+            layout=layout,
+            seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        evaluation = None
+        if data.eval:
+            evaluation = Evaluation(lambda: eval_batches(data.eval, batch_size=cfg.train.batch_size, layout=layout))
+        return MethodParts(train, evaluation, prepare=prepare, skipped=data.skipped, notes=notes)
+
+
+DPO = OfflineDPO()
+
+
+def check_config(cfg: PostTrainConfig) -> None:
+    if cfg.data.format not in ("prompt_completion", "chat"):
+        raise ConfigError(
+            f"DPO reads pair rows: data.format=prompt_completion (prompt / chosen / rejected strings) or chat "
+            f"(prompt messages, chosen / rejected one assistant message each), not {cfg.data.format!r}"
+        )
+    if cfg.data.source is None:
+        raise ConfigError("DPO needs data.source (a local jsonl / parquet / arrow file, a directory or a Hub id)")

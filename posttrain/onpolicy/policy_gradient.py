@@ -1,0 +1,384 @@
+"""The policy-gradient update every sampling method trains with: its batch, its objective, its learner.
+
+    batch = build_rl_batch(completions, advantages, keep, row_len=128, max_tokens=16, groups=4)
+    learner = PolicyGradientLearner(cfg, model, mesh, total_steps=cfg.train.steps)
+    stats = learner.train(batch)        # one step: pi_old / reference passes, then the clipped updates
+
+The batch (`RLBatch`, pure NumPy): completions packed into rows by `core.packing` (several per row, first-fit
+decreasing, each in its own segment). With `share_prompts` (the default) the completions of one prompt share a
+single copy of it: the segment holds the prompt (branch 0) followed by each completion (branch k), which attends
+to the prompt and to itself only, with positions that continue from the prompt's. GRPO samples several
+completions per prompt, so this trains on each prompt token once instead of once per completion (same gradient:
+the prompt's hidden states do not depend on what follows). Per completion token `[B, C]`:
+
+    packed.target_*   the completion's tokens, and where each is predicted
+    loss_mask         1 where token j's policy term counts (its group has signal; DAPO's mask_truncated)
+    kl_mask           1 where token j's KL term counts (`kl_keep`)
+    sampler_logp      the sampler's log-prob of token j
+    advantages        token j's advantage: a completion's one value broadcast over its tokens (GRPO), or a value
+                      per token (on-policy distillation)
+    old_logp, ref_logp   pi_old's and the reference's log-probs, filled in by the learner when needed
+
+Sequences are packed in `groups` contiguous groups (one per optimizer mini-batch x micro-batch), each into the
+same number of rows, so that cutting every array into `groups` equal slices along its first axis gives
+self-contained micro-batches.
+
+The learner (`PolicyGradientLearner`): one step is `rl.batch.num_iterations` passes over the batch, each cut into
+`rl.batch.mini_batches` optimizer updates (each accumulated over `train.micro_batches`), on a
+`core.learner.Learner` whose loss is `policy_objective` (`posttrain.losses.policy`: clipping, TIS, the KL term).
+The reference (`rl.loss.beta` > 0) is a `posttrain.frozen.FrozenModel`, a frozen copy of the starting policy;
+pi_old's log-probs come from the update's own forward pass when the step has one update (held constant by a
+stop-gradient: no extra pass), else from one pass up front. Its statistics come back typed (`PolicyStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from core.batch import PackedBatch
+from core.learner import Learner
+from core.packing import Segment, branch_targets, pack_rows, packed_batch, share_prefixes
+from core.targets import target_logprobs
+from posttrain.config import PostTrainConfig
+from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
+from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
+from posttrain.onpolicy.learner import PolicyLearner
+from rollout.sampler import Completion
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RLBatch:
+    packed: PackedBatch
+    loss_mask: Any  # [B, C] float32
+    kl_mask: Any  # [B, C] float32
+    advantages: Any  # [B, C] float32
+    sampler_logp: Any  # [B, C] float32
+    old_logp: Any = None  # [B, C] float32 pi_old; None: the update starts at pi_old (its own pass)
+    ref_logp: Any = None  # [B, C] float32 the reference; None when beta = 0
+
+    def replace(self, **changes: Any) -> RLBatch:
+        return dataclasses.replace(self, **changes)
+
+
+def build_rl_batch(
+    completions: Sequence[Completion],
+    advantages: np.ndarray | Sequence[np.ndarray],
+    keep: np.ndarray,
+    *,
+    row_len: int,
+    max_tokens: int,
+    groups: int = 1,
+    row_multiple: int = 1,
+    pack: bool = True,
+    share_prompts: bool = True,
+    mask_truncated: bool = False,
+    kl_keep: np.ndarray | None = None,
+    pad_id: int = 0,
+    choose_rows: Callable[[int], int] | None = None,
+) -> RLBatch:
+    """The batch of `completions` (layout in the module docstring).
+
+    `advantages` is one value per completion (`[N]`, broadcast over its tokens) or one array per completion with a
+    value per token. `keep` (e.g. False for zero-variance groups) and, with `mask_truncated`
+    (DAPO), completions that hit the length limit contribute no policy-loss
+    tokens. `kl_keep` says whose tokens carry the KL term (e.g. every
+    completion but those of failed groups, truncated or not); None: the same
+    tokens as the policy term. `pack=False` puts one sequence in each row (no
+    shared prompts). `row_multiple` (the trainer's data-parallel size) divides
+    every group's row count; `choose_rows` maps the rows a group needs to the
+    rows it gets (default `core.packing.round_rows`; `posttrain.onpolicy.loop` passes a
+    `core.shapes.SizeCache` so that a row count already compiled is reused).
+    """
+    b = len(completions)
+    if b % groups:
+        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
+    for i, c in enumerate(completions):
+        p, n = len(c.prompt_ids), len(c.token_ids)
+        if p < 1 or n > max_tokens:
+            raise ValueError(f"completion {i}: prompt {p} tokens (need >= 1), completion {n} > max_tokens {max_tokens}")
+        if p + n > row_len:
+            raise ValueError(f"completion {i}: prompt {p} + completion {n} tokens > row length {row_len}")
+    per_group = b // groups
+    grouped: list[list[list[int]]] = []  # per group: segments, each the completion indices sharing one prompt copy
+    for g in range(groups):
+        members = list(range(g * per_group, (g + 1) * per_group))
+        if pack and share_prompts:
+            found = share_prefixes(
+                [completions[i].prompt_ids for i in members], [len(completions[i].token_ids) for i in members], row_len
+            )
+            grouped.append([[members[k] for k in segment] for segment in found])
+        else:
+            grouped.append([[i] for i in members])
+    segments = [
+        [Segment(completions[s[0]].prompt_ids, tuple(completions[i].token_ids for i in s)) for s in group]
+        for group in grouped
+    ]
+    rows = pack_rows(segments, row_len, pack=pack, row_multiple=row_multiple, choose_rows=choose_rows, pad_id=pad_id)
+    targets: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int32), np.zeros(0, np.int32))] * b
+    for g, group in enumerate(grouped):
+        for s, members in enumerate(group):
+            for branch, i in enumerate(members, start=1):
+                targets[i] = branch_targets(rows, g, s, branch)
+    packed = packed_batch(rows, targets, max_tokens)
+    loss_mask = np.zeros((b, max_tokens), np.float32)
+    kl_mask = np.zeros((b, max_tokens), np.float32)
+    sampler_logp = np.zeros((b, max_tokens), np.float32)
+    token_adv = np.zeros((b, max_tokens), np.float32)
+    per_sequence = isinstance(advantages, np.ndarray) and advantages.ndim == 1
+    for i, c in enumerate(completions):
+        n = len(c.token_ids)
+        if per_sequence:
+            token_adv[i, :n] = advantages[i]
+        else:
+            values = np.asarray(advantages[i], np.float32)
+            if values.shape != (n,):
+                raise ValueError(f"completion {i}: {values.shape} advantages for its {n} tokens")
+            token_adv[i, :n] = values
+        if c.logprobs is not None:
+            sampler_logp[i, :n] = c.logprobs
+        if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
+            loss_mask[i, :n] = 1.0
+        kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i]))
+    return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
+
+
+# ------------------------------------------------------------------ the objective
+
+
+def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
+    loss = cfg.rl.loss
+    return PolicyLossSettings(
+        algorithm=cfg.rl.algorithm,
+        epsilon=loss.epsilon,
+        epsilon_high=loss.epsilon_high,
+        dual_clip=loss.dual_clip,
+        tis_cap=loss.tis_cap,
+        beta=loss.beta,
+        kl_estimator=loss.kl_estimator,
+        loss_agg=loss.loss_agg,
+        max_tokens=cfg.rollout.max_tokens,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class UpdateSums:
+    """What one update's loss sums besides the loss itself (over its micro-batches): the policy terms, the entropy,
+    and the sampler/trainer mismatch (|gap| of the log-probs over the completion tokens, its largest value, and
+    the k1 estimate of KL(sampler || trainer) summed per sequence: tokens were drawn by the sampler)."""
+
+    terms: PolicyTerms
+    entropy: Any
+    mismatch_gap: Any
+    mismatch_tokens: Any
+    mismatch_seq_kl: Any
+    mismatch_sequences: Any
+    mismatch_gap_max: Any  # reduced by max across micro-batches
+
+    def to_metrics(self) -> dict[str, Any]:
+        """The `core.train` contract's flat sums (`max/`: reduced by max)."""
+        flat = {**dataclasses.asdict(self.terms), **{f.name: getattr(self, f.name) for f in _OWN}}
+        flat["max/mismatch_gap"] = flat.pop("mismatch_gap_max")
+        return flat
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, float]) -> UpdateSums:
+        """Back from a `Learner.update`'s metrics (each sum divided by the update's denominator, `tokens`)."""
+        scale = metrics["tokens"]
+        terms = PolicyTerms(**{f.name: metrics[f.name] * scale for f in dataclasses.fields(PolicyTerms)})
+        own = {f.name: metrics[f.name] * scale for f in _OWN if f.name != "mismatch_gap_max"}
+        return cls(terms, mismatch_gap_max=metrics["max/mismatch_gap"], **own)
+
+
+_OWN = [f for f in dataclasses.fields(UpdateSums) if f.name != "terms"]
+
+
+def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    gap = jnp.abs(trainer_logp - sampler_logp) * mask
+    rows = mask.sum(axis=-1) > 0
+    return {
+        "mismatch_gap": gap.sum(),
+        "mismatch_tokens": mask.sum(),
+        "mismatch_gap_max": gap.max(),
+        "mismatch_seq_kl": ((sampler_logp - trainer_logp) * mask).sum(),
+        "mismatch_sequences": rows.sum().astype(jnp.float32),
+    }
+
+
+def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
+    """loss_fn(model, RLBatch, rng) -> (loss_sum, sums) for `core.train.make_train_step`. Log-probs are taken at
+    the sampling temperature, as the sampler drew them."""
+
+    def loss_fn(model, batch: RLBatch, rng: jax.Array):
+        del rng
+        logp, entropy = target_logprobs(model, batch.packed, temperature)
+        assert entropy is not None  # asked for (the default)
+        mask = batch.loss_mask.astype(jnp.float32)
+        # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
+        old_logp = batch.old_logp if batch.old_logp is not None else jax.lax.stop_gradient(logp)
+        loss_sum, denominator, terms = policy_loss(
+            logp,
+            old_logp,
+            batch.advantages,
+            mask,
+            settings,
+            sampler_logp=batch.sampler_logp,
+            ref_logp=batch.ref_logp,
+            kl_mask=batch.kl_mask,
+        )
+        sums = UpdateSums(
+            terms,
+            entropy=(jax.lax.stop_gradient(entropy) * mask).sum(),
+            **mismatch_sums(old_logp, batch.sampler_logp, batch.packed.target_mask.astype(jnp.float32)),
+        )
+        return loss_sum, {"loss_denominator": denominator, **sums.to_metrics()}
+
+    return loss_fn
+
+
+# ------------------------------------------------------------------ metrics
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    """One step's statistics from its updates: loss, gradient norm and learning rate averaged over the updates;
+    token statistics as ratios of the summed sums; the sampler mismatch over the first pass (pi_old's log-probs,
+    every completion token once). `kl` and `tis_weight_mean` are None where their term is off."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    clip_fraction: float
+    entropy: float
+    kl: float | None
+    tis_weight_mean: float | None
+    mismatch_gap_mean: float
+    mismatch_gap_max: float
+    mismatch_seq_kl: float
+
+    @classmethod
+    def summarise(
+        cls, updates: list[dict[str, float]], passes: int, settings: PolicyLossSettings
+    ) -> PolicyStats:
+        sums = [UpdateSums.from_metrics(m) for m in updates]
+        first = sums[: len(sums) // passes]
+
+        def total(get, over=sums) -> float:
+            return float(sum(get(s) for s in over))
+
+        tokens = max(total(lambda s: s.terms.completion_tokens), 1e-9)
+        return cls(
+            loss=float(np.mean([m["loss"] for m in updates])),
+            grad_norm=float(np.mean([m["grad_norm"] for m in updates])),
+            learning_rate=float(np.mean([m.get("learning_rate", 0.0) for m in updates])),
+            clip_fraction=total(lambda s: s.terms.clipped_tokens) / tokens,
+            entropy=total(lambda s: s.entropy) / tokens,
+            kl=total(lambda s: s.terms.kl) / max(total(lambda s: s.terms.kl_tokens), 1e-9)
+            if settings.beta > 0
+            else None,
+            tis_weight_mean=total(lambda s: s.terms.tis_weight) / tokens if settings.tis_cap is not None else None,
+            mismatch_gap_mean=total(lambda s: s.mismatch_gap, first)
+            / max(total(lambda s: s.mismatch_tokens, first), 1e-9),
+            mismatch_gap_max=max(max(s.mismatch_gap_max for s in first), 0.0),
+            mismatch_seq_kl=total(lambda s: s.mismatch_seq_kl, first)
+            / max(total(lambda s: s.mismatch_sequences, first), 1e-9),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The names the run logs them under."""
+        out = {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "learning_rate": self.learning_rate,
+            "clip_fraction": self.clip_fraction,
+            "entropy": self.entropy,
+            "mismatch/logp_gap_mean": self.mismatch_gap_mean,
+            "mismatch/logp_gap_max": self.mismatch_gap_max,
+            "mismatch/seq_kl": self.mismatch_seq_kl,
+        }
+        if self.kl is not None:
+            out["kl"] = self.kl
+        if self.tis_weight_mean is not None:
+            out["tis_weight_mean"] = self.tis_weight_mean
+        return out
+
+
+def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
+    """Mini-batch m: every array's first axis cut in `mini_batches` (rows and completions alike: the batch packs
+    per group)."""
+    return jax.tree.map(lambda x: x[m * (x.shape[0] // mini_batches) : (m + 1) * (x.shape[0] // mini_batches)], batch)
+
+
+# ------------------------------------------------------------------ the learner
+
+
+class PolicyGradientLearner(PolicyLearner[RLBatch]):
+    """The policy, its reference (rl.loss.beta > 0) and the clipped update schedule of one rollout batch."""
+
+    def __init__(
+        self,
+        cfg: PostTrainConfig,
+        model,
+        mesh: Mesh,
+        total_steps: int,
+        tx: optax.GradientTransformation | None = None,
+    ):
+        """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
+        super().__init__(cfg, mesh)
+        schedule = cfg.rl.batch
+        self.updates_per_step = schedule.num_iterations * schedule.mini_batches
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.settings = loss_settings(cfg)
+        self.learner = Learner(
+            model,
+            mesh,
+            policy_objective(self.settings, self.temperature),
+            cfg.optim,
+            total_updates=total_steps * self.updates_per_step,
+            seed=cfg.run.seed,
+            tx=tx,
+        )
+        # The reference is the starting policy, frozen (beta = 0: none at all).
+        self.reference = (
+            FrozenModel.copy_of(self.learner.graphdef, self.learner.params, mesh, "reference", self.temperature)
+            if cfg.rl.loss.beta > 0
+            else None
+        )
+        self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
+
+    def train(self, batch: RLBatch) -> dict[str, float]:
+        """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
+        rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
+        groups = rl.mini_batches * micro  # the batch's packing groups
+        # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
+        # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
+        targets = np.asarray(batch.packed.target_mask) > 0
+        if self.updates_per_step > 1:
+            old = grouped_logprobs(self._policy_logprobs, self.learner.params, batch.packed, groups, self.mesh)
+            batch = batch.replace(old_logp=old * targets)
+        if self.reference is not None:
+            batch = batch.replace(ref_logp=self.reference.logprobs(batch.packed, groups))
+        collected: list[dict] = []
+        start = time.perf_counter()
+        for u in range(self.updates_per_step):
+            metrics = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
+            self._applied(metrics, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
+            collected.append(metrics)
+        self.version += 1
+        return {
+            **PolicyStats.summarise(collected, rl.num_iterations, self.settings).metrics(),
+            "skipped_updates": float(self.skipped_updates),
+            "empty_updates": float(self.empty_updates),
+            "time/update_s": time.perf_counter() - start,
+        }

@@ -1,0 +1,41 @@
+"""`reward.*`: the reward functions an on-policy method scores completions with (`rewards.runner`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from core.config import Section
+
+
+class RewardFn(Section):
+    """One reward function: a built-in name, `package.module:function`, `path/file.py:function` or an entry point.
+
+    Validation never imports it: a config read back from a run directory (a checkpoint) must not run
+    code. `check_reward_functions` (run by `load_config`) resolves every function once, so a typo fails at load.
+    """
+
+    fn: str
+    weight: float = 1.0
+    kwargs: dict = Field(default_factory=dict)
+
+
+class RewardConfig(Section):
+    functions: list[RewardFn] = Field(default_factory=list)
+    math_verify_timeout: float = Field(10.0, gt=0.0)
+    math_verify_num_procs: int = Field(2, gt=0)
+    # None: a completion a reward function failed on (raised, hung, NaN) drops its whole group from the loss.
+    # A number: score such failures as that value instead (an explicit opt-in).
+    failure_reward: float | None = None
+
+
+def check_reward_functions(cfg: RewardConfig, source: str = "<config>") -> None:
+    """Import every configured reward function once, so that a typo fails at load, not after a rollout.
+    (Only at load: validating a config read back from a run directory never imports user code.)"""
+    from core.config_loader import ConfigError
+    from rewards.registry import UnknownReward, resolve
+
+    for i, fn in enumerate(cfg.functions):
+        try:
+            resolve(fn.fn)
+        except UnknownReward as err:
+            raise ConfigError(f"{source}: reward.functions[{i}].fn: {err}") from None
