@@ -72,11 +72,11 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.config import RolloutConfig
     from core.data import reasoning_gym_records
     from core.hf import load_hf
     from core.models import param_count
     from core.tokenizer import build_tokenizer
+    from rollout.config import RolloutConfig
     from rollout.jax_sampler import JaxSampler
     from rollout.ray import ensure_ray
     from rollout.sampler import SamplingParams

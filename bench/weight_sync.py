@@ -51,12 +51,12 @@ def main() -> None:
 
     from flax import nnx
 
-    from rollout.config import RolloutConfig
     from core.config_loader import load_config
     from core.data import reasoning_gym_records
     from core.hf import save_hf
     from core.models import create_model, param_count
     from core.tokenizer import build_tokenizer
+    from rollout.config import RolloutConfig
     from rollout.ray import ensure_ray
     from rollout.vllm_actor import RemoteVLLMSampler
     from rollout.weight_sync import sync_to_vllm

@@ -22,9 +22,9 @@ assistant turn is located in ONE rendering of the whole conversation (the text t
 Everything in between is the model's to produce and becomes a target (the reasoning a template keeps, the empty
 think block Qwen3 writes, gpt-oss's channel headers); system, user and tool turns never do. The text is tokenized
 once, with offsets and without adding special tokens (the template writes its own BOS); a token is a target when
-it overlaps a turn's span. The ids are the template's own, as `apply_chat_template(tokenize=True)` gives them. A conversation the template cannot render, or
-an assistant turn whose content or end cannot be found in the rendering, is a `ChatTemplateError` naming the
-message and why.
+it overlaps a turn's span. The ids are the template's own, as `apply_chat_template(tokenize=True)` gives them.
+A conversation the template cannot render, or an assistant turn whose content or end cannot be found in the
+rendering, is a `ChatTemplateError` naming the message and why.
 """
 
 from __future__ import annotations

@@ -237,7 +237,11 @@ def _explain(err: ValidationError, source: str, schema: type[BaseModel]) -> str:
         if e["type"] == "extra_forbidden":
             loc = [str(p) for p in e["loc"] if not isinstance(p, int)]
             close = suggestions(".".join(loc), schema)
-            hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(_fields_at(loc[:-1], schema))}"
+            hint = (
+                f"did you mean {', '.join(close)}?"
+                if close
+                else f"valid keys: {', '.join(_fields_at(loc[:-1], schema))}"
+            )
             lines.append(f"  unknown key '{dotted}': {hint}")
         elif e["type"] == "value_error":  # a cross-field check: its message names the keys and values
             lines.append(f"  {dotted + ': ' if dotted else ''}{e['msg'].removeprefix('Value error, ')}")
@@ -271,8 +275,10 @@ def suggestions(key: str, schema: type[BaseModel]) -> list[str]:
 
     found = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
     section = [k for k in keys if k.rpartition(".")[0] == parent]
-    found += [f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(
-        leaf, [k.rpartition(".")[2] for k in section], n=3, cutoff=0.75)]
+    found += [
+        f"{parent}.{k}" if parent else k
+        for k in difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in section], n=3, cutoff=0.75)
+    ]
     found += [k for k in keys if squash(k) == squash(key) or squash(k.rpartition(".")[2]) == squash(key)]
     if not found:
         found = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)

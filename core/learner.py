@@ -51,7 +51,9 @@ def apply_nan_policy(metrics: dict[str, float], policy: str, where: str) -> bool
     `NonFiniteLoss` (the caller saves a checkpoint of the state without it first)."""
     if metrics["finite"]:
         return True
-    what = f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; the update was not applied"
+    what = (
+        f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; the update was not applied"
+    )
     if policy == "abort":
         raise NonFiniteLoss(what)
     print(f"{what} (train.nan_policy=skip)", flush=True)

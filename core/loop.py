@@ -46,7 +46,6 @@ from core.metrics import (
 from core.models import param_count
 from core.train import TrainState
 
-
 __all__ = ["Evaluation", "Hook", "NonFiniteLoss", "Prepare", "TrainLoop"]
 
 H = TypeVar("H")

@@ -67,7 +67,9 @@ class Pretraining:
                 f"chat rows are SFT (python -m recipes.sft)"
             )
         if cfg.data.source is None:
-            raise ConfigError("pretraining needs data.source (a local jsonl / parquet / arrow file, a directory, a Hub id)")
+            raise ConfigError(
+                "pretraining needs data.source (a local jsonl / parquet / arrow file, a directory, a Hub id)"
+            )
 
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
         return (r["text"] for r in records if isinstance(r.get("text"), str))

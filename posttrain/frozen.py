@@ -74,9 +74,7 @@ class FrozenModel:
         return cls(name, copied, mesh, logprob_pass(graphdef, temperature), cfg)
 
     @classmethod
-    def load(
-        cls, path: str, mesh: Mesh, name: str, temperature: float = 1.0, dtype: str = "float32"
-    ) -> FrozenModel:
+    def load(cls, path: str, mesh: Mesh, name: str, temperature: float = 1.0, dtype: str = "float32") -> FrozenModel:
         """A model read from `path` (an HF directory, a Hub model id, a Temper run or checkpoint) with its own
         shape, placed on `mesh` by its logical axes. Reading never imports code the directory names."""
         from core.checkpoint import load_model_from

@@ -97,9 +97,7 @@ def generation_prompt(row: dict, data_format: str) -> tuple[Prompt, str] | None:
     return list(messages[:last]), messages[last]["content"]
 
 
-def held_out_prompts(
-    records: Sequence[dict], examples: Examples, data_format: str, n: int
-) -> list[tuple[Prompt, str]]:
+def held_out_prompts(records: Sequence[dict], examples: Examples, data_format: str, n: int) -> list[tuple[Prompt, str]]:
     """(prompt, reference answer) of the first `n` rows of the held-out split that have one: rows the run never
     trains on, and never one it skipped as malformed."""
     held = (generation_prompt(records[i], data_format) for i in examples.eval)

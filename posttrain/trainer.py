@@ -163,9 +163,7 @@ class TrainerHandle:
         return self.target
 
 
-def start_trainer(
-    cfg: PostTrainConfig, run_dir: str | Path, learner_class: LearnerFactory, pg=None
-) -> TrainerHandle:
+def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, learner_class: LearnerFactory, pg=None) -> TrainerHandle:
     """The trainer (hosting `learner_class`) in this process (pg None) or as a Ray actor in bundle 0 of `pg`."""
     cfg_json = cfg.model_dump(mode="json")
     if pg is None:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout.config import RolloutConfig
 from core.hf_config import model_section_from_hf
+from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
 
 

@@ -137,7 +137,6 @@ FAMILIES = {
 }
 
 
-
 def chat_tokenizer(out: Path, name: str, template: str | None = None, corpus: list[str] | None = None):
     """The family's tokenizer with `template` (default: the shipped one), saved to `out` and loaded back."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -53,6 +53,4 @@ def pipeline(
 
     rows = TextRows() if cfg.format == "text" else row_format(cfg.format, completion_only)
     examples = tokenize_examples(records, rows, load_tokenizer(tokenizer_dir), cfg)
-    return make_pipeline(
-        examples, cfg, batch_size, split=split, micro_batches=micro_batches, row_multiple=row_multiple
-    )
+    return make_pipeline(examples, cfg, batch_size, split=split, micro_batches=micro_batches, row_multiple=row_multiple)

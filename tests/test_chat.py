@@ -1,8 +1,8 @@
 """Chat templates -> assistant tokens, on the templates model families ship.
 
 The shipped templates are read from TRL's package (`tests.chat_families`: the originals as the model repositories
-carry them). Each gets a small offline BPE tokenizer with the family's own special tokens. Checked, on multi-turn chats with and without a system prompt and with
-reasoning (a field, or inline `<think>` text):
+carry them). Each gets a small offline BPE tokenizer with the family's own special tokens. Checked, on multi-turn
+chats with and without a system prompt and with reasoning (a field, or inline `<think>` text):
 - the ids are the template's own (`apply_chat_template(tokenize=True)`);
 - one run of targets per assistant turn: its content and its end-of-turn token, never the turn's header,
   never a system or user turn's text, and the reasoning wherever the template renders it;
@@ -155,7 +155,11 @@ def test_an_opening_assistant_turn(tmp_path_factory, arithmetic_tokenizer):
     the conversation; a template that refuses it (Gemma: roles must alternate) is a ChatTemplateError saying so."""
     from transformers import AutoTokenizer
 
-    opening = [{"role": "assistant", "content": A1}, {"role": "user", "content": Q2}, {"role": "assistant", "content": A2}]
+    opening = [
+        {"role": "assistant", "content": A1},
+        {"role": "user", "content": Q2},
+        {"role": "assistant", "content": A2},
+    ]
     for tok, close in (
         (AutoTokenizer.from_pretrained(arithmetic_tokenizer), "<|im_end|>"),
         (make_tokenizer(tmp_path_factory, "qwen3"), "<|im_end|>"),
@@ -171,7 +175,8 @@ def test_a_template_that_rewrites_the_content_is_refused(tmp_path_factory):
     tok = make_tokenizer(
         tmp_path_factory,
         "qwen2_5",
-        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content | replace('.', '!') + '<|im_end|>\\n' }}"
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content | replace('.', '!') }}"
+        "{{- '<|im_end|>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
     )
     with pytest.raises(ChatTemplateError, match="message 2: the template does not write this assistant turn"):
@@ -195,9 +200,7 @@ def test_a_multi_turn_preference_prompt_splits_at_its_last_turn(tmp_path_factory
     prompt_ids, completion_ids = split_last_turn(tok, messages)
     assert prompt_ids == chat_prompt_ids(tok, messages[:-1])
     assert prompt_ids == list(
-        tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)[
-            "input_ids"
-        ]
+        tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     )
     completion = tok.decode(completion_ids, skip_special_tokens=False)
     assert A2 in completion and completion.endswith(FAMILIES[name]["closers"]) and Q2 not in completion

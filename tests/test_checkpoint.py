@@ -8,11 +8,11 @@ from jax.sharding import PartitionSpec as P
 
 from core.checkpoint import Checkpointer, CheckpointMismatch, load_params, save_params
 from core.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
-from tests.helpers import pipeline
 from core.mesh import make_mesh
 from core.models import abstract_sharded_state, create_model
 from core.optim import make_optimizer
 from core.train import TrainState, init_train_state
+from tests.helpers import pipeline
 
 ADAM = OptimConfig(name="adamw", learning_rate=1e-3, schedule="constant")
 

@@ -204,7 +204,12 @@ RL_CHECKS = [
         r"rollout.max_tokens \(64\) must be < rollout.max_model_len \(64\)",
     ),
     (
-        ["rl.batch.prompts_per_step=3", "rl.batch.num_generations=2", "rl.batch.mini_batches=2", "train.micro_batches=2"],
+        [
+            "rl.batch.prompts_per_step=3",
+            "rl.batch.num_generations=2",
+            "rl.batch.mini_batches=2",
+            "train.micro_batches=2",
+        ],
         r"rl.batch.prompts_per_step \* rl.batch.num_generations \(3 \* 2 = 6\) must be divisible by "
         r"rl.batch.mini_batches \* train.micro_batches \(2 \* 2 = 4\)",
     ),

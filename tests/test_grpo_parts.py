@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from core.config_loader import load_config
-from posttrain.config import PostTrainConfig
 from core.data import MalformedRow
 from core.packing import round_rows
 from core.shapes import SizeCache
-from posttrain.onpolicy.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.policy_gradient import build_rl_batch
+from posttrain.onpolicy.prompts import PromptStream, columns_of, prompt_rows, render_prompt
 from rollout.group import SamplerFailed, SamplerGroup, SamplerInputError
 from rollout.placement import placement_bundles
 from rollout.sampler import Completion, SamplingParams

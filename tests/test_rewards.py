@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from rewards.config import RewardConfig
 from core.config_loader import ConfigError, load_config
 from posttrain.config import PostTrainConfig
+from rewards.config import RewardConfig
 from rewards.gsm8k import gsm8k
 from rewards.mathverify import math_verify
 from rewards.registry import BUILTINS, UnknownReward, canonical, resolve

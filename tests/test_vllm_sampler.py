@@ -4,8 +4,8 @@ JAX sampler, in-place weight updates == a fresh engine, processed log-probs, bad
 import numpy as np
 import pytest
 
-from rollout.config import RolloutConfig
 from core.hf import hf_tensors, load_hf
+from rollout.config import RolloutConfig
 from rollout.sampler import SamplingParams
 
 pytestmark = pytest.mark.integration

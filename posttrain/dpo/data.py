@@ -84,9 +84,7 @@ class PairLayout:
     row_multiple: int = 1
 
 
-def pair_batch(
-    pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout
-) -> DataBatch[PairBatch]:
+def pair_batch(pairs: Sequence[Pair], *, slots: int, micro_batches: int, layout: PairLayout) -> DataBatch[PairBatch]:
     """`pairs` in a `PairBatch` of `slots` pair slots, its rows cut to what they hold: packed rows are
     `seq_len` long, one pair per row is as long as the longest pair (bucketed, `core.shapes.bucketed_width`)."""
     row_len = layout.seq_len if layout.pack else bucketed_width(max(p.length for p in pairs), layout.seq_len)

@@ -121,7 +121,9 @@ class OnlineDPORun(OnPolicyRun):
     def _prepare(self, scored: Scored) -> StepData:
         assert scored.rewards is not None  # online DPO has reward functions (checked)
         k = self.cfg.rl.batch.num_generations
-        pairs, left_out = best_worst_pairs(scored.completions, scored.rewards.total, k, self.cfg.dpo.missing_eos_penalty)
+        pairs, left_out = best_worst_pairs(
+            scored.completions, scored.rewards.total, k, self.cfg.dpo.missing_eos_penalty
+        )
         metrics = {"pairs": float(len(pairs)), **{f"pairs/{k}": float(v) for k, v in left_out.items()}}
         batch = None
         if pairs:

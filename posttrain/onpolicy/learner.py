@@ -23,7 +23,6 @@ from core.learner import Learner, apply_nan_policy
 from core.train import batch_shards
 from posttrain.config import PostTrainConfig
 
-
 B = TypeVar("B", bound=TrainBatch)
 
 

@@ -268,9 +268,7 @@ class PolicyStats:
     mismatch_seq_kl: float
 
     @classmethod
-    def summarise(
-        cls, updates: list[dict[str, float]], passes: int, settings: PolicyLossSettings
-    ) -> PolicyStats:
+    def summarise(cls, updates: list[dict[str, float]], passes: int, settings: PolicyLossSettings) -> PolicyStats:
         sums = [UpdateSums.from_metrics(m) for m in updates]
         first = sums[: len(sums) // passes]
 
