@@ -7,7 +7,7 @@ Every side trains the same HF model (random init, float32) on the same pairs: re
 16-128 token prompt and two 16-127 token completions, `batch` pairs a step, the sigmoid loss with beta 0.1,
 AdamW, and the starting model, frozen, as a live reference (one reference pass a step on every side). Temper's
 step is the reference pass (`posttrain.frozen.FrozenModel`) plus `core.learner.Learner.update` on the
-`posttrain.pairs` batch: each pair one row, its prompt once and the two completions as branches (the same
+`posttrain.dpo.pairs` batch: each pair one row, its prompt once and the two completions as branches (the same
 pairs per step as the peers), and again packed (several pairs a row). It is also timed with the reference
 log-probs precomputed (`dpo.precompute_ref_logps`: the update alone). Each new batch shape is compiled and run
 once before it is timed, as a run does once per shape (as bench/sft_step.py does). TRL's DPOTrainer
@@ -70,13 +70,13 @@ def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
     from transformers import AutoTokenizer
 
     from posttrain.config import DPOConfig
-    from posttrain.dpo import preference_objective, with_reference
+    from posttrain.dpo.data import PairLayout, pair_batch
+    from posttrain.dpo.objective import preference_objective, with_reference
+    from posttrain.dpo.pairs import tokenize_pairs
     from posttrain.frozen import FrozenModel
-    from posttrain.pair_data import PairLayout, pair_batch
-    from posttrain.pairs import tokenize_pairs
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    pairs, _ = tokenize_pairs(
+    pairs, _, _ = tokenize_pairs(
         rows, AutoTokenizer.from_pretrained(tokenizer), data_format="prompt_completion", seq_len=2 * args.seq
     )
     layout = PairLayout(2 * args.seq, pack=mode == "packed")

@@ -4,14 +4,19 @@
     python bench/grpo_step.py --sizes tiny --steps 3
 
 For each model size the same step is run by both: `prompts` prompts x
-`generations` completions of at most `max_tokens` tokens, a math-verify reward
-on reasoning-gym arithmetic, one optimizer update, no KL, float32, 2 CPU
-cores. Temper's step time and its breakdown (generate / reward / train /
-sync) come from its metrics; TRL runs in its own virtual environment
+`generations` completions of at most `max_tokens` tokens on reasoning-gym
+arithmetic prompts, one optimizer update, no KL, float32, 2 CPU cores. The
+reward is the share of digits in a completion (`bench/bench_rewards.py`, the
+same function on both sides): random models score it with variance, so every
+group has non-zero advantages and both sides do the whole step (a math reward
+scores every completion of a random model 0, and a step of zero advantages is
+one neither side has to learn from). Each side's reward spread is reported, and
+a run where Temper found a group without variance says so. Temper's step
+time and its breakdown (generate / reward / train / sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
 out of the means; the median is printed too, because the mean also carries
-any compilation of a new packed-row count (`posttrain/rl_batch.py`: ~8 s once
+any compilation of a new packed-row count (`posttrain/onpolicy/policy_gradient.py`: ~8 s once
 at 100M on 2 cores). Run it as `make bench-grpo` (Temper with huge-page malloc, see
 core/host_memory.py; TRL without, which is faster for it). Goal (issue 6):
 Temper's step <= 0.5x TRL's.
@@ -53,9 +58,12 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     from core.data import reasoning_gym_records
     from core.hf import save_hf
     from core.models import create_model, param_count
+    from posttrain.config import PostTrainConfig
 
     cfg = load_config(
-        ROOT / "recipes" / "configs" / "grpo_tiny.yml", [f"model.{k}={v}" for k, v in SIZES[size].items()]
+        ROOT / "recipes" / "configs" / "grpo_tiny.yml",
+        [f"model.{k}={v}" for k, v in SIZES[size].items()],
+        schema=PostTrainConfig,
     )
     model = create_model(cfg.model, seed=0)
     print(f"{size}: {param_count(model) / 1e6:.1f}M parameters", flush=True)
@@ -71,10 +79,14 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     return hf, prompts
 
 
+REWARD = f"{ROOT / 'bench' / 'bench_rewards.py'}:digit_share"
+
+
 def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
     from core.config_loader import load_config
     from core.metrics import read_metrics
-    from posttrain.onpolicy.loop import run_grpo
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import run_grpo
 
     run_dir = work / f"temper_{size}_{sampler}"
     cfg = load_config(
@@ -93,11 +105,17 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
             "data.eval_fraction=0.0",
             "optim.learning_rate=1.0e-5",
             f"rollout.sampler={sampler}",
+            f"reward.functions=[{{fn: '{REWARD}'}}]",
+            "rl.accuracy_fn=null",
         ],
+        schema=PostTrainConfig,
     )
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    flat = sum(r["zero_variance_groups"] for r in rows)
+    if flat:
+        print(f"warning: {flat:.0f} groups without reward variance over {len(rows)} steps (they skip the policy term)")
     out = {
         k.split("/")[1]: mean(k)
         for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s", "time/update_s", "time/sync_s")
@@ -107,6 +125,9 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
         "median_step_s": statistics.median(r["time/step_s"] for r in rows),
         "rows": mean("pack/rows"),
         "fill": mean("pack/fill"),
+        "reward_mean": mean("reward/mean"),
+        "reward_std": mean("reward/std"),
+        "zero_variance_groups": flat,
     }
 
 
@@ -134,8 +155,14 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
     # (100M: 4.77 -> 5.03 s/step), so TRL is measured without it.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     subprocess.run(cmd, check=True, env=env)
-    times = json.loads(out.read_text())["step_times"][1:]
-    return {"step_s": sum(times) / len(times), "median_step_s": statistics.median(times)}
+    result = json.loads(out.read_text())
+    times = result["step_times"][1:]
+    return {
+        "step_s": sum(times) / len(times),
+        "median_step_s": statistics.median(times),
+        "reward_mean": result["reward_mean"],
+        "reward_std": result["reward_std"],
+    }
 
 
 def main() -> None:
@@ -175,8 +202,10 @@ def main() -> None:
                 print(
                     f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
                     f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
-                    f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}) "
-                    f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}) | ratio {ratio:.2f}",
+                    f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}; "
+                    f"reward {ours['reward_mean']:.3f} +- {ours['reward_std']:.3f}) "
+                    f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}; reward "
+                    f"{theirs['reward_mean']:.3f} +- {theirs['reward_std']:.3f}) | ratio {ratio:.2f}",
                     flush=True,
                 )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -144,14 +144,20 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
 def temper_side(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool):
     """A Temper learner on the HF model and the SFT pipeline's batches of `data` (rows in file order)."""
     from core.config import DataConfig
-    from core.data import load_records, make_pipeline
+    from core.data import load_records, load_tokenizer, make_pipeline, tokenize_examples
     from core.losses import nll_loss
+    from posttrain.sft import PromptCompletionRows
 
     dcfg = DataConfig(
-        format="prompt_completion", seq_len=args.seq, packing=packing, padding_free=padding_free, shuffle=False
+        source=str(data),
+        format="prompt_completion",
+        seq_len=args.seq,
+        packing=packing,
+        padding_free=padding_free,
+        shuffle=False,
     )
-    records = load_records(str(data), dcfg)
-    batches = iter(make_pipeline(dcfg, args.batch, records=records, tokenizer_dir=tokenizer))
+    examples = tokenize_examples(load_records(dcfg), PromptCompletionRows(), load_tokenizer(tokenizer), dcfg)
+    batches = iter(make_pipeline(examples, dcfg, args.batch))
     return hf_learner(hf, nll_loss, total_updates=args.steps + 1), batches
 
 

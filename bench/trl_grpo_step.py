@@ -4,8 +4,10 @@
         --prompts-per-step 4 --generations 4 --max-tokens 16 --out result.json
 
 Same work per step as a Temper step: prompts_per_step prompts x generations
-completions of at most max_tokens tokens, a math-verify reward, one optimizer
-update (no KL, beta = 0), float32 on CPU. Generation is TRL's default
+completions of at most max_tokens tokens, the same reward (the share of digits
+in a completion, `bench/bench_rewards.py`), one optimizer update (no KL, beta =
+0), float32 on CPU. The reward's mean and per-group spread are written with the
+times (from TRL's per-step log), so a run can show that no step was a no-op. Generation is TRL's default
 (transformers `generate`). Times every step with a callback; the first step
 (warm-up) is reported separately.
 """
@@ -29,24 +31,22 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    import sys
+
     import torch
     from datasets import Dataset
-    from math_verify import parse, verify
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_rewards import digit_share
 
     torch.set_num_threads(torch.get_num_threads())
     rows = [json.loads(l) for l in Path(args.prompts).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    def reward(prompts, completions, answer, **_):
-        out = []
-        for c, a in zip(completions, answer):
-            try:
-                out.append(float(verify(parse(a), parse(c))))
-            except Exception:
-                out.append(0.0)
-        return out
+    def reward(prompts, completions, **_):
+        return digit_share(prompts, completions)
 
     times: list[float] = []
 
@@ -67,7 +67,7 @@ def main() -> None:
         max_steps=args.steps,
         learning_rate=1e-5,
         beta=0.0,
-        logging_steps=1000,
+        logging_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
@@ -88,7 +88,18 @@ def main() -> None:
         callbacks=[Timer()],
     )
     trainer.train()
-    Path(args.out).write_text(json.dumps({"step_times": times, "torch_threads": torch.get_num_threads()}))
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    mean = lambda key: sum(h[key] for h in logs) / max(len(logs), 1)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "step_times": times,
+                "torch_threads": torch.get_num_threads(),
+                "reward_mean": mean("reward"),
+                "reward_std": mean("reward_std"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

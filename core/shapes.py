@@ -15,7 +15,7 @@ keeps being needed is compiled after all: once it has been padded into a
 larger size `patience` times (ski rental: the padding paid by then is about
 what one compilation costs), it gets its own size, so a long run does not pad
 forever and a short run compiles only what it must. Used for the packed row
-counts of the RL update (`posttrain.onpolicy.loop`) and the JAX sampler's prompt shapes
+counts of the RL update (`posttrain.grpo`) and the JAX sampler's prompt shapes
 (`rollout.jax_sampler`).
 """
 

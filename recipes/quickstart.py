@@ -12,7 +12,7 @@
 5. GRPO it with the vLLM sampler on Ray and the math_verify reward, evaluating held-out
    greedy accuracy before and after: GRPO undoes what the slip taught. With `--method dpo`,
    online DPO instead: the same samples and reward, each prompt's best and worst sample a pair
-   (`posttrain.online_dpo`).
+   (`posttrain.dpo.online`).
 
 Prints the accuracies, and leaves in the run directory each stage's run
 (`pretrain/`, `sft/`, `grpo/` or `dpo/`), the reward / accuracy curves

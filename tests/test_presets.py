@@ -10,6 +10,7 @@ from core.config import MeshConfig
 from core.config_loader import list_presets, load_config
 from core.mesh import make_mesh
 from core.models import abstract_model, create_model, param_count
+from core.models.decoder import REMAT_POLICIES
 from core.models.summary import parameter_summary
 
 
@@ -64,15 +65,34 @@ def test_summary_plans_sharding_for_8b_on_a_mesh():
     ],
 )
 def test_remat_policies_do_not_change_values_or_gradients(policy, scan):
+    """Each policy is applied (the layers run under a `remat` with that policy: the differentiated program holds
+    one, the one without a policy none) and changes neither the value nor the gradient."""
     base = load_config(overrides=["model.preset=tiny-llama", f"model.scan_layers={scan}"]).model
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 16)), jnp.int32)
 
     def grads(cfg):
         graphdef, state = nnx.split(create_model(cfg, seed=1))
-        f = lambda s: nnx.merge(graphdef, s)(tokens).astype(jnp.float32).mean()
-        return jax.jit(jax.value_and_grad(f))(state)
+        f = jax.value_and_grad(lambda s: nnx.merge(graphdef, s)(tokens).astype(jnp.float32).mean())
+        return jax.jit(f)(state), remat_policies(jax.make_jaxpr(f)(state).jaxpr)
 
-    (v0, g0), (v1, g1) = grads(base), grads(base.model_copy(update={"remat_policy": policy}))
+    remat = base.model_copy(update={"remat_policy": policy})
+    ((v0, g0), none), ((v1, g1), applied) = grads(base), grads(remat)
+    assert not none and applied and set(applied) == {REMAT_POLICIES[policy]}, (none, applied)
     assert float(v0) == pytest.approx(float(v1), abs=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(g0)) > 0
+
+
+def remat_policies(jaxpr) -> list:
+    """The policy of every `remat` in a jaxpr, sub-programs (scan bodies, jit calls) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat2", "checkpoint", "remat"):
+            found.append(eqn.params["policy"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += remat_policies(inner)
+    return found

@@ -109,7 +109,8 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, method):
     resumed_from = int(out.split("resumed from ")[1].split()[0].rsplit("/", 1)[1])
     assert 16 <= resumed_from < killed_at
     if method == "dpo":
-        assert "reference log-probs: read 400 pairs" in out  # stored by the killed run, not recomputed
+        # stored by the killed run, not recomputed: both sides of the 400 pairs
+        assert "reference_logps.npz: read 800 sequences' values" in out
 
     want, got = losses(ref_dir), losses(run_dir)
     assert [s for s, _ in got] == list(range(1, steps + 1)) == [s for s, _ in want]  # no gap, no repeat

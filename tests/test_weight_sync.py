@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from core.config import MeshConfig
-from core.hf import hf_tensors, load_hf
+from core.hf import load_hf
 from core.mesh import make_mesh
 from rollout.jax_sampler import JaxSampler
 from rollout.sampler import SamplingParams
@@ -63,32 +63,53 @@ def test_reshard_refuses_a_different_model(rollout_model_dir):
     assert sampler.policy_version == 0
 
 
+def source_tensors(hf_dir) -> dict[str, np.ndarray]:
+    """The tensors `transformers` wrote to the model directory: what the synced chunks must hold, name for name."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(hf_dir / "model.safetensors"))
+
+
+def sent_tensors(chunks, bound: int | None = None) -> list[tuple[str, np.ndarray]]:
+    """Every (name, array) the chunks carry, in order, as a list: a tensor sent twice shows as two entries."""
+    out: list[tuple[str, np.ndarray]] = []
+    for chunk in chunks:
+        if bound is not None:
+            assert len(chunk) == 1 or sum(v.nbytes for v in chunk.values()) <= bound, list(chunk)
+        out += list(chunk.items())
+    return out
+
+
+def assert_sends_the_source(sent: list[tuple[str, np.ndarray]], source: dict[str, np.ndarray]) -> None:
+    names = [name for name, _ in sent]
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]  # each tensor once
+    assert set(names) == set(source), set(names) ^ set(source)
+    for name, value in sent:
+        np.testing.assert_array_equal(value, source[name], err_msg=name)
+        assert value.flags["C_CONTIGUOUS"], name
+
+
 @pytest.mark.parametrize("scan", [True, False])
-def test_hf_chunks_equal_the_export_and_respect_the_bound(rollout_model_dir, scan):
-    model, cfg = load_hf(
-        rollout_model_dir("qwen2", tied=True),
-        mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]),
-        scan_layers=scan,
-    )
-    want = dict(hf_tensors(model, cfg))
-    got, largest = {}, max(v.nbytes for v in want.values())
-    for chunk in hf_chunks(nnx.state(model), cfg, chunk_bytes=50_000):
-        assert len(chunk) == 1 or sum(v.nbytes for v in chunk.values()) <= 50_000 + largest
-        got.update(chunk)
-    assert list(got) == list(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-        assert got[name].flags["C_CONTIGUOUS"]
+def test_hf_chunks_hold_the_checkpoints_tensors_once_within_the_bound(rollout_model_dir, scan):
+    """The chunks of a model loaded from a Hugging Face directory (sharded on a 2 x 2 mesh, stacked layers or not)
+    carry exactly the tensors `transformers` saved there, each once, bitwise, no chunk above the bound by more
+    than one tensor."""
+    hf_dir = rollout_model_dir("qwen2", tied=True)
+    model, cfg = load_hf(hf_dir, mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]), scan_layers=scan)
+    source = source_tensors(hf_dir)
+    bound = 50_000 + max(v.nbytes for v in source.values())
+    chunks = list(hf_chunks(nnx.state(model), cfg, chunk_bytes=50_000))
+    assert len(chunks) > 4  # the bound really cut the weights into several chunks
+    assert_sends_the_source(sent_tensors(chunks, bound), source)
 
 
 @pytest.mark.gpu_only
-def test_gpu_sync_path_matches_host_path(rollout_model_dir):
-    """On a GPU machine the same chunks come from device memory; values must equal the host export."""
-    model, cfg = load_hf(rollout_model_dir("llama"))
-    want = dict(hf_tensors(model, cfg))
-    got = {k: v for c in hf_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20) for k, v in c.items()}
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name])
+def test_gpu_sync_path_sends_the_checkpoints_tensors(rollout_model_dir):
+    """On a GPU machine the chunks come from device memory: they must hold what `transformers` saved, bitwise."""
+    hf_dir = rollout_model_dir("llama")
+    model, cfg = load_hf(hf_dir)
+    assert next(iter(jax.tree.leaves(nnx.state(model)))).devices().pop().platform == "gpu"
+    assert_sends_the_source(sent_tensors(hf_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20)), source_tensors(hf_dir))
 
 
 def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_alive(rollout_model_dir):

@@ -1,5 +1,5 @@
-"""A training process for the resume tests: the supervised (pretraining / SFT) setup, or offline DPO with
-`--dpo`, plus a log of example ids (source rows) per step.
+"""A training process for the resume tests: pretraining or SFT (by `data.format`), or offline DPO with `--dpo`
+(`core.run.build_run`), plus a log of example ids (source rows) per step.
 
 python tests/train_worker.py IDS_FILE TOKENIZER_DIR [--dpo] [key=value ...]
 """
@@ -12,13 +12,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.config_loader import config_from_argv
-from core.supervised import build_supervised
+from core.run import build_run
 
 
 def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
     dpo = overrides[:1] == ["--dpo"]
     base = "recipes/configs/dpo_tiny.yml" if dpo else "recipes/configs/pretrain_tiny.yml"
-    cfg = config_from_argv([*overrides[dpo:], f"data.tokenizer_dir={tokenizer_dir}"], base)
+    argv = [*overrides[dpo:], f"data.tokenizer_dir={tokenizer_dir}"]
 
     def record_ids(step, data):
         ids = sorted({int(i) for i in data.example_ids.ravel() if i >= 0})
@@ -27,14 +27,15 @@ def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    if dpo:
-        from posttrain.dpo_run import build_dpo
+    from core.pretrain import PRETRAINING
+    from posttrain.config import PostTrainConfig
+    from posttrain.dpo.offline import DPO
+    from posttrain.sft import SFT
 
-        run = build_dpo(cfg)
-    else:
-        run = build_supervised(cfg)
-    run.trainer.on_batch = record_ids
-    run.trainer.fit()
+    cfg = config_from_argv(argv, base, schema=PostTrainConfig)
+    run = build_run(cfg, DPO if dpo else PRETRAINING if cfg.data.format == "text" else SFT)
+    run.loop.on_batch = record_ids
+    run.fit()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from core.models.attention import Attention
 from core.models.compact import Compaction
 from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -165,7 +165,7 @@ class Decoder(nnx.Module):
 
         policy = self.cfg.remat_policy
         if policy != "none":
-            apply = jax.checkpoint(apply, policy=_REMAT_POLICIES[policy], static_argnums=(0,))
+            apply = jax.checkpoint(apply, policy=REMAT_POLICIES[policy], static_argnums=(0,))
 
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)

@@ -97,7 +97,7 @@ def build_rl_batch(
     tokens as the policy term. `pack=False` puts one sequence in each row (no
     shared prompts). `row_multiple` (the trainer's data-parallel size) divides
     every group's row count; `choose_rows` maps the rows a group needs to the
-    rows it gets (default `core.packing.round_rows`; `posttrain.onpolicy.loop` passes a
+    rows it gets (default `core.packing.round_rows`; `posttrain.grpo` passes a
     `core.shapes.SizeCache` so that a row count already compiled is reused).
     """
     b = len(completions)
