@@ -25,11 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-# The unit tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each.
-# The end-to-end tests then run one at a time: each starts Ray, vLLM or training processes that use both cores.
+# Most tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each, and
+# that includes the end-to-end runs that need no Ray cluster or vLLM engine. The `serial` ones then run one at a
+# time: each starts a Ray cluster and vLLM engines, which use both cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not integration" -n 2
-	$(PY) -m pytest -q -m integration
+	$(PY) -m pytest -q -m "not serial" -n 2
+	$(PY) -m pytest -q -m serial
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" -n 2

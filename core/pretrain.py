@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 from core.batch import pad_rows
 from core.config import Config
-from core.config_loader import ConfigError
 from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, tokenize_examples
 from core.loop import Evaluation, Hook
 from core.losses import nll_loss, perplexity
-from core.run import MethodParts, RunContext
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 
 
@@ -61,15 +60,9 @@ class Pretraining:
     name: str = "pretraining"
 
     def check(self, cfg: Config) -> None:
-        if cfg.data.format != "text":
-            raise ConfigError(
-                f"pretraining reads text rows (data.format=text), not {cfg.data.format!r}; prompt / completion and "
-                f"chat rows are SFT (python -m recipes.sft)"
-            )
-        if cfg.data.source is None:
-            raise ConfigError(
-                "pretraining needs data.source (a local jsonl / parquet / arrow file, a directory, a Hub id)"
-            )
+        check_rows(
+            cfg, "pretraining", {"text": "a `text` field"}, "; prompt / completion and chat rows are SFT (recipes.sft)"
+        )
 
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
         return (r["text"] for r in records if isinstance(r.get("text"), str))

@@ -87,6 +87,18 @@ class Run:
         return self.loop.fit()
 
 
+def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str = "") -> None:
+    """The checks every offline method makes of its data: `data.source` is set, and `data.format` is one it reads
+    (`formats`: format -> what its rows hold; `otherwise`: where the other formats go)."""
+    if cfg.data.format not in formats:
+        reads = " or ".join(f"data.format={f} ({what})" for f, what in formats.items())
+        raise ConfigError(f"{method} reads {reads}, not {cfg.data.format!r}{otherwise}")
+    if cfg.data.source is None:
+        raise ConfigError(
+            f"{method} needs data.source (a local jsonl / parquet / arrow file, a directory or a Hugging Face Hub id)"
+        )
+
+
 def build_run(cfg: Config, method: Method) -> Run:
     """Everything `method` trains with, ready to `fit`."""
     from core.checkpoint import initial_model

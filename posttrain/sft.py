@@ -32,13 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config_loader import ConfigError
 from core.data import Examples, messages_problem, string_fields_problem
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook, TrainLoop
 from core.losses import nll_loss
 from core.pretrain import next_token_parts
-from core.run import MethodParts, RunContext
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
@@ -165,10 +164,5 @@ SFT = SupervisedFineTuning()
 
 
 def check_config(cfg: PostTrainConfig) -> None:
-    if cfg.data.format not in ("chat", "prompt_completion"):
-        raise ConfigError(
-            f"SFT trains on data.format=chat (a `messages` list) or prompt_completion (`prompt`, `completion`), "
-            f"not {cfg.data.format!r}; plain text is pretraining (python -m recipes.pretrain)"
-        )
-    if cfg.data.source is None:
-        raise ConfigError("SFT needs data.source (a local jsonl / parquet / arrow file, a directory or a Hub id)")
+    formats = {"chat": "a `messages` list", "prompt_completion": "`prompt`, `completion`"}
+    check_rows(cfg, "SFT", formats, "; plain text is pretraining (python -m recipes.pretrain)")

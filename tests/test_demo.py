@@ -22,6 +22,7 @@ def test_demo_rejects_unknown_key(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.serial
 def test_quickstart_runs_every_stage(tmp_path):
     """`make demo` in miniature: every stage runs and the run directory holds what the docs promise; run again
     on the same directory, it says that it is complete and prints the same result, with no warnings."""

@@ -66,6 +66,7 @@ LEARNABLE = [
 ]
 
 
+@pytest.mark.serial
 def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_trainer(
     ray_cluster, tmp_path, arithmetic_tokenizer
 ):
@@ -232,6 +233,7 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
     assert_redone_steps_match(before_kill, after, 4)
 
 
+@pytest.mark.serial
 def test_async_vllm_survives_a_lost_ray_head_and_kill_9_and_resumes_exactly(tmp_path, arithmetic_tokenizer):
     """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe:
     1. the local Ray cluster's GCS and raylet die after checkpoint 2: the driver stops within a minute with

@@ -109,6 +109,7 @@ def ray_cluster():
 
 
 @pytest.mark.integration
+@pytest.mark.serial
 def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, tmp_path, arithmetic_tokenizer):
     """Real Ray, real vLLM, a reward a random tiny model can learn (share of digits): pairs of its own best and
     worst samples raise the reward over 8 steps; the weights reach the sampler after every update; a second run

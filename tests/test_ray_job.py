@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")

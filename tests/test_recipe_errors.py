@@ -155,7 +155,10 @@ DPO_CASES = {
         lambda f: [f"data.source={f['pair_rows']}", "data.columns={}", f"data.tokenizer_dir={f['tok']}"],
         "pairs.jsonl: row 1: chosen and rejected are identical",
     ),
-    "text rows are not pairs": (lambda f: ["data.format=text"], "DPO reads pair rows: data.format=prompt_completion"),
+    "text rows are not pairs": (
+        lambda f: ["data.format=text"],
+        "DPO reads data.format=prompt_completion (prompt",
+    ),
     "unknown loss": (lambda f: ["dpo.loss_type=kto"], "dpo.loss_type"),
     "smoothing a loss without it": (
         lambda f: ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"],

@@ -8,7 +8,7 @@ from core.hf import hf_tensors, load_hf
 from rollout.config import RolloutConfig
 from rollout.sampler import SamplingParams
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 PROMPTS = [[5, 17, 99, 3], [7, 8, 9, 10, 11, 12, 13], [42]]
 CFG = RolloutConfig(max_model_len=128, max_num_seqs=8, kv_cache_gib=0.25, dtype="float32")

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.loop import Evaluation
-from core.run import MethodParts, RunContext
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
@@ -139,10 +138,8 @@ DPO = OfflineDPO()
 
 
 def check_config(cfg: PostTrainConfig) -> None:
-    if cfg.data.format not in ("prompt_completion", "chat"):
-        raise ConfigError(
-            f"DPO reads pair rows: data.format=prompt_completion (prompt / chosen / rejected strings) or chat "
-            f"(prompt messages, chosen / rejected one assistant message each), not {cfg.data.format!r}"
-        )
-    if cfg.data.source is None:
-        raise ConfigError("DPO needs data.source (a local jsonl / parquet / arrow file, a directory or a Hub id)")
+    formats = {
+        "prompt_completion": "prompt / chosen / rejected strings",
+        "chat": "prompt messages, chosen / rejected one assistant message each",
+    }
+    check_rows(cfg, "DPO", formats)
