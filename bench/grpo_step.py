@@ -48,7 +48,9 @@ def trl_python() -> Path:
     if not python.exists():
         print("creating .venv-trl (pip install trl) ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(ROOT / ".venv-trl")], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "trl", "math-verify"], check=True)
+        # The CPU build of the torch vLLM pins (pip would otherwise take a CUDA build), the TRL the figures used.
+        packages = ["torch==2.13.0", "trl==1.16.0", "math-verify"]
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
     return python
 
 

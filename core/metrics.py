@@ -162,7 +162,7 @@ class MetricsLogger:
         done = max(step - self.start_step, 1)
         eta = elapsed / done * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]
-        for key in ("loss", "eval_loss", "eval/loss", "grad_norm", "learning_rate"):
+        for key in ("loss", "eval/loss", "eval/perplexity", "grad_norm", "learning_rate"):
             if key in values:
                 parts.append(f"{key} {values[key]:.4g}")
         for key, label in (("rewards/accuracies", "pref acc"), ("eval/rewards/accuracies", "eval pref acc")):
@@ -216,7 +216,7 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
 
 
 def plot_curves(
-    run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval_loss"), out: str = "loss.png", ylabel: str = "loss"
+    run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval/loss"), out: str = "loss.png", ylabel: str = "loss"
 ) -> Path | None:
     """A PNG of the logged curves (matplotlib, headless); `out` is relative to `run_dir`, or absolute."""
     import matplotlib

@@ -1,6 +1,6 @@
 """Models that do not train beside the one that does: a reference (GRPO's KL, DPO) or a teacher (distillation).
 
-    reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")   # the start, held still
+    reference = FrozenModel.start_of(learner)           # the learner's starting parameters, held still
     teacher = FrozenModel.load("Qwen/Qwen2.5-1.5B-Instruct", mesh, "teacher")    # any checkpoint, its own shape
     logp = reference.logprobs(batch, groups=4)          # [B, C] float32 on the host, one packing group at a time
     logp = grouped_logprobs(logprob_pass(graphdef, 1.0), params, batch, groups, mesh)   # the same, any parameters
@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from core.batch import PackedBatch
 from core.config import ModelConfig
+from core.learner import Learner
 from core.targets import target_logprobs
 from core.train import place_batch, split_micro_batches
 
@@ -72,6 +73,12 @@ class FrozenModel:
         with jax.set_mesh(mesh):
             copied = jax.tree.map(jnp.copy, params)
         return cls(name, copied, mesh, logprob_pass(graphdef, temperature), cfg)
+
+    @classmethod
+    def start_of(cls, learner: Learner, name: str = "reference", temperature: float = 1.0) -> FrozenModel:
+        """The learner's parameters as they are now (before its first update: where the policy started), frozen:
+        the reference every method that has one uses."""
+        return cls.copy_of(learner.graphdef, learner.params, learner.mesh, name, temperature, learner.model_cfg)
 
     @classmethod
     def load(cls, path: str, mesh: Mesh, name: str, temperature: float = 1.0, dtype: str = "float32") -> FrozenModel:

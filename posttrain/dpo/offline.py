@@ -108,7 +108,7 @@ class OfflineDPO:
                 digest,
                 lambda: compute_reference_logps(
                     every,
-                    FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference"),
+                    FrozenModel.start_of(learner),
                     batch_size=cfg.train.batch_size,
                     layout=layout,
                 ),
@@ -116,7 +116,7 @@ class OfflineDPO:
             prepare = lambda d, groups: attach_stored(store, d)
             notes.append(f"reference: precomputed ({REFERENCE_FILE})")
         else:
-            reference = FrozenModel.copy_of(learner.graphdef, learner.params, mesh, "reference")
+            reference = FrozenModel.start_of(learner)
             prepare = lambda d, groups: with_reference(d.batch, reference, groups=groups)
             notes.append("reference: live (the starting policy, frozen)")
 

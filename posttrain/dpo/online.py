@@ -84,11 +84,7 @@ class OnlineDPOLearner(PolicyLearner[PairBatch]):
         self.learner = Learner(
             model, mesh, preference_objective(cfg.dpo), cfg.optim, total_updates=total_steps, seed=cfg.run.seed, tx=tx
         )
-        self.reference = (
-            FrozenModel.copy_of(self.learner.graphdef, self.learner.params, mesh, "reference")
-            if needs_reference(cfg.dpo)
-            else None
-        )
+        self.reference = FrozenModel.start_of(self.learner) if needs_reference(cfg.dpo) else None
 
     def train(self, batch: PairBatch) -> dict[str, float]:
         micro = self.cfg.train.micro_batches

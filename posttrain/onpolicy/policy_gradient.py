@@ -348,11 +348,7 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
             tx=tx,
         )
         # The reference is the starting policy, frozen (beta = 0: none at all).
-        self.reference = (
-            FrozenModel.copy_of(self.learner.graphdef, self.learner.params, mesh, "reference", self.temperature)
-            if cfg.rl.loss.beta > 0
-            else None
-        )
+        self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
         self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
 
     def train(self, batch: RLBatch) -> dict[str, float]:

@@ -1,0 +1,78 @@
+"""The on-policy skeleton carries a method GRPO is not: no reward functions, one sample per prompt, a value per token
+(what on-policy distillation needs), trained with the policy-gradient update the skeleton has."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from core.config_loader import load_config
+from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
+from posttrain.onpolicy.run import OnPolicyRun, Scored, StepData
+
+
+class PerTokenRun(OnPolicyRun):
+    """A method of its own: every sampled token's advantage is minus its sampled log-prob (a stand-in for a
+    teacher's per-token signal), no reward functions, one completion a prompt."""
+
+    learner_class = PolicyGradientLearner
+    batches: ClassVar[list] = []
+
+    def _prepare(self, scored: Scored) -> StepData:
+        assert scored.rewards is None and scored.correct is None  # nothing was scored: there is nothing to score with
+        advantages = [-np.asarray(c.logprobs, np.float32) for c in scored.completions]
+        batch = build_rl_batch(
+            scored.completions,
+            advantages,
+            np.ones(len(scored.completions), bool),
+            row_len=self.row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+        )
+        PerTokenRun.batches.append((scored.completions, batch))
+        return StepData(batch, scored, {"advantage/mean": float(np.mean(np.concatenate(advantages)))})
+
+
+@pytest.mark.integration
+def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_path, arithmetic_tokenizer):
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "rollout.sampler=jax",
+            "reward.functions=[]",
+            "rl.accuracy_fn=null",
+            "rl.batch.num_generations=1",
+            "rl.batch.prompts_per_step=4",
+            "train.steps=2",
+            "train.eval_every=1",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+        ],
+        schema=PostTrainConfig,
+    )
+    run = PerTokenRun(cfg)
+    try:
+        summary = run.run()
+    finally:
+        run.close()
+    assert summary.steps == 2 and summary.policy_version == 2  # both steps trained and synced
+    assert summary.final_eval == {}  # no accuracy function: nothing to evaluate with
+    (completions, batch), _ = PerTokenRun.batches
+    assert len(completions) == 4  # one sample a prompt
+    mask = np.asarray(batch.packed.target_mask) > 0
+    for i, c in enumerate(completions):  # the advantages reached the batch token by token
+        n = len(c.token_ids)
+        np.testing.assert_allclose(np.asarray(batch.advantages)[i, :n], -np.asarray(c.logprobs), rtol=1e-6)
+        assert not np.asarray(batch.advantages)[i, n:].any() and mask[i, :n].all()
+    assert len({float(v) for v in np.asarray(batch.advantages)[mask]}) > 4  # not one value per sequence
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert not any(k.startswith("reward/") or k == "accuracy" for r in rows for k in r)
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows if "loss" in r)
