@@ -6,12 +6,13 @@
 For each model size the same step is run by both: `prompts` prompts x
 `generations` completions of at most `max_tokens` tokens on reasoning-gym
 arithmetic prompts, one optimizer update, no KL, float32, 2 CPU cores. The
-reward is the share of digits in a completion (`bench/bench_rewards.py`, the
-same function on both sides): random models score it with variance, so every
-group has non-zero advantages and both sides do the whole step (a math reward
-scores every completion of a random model 0, and a step of zero advantages is
-one neither side has to learn from). Each side's reward spread is reported, and
-a run where Temper found a group without variance says so. Temper's step
+reward is a length reward (`bench/bench_rewards.py:char_length`, the same
+function on both sides): random models score it with variance in every group,
+so every advantage is non-zero and both sides do the whole step (a math reward
+scores every completion of a random model 0, and a step of zero advantages has
+nothing to learn: Temper then skips the optimizer update). Each side's reward
+spread is reported, and a run where Temper found a group without variance says
+so (`--reward digit_share`, a task-like reward, leaves a few groups flat). Temper's step
 time and its breakdown (generate / reward / train / sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
@@ -81,7 +82,7 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     return hf, prompts
 
 
-REWARD = f"{ROOT / 'bench' / 'bench_rewards.py'}:digit_share"
+REWARDS = ROOT / "bench" / "bench_rewards.py"
 
 
 def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str, args, work: Path) -> dict:
@@ -107,7 +108,7 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
             "data.eval_fraction=0.0",
             "optim.learning_rate=1.0e-5",
             f"rollout.sampler={sampler}",
-            f"reward.functions=[{{fn: '{REWARD}'}}]",
+            f"reward.functions=[{{fn: '{REWARDS}:{args.reward}'}}]",
             "rl.accuracy_fn=null",
         ],
         schema=PostTrainConfig,
@@ -150,6 +151,8 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
         str(args.generations),
         "--max-tokens",
         str(args.max_tokens),
+        "--reward",
+        args.reward,
         "--out",
         str(out),
     ]
@@ -174,6 +177,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--reward", default="char_length", choices=["char_length", "digit_share"], help="bench_rewards.py")
     p.add_argument(
         "--samplers",
         nargs="+",

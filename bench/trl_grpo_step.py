@@ -4,8 +4,8 @@
         --prompts-per-step 4 --generations 4 --max-tokens 16 --out result.json
 
 Same work per step as a Temper step: prompts_per_step prompts x generations
-completions of at most max_tokens tokens, the same reward (the share of digits
-in a completion, `bench/bench_rewards.py`), one optimizer update (no KL, beta =
+completions of at most max_tokens tokens, the same reward (`--reward`, a function
+of `bench/bench_rewards.py`), one optimizer update (no KL, beta =
 0), float32 on CPU. The reward's mean and per-group spread are written with the
 times (from TRL's per-step log), so a run can show that no step was a no-op. Generation is TRL's default
 (transformers `generate`). Times every step with a callback; the first step
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--reward", default="char_length", help="a function of bench/bench_rewards.py")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -39,14 +40,16 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_rewards import digit_share
+    import bench_rewards
+
+    reward_fn = getattr(bench_rewards, args.reward)
 
     torch.set_num_threads(torch.get_num_threads())
     rows = [json.loads(l) for l in Path(args.prompts).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def reward(prompts, completions, **_):
-        return digit_share(prompts, completions)
+        return reward_fn(prompts, completions)
 
     times: list[float] = []
 
