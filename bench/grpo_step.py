@@ -119,6 +119,12 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
     flat = sum(r["zero_variance_groups"] for r in rows)
     if flat:
         print(f"warning: {flat:.0f} groups without reward variance over {len(rows)} steps (they skip the policy term)")
+    last = read_metrics(run_dir)[-1]
+    if last["empty_updates"] or last["skipped_updates"]:  # a step that applied no update did not do the work
+        raise SystemExit(
+            f"Temper skipped {last['empty_updates']:.0f} empty and {last['skipped_updates']:.0f} non-finite updates: "
+            f"the measurement is not of the whole step"
+        )
     out = {
         k.split("/")[1]: mean(k)
         for k in ("time/step_s", "time/generate_s", "time/reward_s", "time/train_s", "time/update_s", "time/sync_s")
@@ -131,6 +137,7 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
         "reward_mean": mean("reward/mean"),
         "reward_std": mean("reward/std"),
         "zero_variance_groups": flat,
+        "flat_group_share": flat / (len(rows) * args.prompts),
     }
 
 
@@ -167,6 +174,7 @@ def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
         "median_step_s": statistics.median(times),
         "reward_mean": result["reward_mean"],
         "reward_std": result["reward_std"],
+        "flat_group_share": result["frac_reward_zero_std"],
     }
 
 
@@ -209,9 +217,10 @@ def main() -> None:
                     f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
                     f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
                     f"train {ours['train_s']:.2f} of which update {ours['update_s']:.2f}, sync {ours['sync_s']:.2f}; "
-                    f"reward {ours['reward_mean']:.3f} +- {ours['reward_std']:.3f}) "
-                    f"| TRL {theirs['step_s']:.2f} s/step (median {theirs['median_step_s']:.2f}; reward "
-                    f"{theirs['reward_mean']:.3f} +- {theirs['reward_std']:.3f}) | ratio {ratio:.2f}",
+                    f"reward {ours['reward_mean']:.3f} +- {ours['reward_std']:.3f}, flat groups "
+                    f"{ours['flat_group_share']:.0%}) | TRL {theirs['step_s']:.2f} s/step (median "
+                    f"{theirs['median_step_s']:.2f}; reward {theirs['reward_mean']:.3f} +- {theirs['reward_std']:.3f}, "
+                    f"flat groups {theirs['flat_group_share']:.0%}) | ratio {ratio:.2f}",
                     flush=True,
                 )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

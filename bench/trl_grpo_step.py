@@ -100,6 +100,8 @@ def main() -> None:
                 "torch_threads": torch.get_num_threads(),
                 "reward_mean": mean("reward"),
                 "reward_std": mean("reward_std"),
+                # share of groups whose rewards were all equal (zero advantages: nothing to learn from them)
+                "frac_reward_zero_std": mean("frac_reward_zero_std"),
             }
         )
     )

@@ -67,6 +67,11 @@ class PackedBatch:
     def rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def packed(self) -> PackedBatch:
+        """Itself: a bare PackedBatch is the batch of the methods that need nothing beside it (pretraining, SFT)."""
+        return self
+
     def fill(self) -> float:
         """Share of the row slots that hold a real token (1 - padding)."""
         return float((np.asarray(self.segment_ids) > 0).mean())

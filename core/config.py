@@ -47,6 +47,7 @@ class RopeScaling(Section):
 
 
 DType = Literal["float32", "bfloat16"]
+AttentionImpl = Literal["xla", "dot_product", "cudnn"]  # core/kernels/attention.py implements each
 
 
 class ModelConfig(Section):
@@ -81,7 +82,7 @@ class ModelConfig(Section):
     # body, the fastest compile for deep models). Parameters stay stacked either way; decoding is not unrolled.
     scan_unroll: bool | int = True
     remat_policy: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
-    attention_impl: Literal["xla", "dot_product", "cudnn"] = "xla"
+    attention_impl: AttentionImpl = "xla"
     # The log-prob head (core/kernels/logprobs.py) keeps a micro-batch's [targets, vocab] float32 logits for the
     # backward pass when they fit in logits_budget_mb (three matmuls); above it, it walks the vocabulary in
     # vocab_chunk_size tiles and recomputes them in the backward (a fourth matmul, O(targets x tile) memory).

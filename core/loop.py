@@ -95,11 +95,12 @@ class TrainLoop:
         on_batch: Callable[[int, object], None] | None = None,
         prepare: Prepare = _as_is,
         hooks: Sequence[Hook] = (),
+        console: dict[str, str] | None = None,
     ):
         """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
         `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
         timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
-        checkpoint hooks."""
+        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label)."""
         self.cfg = cfg
         self.learner = learner
         self.mesh = learner.mesh
@@ -121,7 +122,7 @@ class TrainLoop:
                 start = restored[0]
                 print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
         self.start_step = start
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, self.total_steps, resume_step=start)
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
         self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
         print(device_memory() + " (after model and optimizer load)", flush=True)
@@ -188,7 +189,7 @@ class TrainLoop:
         start = time.perf_counter()
         metrics = self.learner.update(batch, micro)
         seconds = time.perf_counter() - start + prepare_seconds
-        n_tokens = int(np.prod(batch.tokens.shape))
+        n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
         flops = self.flops_per_token * n_tokens / seconds
         metrics.update(
             step_seconds=seconds,

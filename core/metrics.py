@@ -114,7 +114,17 @@ class MetricsLogger:
     as one uninterrupted run.
     """
 
-    def __init__(self, run_dir: str | Path, cfg: LoggingConfig, total_steps: int, resume_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        cfg: LoggingConfig,
+        total_steps: int,
+        resume_step: int = 0,
+        console: dict[str, str] | None = None,
+    ):
+        """`console`: the method's own metrics the console line shows (metric key -> label, e.g. DPO's
+        `{"rewards/accuracies": "pref acc"}`), after the loss, grad norm and learning rate."""
+        self.console = dict(console or {})
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
@@ -165,8 +175,8 @@ class MetricsLogger:
         for key in ("loss", "eval/loss", "eval/perplexity", "grad_norm", "learning_rate"):
             if key in values:
                 parts.append(f"{key} {values[key]:.4g}")
-        for key, label in (("rewards/accuracies", "pref acc"), ("eval/rewards/accuracies", "eval pref acc")):
-            if key in values:  # preference methods: share of pairs whose chosen completion wins
+        for key, label in self.console.items():  # the method's own
+            if key in values:
                 parts.append(f"{label} {values[key]:.3f}")
         if "tokens_per_s" in values:
             parts.append(f"{values['tokens_per_s']:,.0f} tok/s")

@@ -54,6 +54,7 @@ class MethodParts:
     hooks: Sequence[Hook] = ()  # the method's own cadence (SFT's greedy generations)
     skipped: list[str] = field(default_factory=list)  # rows left out (data.skip_malformed), described
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)
+    console: dict[str, str] = field(default_factory=dict)  # metric -> label: the method's own on the console line
 
 
 class Method(Protocol):
@@ -141,5 +142,6 @@ def build_run(cfg: Config, method: Method) -> Run:
         tokenizer_dir=tokenizer_dir,
         prepare=parts.prepare,
         hooks=parts.hooks,
+        console=parts.console,
     )
     return Run(cfg, loop, tokenizer_dir, parts)

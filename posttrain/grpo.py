@@ -20,20 +20,14 @@ from core.config_loader import ConfigError
 from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, run_to_end
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, check_graded_groups, run_to_end
 from rewards.runner import RewardBatch
 
 
 def check_config(cfg: PostTrainConfig) -> None:
     """What GRPO needs of several sections at once (before a Ray cluster or an engine starts)."""
     batch = cfg.rl.batch
-    if batch.num_generations < 2:
-        raise ConfigError(
-            f"GRPO's advantages compare each completion with the rest of its group: rl.batch.num_generations must "
-            f"be >= 2, not {batch.num_generations}"
-        )
-    if not cfg.reward.functions:
-        raise ConfigError("GRPO needs reward.functions (at least one reward function to score completions)")
+    check_graded_groups(cfg, "GRPO's advantages compare each completion with the rest of its group: it")
     updates = batch.mini_batches * cfg.train.micro_batches
     completions = batch.prompts_per_step * batch.num_generations
     if completions % updates:
@@ -65,9 +59,6 @@ class GRPORun(OnPolicyRun):
             "sampling_rounds": float(rounds),
         }
         return StepData(self._batch(scored, adv), scored, metrics)
-
-    def _method_line(self, m: dict) -> str:
-        return f"clip {m.get('clip_fraction', 0):.3f} | gap {m.get('mismatch/logp_gap_mean', 0):.2e}"
 
     def _batch(self, scored: Scored, adv: Advantages) -> RLBatch:
         """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts

@@ -53,6 +53,7 @@ def weights_digest(params) -> str:
 @dataclass
 class TokenStore:
     values: dict[Key, np.ndarray]  # key -> [targets] float32
+    path: Path | None = None  # the file it was read from or written to
 
     def gather(self, keys: Sequence[Key | None], width: int) -> np.ndarray:
         """[len(keys), width] float32: each key's values from position 0, zeros after them and for a None key (an
@@ -62,7 +63,8 @@ class TokenStore:
             if key is None:
                 continue
             if key not in self.values:
-                raise KeyError(f"no stored values for sequence {key} (row, sequence); recompute the store")
+                where = self.path or "the store"
+                raise KeyError(f"{where}: no stored values for sequence {key} (row, sequence); delete it to recompute")
             v = self.values[key][:width]
             out[i, : len(v)] = v
         return out
@@ -91,7 +93,8 @@ class TokenStore:
                 print(f"{path}: computed for other data or other weights; recomputing", flush=True)
                 return None
             keys, offsets, values = f["keys"], f["offsets"], f["values"]
-            return cls({(int(r), int(s)): values[offsets[i] : offsets[i + 1]] for i, (r, s) in enumerate(keys)})
+            stored = {(int(r), int(s)): values[offsets[i] : offsets[i + 1]] for i, (r, s) in enumerate(keys)}
+            return cls(stored, path)
 
     @classmethod
     def load_or_compute(cls, path: Path, digest: str, compute: Callable[[], dict[Key, np.ndarray]]) -> TokenStore:
@@ -99,7 +102,7 @@ class TokenStore:
         if stored is not None:
             print(f"{path.name}: read {len(stored.values)} sequences' values from {path}", flush=True)
             return stored
-        store = cls(compute())
+        store = cls(compute(), path)
         path.parent.mkdir(parents=True, exist_ok=True)
         store.save(path, digest)
         return store

@@ -30,7 +30,7 @@ from typing import Any
 from core.batch import TrainBatch
 from core.errors import TemperError
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.learner import LearnerFactory
+from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from rollout.sampler import Sampler
 
 
@@ -70,7 +70,7 @@ class LocalTrainer:
     def batch_shards(self) -> int:
         return self.learner.batch_shards()
 
-    def train(self, batch: TrainBatch) -> dict:
+    def train(self, batch: TrainBatch) -> TrainStats:
         return self.learner.train(batch)
 
     def sync(self, sampler: Sampler) -> dict:
@@ -138,7 +138,7 @@ class TrainerHandle:
     def batch_shards(self) -> int:
         return self._call(LocalTrainer.batch_shards)
 
-    def train(self, batch: TrainBatch) -> dict:
+    def train(self, batch: TrainBatch) -> TrainStats:
         return self._call(LocalTrainer.train, batch)
 
     def sync(self, sampler: Sampler) -> dict:

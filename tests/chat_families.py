@@ -71,6 +71,16 @@ FAMILIES = {
     ),
     **{
         name: dict(
+            specials=QWEN_SPECIALS,
+            added=["<think>", "</think>"],
+            eos="<|im_end|>",
+            header="<|im_start|>assistant",
+            closers=("<|im_end|>",),
+        )
+        for name in ("qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "qwen3_8")
+    },
+    **{
+        name: dict(
             adds_bos=True,
             specials=LLAMA_SPECIALS,
             bos="<|begin_of_text|>",
@@ -103,6 +113,8 @@ FAMILIES = {
     "phi3_5": PHI3,
     "nemotron_3_nano": NEMOTRON,
     "nemotron_3_super": NEMOTRON,
+    "nemotron_3_ultra": NEMOTRON,
+    "nemotron_3_5_lightning": NEMOTRON,
     "gemma": GEMMA,
     "gemma3": GEMMA,
     "lfm2": dict(
@@ -137,12 +149,15 @@ FAMILIES = {
 }
 
 
-def chat_tokenizer(out: Path, name: str, template: str | None = None, corpus: list[str] | None = None):
-    """The family's tokenizer with `template` (default: the shipped one), saved to `out` and loaded back."""
+def chat_tokenizer(
+    out: Path, name: str, template: str | None = None, corpus: list[str] | None = None, spec: dict | None = None
+):
+    """The family's tokenizer (`spec`: another family's tokens) with `template` (default: the shipped one), saved to
+    `out` and loaded back."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    spec = FAMILIES[name]
+    spec = spec or FAMILIES[name]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -183,3 +183,47 @@ def test_reference_free_losses_load_no_reference(tmp_path, arithmetic_tokenizer)
     assert batch.ref_chosen is None and batch.ref_rejected is None
     metrics = run.loop.learner.update(batch, cfg.train.micro_batches)
     assert metrics["finite"] and np.isfinite(metrics["loss"])
+
+
+def test_a_changed_checkpoint_behind_the_same_path_recomputes_the_stored_reference(
+    tmp_path, arithmetic_tokenizer, capsys
+):
+    """`dpo.precompute_ref_logps` through the method as a run builds it: the same run directory and the same
+    `init_from` path read the stored values back; another checkpoint written to that path (a re-trained SFT run,
+    say) recomputes them, because the store is keyed on the reference's weights, not on the path."""
+    import shutil
+
+    from core.run import build_run
+    from core.tiny import save_tiny_hf_model
+    from posttrain.dpo.offline import DPO
+
+    start = tmp_path / "sft_hf"
+
+    def checkpoint(seed: int):
+        shutil.rmtree(start, ignore_errors=True)
+        save_tiny_hf_model(start, "qwen2", seed=seed)
+
+    def build():
+        cfg = dpo_config(
+            tmp_path,
+            arithmetic_tokenizer,
+            f"checkpoint.init_from={start}",
+            "dpo.precompute_ref_logps=true",
+            "data.num_examples=32",
+            "data.eval_fraction=0",
+        )
+        return build_run(cfg, DPO)
+
+    checkpoint(seed=0)
+    first = build()
+    stored = first.parts.prepare(next(first.loop.data_iter), 2)
+    assert (tmp_path / "run" / "reference_logps.npz").exists()
+    capsys.readouterr()
+    again = build()
+    assert "reference_logps.npz: read 64 sequences' values" in capsys.readouterr().out  # not recomputed
+    assert again.parts.prepare(next(again.loop.data_iter), 2).ref_chosen.tolist() == stored.ref_chosen.tolist()
+    checkpoint(seed=1)  # other weights, the same path
+    changed = build()
+    assert "computed for other data or other weights; recomputing" in capsys.readouterr().out
+    recomputed = changed.parts.prepare(next(changed.loop.data_iter), 2)
+    assert not np.allclose(recomputed.ref_chosen, stored.ref_chosen)

@@ -530,7 +530,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
             return metrics
 
         core.update = recorded
-        metrics = learner.train(batch)
+        metrics = learner.train(batch).metrics
         assert np.isfinite(metrics["loss"]) and metrics["clip_fraction"] > 0 and len(updates) == 4
         runs[pack, share] = updates
     assert len(build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4).packed.tokens) < 16

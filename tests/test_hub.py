@@ -163,3 +163,37 @@ def test_dpo_from_a_hub_model_on_a_hub_dataset(hub):
     rows = [json.loads(line) for line in (hub.parent / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and np.isfinite(rows[-1]["loss"])
     assert (hub.parent / "run" / "hf" / "config.json").exists()
+
+
+def test_grpo_from_a_hub_model_takes_its_tokenizer(hub):
+    """The on-policy methods find their tokenizer as the offline ones do: `checkpoint.init_from` a Hub id, no
+    `data.tokenizer_dir`, the snapshot's own tokenizer (one GRPO step, the JAX sampler in this process)."""
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import GRPORun
+
+    prompts = hub.parent / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8))
+    )
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "recipes" / "configs" / "grpo_tiny.yml",
+        [
+            f"run.run_dir={hub.parent / 'grpo'}",
+            f"checkpoint.init_from={MODEL_ID}",
+            f"data.source={prompts}",
+            "rollout.sampler=jax",
+            "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+            "rl.accuracy_fn=null",
+            "train.steps=1",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+        ],
+        schema=PostTrainConfig,
+    )
+    run = GRPORun(cfg)
+    try:
+        assert run.tokenizer_dir == str(hub / "models--temper-tests--tiny-qwen2" / "snapshots" / COMMIT)
+        assert run.run().policy_version == 1
+    finally:
+        run.close()

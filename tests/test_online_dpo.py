@@ -189,3 +189,40 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["pairs"], r["pairs/ties"], r["time/sync_s"]) for r in rows] == [(0.0, 4.0, 0.0)] * 2
     assert not any("loss" in r for r in rows)
+
+
+def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
+    """`OnlineDPORun._prepare` on a step whose one pair is as long as vLLM allows (a 512-token prompt, its best sample
+    filling max_model_len with it, its worst max_tokens long), with the GSM8K 1.5B config's limits: the pair lays
+    out whole in one row of `row_length()`, where rows of max_model_len (the old layout) raised mid-run."""
+    from types import SimpleNamespace
+
+    from posttrain.dpo.online import OnlineDPORun
+    from posttrain.onpolicy.run import Scored
+    from rewards.runner import RewardBatch
+
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.max_tokens=768",
+            "rollout.max_model_len=1280",
+            "rl.batch.prompts_per_step=1",
+            "train.micro_batches=1",
+        ],
+        schema=PostTrainConfig,
+    )
+    run = SimpleNamespace(cfg=cfg, row_multiple=1)  # what _prepare and row_length read of a run
+    run.row_len = OnlineDPORun.row_length(run)
+    prompt = list(range(3, 515))
+    samples = [
+        Completion(prompt, [7] * 768, None, "length", "a"),
+        Completion(prompt, [8] * 700, None, "stop", "b"),
+        Completion(prompt, [9] * 10, None, "stop", "c"),
+        Completion(prompt, [6] * 768, None, "length", "d"),
+    ]
+    rewards = np.array([1.0, 0.5, 0.2, 0.0], np.float32)
+    scored = Scored([{"question": "q"}], samples, RewardBatch(rewards, {"r": rewards}, {"r": rewards != rewards}), None)
+    data = OnlineDPORun._prepare(run, scored)
+    assert data.metrics["pairs"] == 1 and data.batch is not None
+    segment = np.asarray(data.batch.packed.segment_ids)
+    assert run.row_len == 2048 and segment.shape[1] == 2048 and int((segment > 0).sum()) == 512 + 768 + 768

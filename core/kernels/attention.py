@@ -15,12 +15,10 @@ Shapes: q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K (GQA).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["xla", "dot_product", "cudnn"]
+from core.config import AttentionImpl as Impl
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
 

@@ -131,7 +131,9 @@ class OfflineDPO:
         evaluation = None
         if data.eval:
             evaluation = Evaluation(lambda: eval_batches(data.eval, batch_size=cfg.train.batch_size, layout=layout))
-        return MethodParts(train, evaluation, prepare=prepare, skipped=data.skipped, notes=notes)
+        # the share of pairs whose chosen completion gets the higher implicit reward, in training and held out
+        console = {"rewards/accuracies": "pref acc", "eval/rewards/accuracies": "eval pref acc"}
+        return MethodParts(train, evaluation, prepare=prepare, skipped=data.skipped, notes=notes, console=console)
 
 
 DPO = OfflineDPO()

@@ -35,8 +35,8 @@ from posttrain.config import PostTrainConfig
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
-from posttrain.onpolicy.learner import PolicyLearner
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, run_to_end
+from posttrain.onpolicy.learner import PolicyLearner, TrainStats
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, check_graded_groups, run_to_end
 from rollout.sampler import Completion
 
 
@@ -86,7 +86,7 @@ class OnlineDPOLearner(PolicyLearner[PairBatch]):
         )
         self.reference = FrozenModel.start_of(self.learner) if needs_reference(cfg.dpo) else None
 
-    def train(self, batch: PairBatch) -> dict[str, float]:
+    def train(self, batch: PairBatch) -> TrainStats:
         micro = self.cfg.train.micro_batches
         start = time.perf_counter()
         if self.reference is not None:
@@ -100,7 +100,8 @@ class OnlineDPOLearner(PolicyLearner[PairBatch]):
             empty_updates=float(self.empty_updates),
             **{"time/update_s": time.perf_counter() - start},
         )
-        return out
+        # the share of pairs whose chosen completion gets the higher implicit reward
+        return TrainStats(out, f"pref acc {metrics['rewards/accuracies']:.3f}")
 
 
 class OnlineDPORun(OnPolicyRun):
@@ -121,6 +122,7 @@ class OnlineDPORun(OnPolicyRun):
             scored.completions, scored.rewards.total, k, self.cfg.dpo.missing_eos_penalty
         )
         metrics = {"pairs": float(len(pairs)), **{f"pairs/{k}": float(v) for k, v in left_out.items()}}
+        line = f"pairs {len(pairs)} (ties {left_out['ties']})"
         batch = None
         if pairs:
             batch = build_pair_batch(
@@ -131,10 +133,7 @@ class OnlineDPORun(OnPolicyRun):
                 pack=self.cfg.rl.batch.pack_sequences,
                 row_multiple=self.row_multiple,
             )
-        return StepData(batch, scored, metrics)
-
-    def _method_line(self, m: dict) -> str:
-        return f"pairs {m['pairs']:.0f} (ties {m['pairs/ties']:.0f}) | pref acc {m.get('rewards/accuracies', 0):.3f}"
+        return StepData(batch, scored, metrics, line)
 
 
 def pair_length(cfg: PostTrainConfig) -> int:
@@ -145,12 +144,7 @@ def pair_length(cfg: PostTrainConfig) -> int:
 
 def check_config(cfg: PostTrainConfig) -> None:
     b = cfg.rl.batch
-    if b.num_generations < 2:
-        raise ConfigError(
-            f"online DPO picks the best and worst of rl.batch.num_generations >= 2, not {b.num_generations}"
-        )
-    if not cfg.reward.functions:
-        raise ConfigError("online DPO needs reward.functions (they grade the samples into pairs)")
+    check_graded_groups(cfg, "online DPO picks the best and worst of its samples: it")
     if b.dynamic_sampling or b.num_iterations != 1 or b.mini_batches != 1:
         raise ConfigError(
             "online DPO makes one update per step: rl.batch.dynamic_sampling=false, num_iterations=1, "

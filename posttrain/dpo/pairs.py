@@ -63,10 +63,6 @@ class PairBatch:
     ref_chosen: Any = None  # [P] float32 sum of the reference's log-probs over the chosen completion
     ref_rejected: Any = None
 
-    @property
-    def tokens(self) -> Any:  # what the loop counts as the step's tokens
-        return self.packed.tokens
-
     def replace(self, **changes: Any) -> PairBatch:
         return dataclasses.replace(self, **changes)
 

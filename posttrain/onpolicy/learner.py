@@ -5,13 +5,14 @@ on-policy run's trainer (`posttrain.trainer`) hosts one.
     class PolicyGradientLearner(PolicyLearner): ...   # posttrain.onpolicy.policy_gradient: RLBatch (GRPO)
     class OnlineDPOLearner(PolicyLearner): ...        # posttrain.dpo.online: PairBatch, preference loss
 
-A subclass builds `self.learner` (and any frozen model) and implements `train(batch) -> metrics`, calling
+A subclass builds `self.learner` (and any frozen model) and implements `train(batch) -> TrainStats`, calling
 `self._applied(metrics, where)` after each optimizer update and `self.version += 1` once per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -26,6 +27,16 @@ from posttrain.config import PostTrainConfig
 B = TypeVar("B", bound=TrainBatch)
 
 
+@dataclass(frozen=True)
+class TrainStats:
+    """What one on-policy training step reports to the run (it crosses to the driver from the trainer actor): its
+    metrics by the names they are logged under, and the method's part of the console line, written where the
+    metrics are made so that no other file reads them back by name."""
+
+    metrics: dict[str, float]
+    line: str = ""
+
+
 class PolicyLearner(Generic[B]):
     """The shared part; `LearnerFactory` is how a trainer builds a method's subclass. `B`: the method's batch."""
 
@@ -38,7 +49,7 @@ class PolicyLearner(Generic[B]):
         self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
         self.empty_updates = 0  # updates with nothing to learn from: no optimizer step
 
-    def train(self, batch: B) -> dict[str, float]:  # pragma: no cover - every method has its own
+    def train(self, batch: B) -> TrainStats:  # pragma: no cover - every method has its own
         raise NotImplementedError
 
     @property

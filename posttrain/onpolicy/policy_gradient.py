@@ -52,7 +52,7 @@ from core.targets import target_logprobs
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
-from posttrain.onpolicy.learner import PolicyLearner
+from posttrain.onpolicy.learner import PolicyLearner, TrainStats
 from rollout.sampler import Completion
 
 
@@ -351,7 +351,7 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
         self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
         self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
 
-    def train(self, batch: RLBatch) -> dict[str, float]:
+    def train(self, batch: RLBatch) -> TrainStats:
         """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
         rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
         groups = rl.mini_batches * micro  # the batch's packing groups
@@ -370,9 +370,11 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
             self._applied(metrics, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
             collected.append(metrics)
         self.version += 1
-        return {
-            **PolicyStats.summarise(collected, rl.num_iterations, self.settings).metrics(),
+        stats = PolicyStats.summarise(collected, rl.num_iterations, self.settings)
+        metrics = {
+            **stats.metrics(),
             "skipped_updates": float(self.skipped_updates),
             "empty_updates": float(self.empty_updates),
             "time/update_s": time.perf_counter() - start,
         }
+        return TrainStats(metrics, f"clip {stats.clip_fraction:.3f} | gap {stats.mismatch_gap_mean:.2e}")

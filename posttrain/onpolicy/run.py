@@ -60,7 +60,7 @@ from core.packing import round_rows
 from core.shapes import SizeCache
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
-from posttrain.onpolicy.learner import LearnerFactory
+from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
@@ -121,6 +121,7 @@ class StepData:
     batch: TrainBatch | None  # None: nothing to learn from this step (no update)
     scored: Scored
     metrics: dict[str, float]
+    line: str = ""  # the method's part of the step's console line
 
 
 def check_config(cfg: PostTrainConfig) -> None:
@@ -146,6 +147,15 @@ def check_config(cfg: PostTrainConfig) -> None:
         raise ConfigError("data.source is not set: an on-policy method needs prompts")
 
 
+def check_graded_groups(cfg: PostTrainConfig, why: str) -> None:
+    """What a method that grades groups of samples needs (GRPO, online DPO): reward functions, and at least two
+    samples a prompt (`why` says what the method does with them and ends with its subject, "it")."""
+    if cfg.rl.batch.num_generations < 2:
+        raise ConfigError(f"{why} needs rl.batch.num_generations >= 2, not {cfg.rl.batch.num_generations}")
+    if not cfg.reward.functions:
+        raise ConfigError(f"{why} needs reward.functions (at least one reward function to score completions)")
+
+
 class OnPolicyRun:
     """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
     method; a method (`posttrain.grpo.GRPORun`, `posttrain.dpo.online.OnlineDPORun`) turns scored completions into
@@ -167,7 +177,7 @@ class OnPolicyRun:
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
         self.rewards = RewardRunner(cfg.reward)
-        self.tokenizer_dir = cfg.data.tokenizer_dir or _tokenizer_dir_of(cfg.checkpoint.init_from)
+        self.tokenizer_dir = _run_tokenizer(cfg)
         self.pg = None
         if rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
@@ -199,11 +209,13 @@ class OnPolicyRun:
         self.samplers = self._start_samplers()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
         self.hooks: list[Hook[OnPolicyRun]] = [
+            Hook("log", cfg.train.log_every, OnPolicyRun._log_hook),
             Hook("eval", cfg.train.eval_every, OnPolicyRun._eval_hook),
             Hook("checkpoint", cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0, OnPolicyRun._save_hook),
         ]
         self.final_eval: dict | None = None
         self._in_flight: deque[InFlight] = deque(self._resumed_in_flight)
+        self._last_line = ""
 
     # ---------------------------------------------------------------- the method's
 
@@ -217,9 +229,6 @@ class OnPolicyRun:
 
     def _prepare(self, scored: Scored) -> StepData:
         raise NotImplementedError  # each method's
-
-    def _method_line(self, m: dict) -> str:
-        return ""
 
     # ---------------------------------------------------------------- set-up
 
@@ -320,8 +329,7 @@ class OnPolicyRun:
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 metrics = self._step(step)
-                self.metrics.log(step, metrics, console=False)
-                print(self._line(step, metrics), flush=True)
+                self.metrics.log(step, metrics, console=False)  # every step's metrics are kept
                 for hook in self.hooks:
                     if hook.due(step):
                         hook.fn(self, step)
@@ -346,12 +354,13 @@ class OnPolicyRun:
         batch = data.batch
         reward_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        train_metrics = self._train(step, batch) if batch is not None else {}
+        trained = self._train(step, batch) if batch is not None else None
         train_s = time.perf_counter() - t2
         sync_s = self._sync() if batch is not None else 0.0  # no update: the samplers hold these weights
         metrics = self._step_metrics(data.scored, staleness)
         metrics.update(data.metrics)
-        metrics.update(train_metrics)
+        if trained is not None:
+            metrics.update(trained.metrics)
         step_s = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for c in data.scored.completions)
         metrics.update(
@@ -370,7 +379,13 @@ class OnPolicyRun:
         )
         if batch is not None:
             metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
+        method = " | ".join(part for part in (data.line, trained.line if trained else "") if part)
+        self._last_line = self._line(step, metrics, method)
         return metrics
+
+    def _log_hook(self, step: int) -> None:
+        """The console line of the step (every `train.log_every` steps; metrics.jsonl holds every step)."""
+        print(self._last_line, flush=True)
 
     def _eval_hook(self, step: int) -> None:
         self.final_eval = self.evaluate(step)
@@ -393,7 +408,7 @@ class OnPolicyRun:
         update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=self.final_eval)
         return RunSummary(self.run_dir, step, version, self.final_eval, hf_dir)
 
-    def _train(self, step: int, batch: TrainBatch) -> dict:
+    def _train(self, step: int, batch: TrainBatch) -> TrainStats:
         """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
         try:
             return self.trainer.train(batch)
@@ -440,14 +455,14 @@ class OnPolicyRun:
         )
         return out
 
-    def _line(self, step: int, m: dict) -> str:
+    def _line(self, step: int, m: dict, method: str) -> str:
         failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
         reward = f"reward {m['reward/mean']:.3f} | " if "reward/mean" in m else ""
         accuracy = f"acc {m['accuracy']:.3f} | " if "accuracy" in m else ""
         return (
             f"step {step} | {reward}{accuracy}"
             f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-            f"{self._method_line(m)}{failed} | "
+            f"{method}{failed} | "
             f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
         )
 
@@ -526,10 +541,21 @@ class OnPolicyRun:
             )
 
 
-def _tokenizer_dir_of(init_from: str | None) -> str:
-    if init_from and (Path(init_from) / "tokenizer.json").exists():
-        return init_from
-    raise ConfigError("no tokenizer: set data.tokenizer_dir (or a checkpoint.init_from HF directory with a tokenizer)")
+def _run_tokenizer(cfg: PostTrainConfig) -> str:
+    """`data.tokenizer_dir` (a directory or a Hub id), else the initial checkpoint's own (an HF directory, a Hub id,
+    a Temper run): `core.tokenizer`, as the offline methods find theirs."""
+    from core.hub import resolve_model
+    from core.tokenizer import checkpoint_tokenizer
+
+    if cfg.data.tokenizer_dir is not None:
+        return str(resolve_model(cfg.data.tokenizer_dir, "data.tokenizer_dir"))
+    found = checkpoint_tokenizer(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    if found is None:
+        raise ConfigError(
+            "no tokenizer: set data.tokenizer_dir (or start from a checkpoint.init_from that has one: an HF directory "
+            "or Hub id with a tokenizer, or a Temper run)"
+        )
+    return found
 
 
 def run_to_end(run: OnPolicyRun) -> RunSummary:
