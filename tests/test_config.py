@@ -218,7 +218,7 @@ RL_CHECKS = [
         ["rl.batch.pack_length=64", "rollout.max_model_len=128", "rollout.max_tokens=16"],
         r"rl.batch.pack_length \(64\) < rollout.max_model_len \(128\)",
     ),
-    (["rl.batch.num_generations=1"], r"rl.batch.num_generations must be >= 2, not 1"),
+    (["rl.batch.num_generations=1"], r"needs rl.batch.num_generations >= 2, not 1"),
 ]
 
 
