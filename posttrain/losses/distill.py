@@ -40,38 +40,17 @@ checks each against an independent float64 NumPy reference, values and gradients
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-Divergence = Literal["forward", "reverse", "jsd"]
+from core.kernels.divergence import Divergence, divergence_of_logprobs
+
 TopKMode = Literal["renormalised", "tail"]
 Schedule = Literal["constant", "linear", "cosine"]
 FeatureKind = Literal["cosine", "l2"]
 _TAIL_FLOOR = 1e-12  # a tail of exactly 0 mass (the top-k holds it all) stays a finite log
-
-
-def _kl(log_a: jax.Array, log_b: jax.Array) -> jax.Array:
-    """KL(a || b) over the last axis from log-probabilities; 0 log 0 = 0 (and a finite gradient there)."""
-    a = jnp.exp(log_a)
-    return jnp.sum(a * jnp.where(a > 0, log_a - log_b, 0.0), axis=-1)
-
-
-def divergence_of_logprobs(logq: jax.Array, logp: jax.Array, kind: Divergence, beta: float = 0.5) -> jax.Array:
-    """[..., V] student / teacher log-probabilities -> [...] divergence (module docstring)."""
-    logq, logp = logq.astype(jnp.float32), logp.astype(jnp.float32)
-    if kind == "forward" or (kind == "jsd" and beta == 0.0):
-        return _kl(logp, logq)
-    if kind == "reverse" or (kind == "jsd" and beta == 1.0):
-        return _kl(logq, logp)
-    if kind == "jsd":
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"jsd needs 0 <= beta <= 1, got {beta}")
-        logm = jnp.logaddexp(logq + math.log(1.0 - beta), logp + math.log(beta))
-        return beta * _kl(logp, logm) + (1.0 - beta) * _kl(logq, logm)
-    raise ValueError(f"unknown divergence {kind!r}")
 
 
 def divergence(
@@ -82,8 +61,8 @@ def divergence(
     beta: float = 0.5,
 ) -> jax.Array:
     """[..., V] logits of both models -> [...] divergence of their distributions at `temperature`. (The
-    vocabulary-chunked kernel, `core.kernels.divergence`, gives the same from hidden states and output weights
-    without [N, V] logits.)"""
+    vocabulary-chunked kernel, `core.kernels.divergence.chunked_divergence`, gives the same from hidden states and
+    output weights without [N, V] logits; the terms are `core.kernels.divergence.divergence_of_logprobs`.)"""
     logq = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
     logp = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
     return divergence_of_logprobs(logq, logp, kind, beta)
