@@ -70,17 +70,32 @@ class Learner:
         total_updates: int,
         seed: int = 0,
         tx: optax.GradientTransformation | None = None,
+        frozen: nnx.Module | None = None,
     ):
-        """`tx` replaces the optimizer `optim` describes (e.g. one that records gradients, in tests)."""
+        """`tx` replaces the optimizer `optim` describes (e.g. one that records gradients, in tests). `frozen`: a
+        model the loss reads in every step and evaluation without training it (online distillation's teacher;
+        the loss then takes it as a fourth argument, `core.train.LossFn`)."""
         self.mesh = mesh
         self.model_cfg = model.cfg
         self.schedule = make_schedule(optim, total_updates)
         with jax.set_mesh(mesh):
             self.tx = tx or make_optimizer(optim, total_updates, nnx.state(model))
             self.graphdef, self.state = init_train_state(model, self.tx, seed)
-        self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
+        frozen_graphdef: nnx.GraphDef | None = None
+        self.frozen_params: nnx.State | None = None
+        if frozen is not None:
+            frozen_graphdef, self.frozen_params = nnx.split(frozen)
+        step = make_train_step(self.graphdef, loss_fn, self.tx, self.schedule, frozen_graphdef)
+        self._step = jit_train_step(step, self.state)
         self._executables: dict[Any, Callable] = {}
-        self._evaluate = jax.jit(lambda p, b: loss_fn(nnx.merge(self.graphdef, p), b, jax.random.key(0)))
+
+        def evaluate(params, batch, frozen):
+            model, key = nnx.merge(self.graphdef, params), jax.random.key(0)
+            if frozen_graphdef is None:
+                return loss_fn(model, batch, key)
+            return loss_fn(model, batch, key, nnx.merge(frozen_graphdef, frozen))
+
+        self._evaluate = jax.jit(evaluate)
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
 
     @property
@@ -98,7 +113,7 @@ class Learner:
         `micro_batches`; the step's metrics as floats (`finite`, `empty` say whether it was applied)."""
         placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
-            self.state, metrics = self._executable(placed)(self.state, placed)
+            self.state, metrics = self._executable(placed)(self.state, placed, self.frozen_params)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def compile(self, batch: Any, micro_batches: int = 1) -> str:
@@ -116,7 +131,7 @@ class Learner:
         key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._executables:
             with jax.set_mesh(self.mesh):
-                compiled = self._step.lower(self.state, placed).compile()
+                compiled = self._step.lower(self.state, placed, self.frozen_params).compile()
             self.last_compile = memory_analysis_line(compiled)
             self._executables[key] = compiled
         return self._executables[key]
@@ -125,7 +140,8 @@ class Learner:
         """(loss sum, other sums) of one host batch under the current parameters, no update."""
         placed = place_batch(split_micro_batches(batch, 1, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):
-            loss_sum, sums = self._evaluate(self.state.params, jax.tree.map(lambda x: x[0], placed))
+            first = jax.tree.map(lambda x: x[0], placed)
+            loss_sum, sums = self._evaluate(self.state.params, first, self.frozen_params)
         return float(loss_sum), {k: float(v) for k, v in jax.device_get(sums).items()}
 
     # ------------------------------------------------------------ checkpoints

@@ -25,16 +25,20 @@ from core.train import LossFn, batch_shards
 
 
 def next_token_parts(
-    run: RunContext, rows: RowFormat, hooks: Callable[[Examples], Sequence[Hook]] | None = None
+    run: RunContext,
+    rows: RowFormat,
+    hooks: Callable[[Examples], Sequence[Hook]] | None = None,
+    examples: Examples | None = None,
 ) -> MethodParts:
     """The training pipeline of `rows`, and, with `data.eval_fraction`, the held-out loss and perplexity (the last
     eval batch padded to `train.batch_size` rows, so that it runs the compiled shape); `hooks(examples)`: the
-    method's own, given the tokenized rows and their split."""
+    method's own, given the tokenized rows and their split. `examples`: the rows already tokenized (by a method
+    that needs them first, as distillation's check of its teacher dump)."""
     cfg = run.cfg
 
     def pipeline(split: str):
         return make_pipeline(
-            examples,
+            tokenized,
             cfg.data,
             cfg.train.batch_size,
             split=split,
@@ -42,17 +46,17 @@ def next_token_parts(
             row_multiple=batch_shards(run.mesh),
         )
 
-    examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
+    tokenized = examples if examples is not None else tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
     evaluation = None
-    if examples.eval:
+    if tokenized.eval:
 
         def batches() -> Iterable[DataBatch]:
             for d in pipeline("eval"):
                 yield DataBatch(pad_rows(d.batch, cfg.train.batch_size), d.example_ids)
 
         evaluation = Evaluation(batches, derive=perplexity)
-    own = hooks(examples) if hooks is not None else ()
-    return MethodParts(pipeline("train"), evaluation, hooks=own, skipped=examples.skipped)
+    own = hooks(tokenized) if hooks is not None else ()
+    return MethodParts(pipeline("train"), evaluation, hooks=own, skipped=tokenized.skipped)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class Pretraining:
 
     def loss(self, cfg: Config) -> LossFn:
         return nll_loss
+
+    def frozen_model(self, cfg, mesh) -> None:
+        return None  # nothing beside the trained model in the step
 
     def parts(self, run: RunContext) -> MethodParts:
         return next_token_parts(run, TextRows())

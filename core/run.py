@@ -1,11 +1,13 @@
 """One builder for every offline method: mesh, tokenizer, model, learner, loop, evaluation, export.
 
-    run = build_run(cfg, method)        # core.pretrain.PRETRAINING, posttrain.sft.SFT, posttrain.dpo.offline.DPO
+    run = build_run(cfg, method)        # core.pretrain.PRETRAINING, posttrain.sft.SFT, posttrain.dpo.offline.DPO,
+                                        # posttrain.distill.method.DISTILL
     run.fit()
 
 A method (`Method`) says what is its own: the config it needs (`check`, before anything starts), the text a
 tokenizer would be trained on when the run has none (`tokenizer_texts`), its loss (`loss`, the `core.train`
-contract), and, given the built run (`RunContext`: config, mesh, rows, tokenizer, learner), its `MethodParts`:
+contract), a model its loss reads beside the trained one (`frozen_model`: online distillation's teacher), and,
+given the built run (`RunContext`: config, mesh, rows, tokenizer, learner), its `MethodParts`:
 the training pipeline, the held-out evaluation, `prepare` (frozen models' values attached to a batch) and any
 hooks of its own. Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the tokenizer
 (`data.tokenizer_dir`, else the initial checkpoint's, else one trained on the method's text into
@@ -73,6 +75,10 @@ class Method(Protocol):
 
     def loss(self, cfg: Any) -> LossFn: ...
 
+    def frozen_model(self, cfg: Any, mesh: Mesh) -> Any | None:
+        """A model the loss reads in every step without training it (online distillation's teacher), or None."""
+        ...
+
     def parts(self, run: RunContext) -> MethodParts: ...
 
 
@@ -126,7 +132,10 @@ def build_run(cfg: Config, method: Method) -> Run:
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
-    learner = Learner(model, mesh, method.loss(cfg), cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
+    frozen = method.frozen_model(cfg, mesh)
+    learner = Learner(
+        model, mesh, method.loss(cfg), cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed, frozen=frozen
+    )
     tokenizer = load_tokenizer(tokenizer_dir)
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
     if parts.skipped:

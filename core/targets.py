@@ -2,6 +2,7 @@
 
     logp, entropy = target_logprobs(model, batch, temperature=1.0)    # [B, C] each
     logp, _ = target_logprobs(model, batch, entropy=False)             # losses that do not read the entropy
+    states = target_states(model, batch)          # hidden states at the targets, flat, with the output weight
 
 Only the positions that predict a real target go through the output
 projection (`core.kernels.logprobs`: logits kept for the backward pass within
@@ -13,19 +14,46 @@ into `[B, C]`, whose empty slots (a shorter completion's tail) read 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
 from core.batch import PackedBatch
-from core.kernels.logprobs import logprobs_and_entropy
+from core.kernels.logprobs import Layout, logprobs_and_entropy
 
 
-def target_logprobs(
-    model, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True
-) -> tuple[jax.Array, jax.Array | None]:
-    """([B, C] log p(target j | everything before it), [B, C] entropy of that distribution or None when
-    `entropy` is False) under `model`, with logits divided by `temperature` (a sampler's temperature, so that
-    its log-probs and these agree)."""
+@dataclass(frozen=True)
+class TargetStates:
+    """A model's final hidden states at the positions that predict a packed batch's real targets, as one flat
+    list, with its output weight: what every head over the targets (log-probs, a teacher's top-k, a divergence
+    between two models) reads."""
+
+    hidden: jax.Array  # [F, D]: F = batch.scored real targets (padded with position 0), or every [B, C] slot
+    ids: jax.Array  # [F] the target tokens
+    weight: jax.Array  # the output projection, in the hidden states' dtype
+    layout: Layout
+    real: jax.Array | None  # [F] each entry's slot in the flat [B * C] (out of range on padding); None: all slots
+    shape: tuple[int, int]  # [B, C]
+
+    def to_slots(self, x: jax.Array) -> jax.Array:
+        """[F, ...] per-entry values -> [B, C, ...], 0 where there is no real target."""
+        b, c = self.shape
+        if self.real is not None:
+            x = jnp.zeros((b * c, *x.shape[1:]), x.dtype).at[self.real].set(x, mode="drop")
+        return x.reshape(b, c, *x.shape[1:])
+
+    def from_slots(self, x: jax.Array) -> jax.Array:
+        """[B, C, ...] per-slot values (a teacher's stored top-k) -> [F, ...] in this list's order."""
+        b, c = self.shape
+        flat = x.reshape(b * c, *x.shape[2:])
+        return flat if self.real is None else jnp.take(flat, self.real, axis=0, mode="fill", fill_value=0)
+
+
+def target_states(model, batch: PackedBatch) -> TargetStates:
+    """`model`'s hidden states at the positions predicting `batch`'s targets. Only the `batch.scored` real
+    targets are listed (when that is fewer than the slots): prompt and padding positions never reach a
+    vocabulary-sized matmul."""
     hidden = model.hidden_states(  # [R, L, D]
         batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids, compact=batch.compact
     )
@@ -34,27 +62,40 @@ def target_logprobs(
     b, c = batch.target_index.shape
     slots = b * c
     index, ids = batch.target_index.reshape(-1), batch.target_ids.reshape(-1)
-    flat = 0 < batch.scored < slots
-    if flat:
+    real = None
+    if 0 < batch.scored < slots:
         # The slots of the real targets, in order; `fill` pads the list with an out-of-range slot, whose
         # gathers read 0 and whose scatters are dropped.
         (real,) = jnp.nonzero(batch.target_mask.reshape(-1) > 0, size=batch.scored, fill_value=slots)
         index = jnp.take(index, real, mode="fill", fill_value=0)
         ids = jnp.take(ids, real, mode="fill", fill_value=0)
+    return TargetStates(hidden[index], ids, weight.astype(hidden.dtype), layout, real, (b, c))
+
+
+def target_logprobs(
+    model, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True
+) -> tuple[jax.Array, jax.Array | None]:
+    """([B, C] log p(target j | everything before it), [B, C] entropy of that distribution or None when
+    `entropy` is False) under `model`, with logits divided by `temperature` (a sampler's temperature, so that
+    its log-probs and these agree)."""
+    states = target_states(model, batch)
+    logp, ent = states_logprobs(model.cfg, states, temperature, entropy)
+    return states.to_slots(logp), None if ent is None else states.to_slots(ent)
+
+
+def states_logprobs(
+    model_cfg, states: TargetStates, temperature: float = 1.0, entropy: bool = False
+) -> tuple[jax.Array, jax.Array | None]:
+    """([F] log-probs of the targets, [F] entropies or None) from a model's `TargetStates`, vocabulary-tiled
+    above `model_cfg.logits_budget_mb` (`core.kernels.logprobs`)."""
     logp, ent = logprobs_and_entropy(
-        hidden[index][None],  # [1, F, D]
-        weight.astype(hidden.dtype),
-        ids[None],
+        states.hidden[None],  # [1, F, D]
+        states.weight,
+        states.ids[None],
         temperature=temperature,
-        chunk_size=model.cfg.vocab_chunk_size,
-        layout=layout,
+        chunk_size=model_cfg.vocab_chunk_size,
+        layout=states.layout,
         entropy=entropy,
-        logits_budget_bytes=int(model.cfg.logits_budget_mb * 2**20),
+        logits_budget_bytes=int(model_cfg.logits_budget_mb * 2**20),
     )
-
-    def to_slots(x):  # [1, F] -> [B, C]
-        if flat:
-            x = jnp.zeros((slots,), x.dtype).at[real].set(x[0], mode="drop")
-        return x.reshape(b, c)
-
-    return to_slots(logp), None if ent is None else to_slots(ent)
+    return logp[0], None if ent is None else ent[0]

@@ -3,6 +3,7 @@
 The loss contract, shared by pretraining, SFT, DPO, GRPO and distillation:
 
     loss_fn(model, batch, rng) -> (loss_sum, metrics)
+    loss_fn(model, batch, rng, frozen) -> (loss_sum, metrics)      # with a frozen model in the step (a teacher)
 
 `loss_sum` is a *sum* over the micro-batch (e.g. of per-token NLL) and
 `metrics["loss_denominator"]` the count it is normalised by (e.g. target
@@ -29,8 +30,9 @@ from core.batch import with_compact, with_scored
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
 
-# loss_fn(model, batch, rng) -> (loss_sum, sums): `batch` is the method's typed batch (a pytree of arrays).
-LossFn = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict]]
+# loss_fn(model, batch, rng[, frozen]) -> (loss_sum, sums): `batch` is the method's typed batch (a pytree of
+# arrays); `frozen` a model that runs in the step without being differentiated (online distillation's teacher).
+LossFn = Callable[..., tuple[jax.Array, dict]]
 T = TypeVar("T")
 MAX_PREFIX = "max/"  # metrics reduced by max, not summed and normalised
 
@@ -127,8 +129,12 @@ def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """The pure step `(state, micro_batched_batch) -> (state, metrics)`, not yet jitted.
+    frozen_graphdef: nnx.GraphDef | None = None,
+) -> Callable[..., tuple[TrainState, dict]]:
+    """The pure step `(state, micro_batched_batch, frozen_params) -> (state, metrics)`, not yet jitted.
+
+    With `frozen_graphdef`, `frozen_params` (its parameters, never updated) are merged into a model the loss
+    receives as its fourth argument, under a stop-gradient; without, they are None and the loss takes three.
 
     A step whose loss or gradient norm is not finite leaves the parameters and
     optimizer state unchanged (`metrics["finite"] == 0`); the loop decides to
@@ -138,27 +144,29 @@ def make_train_step(
     move AdamW's moments and apply weight decay.
     """
 
-    def grads_of(params, micro_batch, rng):
+    def grads_of(params, micro_batch, rng, frozen):
         def objective(p):
-            return loss_fn(nnx.merge(graphdef, p), micro_batch, rng)
+            if frozen_graphdef is None:
+                return loss_fn(nnx.merge(graphdef, p), micro_batch, rng)
+            return loss_fn(nnx.merge(graphdef, p), micro_batch, rng, nnx.merge(frozen_graphdef, frozen))
 
         (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return loss_sum, metrics, grads
 
-    def summed(params, batch, step_rng):
+    def summed(params, batch, step_rng, frozen):
         """Loss, metric and gradient sums over the micro-batches (float32)."""
         k = jax.tree.leaves(batch)[0].shape[0]
         to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
         if k == 1:  # no accumulation buffers for the common case
             first = jax.tree.map(lambda x: x[0], batch)
-            return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0)))
-        shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], batch), step_rng)
+            return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0), frozen))
+        shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], batch), step_rng, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
         zeros[1].update({k: jnp.full((), -jnp.inf) for k in zeros[1] if k.startswith(MAX_PREFIX)})
 
         def accumulate(carry, inputs):
             micro_batch, i = inputs
-            out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i)))
+            out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i), frozen))
             (loss, metrics, grads), (loss_i, metrics_i, grads_i) = carry, out
             metrics = {
                 k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k]) for k, v in metrics.items()
@@ -167,9 +175,10 @@ def make_train_step(
 
         return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: Any, frozen: Any = None) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(state.rng)
-        loss_sum, sums, grads = summed(state.params, batch, step_rng)
+        frozen = jax.lax.stop_gradient(frozen)
+        loss_sum, sums, grads = summed(state.params, batch, step_rng, frozen)
         raw_denom = sums.pop("loss_denominator")
         has_tokens = raw_denom > 0
         denom = jnp.maximum(raw_denom, 1.0)

@@ -1,4 +1,4 @@
-"""The post-training methods' config: the core sections plus `rollout`, `reward`, `rl`, `sft` and `dpo`.
+"""The post-training methods' config: the core sections plus `rollout`, `reward`, `rl`, `sft`, `dpo`, `distill`.
 
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
 
@@ -11,10 +11,14 @@ option may take are defined once, by the code that reads them (the loss modules'
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
 
 from core.config import Config, Section
+from core.kernels.divergence import Divergence
 from posttrain.advantages import Estimator
+from posttrain.losses.distill import Schedule, TopKMode
 from posttrain.losses.kl import KLEstimator
 from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.preference import SMOOTHED, LossType
@@ -167,6 +171,52 @@ class DPOConfig(Section):
         return self
 
 
+# ---------------------------------------------------------------------------- distill
+
+Regime = Literal["offline", "online", "on_policy"]
+LogitDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class DistillConfig(Section):
+    """Teacher-student distillation (posttrain/distill/; docs/distillation.md).
+
+    `regime`: offline (the student trains on a teacher's top-k dumped once by `recipes.distill_logits` into
+    `logits_dir`), online (the teacher beside the student scores each batch in the step) or on_policy (the
+    student samples, the teacher scores every sampled token: per-token reverse-KL advantages)."""
+
+    regime: Regime = "offline"
+    teacher: str | None = None  # an HF directory, a Hub id or a Temper run (online, on_policy, and the dump)
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    logits_dir: str | None = None  # offline: the top-k shards (written by recipes.distill_logits)
+    # The divergence trained on (offline, online): forward KL(teacher || student), reverse, or TRL's JSD(beta).
+    loss: Divergence = "forward"
+    beta: float = Field(0.5, ge=0.0, le=1.0)  # jsd's beta (0 = forward, 1 = reverse, as TRL's GKD)
+    # Online: 0 = the whole vocabulary (the chunked kernel); k > 0 = the teacher's top-k. Offline: the dump's k.
+    top_k: int = Field(0, ge=0)
+    top_k_mode: TopKMode = "renormalised"
+    temperature: float = Field(1.0, gt=0.0)
+    temperature_end: float | None = Field(None, gt=0.0)  # None: temperature
+    temperature_schedule: Schedule = "constant"
+    alpha: float = Field(0.0, ge=0.0, le=1.0)  # weight of the hard-label NLL: (1 - alpha) T^2 KD + alpha NLL
+    alpha_end: float | None = Field(None, ge=0.0, le=1.0)
+    alpha_schedule: Schedule = "constant"
+    t2_scaling: bool = True  # Hinton's T^2 on the soft term (a no-op at T = 1)
+    # The dump (recipes.distill_logits): k ids per target, their log-probs' dtype, rows per shard, temperature.
+    dump_k: int = Field(128, gt=0)
+    dump_dtype: LogitDtype = "float32"
+    dump_rows_per_shard: int = Field(256, gt=0)
+    dump_temperature: float = Field(1.0, gt=0.0)
+    dump_batch_rows: int = Field(8, gt=0)  # examples per teacher pass
+    # On-policy: advantage_t = -(log q(x_t) - log p(x_t)) + reward_weight * (a task reward's group advantage).
+    reward_weight: float = Field(0.0, ge=0.0)
+
+    def at(self, name: str) -> tuple[float, float, Schedule]:
+        """(start, end, schedule) of `alpha` or `temperature`."""
+        start = getattr(self, name)
+        end = getattr(self, f"{name}_end")
+        return start, start if end is None else end, getattr(self, f"{name}_schedule")
+
+
 # ------------------------------------------------------------------------- root
 
 
@@ -178,6 +228,7 @@ class PostTrainConfig(Config):
     rl: RLConfig = Field(default_factory=RLConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     def check_at_load(self, source: str) -> None:
         """The core's checks, and every reward function resolves (imported once: a typo fails at load)."""

@@ -3,6 +3,7 @@
     kd = chunked_divergence(h_s, w_s, h_t, w_t, "forward", temperature=2.0, chunk_size=8192)   # [N]
     kd = naive_divergence(h_s, w_s, h_t, w_t, "forward", temperature=2.0)                      # the reference
     kd = divergence_of_logprobs(logq, logp, "jsd", beta=0.5)                  # [..., V] log-probs -> [...]
+    ids, logp = chunked_topk(h_t, w_t, k=128, chunk_size=8192)     # a model's top-k ids and log-probs, [N, k] each
 
 With q the student's and p the teacher's distribution at temperature T (softmax(h W / T)), per token:
 
@@ -267,3 +268,41 @@ def _chunked_bwd(spec: _Spec, res, g):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_topk(
+    h: jax.Array, weight: jax.Array, k: int, chunk_size: int = 8192, layout: Layout = "dv", vocab: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """A model's k most likely next tokens and their log-probs over the whole vocabulary ([N, k] int32, [N, k]
+    float32, most likely first), from hidden states [N, D] (already divided by a temperature, if any) and the
+    output weight, walking the vocabulary in chunks: the running top-k merged with each chunk's, the log-sum-exp
+    kept online. Never differentiated (a teacher's). `vocab`: read only the first `vocab` rows (a teacher's
+    padded embedding over the student's vocabulary)."""
+    vocab = min(_vocab(weight, layout), vocab or _vocab(weight, layout))
+    chunk = min(chunk_size, vocab)
+    if k > vocab:
+        raise ValueError(f"top-{k} of a vocabulary of {vocab}")
+    h = jax.lax.stop_gradient(h)
+    n = h.shape[0]
+
+    def body(i, carry):
+        m, s, top_z, top_ids = carry
+        start = jnp.minimum(i * chunk, vocab - chunk)
+        z, _ = _logits(h, weight, start, chunk, 1.0, layout)
+        ids = start + jnp.arange(chunk, dtype=jnp.int32)
+        z = jnp.where((ids >= i * chunk)[None, :], z, -jnp.inf)  # columns the clamped last chunk repeats
+        m_new = jnp.maximum(m, z.max(-1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(-1)
+        both_z = jnp.concatenate([top_z, z], axis=-1)
+        both_ids = jnp.concatenate([top_ids, jnp.broadcast_to(ids, (n, chunk))], axis=-1)
+        top_z, where = jax.lax.top_k(both_z, k)
+        return m_new, s, top_z, jnp.take_along_axis(both_ids, where, axis=-1)
+
+    start = (
+        jnp.full((n,), -jnp.inf),
+        jnp.zeros((n,)),
+        jnp.full((n, k), -jnp.inf),
+        jnp.zeros((n, k), jnp.int32),
+    )
+    m, s, top_z, top_ids = jax.lax.fori_loop(0, -(-vocab // chunk), body, start)
+    return top_ids, top_z - (m + jnp.log(s))[:, None]

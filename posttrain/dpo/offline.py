@@ -85,6 +85,9 @@ class OfflineDPO:
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return preference_objective(cfg.dpo)
 
+    def frozen_model(self, cfg, mesh) -> None:
+        return None  # nothing beside the trained model in the step
+
     def parts(self, run: RunContext) -> MethodParts:
         cfg, learner, mesh = run.cfg, run.learner, run.mesh
         data = load_pairs(cfg, run.tokenizer, run.records)

@@ -1,0 +1,207 @@
+"""Offline and online distillation as a method of the one skeleton (`core.run.Method`, built by `build_run`).
+
+    run = build_run(cfg, DISTILL)       # python -m recipes.distill CONFIG.yml distill.regime=offline|online
+    run.fit()
+
+The rows are SFT's (chat or prompt / completion, `posttrain.sft.row_format`: the targets are the assistant turns'
+or the completion's tokens); the student is the run's model (`checkpoint.init_from`, or `model.*`). What differs
+between the two regimes is where the teacher's distribution comes from:
+
+- offline: a dump (`distill.logits_dir`, written once by `python -m recipes.distill_logits`), opened and checked
+  against this run's rows at start (`posttrain.distill.topk_store`); `prepare` gathers each batch's [B, C, k]
+  ids and log-probs from it. The teacher is never loaded.
+- online: the teacher (`distill.teacher`, any checkpoint with its own shape and the same tokenizer) is a frozen
+  model in the train step (`core.learner.Learner(frozen=...)`): it runs on every micro-batch beside the student,
+  over the whole vocabulary (`distill.top_k=0`) or its top-k.
+
+Both train `posttrain.distill.objective` with alpha and T on their schedules (`distill.*_schedule`), evaluate it
+on the held-out split (`eval/kl`: forward KL at T = 1, the run-comparable figure; `eval/perplexity` of the
+student on the targets) and log SFT's greedy generations (`sft.eval_generations`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.config_loader import ConfigError
+from core.data import DataBatch, tokenize_examples
+from core.loop import Evaluation
+from core.pretrain import next_token_parts
+from core.run import MethodParts, RunContext, check_rows
+from core.train import LossFn
+from posttrain.config import PostTrainConfig
+from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
+from posttrain.sft import SFT, generation_hooks, row_format
+
+
+def settings(cfg: PostTrainConfig) -> DistillSettings:
+    d = cfg.distill
+    t_start, t_end, t_kind = d.at("temperature")
+    return DistillSettings(
+        kind=d.loss,
+        beta=d.beta,
+        top_k=d.top_k if d.regime == "online" else 0,
+        mode=d.top_k_mode,
+        t2_scaling=d.t2_scaling,
+        dump_temperature=d.dump_temperature,
+        unit_temperature=t_start == 1.0 and (t_kind == "constant" or t_end == 1.0),
+    )
+
+
+def check_config(cfg: PostTrainConfig) -> None:
+    d = cfg.distill
+    check_rows(
+        cfg,
+        "distillation",
+        {"chat": "a `messages` list", "prompt_completion": "`prompt`, `completion`"},
+        "; the teacher distils into the student on SFT's rows",
+    )
+    if d.regime == "on_policy":
+        raise ConfigError("distill.regime=on_policy samples from the student: run it with python -m recipes.distill")
+    if d.regime == "offline" and d.logits_dir is None:
+        raise ConfigError(
+            "distill.regime=offline reads the teacher's top-k from distill.logits_dir "
+            "(write it once with python -m recipes.distill_logits)"
+        )
+    if d.regime == "online" and d.teacher is None:
+        raise ConfigError("distill.regime=online needs distill.teacher (an HF directory, a Hub id or a Temper run)")
+    t_start, _, t_kind = d.at("temperature")
+    if d.top_k_mode == "tail" and d.regime == "offline" and (t_kind != "constant" or t_start != d.dump_temperature):
+        raise ConfigError(
+            f"distill.top_k_mode=tail reads the dump's log-probs as they are: they were taken at "
+            f"distill.dump_temperature={d.dump_temperature}, so distill.temperature must be that, constant "
+            f"(renormalised top-k reads a dump at any temperature)"
+        )
+
+
+def check_teacher_vocab(teacher_vocab: int, student_vocab: int, teacher: str, tokenizer_dir: str) -> None:
+    """Same tokenizer, possibly a padded embedding (extra teacher rows are ignored); else an error naming both."""
+    if teacher_vocab < student_vocab:
+        raise ConfigError(
+            f"the teacher {teacher!r} has a vocabulary of {teacher_vocab} rows, the student {student_vocab} "
+            f"(tokenizer {tokenizer_dir!r}): distillation here needs one tokenizer for both (a teacher may pad its "
+            f"embedding with rows no token uses; cross-tokenizer distillation is not supported)"
+        )
+
+
+def teacher_tokenizer_matches(teacher: str, tokenizer) -> str | None:
+    """A description of how the teacher's own tokenizer (when its directory has one) differs from the run's, or
+    None when it agrees or has none."""
+    from core.hub import resolve_model
+
+    try:
+        path = resolve_model(teacher, "distill.teacher")
+    except Exception:
+        return None
+    if not (Path(path) / "tokenizer.json").exists() and not (Path(path) / "tokenizer_config.json").exists():
+        return None
+    from core.data import load_tokenizer
+    from posttrain.distill.topk_store import tokenizer_digest
+
+    theirs = load_tokenizer(str(path))
+    if tokenizer_digest(theirs) != tokenizer_digest(tokenizer):
+        return f"{path}: {len(theirs)} tokens, the run's tokenizer {len(tokenizer)}"
+    return None
+
+
+@dataclass(frozen=True)
+class Distillation:
+    name: str = "distillation"
+
+    def check(self, cfg: PostTrainConfig) -> None:
+        check_config(cfg)
+
+    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
+        return SFT.tokenizer_texts(records)
+
+    def loss(self, cfg: PostTrainConfig) -> LossFn:
+        return distill_objective(settings(cfg), cfg.model)
+
+    def frozen_model(self, cfg: PostTrainConfig, mesh):
+        """Online: the teacher, read with its own shape onto the run's mesh; offline: none."""
+        if cfg.distill.regime != "online":
+            return None
+        import jax
+
+        from core.checkpoint import load_model_from
+
+        path = str(cfg.distill.teacher)  # set: checked
+        with jax.set_mesh(mesh):
+            teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
+        check_teacher_vocab(teacher.cfg.vocab_size, cfg.model.vocab_size, path, "the run's")
+        return teacher
+
+    def parts(self, run: RunContext) -> MethodParts:
+        cfg = run.cfg
+        rows = row_format(cfg.data.format, cfg.sft.completion_only_loss)
+        examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
+        notes = []
+        store = None
+        if cfg.distill.regime == "offline":
+            from posttrain.distill.dump import dump_header
+            from posttrain.distill.topk_store import TopKStore
+
+            store = TopKStore.open(
+                cfg.distill.logits_dir, dump_header(cfg, run.tokenizer, cfg.model.vocab_size), examples
+            )
+            notes.append(
+                f"teacher: top-{store.header.k} of {store.header.teacher or 'a teacher'} from "
+                f"{cfg.distill.logits_dir} (T={store.header.temperature}, {store.header.dtype})"
+            )
+        else:
+            mismatch = teacher_tokenizer_matches(cfg.distill.teacher, run.tokenizer)
+            if mismatch:
+                raise ConfigError(f"the teacher's tokenizer is not the student's: {mismatch}")
+            notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
+        base = next_token_parts(run, rows, hooks=lambda ex: generation_hooks(run, ex), examples=examples)
+        learner, total = run.learner, cfg.train.steps
+
+        def prepare(data: DataBatch, groups: int) -> DistillBatch:
+            packed = data.batch
+            alpha, temperature = schedules(cfg.distill, int(learner.state.step), total, packed.target_ids.shape[0])
+            batch = DistillBatch(packed, alpha, temperature)
+            if store is None:
+                return batch
+            ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
+            return batch.replace(teacher_ids=ids, teacher_logp=logp)
+
+        evaluation = None
+        if base.evaluation is not None:
+            evaluation = Evaluation(base.evaluation.batches, derive=_perplexity)
+        return MethodParts(
+            base.train,
+            evaluation,
+            prepare=prepare,
+            hooks=base.hooks,
+            skipped=base.skipped,
+            notes=notes,
+            console={"kl": "kl", "nll": "nll"},
+        )
+
+
+def _support(cfg: PostTrainConfig) -> str:
+    k = cfg.distill.top_k
+    return f"its top-{k}, {cfg.distill.top_k_mode}" if k else "the whole vocabulary"
+
+
+def _perplexity(means: dict[str, float]) -> dict[str, float]:
+    """The student's perplexity on the held-out targets (from its NLL, not the distillation loss)."""
+    return {"perplexity": math.exp(min(means["nll"], 50.0))}
+
+
+def _token_at(packed, groups: int) -> np.ndarray:
+    """[B, C] the row position of the token each target slot predicts (-1: an empty slot): `target_index` is
+    flat into its micro-batch's rows and points at the position before the token."""
+    index = np.asarray(packed.target_index)
+    b, length = index.shape[0], np.asarray(packed.tokens).shape[1]
+    per_group = b // groups
+    local = index - (np.arange(b) % per_group)[:, None] * length + 1
+    return np.where(np.asarray(packed.target_mask) > 0, local, -1)
+
+
+DISTILL = Distillation()

@@ -1,0 +1,183 @@
+"""The distillation objective of the offline and online regimes: its batch, its loss, its metrics.
+
+    batch = DistillBatch(packed, alpha=a, temperature=t, teacher_ids=ids, teacher_logp=logp)   # offline
+    batch = DistillBatch(packed, alpha=a, temperature=t)                                       # online
+    loss_fn = distill_objective(settings)    # (student, batch, rng[, teacher]) -> (loss sum, sums), core.train
+
+Per target token, with p the teacher's and q the student's distribution at temperature T:
+
+    loss = (1 - alpha) * T^2 * D(p, q) + alpha * NLL(target)        (T^2 with `t2_scaling`; NLL at T = 1)
+
+D is `posttrain.losses.distill`'s divergence (forward KL, reverse KL or JSD(beta)), over
+
+- the teacher's top-k, read from the batch (offline: `teacher_ids` / `teacher_logp`, dumped at `dump_temperature`
+  and rescaled to T) or found in the step (online with `top_k`: `core.kernels.divergence.chunked_topk` on the
+  teacher's hidden states), renormalised or with a tail bucket (`topk_divergence`); the student's log-probs at
+  those ids are its logits there minus its log-sum-exp (from the vocabulary-tiled log-prob head);
+- the whole vocabulary (online, top_k = 0): `core.kernels.divergence.chunked_divergence` from both models' final
+  hidden states and output weights, never a [tokens, vocab] array of either.
+
+alpha and T arrive per row (every row the same value: the step's point on its schedule, `schedules`), so that
+a schedule changes no compiled shape: T divides the hidden states (h W / T = (h / T) W), not a static argument.
+The loss is a sum over target tokens and `loss_denominator` their count, so micro-batches and packing leave the
+gradient unchanged (`core.train`). Metrics, per target token: `kd` (D at T), `kl` (forward KL at T = 1 over the
+same support: comparable across runs whatever T and loss), `nll`, and on a top-k `teacher_mass` / `student_mass`
+(each model's probability on the teacher's top-k at T = 1: a student shrinking its own mass there shows). Offline,
+the teacher's side of both is the dump's values (taken at `dump_temperature`, 1 by default: the same T = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.batch import PackedBatch
+from core.kernels.divergence import Divergence, chunked_divergence, chunked_topk
+from core.targets import TargetStates, states_logprobs, target_states
+from core.train import LossFn
+from posttrain.losses.distill import TopKMode, mix_hard_label, scheduled, topk_divergence, topk_mass
+
+_BLOCK = 256  # target tokens per block when gathering the student's logits at the teacher's top-k ids
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DistillBatch:
+    packed: PackedBatch
+    alpha: Any  # [B] float32: the hard-label weight at this step, the same in every row
+    temperature: Any  # [B] float32: T at this step, the same in every row
+    teacher_ids: Any = None  # [B, C, k] int32: the teacher's top-k per target slot (offline); None: online
+    teacher_logp: Any = None  # [B, C, k] float32: their log-probs at the dump's temperature
+
+    def replace(self, **changes: Any) -> DistillBatch:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """The static part of the objective (what its compiled step depends on)."""
+
+    kind: Divergence = "forward"
+    beta: float = 0.5
+    top_k: int = 0  # online: 0 = the whole vocabulary; offline: unused (the batch holds the top-k)
+    mode: TopKMode = "renormalised"
+    t2_scaling: bool = True
+    dump_temperature: float = 1.0  # offline: the temperature the stored log-probs were taken at
+    unit_temperature: bool = True  # T = 1 at every step: no separate pass for the T = 1 metrics
+
+
+def schedules(cfg, step: int, total: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """([rows] alpha, [rows] temperature) at `step` of `total` (`cfg`: the `distill` section)."""
+    values = []
+    for name in ("alpha", "temperature"):
+        start, end, kind = cfg.at(name)
+        values.append(np.full((rows,), float(scheduled(start, end, kind, step, total)), np.float32))
+    return values[0], values[1]
+
+
+def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.Array:
+    """[F, k] the model's logits (of `hidden`, [F, D]) at `ids` [F, k], a block of targets at a time and
+    rematerialised in the backward pass, so that the gathered weight columns ([block, k, D]) are never held for
+    every target at once."""
+    f, k = ids.shape
+    pad = (-f) % _BLOCK
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, _BLOCK, hidden.shape[-1])
+    i = jnp.pad(ids, ((0, pad), (0, 0))).reshape(-1, _BLOCK, k)
+    rows = states.weight.T if states.layout == "dv" else states.weight  # [V, D]
+
+    @jax.checkpoint
+    def block(args):
+        hb, ib = args
+        return jnp.einsum("ND,NKD->NK", hb, rows[ib], preferred_element_type=jnp.float32)
+
+    return jax.lax.map(block, (h, i)).reshape(-1, k)[:f]
+
+
+def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
+    """The loss of `DistillBatch` (module docstring); `teacher` is the frozen model of the online regime."""
+
+    def loss_fn(model, batch: DistillBatch, rng, teacher=None):
+        del rng
+        packed = batch.packed
+        student = target_states(model, packed)
+        mask = student.from_slots(packed.target_mask)  # [F]: 0 on the list's padding
+        alpha, temperature = batch.alpha[0], batch.temperature[0]
+        h_t = student.hidden / temperature.astype(student.hidden.dtype)
+        logp1, _ = states_logprobs(model_cfg, student)  # [F] log q(target) at T = 1
+        if settings.unit_temperature:
+            logp_t = logp1
+        else:
+            logp_t, _ = states_logprobs(model_cfg, dataclasses.replace(student, hidden=h_t))
+        sums = {}
+        if teacher is not None and settings.top_k == 0:
+            teacher_states = target_states(teacher, packed)
+            kd, kl = _full_vocabulary(settings, model_cfg, student, h_t, teacher_states, temperature)
+        else:
+            if teacher is not None:  # online, top-k: the teacher's at T, found in the step
+                t_states = target_states(teacher, packed)
+                vocab = student.weight.shape[1 if student.layout == "dv" else 0]
+                ids, logp = chunked_topk(
+                    t_states.hidden / temperature.astype(t_states.hidden.dtype),
+                    t_states.weight,
+                    settings.top_k,
+                    teacher.cfg.vocab_chunk_size,
+                    t_states.layout,
+                    vocab,
+                )
+                logp1_teacher = logp if settings.unit_temperature else _teacher_at(teacher, packed, ids)
+            else:  # offline: the dump's, rescaled from its temperature to T
+                ids = student.from_slots(batch.teacher_ids)
+                stored = student.from_slots(batch.teacher_logp).astype(jnp.float32)
+                logp = stored * (settings.dump_temperature / temperature)
+                logp1_teacher = stored  # at the dump's temperature (1 by default): what the metrics read
+            z = _logits_at(student, student.hidden, ids)  # [F, k] at T = 1
+            z_label = _logits_at(student, student.hidden, student.ids[:, None])[:, 0]
+            lse1 = z_label - logp1
+            lse_t = z_label / temperature - logp_t
+            logq = z / temperature - lse_t[:, None]
+            kd = topk_divergence(logq, logp, settings.kind, settings.mode, settings.beta)
+            logq1 = jax.lax.stop_gradient(z - lse1[:, None])
+            kl = topk_divergence(logq1, logp1_teacher, "forward", settings.mode)
+            sums["teacher_mass"] = jnp.sum(topk_mass(logp1_teacher) * mask)
+            sums["student_mass"] = jnp.sum(topk_mass(logq1) * mask)
+        nll = -logp1
+        per_token = mix_hard_label(kd, nll, alpha, temperature, settings.t2_scaling)
+        sums.update(
+            kd=jnp.sum(jax.lax.stop_gradient(kd) * mask),
+            kl=jnp.sum(jax.lax.stop_gradient(kl) * mask),
+            nll=jnp.sum(jax.lax.stop_gradient(nll) * mask),
+            loss_denominator=jnp.sum(mask),
+        )
+        return jnp.sum(per_token * mask), sums
+
+    return loss_fn
+
+
+def _full_vocabulary(settings, model_cfg, student: TargetStates, h_t, teacher: TargetStates, temperature):
+    """([F] D at T over the whole vocabulary, [F] forward KL at T = 1, no gradient) from both models' states."""
+    chunk = model_cfg.vocab_chunk_size
+
+    def divergence(hs, ht, kind, beta):
+        return chunked_divergence(
+            hs, student.weight, ht, teacher.weight, kind, 1.0, beta, chunk, student.layout, teacher.layout
+        )
+
+    kd = divergence(h_t, teacher.hidden / temperature.astype(teacher.hidden.dtype), settings.kind, settings.beta)
+    if settings.unit_temperature and settings.kind == "forward":
+        return kd, kd
+    sg = jax.lax.stop_gradient
+    return kd, divergence(sg(student.hidden), teacher.hidden, "forward", 0.5)
+
+
+def _teacher_at(teacher, packed: PackedBatch, ids: jax.Array) -> jax.Array:
+    """[F, k] the teacher's log-probs at T = 1 at `ids` (online top-k at T != 1: the metrics' T = 1 values)."""
+    states = target_states(teacher, packed)
+    z = _logits_at(states, states.hidden, ids)
+    z_label = _logits_at(states, states.hidden, states.ids[:, None])[:, 0]
+    logp1, _ = states_logprobs(teacher.cfg, states)
+    return jax.lax.stop_gradient(z - (z_label - logp1)[:, None])

@@ -1,0 +1,190 @@
+"""The distillation objective (offline top-k, online full-vocabulary and top-k) against float64 NumPy over both
+models' full logits; micro-batches give the one-batch gradient; a padded teacher vocabulary is read over the
+student's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.config import ModelConfig, OptimConfig
+from core.data import to_data_batch
+from core.learner import Learner
+from core.models import create_model
+from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective
+from tests.helpers import assert_same_gradients, recording_sgd
+
+V = 64
+STUDENT = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+TEACHER = ModelConfig(vocab_size=V, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def rows(n=4, t=12, seed=0):
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(0, V, (n, t)).astype(np.int32)
+    seg = np.zeros((n, t), np.int32)
+    pos = np.zeros((n, t), np.int32)
+    for r in range(n):
+        length = rng.randint(7, t + 1)
+        seg[r, :length] = 1
+        pos[r, :length] = np.arange(length)
+    mask = (seg > 0).astype(np.int32)
+    mask[:, :3] = 0
+    return {"tokens": tokens, "segment_ids": seg, "positions": pos, "loss_mask": mask, "example_ids": seg - 1}
+
+
+def full_logits(model, packed) -> np.ndarray:
+    """[B, C, V] float64 logits of every target slot, from the model's own full forward pass."""
+    logits = np.asarray(model(packed.tokens, packed.positions, packed.segment_ids), np.float64)  # [R, L, V]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat[np.asarray(packed.target_index)]
+
+
+def log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl(a, b):  # KL(a || b) from log-probs, last axis
+    return (np.exp(a) * (a - b)).sum(-1)
+
+
+def divergence(logq, logp, kind, beta=0.5):
+    if kind == "forward":
+        return kl(logp, logq)
+    if kind == "reverse":
+        return kl(logq, logp)
+    logm = np.logaddexp(logq + np.log(1 - beta), logp + np.log(beta))
+    return beta * kl(logp, logm) + (1 - beta) * kl(logq, logm)
+
+
+def reference(zs, zt, ids_label, kind, t, alpha, k=None, mode="renormalised", beta=0.5):
+    """Per-slot loss over [B, C, V] logits in float64 (the top-k, when `k`, the teacher's at T)."""
+    logq, logp = log_softmax(zs / t), log_softmax(zt / t)
+    if k is not None:
+        top = np.argsort(-zt, -1)[..., :k]
+        logq, logp = np.take_along_axis(logq, top, -1), np.take_along_axis(logp, top, -1)
+        if mode == "renormalised":
+            logq, logp = log_softmax(logq), log_softmax(logp)
+        else:
+            tail = lambda x: np.concatenate([x, np.log(np.maximum(1 - np.exp(x).sum(-1, keepdims=True), 1e-12))], -1)
+            logq, logp = tail(logq), tail(logp)
+    kd = divergence(logq, logp, kind, beta)
+    nll = -np.take_along_axis(log_softmax(zs), ids_label[..., None], -1)[..., 0]
+    return (1 - alpha) * t * t * kd + alpha * nll
+
+
+def objective_value(settings, student, batch, teacher=None):
+    loss_fn = distill_objective(settings, student.cfg)
+    args = (student, batch, None) if teacher is None else (student, batch, None, teacher)
+    loss_sum, sums = loss_fn(*args)
+    return float(loss_sum) / float(sums["loss_denominator"]), sums
+
+
+def make_batch(packed, alpha, t, **extra):
+    b = packed.target_ids.shape[0]
+    return DistillBatch(packed, np.full(b, alpha, np.float32), np.full(b, t, np.float32), **extra)
+
+
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+@pytest.mark.parametrize("mode", ["renormalised", "tail"])
+def test_offline_topk_matches_numpy(kind, mode):
+    student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
+    packed = to_data_batch(rows(), 1).batch
+    zs, zt = full_logits(student, packed), full_logits(teacher, packed)
+    k, t, alpha = 8, 2.0, 0.3
+    # The dump: the teacher's top-k at T = 1 (renormalised reads it at any T; the tail needs the loss's T).
+    dump_t = t if mode == "tail" else 1.0
+    ids = np.argsort(-zt, -1)[..., :k].astype(np.int32)
+    logp = np.take_along_axis(log_softmax(zt / dump_t), ids, -1).astype(np.float32)
+    settings = DistillSettings(kind=kind, mode=mode, dump_temperature=dump_t, unit_temperature=False)
+    got, sums = objective_value(settings, student, make_batch(packed, alpha, t, teacher_ids=ids, teacher_logp=logp))
+    mask = np.asarray(packed.target_mask) > 0
+    want = reference(zs, zt, np.asarray(packed.target_ids), kind, t, alpha, k, mode)[mask].mean()
+    assert got == pytest.approx(want, rel=2e-5)
+    assert float(sums["loss_denominator"]) == mask.sum() > 10
+    # Masses: the teacher's at the dump's temperature, the student's at T = 1.
+    mass = np.exp(np.take_along_axis(log_softmax(zt / dump_t), ids, -1)).sum(-1)[mask].mean()
+    assert float(sums["teacher_mass"]) / mask.sum() == pytest.approx(mass, rel=1e-5)
+    mass = np.exp(np.take_along_axis(log_softmax(zs), ids, -1)).sum(-1)[mask].mean()
+    assert float(sums["student_mass"]) / mask.sum() == pytest.approx(mass, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+def test_online_full_vocabulary_matches_numpy(kind):
+    student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
+    packed = to_data_batch(rows(seed=1), 1).batch
+    zs, zt = full_logits(student, packed), full_logits(teacher, packed)
+    settings = DistillSettings(kind=kind, beta=0.3, unit_temperature=False)
+    got, sums = objective_value(settings, student, make_batch(packed, 0.25, 1.5), teacher)
+    mask = np.asarray(packed.target_mask) > 0
+    want = reference(zs, zt, np.asarray(packed.target_ids), kind, 1.5, 0.25, beta=0.3)[mask].mean()
+    assert got == pytest.approx(want, rel=2e-5)
+    kl1 = kl(log_softmax(zt), log_softmax(zs))[mask].mean()  # the run-comparable metric: forward KL at T = 1
+    assert float(sums["kl"]) / mask.sum() == pytest.approx(kl1, rel=2e-5)
+
+
+def test_online_topk_matches_numpy():
+    student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
+    packed = to_data_batch(rows(seed=2), 1).batch
+    zs, zt = full_logits(student, packed), full_logits(teacher, packed)
+    settings = DistillSettings(kind="reverse", top_k=5, unit_temperature=False)
+    got, _ = objective_value(settings, student, make_batch(packed, 0.0, 2.0), teacher)
+    mask = np.asarray(packed.target_mask) > 0
+    want = reference(zs, zt, np.asarray(packed.target_ids), "reverse", 2.0, 0.0, k=5)[mask].mean()
+    assert got == pytest.approx(want, rel=2e-5)
+
+
+def test_padded_teacher_vocabulary_is_read_over_the_students():
+    """A teacher with 8 extra output rows (Qwen2.5's 152,064 vs 151,936) gives the loss of its first V rows."""
+    student = create_model(STUDENT, None, seed=0)
+    padded = create_model(TEACHER.model_copy(update={"vocab_size": V + 8}), None, seed=1)
+    packed = to_data_batch(rows(seed=3), 1).batch
+    zs, zt = full_logits(student, packed), full_logits(padded, packed)
+    assert zt.shape[-1] == V + 8
+    settings = DistillSettings(kind="forward")
+    got, _ = objective_value(settings, student, make_batch(packed, 0.0, 1.0), padded)
+    mask = np.asarray(packed.target_mask) > 0
+    want = reference(zs, zt[..., :V], np.asarray(packed.target_ids), "forward", 1.0, 0.0)[mask].mean()
+    assert got == pytest.approx(want, rel=2e-5)
+    with_padding = reference(zs, zt[..., :V], np.asarray(packed.target_ids), "forward", 1.0, 0.0)
+    assert np.isfinite(with_padding).all()
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_micro_batches_give_the_one_batch_gradient(online):
+    """Two micro-batches and one give the same gradient, per tensor in float32 ulps, and it is not zero."""
+    data = rows(n=8, seed=4)
+    teacher = create_model(TEACHER, None, seed=1)
+    k = 6
+    zt = full_logits(teacher, to_data_batch(data, 1).batch)  # per [B, C] slot: the same slots in both layouts
+    ids = np.argsort(-zt, -1)[..., :k].astype(np.int32)
+    dump = dict(teacher_ids=ids, teacher_logp=np.take_along_axis(log_softmax(zt), ids, -1).astype(np.float32))
+    grads = []
+    for micro in (1, 2):
+        packed = to_data_batch(data, micro).batch
+        extra = {} if online else dump
+        batch = make_batch(packed, 0.2, 2.0, **extra)
+        settings = DistillSettings(kind="jsd", top_k=0 if online else k, unit_temperature=False)
+        learner = Learner(
+            create_model(STUDENT, None, seed=0),
+            _mesh(),
+            distill_objective(settings, STUDENT),
+            OptimConfig(name="sgd", learning_rate=0.0, schedule="constant", grad_clip_norm=None),
+            total_updates=1,
+            tx=recording_sgd(0.0),
+            frozen=teacher if online else None,
+        )
+        metrics = learner.update(batch, micro)
+        assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0
+        grads.append(learner.state.opt_state)  # the gradient the update was given
+    assert_same_gradients(grads[0], grads[1])
+
+
+def _mesh():
+    import jax
+
+    from core.config import MeshConfig
+    from core.mesh import make_mesh
+
+    return make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
