@@ -51,9 +51,28 @@ DPO_OVERRIDES = [
 ]
 
 
+# Offline distillation: the student reads a teacher's top-k dump (written by the test first) batch by batch.
+DISTILL_OVERRIDES = [
+    "--distill",
+    "train.steps=24",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.batch_size=4",
+    "data.num_examples=400",
+    "data.eval_fraction=0",
+    "data.format=chat",
+    "data.seq_len=128",
+    "distill.temperature=2.0",
+    "distill.alpha=0.5",
+    "distill.alpha_end=0.0",
+    "distill.alpha_schedule=cosine",
+    *OVERRIDES[9:],
+]
+
+
 def start(run_dir: Path, ids: Path, tokenizer: str, overrides: list[str] = OVERRIDES) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    head = overrides[:1] if overrides[:1] == ["--dpo"] else []
+    head = overrides[:1] if overrides[:1] in (["--dpo"], ["--distill"]) else []
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(ids), tokenizer, *head, f"run.run_dir={run_dir}", *overrides[len(head) :]],
         cwd=ROOT,
@@ -76,9 +95,24 @@ def id_records(path: Path) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["sft", "dpo"])
-def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, method):
-    overrides, steps, rows = (OVERRIDES, 48, 2000) if method == "sft" else (DPO_OVERRIDES, 24, 400)
+@pytest.mark.parametrize("method", ["sft", "dpo", "distill"])
+def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_model_dir, method):
+    overrides, steps, rows = {
+        "sft": (OVERRIDES, 48, 2000),
+        "dpo": (DPO_OVERRIDES, 24, 400),
+        "distill": (DISTILL_OVERRIDES, 24, 400),
+    }[method]
+    if method == "distill":  # the teacher's top-k, dumped once for both runs (the dump is a recipe of its own)
+        from recipes.distill_logits import main as dump
+
+        topk = f"distill.logits_dir={tmp_path / 'topk'}"
+        teacher = f"distill.teacher={rollout_model_dir('qwen2', seed=1)}"
+        overrides = [*overrides, topk]
+        settings = [o for o in overrides[1:] if o.startswith(("data.", "distill."))]
+        assert (
+            dump(["recipes/configs/distill_tiny.yml", *settings, teacher, f"data.tokenizer_dir={arithmetic_tokenizer}"])
+            == 0
+        )
     ref_dir, ref_ids = tmp_path / "ref", tmp_path / "ref_ids.jsonl"
     ref = start(ref_dir, ref_ids, arithmetic_tokenizer, overrides)
     out, _ = ref.communicate(timeout=300)

@@ -1,0 +1,207 @@
+"""Distillation end to end on the tiny arithmetic task: the offline dump (resumable, checked against the data), the
+offline and online regimes through `recipes.distill` (the held-out KL to the teacher goes down), and on-policy
+distillation with real vLLM samplers on Ray (the reverse KL on the student's own samples goes down), its resume
+after kill -9 with the JAX sampler."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.metrics import read_metrics
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "recipes/configs/distill_tiny.yml"
+
+
+@pytest.fixture(scope="module")
+def teacher(rollout_model_dir):
+    """A tiny random Qwen2 HF directory with the arithmetic tokenizer: the teacher (another init than the
+    student's, so that there is a distance to close)."""
+    return str(rollout_model_dir("qwen2", seed=1))
+
+
+def common(tmp_path, tokenizer, teacher, *extra):
+    return [
+        TINY,
+        f"data.tokenizer_dir={tokenizer}",
+        "data.num_examples=240",
+        "data.eval_fraction=0.1",
+        f"distill.logits_dir={tmp_path / 'topk'}",
+        f"distill.teacher={teacher}",
+        "distill.dump_rows_per_shard=64",
+        "distill.dump_k=32",
+        "logging.tensorboard=false",
+        "sft.eval_generations=1",
+        *extra,
+    ]
+
+
+def test_the_dump_resumes_and_refuses_other_data(tmp_path, arithmetic_tokenizer, teacher):
+    from posttrain.distill.topk_store import TopKStoreMismatch, read_index
+    from recipes.distill_logits import main as dump
+
+    args = common(tmp_path, arithmetic_tokenizer, teacher, "distill.dump_dtype=bfloat16")
+    assert dump(args) == 0
+    topk = tmp_path / "topk"
+    index = read_index(topk)
+    assert [s["stem"] for s in index["shards"]] == [f"shard-{i:05d}" for i in range(4)]  # 240 rows / 64
+    assert sum(s["rows"] for s in index["shards"]) == 240
+    before = {p.name: p.read_bytes() for p in topk.glob("*.npy")}
+    ids = np.load(topk / "shard-00001-ids.npy")
+    logp = np.load(topk / "shard-00001-logp.npy")
+    assert ids.shape[1] == 32 and logp.dtype == np.uint16  # bfloat16 bits
+    as_f32 = (logp.astype(np.uint32) << 16).view(np.float32)
+    assert (np.diff(as_f32, axis=1) <= 0).all() and (as_f32 < 0).all()  # most likely first, log-probs
+
+    # A dump killed after shard 1: shards 2 and 3 are not in the index (their files may be half there).
+    index["shards"] = index["shards"][:2]
+    (topk / "index.json").write_text(json.dumps(index))
+    (topk / "shard-00003-ids.npy").unlink()
+    assert dump(args) == 0
+    assert {p.name: p.read_bytes() for p in topk.glob("*.npy")} == before  # the same shards, rewritten exactly
+
+    # Other targets behind the same directory (every token, not the assistant's): the first shard is named.
+    with pytest.raises(TopKStoreMismatch, match=r"shard-00000: written for other data than this run's rows 0\.\.63"):
+        dump([*args, "sft.completion_only_loss=false"])
+    with pytest.raises(TopKStoreMismatch, match="made with seq_len=128, this run has 160"):
+        dump([*args, "data.seq_len=160"])
+
+
+def test_offline_and_online_distillation_bring_the_student_closer(tmp_path, arithmetic_tokenizer, teacher):
+    """Offline from the dump (renormalised top-k) and online over the whole vocabulary at T = 2 with a hard-label
+    share: both lower the held-out forward KL(teacher || student) at T = 1."""
+    from recipes.distill import main as train
+    from recipes.distill_logits import main as dump
+
+    args = common(tmp_path, arithmetic_tokenizer, teacher, "train.steps=30", "train.eval_every=10")
+    assert dump(args) == 0
+    assert train([*args, f"run.run_dir={tmp_path / 'offline'}"]) == 0
+    online = [
+        f"run.run_dir={tmp_path / 'online'}",
+        "distill.regime=online",
+        "distill.temperature=2.0",
+        "distill.alpha=0.1",
+        "distill.loss=jsd",
+    ]
+    assert train([*args, *online]) == 0
+    for regime in ("offline", "online"):
+        rows = read_metrics(tmp_path / regime)
+        evals = [r["eval/kl"] for r in rows if "eval/kl" in r]
+        print(regime, evals)
+        assert len(evals) == 3 and evals[0] > evals[1] > evals[2], (regime, evals)
+        train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
+        assert train_rows and all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in train_rows)
+        assert (tmp_path / regime / "hf" / "config.json").exists()
+    offline = read_metrics(tmp_path / "offline")
+    assert all(0 < r["teacher_mass"] <= 1 for r in offline if "teacher_mass" in r)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_at_start(tmp_path, arithmetic_tokenizer, tiny_hf_dir):
+    """A teacher whose vocabulary is smaller than the student's: an error naming both sizes, before training."""
+    from core.config_loader import ConfigError
+    from core.tiny import save_tiny_hf_model
+    from recipes.distill import main as train
+
+    small = save_tiny_hf_model(tmp_path / "small", "qwen2", vocab_size=256)
+    args = common(tmp_path, arithmetic_tokenizer, str(small), "distill.regime=online", f"run.run_dir={tmp_path}/r")
+    with pytest.raises(ConfigError, match="vocabulary of 256 rows, the student 512"):
+        train(args)
+
+
+def onpolicy_overrides(run_dir, tokenizer, teacher, *extra):
+    return [
+        f"run.run_dir={run_dir}",
+        f"data.tokenizer_dir={tokenizer}",
+        "distill.regime=on_policy",
+        f"distill.teacher={teacher}",
+        "reward.functions=[]",
+        "rl.batch.num_generations=1",
+        "rl.batch.prompts_per_step=16",
+        "optim.learning_rate=3.0e-3",
+        *extra,
+    ]
+
+
+@pytest.mark.serial
+def test_on_policy_distillation_on_ray_with_vllm(tmp_path, arithmetic_tokenizer, teacher):
+    """Real Ray, real vLLM: the student samples one completion a prompt, the teacher scores every token in the
+    trainer, the reverse KL on the student's samples goes down, weights sync after every step."""
+    import ray
+
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.distill.onpolicy import OnPolicyDistillRun
+    from rollout.ray import ensure_ray
+
+    ensure_ray(num_cpus=2)
+    try:
+        cfg = load_config(
+            "recipes/configs/grpo_tiny.yml",
+            onpolicy_overrides(
+                tmp_path / "run", arithmetic_tokenizer, teacher, "train.steps=16", "train.eval_every=16"
+            ),
+            schema=PostTrainConfig,
+        )
+        run = OnPolicyDistillRun(cfg)
+        try:
+            summary = run.run()
+        finally:
+            run.close()
+    finally:
+        ray.shutdown()
+    rows = [r for r in read_metrics(tmp_path / "run") if "reverse_kl" in r]
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler follows every update
+    assert all(r["mismatch/logp_gap_mean"] < 1e-4 for r in rows)  # vLLM's log-probs are the trainer's
+    kl = [r["reverse_kl"] for r in rows]
+    first, last = np.mean(kl[:4]), np.mean(kl[-4:])
+    print(f"reverse KL: steps 1-4 {first:.3f}, steps 13-16 {last:.3f}")
+    assert last < 0.85 * first, kl
+    assert summary.final_eval is not None and "eval/pass@1" in summary.final_eval
+
+
+def test_on_policy_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmetic_tokenizer, teacher):
+    """The JAX sampler in the trainer's process; SIGKILL two steps after checkpoint 4; the same command again:
+    every step logged once, and steps 5-6 log what they logged before the kill."""
+    from tests.test_grpo_e2e import assert_redone_steps_match, run_until
+
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.distill",
+        "recipes/configs/grpo_tiny.yml",
+        *onpolicy_overrides(run_dir, arithmetic_tokenizer, teacher),
+        "rollout.sampler=jax",
+        "train.steps=8",
+        "rl.batch.prompts_per_step=4",
+        "checkpoint.every_steps=4",
+        "checkpoint.export_hf=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [r for r in read_metrics(run_dir) if "reverse_kl" in r]
+    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4" in resumed.stdout
+    after = [r for r in read_metrics(run_dir) if "reverse_kl" in r]
+    assert [r["step"] for r in after] == list(range(1, 9))
+    for r in before:
+        r.setdefault("reward/mean", 0.0)
+    for r in after:
+        r.setdefault("reward/mean", 0.0)
+    assert_redone_steps_match(before, after, 4)
+    for old in (r for r in before if r["step"] > 4):
+        assert after[old["step"] - 1]["reverse_kl"] == pytest.approx(old["reverse_kl"], abs=1e-6)
