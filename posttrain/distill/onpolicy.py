@@ -25,6 +25,7 @@ student's own samples), `teacher_logp` (the teacher's mean log-prob of the stude
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -87,7 +88,7 @@ class OnPolicyDistillLearner(PolicyGradientLearner):
         mask = np.asarray(batch.packed.target_mask) > 0
         teacher = self.teacher.logprobs(batch.packed, rl.mini_batches * self.cfg.train.micro_batches)
         sampler = np.asarray(batch.sampler_logp, np.float32)
-        kl_adv = np.asarray(reverse_kl_advantages(sampler, teacher)) * mask
+        kl_adv = np.asarray(reverse_kl_advantages(jnp.asarray(sampler), jnp.asarray(teacher))) * mask
         stats = super().train(batch.replace(advantages=np.asarray(batch.advantages, np.float32) + kl_adv))
         n = max(int(mask.sum()), 1)
         reverse_kl = float(-(kl_adv[mask]).sum() / n)
