@@ -11,9 +11,9 @@ EXTRAS ?= cpu,dev
 # fault in 2 MiB at a time and are reused, not faulted in again every step (core/host_memory.py HOST_MALLOC,
 # the same list). Not for the tests: their many short processes start slower with it.
 HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
-demo demo-dpo demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
+demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
-.PHONY: install test test-fast lint demo demo-dpo demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo clean
+.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill clean
 
 install: $(STAMP)
 
@@ -46,6 +46,9 @@ demo: $(STAMP)
 demo-dpo: $(STAMP)
 	$(PY) -m recipes.quickstart --method dpo
 
+demo-distill: $(STAMP)
+	$(PY) -m recipes.quickstart --method distill
+
 demo-dpo-offline: $(STAMP)
 	$(PY) -m recipes.dpo
 
@@ -71,6 +74,10 @@ bench-sft: $(STAMP)
 
 bench-dpo: $(STAMP)
 	$(PY) bench/dpo_step.py
+
+bench-distill: $(STAMP)
+	$(PY) bench/kd_memory.py
+	$(PY) bench/distill_step.py
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

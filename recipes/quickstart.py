@@ -2,6 +2,7 @@
 
     python -m recipes.quickstart [--run-dir runs/quickstart] [--seed S] [--grpo-steps N]     # `make demo`
     python -m recipes.quickstart --method dpo [--run-dir runs/quickstart_dpo]               # `make demo-dpo`
+    python -m recipes.quickstart --method distill [--run-dir runs/quickstart_distill]       # `make demo-distill`
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -70,7 +71,14 @@ SUMMARY = "quickstart.json"
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipes.quickstart", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), runs/quickstart_dpo (DPO)")
-    p.add_argument("--method", choices=("grpo", "dpo"), default="grpo", help="stage 5: GRPO or online DPO")
+    p.add_argument(
+        "--method",
+        choices=("grpo", "dpo", "distill"),
+        default="grpo",
+        help="stage 5: GRPO or online DPO; distill: the GRPO model distilled into a smaller student "
+        "(recipes/quickstart_distill.py)",
+    )
+    p.add_argument("--teacher-run", default="runs/quickstart", help="--method distill: the GRPO quickstart to distil")
     p.add_argument(
         "--seed",
         type=int,
@@ -91,7 +99,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
     if args.run_dir is None:
-        args.run_dir = "runs/quickstart" if args.method == "grpo" else "runs/quickstart_dpo"
+        args.run_dir = {"grpo": "runs/quickstart", "dpo": "runs/quickstart_dpo"}.get(
+            args.method, "runs/quickstart_distill"
+        )
     return args
 
 
@@ -118,7 +128,11 @@ def report(summary: dict) -> None:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     out = Path(args.run_dir)
-    settings = {k: v for k, v in vars(args).items() if k != "run_dir"}
+    if args.method == "distill":
+        from recipes import quickstart_distill
+
+        return quickstart_distill.main(out, Path(args.teacher_run), args.seed)
+    settings = {k: v for k, v in vars(args).items() if k not in ("run_dir", "teacher_run")}
     done = out / SUMMARY
     if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)
         summary = json.loads(done.read_text())
