@@ -4,9 +4,10 @@ vs a plain PyTorch loop, each in one run.
     python bench/distill_step.py                        # both parts
     python bench/distill_step.py --parts offline --rounds 8
 
-on-policy: the same student and teacher (HF directories built here: a random student and a teacher twice its
-width and depth, vocabulary 512, the arithmetic tokenizer), `--prompts` reasoning-gym prompts a step, one
-completion each of at most `--max-tokens` tokens, reverse KL, one optimizer update, float32 on 2 CPU cores.
+on-policy: the same student and teacher (HF directories built here, random; `--sizes` tiny: a 2 x 128
+student, a 4 x 256 teacher; small: ~25M and ~85M; vocabulary 512, the arithmetic tokenizer), `--prompts`
+reasoning-gym prompts a step, one completion each of at most `--max-tokens` tokens, reverse KL, one optimizer
+update, float32 on 2 CPU cores.
 Temper runs `posttrain.distill.onpolicy` (the JAX sampler in-process, and vLLM samplers on Ray with `--samplers
 vllm`); its step time is its logged `time/step_s` (sampling, the teacher's pass, the update, weight sync). TRL
 runs `trl.DistillationTrainer` with beta = 1 in its own virtual environment (`.venv-trl`, bench/grpo_step.py makes
@@ -15,7 +16,7 @@ estimator on the sampled token (a policy-gradient advantage, as Qwen3 / Thinking
 vocabulary's sum at every completion token; the sampling, the teacher's pass and the update are the same work.
 The two sides run one after the other (each needs both cores); first steps (compilation, warm-up) are left out.
 
-offline: a student (`--offline-size`: hidden 512, 8 layers, vocabulary 32,768, ~50M parameters) on `--batch` rows
+offline: a student (hidden 512, 8 layers, vocabulary 32,768 untied: 58.7M parameters) on `--batch` rows
 of `--seq` tokens, the second half of each row a target, with a stored top-`--k` per target; Temper's step is
 `core.learner.Learner.update` on the distillation objective (`posttrain.distill.objective`), the peer the plain
 loop of bench/torch_kd_step.py (HF model, AdamW, eager float32, the same loss). The sides alternate step by step
@@ -39,8 +40,17 @@ sys.path.insert(0, str(ROOT))
 from bench.grpo_step import trl_python  # noqa: E402
 from bench.interleaved import PeerStepper, interleave  # noqa: E402
 
-STUDENT = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
-TEACHER = dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32)
+# (student, teacher) shapes, vocabulary 512 and tied embeddings as in grpo_tiny.yml.
+PAIRS = {
+    "tiny": (
+        dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
+        dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32),
+    ),
+    "small": (  # ~25M student, ~85M teacher
+        dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
+        dict(hidden_size=768, intermediate_size=2560, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64),
+    ),
+}
 OFFLINE = dict(
     vocab_size=32768,
     hidden_size=512,
@@ -72,15 +82,15 @@ def save_model(shape: dict, path: Path, tokenizer: str | None, seed: int) -> Pat
 # ------------------------------------------------------------------ on-policy
 
 
-def onpolicy(args, work: Path, tokenizer: str) -> dict:
+def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
     from core.config_loader import load_config
     from core.data import reasoning_gym_records
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import run_onpolicy_distill
 
-    student = save_model(STUDENT, work / "student", tokenizer, seed=0)
-    teacher = save_model(TEACHER, work / "teacher", tokenizer, seed=1)
+    student = save_model(PAIRS[size][0], work / f"student_{size}", tokenizer, seed=0)
+    teacher = save_model(PAIRS[size][1], work / f"teacher_{size}", tokenizer, seed=1)
     prompts = work / "prompts.jsonl"
     rows = reasoning_gym_records("basic_arithmetic", 256, seed=0)
     prompts.write_text(
@@ -112,7 +122,7 @@ def onpolicy(args, work: Path, tokenizer: str) -> dict:
     theirs = json.loads(out.read_text())["step_times"][1:]
     result = {"trl": {"step_s": statistics.mean(theirs), "median_step_s": statistics.median(theirs)}}
     for sampler in args.samplers:
-        run_dir = work / f"temper_{sampler}"
+        run_dir = work / f"temper_{size}_{sampler}"
         cfg = load_config(
             ROOT / "recipes" / "configs" / "grpo_tiny.yml",
             [
@@ -120,7 +130,7 @@ def onpolicy(args, work: Path, tokenizer: str) -> dict:
                 f"checkpoint.init_from={student}",
                 f"data.source={prompts}",
                 f"data.tokenizer_dir={tokenizer}",
-                "rl.prompt_template={prompt}",
+                "rl.prompt_template='{prompt}'",
                 f"train.steps={args.steps + 1}",
                 f"rl.batch.prompts_per_step={args.prompts}",
                 "rl.batch.num_generations=1",
@@ -149,7 +159,7 @@ def onpolicy(args, work: Path, tokenizer: str) -> dict:
             "ratio": statistics.mean(ours) / result["trl"]["step_s"],
         }
         print(
-            f"on-policy [{sampler}]: Temper {result[sampler]['step_s']:.3f} s/step (generate "
+            f"on-policy {size} [{sampler}]: Temper {result[sampler]['step_s']:.3f} s/step (generate "
             f"{result[sampler]['generate_s']:.3f}, train {result[sampler]['train_s']:.3f}, sync "
             f"{result[sampler]['sync_s']:.3f}) | TRL {result['trl']['step_s']:.3f} s/step | ratio "
             f"{result[sampler]['ratio']:.2f}",
@@ -263,6 +273,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--samplers", nargs="+", default=["jax"], choices=["vllm", "jax"])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(PAIRS), help="on-policy models")
     p.add_argument("--rounds", type=int, default=6, help="offline: timed rounds (after one warm-up round)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -279,7 +290,7 @@ def main() -> None:
         if "onpolicy" in args.parts:
             texts = [r["text"] for r in reasoning_gym_records("basic_arithmetic", 500, 0)]
             tokenizer = str(build_tokenizer(texts, work / "tok", 512))
-            results["onpolicy"] = onpolicy(args, work, tokenizer)
+            results["onpolicy"] = {size: onpolicy(args, work, tokenizer, size) for size in args.sizes}
         if "offline" in args.parts:
             results["offline"] = offline(args, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     from core.tokenizer import tokenizer_for_run
     from posttrain.config import PostTrainConfig
     from posttrain.distill.dump import dump_topk
-    from posttrain.distill.method import check_teacher_vocab
+    from posttrain.distill.teacher import check_teacher_vocab
     from posttrain.sft import SFT, row_format
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)

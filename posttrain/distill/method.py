@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +35,7 @@ from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
+from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
 from posttrain.sft import SFT, generation_hooks, row_format
 
 
@@ -77,36 +77,6 @@ def check_config(cfg: PostTrainConfig) -> None:
             f"distill.dump_temperature={d.dump_temperature}, so distill.temperature must be that, constant "
             f"(renormalised top-k reads a dump at any temperature)"
         )
-
-
-def check_teacher_vocab(teacher_vocab: int, student_vocab: int, teacher: str, tokenizer_dir: str) -> None:
-    """Same tokenizer, possibly a padded embedding (extra teacher rows are ignored); else an error naming both."""
-    if teacher_vocab < student_vocab:
-        raise ConfigError(
-            f"the teacher {teacher!r} has a vocabulary of {teacher_vocab} rows, the student {student_vocab} "
-            f"(tokenizer {tokenizer_dir!r}): distillation here needs one tokenizer for both (a teacher may pad its "
-            f"embedding with rows no token uses; cross-tokenizer distillation is not supported)"
-        )
-
-
-def teacher_tokenizer_matches(teacher: str, tokenizer) -> str | None:
-    """A description of how the teacher's own tokenizer (when its directory has one) differs from the run's, or
-    None when it agrees or has none."""
-    from core.hub import resolve_model
-
-    try:
-        path = resolve_model(teacher, "distill.teacher")
-    except Exception:
-        return None
-    if not (Path(path) / "tokenizer.json").exists() and not (Path(path) / "tokenizer_config.json").exists():
-        return None
-    from core.data import load_tokenizer
-    from posttrain.distill.topk_store import tokenizer_digest
-
-    theirs = load_tokenizer(str(path))
-    if tokenizer_digest(theirs) != tokenizer_digest(tokenizer):
-        return f"{path}: {len(theirs)} tokens, the run's tokenizer {len(tokenizer)}"
-    return None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from core.config_loader import ConfigError
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
+from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.learner import TrainStats
@@ -47,6 +48,12 @@ def check_config(cfg: PostTrainConfig) -> None:
     from core.hub import resolve_model
 
     resolve_model(d.teacher, "distill.teacher")  # a missing path fails here, not in the trainer
+    from core.data import load_tokenizer
+    from posttrain.onpolicy.run import run_tokenizer
+
+    mismatch = teacher_tokenizer_matches(d.teacher, load_tokenizer(run_tokenizer(cfg)))
+    if mismatch:
+        raise ConfigError(f"the teacher's tokenizer is not the student's: {mismatch}")
     if d.reward_weight > 0:
         if not cfg.reward.functions:
             raise ConfigError(f"distill.reward_weight={d.reward_weight} needs reward.functions to score with")
@@ -78,8 +85,6 @@ class OnPolicyDistillLearner(PolicyGradientLearner):
         super().__init__(cfg, model, mesh, total_steps, tx)
         path = str(cfg.distill.teacher)
         self.teacher = FrozenModel.load(path, mesh, "teacher", self.temperature, cfg.distill.teacher_dtype)
-        from posttrain.distill.method import check_teacher_vocab
-
         assert self.teacher.cfg is not None
         check_teacher_vocab(self.teacher.cfg.vocab_size, self.learner.model_cfg.vocab_size, path, "the student's")
 

@@ -177,7 +177,7 @@ class OnPolicyRun:
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
         self.rewards = RewardRunner(cfg.reward)
-        self.tokenizer_dir = _run_tokenizer(cfg)
+        self.tokenizer_dir = run_tokenizer(cfg)
         self.pg = None
         if rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
@@ -541,7 +541,7 @@ class OnPolicyRun:
             )
 
 
-def _run_tokenizer(cfg: PostTrainConfig) -> str:
+def run_tokenizer(cfg: PostTrainConfig) -> str:
     """`data.tokenizer_dir` (a directory or a Hub id), else the initial checkpoint's own (an HF directory, a Hub id,
     a Temper run): `core.tokenizer`, as the offline methods find theirs."""
     from core.hub import resolve_model
