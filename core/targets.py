@@ -14,6 +14,7 @@ into `[B, C]`, whose empty slots (a shorter completion's tail) read 0.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -42,6 +43,14 @@ class TargetStates:
         if self.real is not None:
             x = jnp.zeros((b * c, *x.shape[1:]), x.dtype).at[self.real].set(x, mode="drop")
         return x.reshape(b, c, *x.shape[1:])
+
+    def over_vocab(self, vocab: int | None) -> TargetStates:
+        """These states with the output weight cut to its first `vocab` tokens (a teacher's padded embedding read
+        over its student's vocabulary); None: as they are."""
+        if vocab is None:
+            return self
+        weight = self.weight[:, :vocab] if self.layout == "dv" else self.weight[:vocab]
+        return dataclasses.replace(self, weight=weight)
 
     def from_slots(self, x: jax.Array) -> jax.Array:
         """[B, C, ...] per-slot values (a teacher's stored top-k) -> [F, ...] in this list's order."""

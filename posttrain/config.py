@@ -174,6 +174,7 @@ class DPOConfig(Section):
 # ---------------------------------------------------------------------------- distill
 
 Regime = Literal["offline", "online", "on_policy"]
+OnPolicyLoss = Literal["sampled", "gkd"]
 LogitDtype = Literal["float32", "float16", "bfloat16"]
 
 
@@ -207,8 +208,24 @@ class DistillConfig(Section):
     dump_rows_per_shard: int = Field(256, gt=0)
     dump_temperature: float = Field(1.0, gt=0.0)
     dump_batch_rows: int = Field(8, gt=0)  # examples per teacher pass
-    # On-policy: advantage_t = -(log q(x_t) - log p(x_t)) + reward_weight * (a task reward's group advantage).
+    # On-policy: `sampled` trains advantage_t = -(log q(x_t) - log p(x_t)) (+ reward_weight * a task reward's group
+    # advantage) with the policy-gradient update; `gkd` trains `loss` (with beta, top_k, temperature, alpha) on the
+    # batch with the teacher in the step (TRL's GKD), where lmbda < 1 makes that share of steps on-policy and the
+    # rest train on the dataset's completions (`completion_template`, formatted with each prompt row).
+    on_policy_loss: OnPolicyLoss = "sampled"
     reward_weight: float = Field(0.0, ge=0.0)
+    lmbda: float = Field(1.0, ge=0.0, le=1.0)
+    completion_template: str = " {answer}"
+
+    @model_validator(mode="after")
+    def _check_schedules(self) -> DistillConfig:
+        for name in ("alpha", "temperature"):
+            if getattr(self, f"{name}_schedule") != "constant" and getattr(self, f"{name}_end") is None:
+                raise ValueError(
+                    f"distill.{name}_schedule={getattr(self, f'{name}_schedule')} goes from distill.{name} to "
+                    f"distill.{name}_end: set it"
+                )
+        return self
 
     def at(self, name: str) -> tuple[float, float, Schedule]:
         """(start, end, schedule) of `alpha` or `temperature`."""

@@ -27,15 +27,24 @@ from jax.sharding import Mesh
 from core.batch import PackedBatch
 from core.config import ModelConfig
 from core.learner import Learner
-from core.targets import target_logprobs
+from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
 
 
-def logprob_pass(graphdef: nnx.GraphDef, temperature: float) -> Callable:
-    """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets."""
-    return jax.jit(
-        lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
-    )
+def logprob_pass(graphdef: nnx.GraphDef, temperature: float, vocab: int | None = None) -> Callable:
+    """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets (normalised over the first `vocab`
+    tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows)."""
+    if vocab is None:
+        return jax.jit(
+            lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
+        )
+
+    def over_vocab(params, batch):
+        model = nnx.merge(graphdef, params)
+        states = target_states(model, batch).over_vocab(vocab)
+        return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
+
+    return jax.jit(over_vocab)
 
 
 def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:
@@ -81,15 +90,24 @@ class FrozenModel:
         return cls.copy_of(learner.graphdef, learner.params, learner.mesh, name, temperature, learner.model_cfg)
 
     @classmethod
-    def load(cls, path: str, mesh: Mesh, name: str, temperature: float = 1.0, dtype: str = "float32") -> FrozenModel:
+    def load(
+        cls,
+        path: str,
+        mesh: Mesh,
+        name: str,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        vocab: int | None = None,
+    ) -> FrozenModel:
         """A model read from `path` (an HF directory, a Hub model id, a Temper run or checkpoint) with its own
-        shape, placed on `mesh` by its logical axes. Reading never imports code the directory names."""
+        shape, placed on `mesh` by its logical axes; its log-probs over its first `vocab` tokens (a teacher over
+        its student's vocabulary). Reading never imports code the directory names."""
         from core.checkpoint import load_model_from
 
         with jax.set_mesh(mesh):
             model = load_model_from(path, mesh, dtype=dtype)
         graphdef, params = nnx.split(model)
-        return cls(name, params, mesh, logprob_pass(graphdef, temperature), model.cfg)
+        return cls(name, params, mesh, logprob_pass(graphdef, temperature, vocab), model.cfg)
 
     def logprobs(self, batch: PackedBatch, groups: int) -> np.ndarray:
         """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target."""

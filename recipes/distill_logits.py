@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     from core.tokenizer import tokenizer_for_run
     from posttrain.config import PostTrainConfig
     from posttrain.distill.dump import dump_topk
-    from posttrain.distill.teacher import check_teacher_vocab
+    from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
     from posttrain.sft import SFT, row_format
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
@@ -43,7 +43,10 @@ def main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(tokenizer_dir)
     with jax.set_mesh(mesh):
         teacher = load_model_from(d.teacher, mesh, dtype=d.teacher_dtype)
-    check_teacher_vocab(teacher.cfg.vocab_size, len(tokenizer), d.teacher, tokenizer_dir)
+    check_teacher_vocab(teacher.cfg.vocab_size, len(tokenizer), d.teacher, f"the tokenizer {tokenizer_dir}")
+    mismatch = teacher_tokenizer_matches(d.teacher, tokenizer, tokenizer_dir)
+    if mismatch:
+        raise ConfigError(mismatch)
     examples = tokenize_examples(
         records, row_format(cfg.data.format, cfg.sft.completion_only_loss), tokenizer, cfg.data
     )

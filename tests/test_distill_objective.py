@@ -188,3 +188,65 @@ def _mesh():
     from core.mesh import make_mesh
 
     return make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+
+
+def test_a_padded_teachers_logprobs_are_read_over_the_students_vocabulary():
+    """On-policy's teacher pass (`FrozenModel.load(vocab=V)`): log-probs normalised over the first V rows."""
+    from flax import nnx
+
+    from posttrain.frozen import logprob_pass
+
+    padded = create_model(TEACHER.model_copy(update={"vocab_size": V + 8}), None, seed=1)
+    packed = to_data_batch(rows(seed=5), 1).batch
+    zt = full_logits(padded, packed)[..., :V]
+    graphdef, params = nnx.split(padded)
+    got = np.asarray(logprob_pass(graphdef, 1.0, vocab=V)(params, packed))
+    mask = np.asarray(packed.target_mask) > 0
+    want = np.take_along_axis(log_softmax(zt), np.asarray(packed.target_ids)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    full = np.asarray(logprob_pass(graphdef, 1.0)(params, packed))
+    assert np.abs(full[mask] - want[mask]).max() > 1e-3  # the padding rows do move the unrestricted values
+
+
+def test_the_store_gathers_each_targets_topk_through_packing_and_micro_batches(tmp_path, arithmetic_tokenizer):
+    """A dump whose top-1 at every target is that target's own token: gathered for packed rows (several
+    conversations a row) in two micro-batches, every slot's top-1 is the token the slot predicts."""
+    from core.config import DataConfig
+    from core.data import load_tokenizer, make_pipeline, reasoning_gym_records, tokenize_examples
+    from posttrain.distill.method import _token_at
+    from posttrain.distill.topk_store import DumpHeader, DumpPlan, TopKStore, start_dump, write_shard
+    from posttrain.sft import row_format
+
+    cfg = DataConfig(format="chat", seq_len=256, packing=True, shuffle=True)
+    records = reasoning_gym_records("basic_arithmetic", 120, seed=3)
+    tokenizer = load_tokenizer(arithmetic_tokenizer)
+    examples = tokenize_examples(records, row_format("chat", True), tokenizer, cfg)
+    data = dict(format="temper-topk-v1", tokenizer="t", seq_len=256, truncation_side="right", source="s")
+    header = DumpHeader(k=3, dtype="float16", temperature=1.0, teacher="", vocab_size=512, rows_per_shard=50,
+                        data_format="chat", **data)  # fmt: skip
+    plan = DumpPlan.of(header, examples)
+    assert start_dump(tmp_path, plan, examples) == [0, 1, 2]
+    for i, shard in enumerate(plan.shards):
+        ids, counts = [], []
+        for r in shard:
+            ex = examples.by_row[r]
+            targets = ex.tokens[np.asarray(ex.targets) > 0]
+            ids.append(np.stack([targets, (targets + 1) % 512, (targets + 2) % 512], 1))
+            counts.append(len(targets))
+        ids = np.concatenate(ids)
+        write_shard(tmp_path, plan, i, examples, ids, np.log(np.full(ids.shape, 0.3)), counts)
+    store = TopKStore.open(tmp_path, {**data, "data_format": "chat"}, 512, examples)
+    batches = iter(make_pipeline(examples, cfg, 8, micro_batches=2))
+    seen = 0
+    for _ in range(3):
+        d = next(batches)
+        packed = d.batch
+        per_row = [len(set(row.tolist()) - {-1}) for row in np.asarray(d.example_ids)]
+        assert max(per_row) > 1, per_row  # packed: several conversations a row
+        got, logp = store.gather(d.example_ids, np.asarray(packed.positions), _token_at(packed, 2))
+        mask = np.asarray(packed.target_mask) > 0
+        np.testing.assert_array_equal(got[..., 0][mask], np.asarray(packed.target_ids)[mask])
+        np.testing.assert_allclose(logp[mask], np.log(0.3), rtol=1e-3)  # float16 on disk
+        assert not got[~mask].any()
+        seen += int(mask.sum())
+    assert seen > 300

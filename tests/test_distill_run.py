@@ -106,16 +106,33 @@ def test_offline_and_online_distillation_bring_the_student_closer(tmp_path, arit
     assert all(0 < r["teacher_mass"] <= 1 for r in offline if "teacher_mass" in r)
 
 
-def test_a_teacher_of_another_vocabulary_is_refused_at_start(tmp_path, arithmetic_tokenizer, tiny_hf_dir):
-    """A teacher whose vocabulary is smaller than the student's: an error naming both sizes, before training."""
+def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_at_start(tmp_path, arithmetic_tokenizer):
+    """A teacher with fewer vocabulary rows than the student, or with a tokenizer of its own that is not the run's
+    (same size, other tokens): an error naming both, before any training or dumping."""
+    import shutil
+
     from core.config_loader import ConfigError
     from core.tiny import save_tiny_hf_model
+    from core.tokenizer import build_tokenizer
     from recipes.distill import main as train
+    from recipes.distill_logits import main as dump
 
     small = save_tiny_hf_model(tmp_path / "small", "qwen2", vocab_size=256)
     args = common(tmp_path, arithmetic_tokenizer, str(small), "distill.regime=online", f"run.run_dir={tmp_path}/r")
-    with pytest.raises(ConfigError, match="vocabulary of 256 rows, the student 512"):
+    with pytest.raises(ConfigError, match="vocabulary of 256 rows, the student .* 512"):
         train(args)
+
+    other = save_tiny_hf_model(tmp_path / "other", "qwen2", hidden_size=128, head_dim=32)
+    words = [f"word{i} other{i * 7} text{i % 13}" for i in range(400)]
+    for f in build_tokenizer(words, tmp_path / "other_tok", vocab_size=512).iterdir():
+        shutil.copy(f, other / f.name)
+    args = common(tmp_path, arithmetic_tokenizer, str(other), "distill.regime=online", f"run.run_dir={tmp_path}/o")
+    pattern = rf"the teacher's tokenizer \({other}: \d+ tokens\) is not the student's \({arithmetic_tokenizer}"
+    with pytest.raises(ConfigError, match=pattern):
+        train(args)
+    with pytest.raises(ConfigError, match=pattern):
+        dump(args)
+    assert not (tmp_path / "topk").exists()  # refused before writing anything
 
 
 def onpolicy_overrides(run_dir, tokenizer, teacher, *extra):
@@ -205,3 +222,50 @@ def test_on_policy_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmeti
     assert_redone_steps_match(before, after, 4)
     for old in (r for r in before if r["step"] > 4):
         assert after[old["step"] - 1]["reverse_kl"] == pytest.approx(old["reverse_kl"], abs=1e-6)
+
+
+def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path, arithmetic_tokenizer, teacher):
+    """distill.on_policy_loss=gkd with lmbda 0.5 (the JAX sampler): some steps train on the student's samples,
+    the others on the dataset's completions of the same prompts, all with the full-vocabulary JSD and the teacher
+    in the step; the forward KL to the teacher goes down. A template naming a field the rows lack: an error at
+    start."""
+    from core.config_loader import ConfigError, load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.distill.onpolicy import OnPolicyDistillRun, check_config
+
+    overrides = onpolicy_overrides(
+        tmp_path / "run",
+        arithmetic_tokenizer,
+        teacher,
+        "rollout.sampler=jax",
+        "distill.on_policy_loss=gkd",
+        "distill.loss=jsd",
+        "distill.lmbda=0.5",
+        "train.steps=12",
+        "rl.accuracy_fn=null",
+        "checkpoint.enabled=false",
+        "checkpoint.export_hf=false",
+    )
+    cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
+    run = OnPolicyDistillRun(cfg)
+    try:
+        run.run()
+    finally:
+        run.close()
+    rows = [r for r in read_metrics(tmp_path / "run") if "kd" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    flags = [r["on_policy"] for r in rows]
+    assert 0.0 in flags and 1.0 in flags, flags  # both kinds of step
+    dataset = [r for r in rows if r["on_policy"] == 0.0]
+    assert all(r["completion_length/mean"] < 8 for r in dataset)  # " N" and EOS, not 16 sampled tokens
+    assert all(r["grad_norm"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    kl = [r["kl"] for r in rows]
+    assert np.mean(kl[-4:]) < 0.9 * np.mean(kl[:4]), kl
+
+    bad = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [*overrides, "distill.completion_template='{solution}'"],
+        schema=PostTrainConfig,
+    )
+    with pytest.raises(ConfigError, match="names 'solution', a field the prompt rows do not have"):
+        check_config(bad)

@@ -26,11 +26,23 @@ from core.kernels.divergence import chunked_topk
 from core.targets import target_states
 from core.train import place_batch, split_micro_batches
 from posttrain.config import PostTrainConfig
-from posttrain.distill.topk_store import DumpHeader, DumpPlan, start_dump, tokenizer_digest, write_shard
+from posttrain.distill.topk_store import FORMAT, DumpHeader, DumpPlan, start_dump, tokenizer_digest, write_shard
+
+
+def data_settings(cfg: PostTrainConfig, tokenizer) -> dict:
+    """What ties a dump to the rows of a run under `cfg` (`topk_store.DATA_KEYS`)."""
+    return dict(
+        format=FORMAT,
+        tokenizer=tokenizer_digest(tokenizer),
+        seq_len=cfg.data.seq_len,
+        truncation_side=cfg.data.truncation_side,
+        source=str(cfg.data.source),
+        data_format=cfg.data.format,
+    )
 
 
 def dump_header(cfg: PostTrainConfig, tokenizer, vocab_size: int, teacher: str = "") -> DumpHeader:
-    """What a dump made under `cfg` records (and what a training run under `cfg` expects of it)."""
+    """What a dump made under `cfg` records."""
     d = cfg.distill
     return DumpHeader(
         k=d.dump_k,
@@ -38,12 +50,8 @@ def dump_header(cfg: PostTrainConfig, tokenizer, vocab_size: int, teacher: str =
         temperature=d.dump_temperature,
         teacher=teacher,
         vocab_size=vocab_size,
-        tokenizer=tokenizer_digest(tokenizer),
-        seq_len=cfg.data.seq_len,
-        truncation_side=cfg.data.truncation_side,
-        source=str(cfg.data.source),
-        data_format=cfg.data.format,
         rows_per_shard=d.dump_rows_per_shard,
+        **data_settings(cfg, tokenizer),
     )
 
 

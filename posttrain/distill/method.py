@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +40,14 @@ from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_mat
 from posttrain.sft import SFT, generation_hooks, row_format
 
 
+def dump_temperature(cfg: PostTrainConfig) -> float:
+    """The temperature the offline dump's log-probs were taken at (its index's; the config's before it exists)."""
+    from posttrain.distill.topk_store import read_index
+
+    index = read_index(cfg.distill.logits_dir) if cfg.distill.logits_dir else None
+    return float(index["header"]["temperature"]) if index else cfg.distill.dump_temperature
+
+
 def settings(cfg: PostTrainConfig) -> DistillSettings:
     d = cfg.distill
     t_start, t_end, t_kind = d.at("temperature")
@@ -48,7 +57,7 @@ def settings(cfg: PostTrainConfig) -> DistillSettings:
         top_k=d.top_k if d.regime == "online" else 0,
         mode=d.top_k_mode,
         t2_scaling=d.t2_scaling,
-        dump_temperature=d.dump_temperature,
+        dump_temperature=dump_temperature(cfg) if d.regime == "offline" else d.dump_temperature,
         unit_temperature=t_start == 1.0 and (t_kind == "constant" or t_end == 1.0),
     )
 
@@ -63,19 +72,20 @@ def check_config(cfg: PostTrainConfig) -> None:
     )
     if d.regime == "on_policy":
         raise ConfigError("distill.regime=on_policy samples from the student: run it with python -m recipes.distill")
-    if d.regime == "offline" and d.logits_dir is None:
+    if d.regime == "offline" and (d.logits_dir is None or not (Path(d.logits_dir) / "index.json").exists()):
+        where = "distill.logits_dir" if d.logits_dir is None else f"distill.logits_dir={d.logits_dir} (no index.json)"
         raise ConfigError(
-            "distill.regime=offline reads the teacher's top-k from distill.logits_dir "
-            "(write it once with python -m recipes.distill_logits)"
+            f"distill.regime=offline reads the teacher's top-k from {where}: write it once with "
+            f"python -m recipes.distill_logits (the same config)"
         )
     if d.regime == "online" and d.teacher is None:
         raise ConfigError("distill.regime=online needs distill.teacher (an HF directory, a Hub id or a Temper run)")
-    t_start, _, t_kind = d.at("temperature")
-    if d.top_k_mode == "tail" and d.regime == "offline" and (t_kind != "constant" or t_start != d.dump_temperature):
+    t_start, t_end, _ = d.at("temperature")
+    if d.top_k_mode == "tail" and d.regime == "offline" and not t_start == t_end == dump_temperature(cfg):
         raise ConfigError(
-            f"distill.top_k_mode=tail reads the dump's log-probs as they are: they were taken at "
-            f"distill.dump_temperature={d.dump_temperature}, so distill.temperature must be that, constant "
-            f"(renormalised top-k reads a dump at any temperature)"
+            f"distill.top_k_mode=tail reads the dump's log-probs as they are: they were taken at T="
+            f"{dump_temperature(cfg)}, so distill.temperature must be that, constant (renormalised top-k reads a "
+            f"dump at any temperature)"
         )
 
 
@@ -103,7 +113,9 @@ class Distillation:
         path = str(cfg.distill.teacher)  # set: checked
         with jax.set_mesh(mesh):
             teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
-        check_teacher_vocab(teacher.cfg.vocab_size, cfg.model.vocab_size, path, "the run's")
+        check_teacher_vocab(
+            teacher.cfg.vocab_size, cfg.model.vocab_size, path, str(cfg.checkpoint.init_from or "a random init")
+        )
         return teacher
 
     def parts(self, run: RunContext) -> MethodParts:
@@ -113,20 +125,19 @@ class Distillation:
         notes = []
         store = None
         if cfg.distill.regime == "offline":
-            from posttrain.distill.dump import dump_header
+            from posttrain.distill.dump import data_settings
             from posttrain.distill.topk_store import TopKStore
 
-            store = TopKStore.open(
-                cfg.distill.logits_dir, dump_header(cfg, run.tokenizer, cfg.model.vocab_size), examples
-            )
+            data = data_settings(cfg, run.tokenizer)
+            store = TopKStore.open(cfg.distill.logits_dir, data, cfg.model.vocab_size, examples)
             notes.append(
                 f"teacher: top-{store.header.k} of {store.header.teacher or 'a teacher'} from "
                 f"{cfg.distill.logits_dir} (T={store.header.temperature}, {store.header.dtype})"
             )
         else:
-            mismatch = teacher_tokenizer_matches(cfg.distill.teacher, run.tokenizer)
+            mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), run.tokenizer, run.tokenizer_dir)
             if mismatch:
-                raise ConfigError(f"the teacher's tokenizer is not the student's: {mismatch}")
+                raise ConfigError(mismatch)
             notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
         base = next_token_parts(run, rows, hooks=lambda ex: generation_hooks(run, ex), examples=examples)
         learner, total = run.learner, cfg.train.steps

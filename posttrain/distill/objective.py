@@ -72,11 +72,12 @@ class DistillSettings:
 
 
 def schedules(cfg, step: int, total: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """([rows] alpha, [rows] temperature) at `step` of `total` (`cfg`: the `distill` section)."""
+    """([rows] alpha, [rows] temperature) for update `step` (0-based) of `total` (`cfg`: the `distill` section):
+    the start value at the first update, the end value at the last."""
     values = []
     for name in ("alpha", "temperature"):
         start, end, kind = cfg.at(name)
-        values.append(np.full((rows,), float(scheduled(start, end, kind, step, total)), np.float32))
+        values.append(np.full((rows,), float(scheduled(start, end, kind, step, total - 1)), np.float32))
     return values[0], values[1]
 
 
@@ -129,7 +130,10 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
                     t_states.layout,
                     vocab,
                 )
-                logp1_teacher = logp if settings.unit_temperature else _teacher_at(teacher, packed, ids)
+                if settings.unit_temperature:
+                    logp1_teacher = logp
+                else:
+                    logp1_teacher = _logprobs_at(teacher.cfg, t_states.over_vocab(vocab), ids)
             else:  # offline: the dump's, rescaled from its temperature to T
                 ids = student.from_slots(batch.teacher_ids)
                 stored = student.from_slots(batch.teacher_logp).astype(jnp.float32)
@@ -174,10 +178,10 @@ def _full_vocabulary(settings, model_cfg, student: TargetStates, h_t, teacher: T
     return kd, divergence(sg(student.hidden), teacher.hidden, "forward", 0.5)
 
 
-def _teacher_at(teacher, packed: PackedBatch, ids: jax.Array) -> jax.Array:
-    """[F, k] the teacher's log-probs at T = 1 at `ids` (online top-k at T != 1: the metrics' T = 1 values)."""
-    states = target_states(teacher, packed)
+def _logprobs_at(model_cfg, states: TargetStates, ids: jax.Array) -> jax.Array:
+    """[F, k] a model's log-probs at T = 1 at `ids`, no gradient (online top-k at T != 1: the teacher's T = 1
+    values the metrics read, from the hidden states its top-k pass already has)."""
     z = _logits_at(states, states.hidden, ids)
     z_label = _logits_at(states, states.hidden, states.ids[:, None])[:, 0]
-    logp1, _ = states_logprobs(teacher.cfg, states)
+    logp1, _ = states_logprobs(model_cfg, states)
     return jax.lax.stop_gradient(z - (z_label - logp1)[:, None])

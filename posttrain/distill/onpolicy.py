@@ -19,8 +19,17 @@ policy-gradient objective of `posttrain.onpolicy.policy_gradient` (importance ra
 With reward functions and `distill.reward_weight` > 0 a task reward's group advantage (`rl.advantage.*`; it
 needs `rl.batch.num_generations` >= 2) is added to every token of its completion.
 
+With `distill.on_policy_loss=gkd` the update is instead GKD's (Agarwal et al., 2024; TRL's GKDTrainer and
+DistillationTrainer): the divergence `distill.loss` (JSD(beta), forward or reverse KL; the whole vocabulary
+through the chunked kernel, or the teacher's top-k) between the two models' full distributions at every
+completion token, the teacher in the train step (`posttrain.distill.objective`, as the online regime). With
+`distill.lmbda` < 1, a step is on-policy with probability lmbda (drawn from the run seed and the step: the same
+on resume) and otherwise trains on the dataset's completions of the same prompts (`distill.completion_template`,
+e.g. " {answer}"): GKD's mix of on-policy and supervised batches.
+
 Metrics: `reverse_kl` (mean over sampled tokens of log q - log p: an estimate of KL(student || teacher) on the
-student's own samples), `teacher_logp` (the teacher's mean log-prob of the student's tokens), and GRPO's.
+student's own samples), `teacher_logp` (the teacher's mean log-prob of the student's tokens), and GRPO's; with
+gkd, the objective's `kd`, `kl` (forward KL at T = 1) and `nll`, and `on_policy` (1 for a sampled step).
 """
 
 from __future__ import annotations
@@ -33,12 +42,14 @@ from jax.sharding import Mesh
 from core.config_loader import ConfigError
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
+from posttrain.distill.objective import DistillBatch, distill_objective, schedules
 from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
-from posttrain.onpolicy.learner import TrainStats
+from posttrain.onpolicy.learner import PolicyLearner, TrainStats
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, run_to_end
+from rollout.sampler import Completion, sample_seed
 
 
 def check_config(cfg: PostTrainConfig) -> None:
@@ -51,9 +62,10 @@ def check_config(cfg: PostTrainConfig) -> None:
     from core.data import load_tokenizer
     from posttrain.onpolicy.run import run_tokenizer
 
-    mismatch = teacher_tokenizer_matches(d.teacher, load_tokenizer(run_tokenizer(cfg)))
+    tokenizer_dir = run_tokenizer(cfg)
+    mismatch = teacher_tokenizer_matches(d.teacher, load_tokenizer(tokenizer_dir), tokenizer_dir)
     if mismatch:
-        raise ConfigError(f"the teacher's tokenizer is not the student's: {mismatch}")
+        raise ConfigError(mismatch)
     if d.reward_weight > 0:
         if not cfg.reward.functions:
             raise ConfigError(f"distill.reward_weight={d.reward_weight} needs reward.functions to score with")
@@ -62,12 +74,34 @@ def check_config(cfg: PostTrainConfig) -> None:
                 f"distill.reward_weight={d.reward_weight}: a reward's advantage compares each completion with the "
                 f"rest of its prompt's, so rl.batch.num_generations must be >= 2, not {cfg.rl.batch.num_generations}"
             )
+    if d.lmbda < 1 and d.on_policy_loss != "gkd":
+        raise ConfigError(
+            f"distill.lmbda={d.lmbda} trains some steps on the dataset's completions: the sampled-token advantage "
+            f"is only right on the student's own samples, so set distill.on_policy_loss=gkd"
+        )
+    if d.lmbda < 1:  # the dataset's completions: the template's fields are the prompt rows'
+        from posttrain.onpolicy.prompts import prompt_rows
+
+        rows, _ = prompt_rows(cfg)
+        try:
+            d.completion_template.format(**rows[0])
+        except KeyError as err:
+            raise ConfigError(
+                f"distill.completion_template {d.completion_template!r} names {err}, a field the prompt rows do not "
+                f"have (they have {sorted(rows[0])})"
+            ) from None
+    if d.on_policy_loss == "gkd" and d.reward_weight > 0:
+        raise ConfigError("distill.reward_weight mixes a reward into the sampled-token advantage: not with gkd")
     updates = cfg.rl.batch.mini_batches * cfg.train.micro_batches
     if (cfg.rl.batch.prompts_per_step * cfg.rl.batch.num_generations) % updates:
         raise ConfigError(
             f"rl.batch.prompts_per_step * rl.batch.num_generations must be divisible by rl.batch.mini_batches * "
             f"train.micro_batches ({updates})"
         )
+
+
+def _student(cfg: PostTrainConfig) -> str:
+    return str(cfg.checkpoint.init_from or "a random init")
 
 
 class OnPolicyDistillLearner(PolicyGradientLearner):
@@ -83,10 +117,10 @@ class OnPolicyDistillLearner(PolicyGradientLearner):
         tx: optax.GradientTransformation | None = None,
     ):
         super().__init__(cfg, model, mesh, total_steps, tx)
-        path = str(cfg.distill.teacher)
-        self.teacher = FrozenModel.load(path, mesh, "teacher", self.temperature, cfg.distill.teacher_dtype)
+        path, vocab = str(cfg.distill.teacher), self.learner.model_cfg.vocab_size
+        self.teacher = FrozenModel.load(path, mesh, "teacher", self.temperature, cfg.distill.teacher_dtype, vocab)
         assert self.teacher.cfg is not None
-        check_teacher_vocab(self.teacher.cfg.vocab_size, self.learner.model_cfg.vocab_size, path, "the student's")
+        check_teacher_vocab(self.teacher.cfg.vocab_size, self.learner.model_cfg.vocab_size, path, _student(cfg))
 
     def train(self, batch: RLBatch) -> TrainStats:
         rl = self.cfg.rl.batch
@@ -101,15 +135,102 @@ class OnPolicyDistillLearner(PolicyGradientLearner):
         return TrainStats(metrics, f"rkl {reverse_kl:.4f} | {stats.line}")
 
 
-class OnPolicyDistillRun(OnPolicyRun):
-    """Completions of the student, one advantage per token (made in the trainer), an `RLBatch`."""
+class GKDLearner(PolicyLearner[DistillBatch]):
+    """The student trained on the distillation objective with the teacher in the step (GKD): one update a step."""
 
-    learner_class = OnPolicyDistillLearner
+    def __init__(
+        self,
+        cfg: PostTrainConfig,
+        model,
+        mesh: Mesh,
+        total_steps: int,
+        tx: optax.GradientTransformation | None = None,
+    ):
+        import jax
+
+        from core.checkpoint import load_model_from
+        from core.learner import Learner
+        from posttrain.distill.method import settings
+
+        super().__init__(cfg, mesh)
+        path = str(cfg.distill.teacher)
+        with jax.set_mesh(mesh):
+            teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
+        check_teacher_vocab(teacher.cfg.vocab_size, model.cfg.vocab_size, path, _student(cfg))
+        online = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"regime": "online"})})
+        objective = distill_objective(settings(online), model.cfg)
+        self.learner = Learner(model, mesh, objective, cfg.optim, total_steps, cfg.run.seed, tx, frozen=teacher)
+
+    def train(self, batch: DistillBatch) -> TrainStats:
+        metrics = self.learner.update(batch, self.cfg.train.micro_batches)
+        self._applied(metrics, f"step {self.version + 1}")
+        self.version += 1
+        keep = ("loss", "grad_norm", "learning_rate", "kd", "kl", "nll", "teacher_mass", "student_mass")
+        out = {k: metrics[k] for k in keep if k in metrics}
+        out.update(skipped_updates=float(self.skipped_updates), empty_updates=float(self.empty_updates))
+        return TrainStats(out, f"kd {metrics['kd']:.4f} | kl {metrics['kl']:.4f}")
+
+
+def distill_learner(cfg: PostTrainConfig, model, mesh: Mesh, total_steps: int) -> PolicyLearner:
+    """The on-policy learner `distill.on_policy_loss` names (a `LearnerFactory`)."""
+    if cfg.distill.on_policy_loss == "gkd":
+        return GKDLearner(cfg, model, mesh, total_steps)
+    return OnPolicyDistillLearner(cfg, model, mesh, total_steps)
+
+
+class OnPolicyDistillRun(OnPolicyRun):
+    """Completions of the student, one advantage per token (made in the trainer), an `RLBatch`; or, with gkd, a
+    `DistillBatch` of sampled or dataset completions."""
+
+    learner_class = staticmethod(distill_learner)
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
 
     def _prepare(self, scored: Scored) -> StepData:
+        if not hasattr(self, "_step_index"):
+            self._step_index = self.start_step
+        self._step_index += 1
+        if self.cfg.distill.on_policy_loss == "gkd":
+            return self._gkd_batch(scored, self._step_index)
+        return self._sampled_batch(scored)
+
+    def _gkd_batch(self, scored: Scored, step: int) -> StepData:
+        d, rl = self.cfg.distill, self.cfg.rl
+        on_policy = bool(np.random.default_rng(sample_seed(self.cfg.run.seed, step)).random() < d.lmbda)
+        if not on_policy:
+            scored = Scored(scored.rows, self._dataset_completions(scored), None, None)
+        packed = build_rl_batch(
+            scored.completions,
+            np.zeros(len(scored.completions), np.float32),
+            np.ones(len(scored.completions), bool),
+            row_len=self.row_len,
+            max_tokens=self.cfg.rollout.max_tokens,
+            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
+            row_multiple=self.row_multiple,
+            share_prompts=rl.batch.share_prompts,
+            choose_rows=self.row_counts.pick,
+        ).packed
+        alpha, temperature = schedules(d, step - 1, self.cfg.train.steps, packed.target_ids.shape[0])
+        return StepData(DistillBatch(packed, alpha, temperature), scored, {"on_policy": float(on_policy)})
+
+    def _dataset_completions(self, scored: Scored) -> list[Completion]:
+        """The dataset's completion of each sampled completion's prompt (`distill.completion_template`), cut to
+        `rollout.max_tokens` tokens."""
+        from core.data import load_tokenizer
+        from core.encoding import encode_completion
+
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = load_tokenizer(self.tokenizer_dir)
+        per_row = len(scored.completions) // len(scored.rows)
+        out = []
+        for i, c in enumerate(scored.completions):
+            text = self.cfg.distill.completion_template.format(**scored.rows[i // per_row])  # checked at start
+            ids = encode_completion(self._tokenizer, text)[: self.cfg.rollout.max_tokens]
+            out.append(Completion(c.prompt_ids, ids, [0.0] * len(ids), "stop", text, c.policy_version))
+        return out
+
+    def _sampled_batch(self, scored: Scored) -> StepData:
         completions, d = scored.completions, self.cfg.distill
         reward = np.zeros(len(completions), np.float32)
         metrics: dict[str, float] = {}

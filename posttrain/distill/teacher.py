@@ -1,6 +1,6 @@
 """What a teacher must share with its student: the tokenizer (a padded embedding allowed), checked at start.
 
-check_teacher_vocab(teacher_rows, student_rows, "runs/teacher/hf", "the run's")   # ConfigError naming both
+check_teacher_vocab(teacher_rows, student_rows, "runs/teacher/hf", "runs/sft/hf")   # ConfigError naming both
 mismatch = teacher_tokenizer_matches("runs/teacher/hf", tokenizer)                # None, or what differs
 """
 
@@ -9,19 +9,21 @@ from __future__ import annotations
 from core.config_loader import ConfigError
 
 
-def check_teacher_vocab(teacher_vocab: int, student_vocab: int, teacher: str, tokenizer_dir: str) -> None:
-    """Same tokenizer, possibly a padded embedding (extra teacher rows are ignored); else an error naming both."""
+def check_teacher_vocab(teacher_vocab: int, student_vocab: int, teacher: str, student: str) -> None:
+    """Same tokenizer, possibly a padded embedding (extra teacher rows are ignored); else an error naming both
+    models (`student`: where the student or its tokenizer comes from) and both sizes."""
     if teacher_vocab < student_vocab:
         raise ConfigError(
-            f"the teacher {teacher!r} has a vocabulary of {teacher_vocab} rows, the student {student_vocab} "
-            f"(tokenizer {tokenizer_dir!r}): distillation here needs one tokenizer for both (a teacher may pad its "
-            f"embedding with rows no token uses; cross-tokenizer distillation is not supported)"
+            f"the teacher {teacher!r} has a vocabulary of {teacher_vocab} rows, the student ({student}) "
+            f"{student_vocab}: distillation here needs one tokenizer for both (a teacher may pad its embedding with "
+            f"rows no token uses; cross-tokenizer distillation is not supported)"
         )
 
 
-def teacher_tokenizer_matches(teacher: str, tokenizer) -> str | None:
-    """How the tokenizer that came with the teacher (an HF directory's, a Temper run's: `core.tokenizer`) differs
-    from the run's, or None when it agrees or the teacher has none to compare."""
+def teacher_tokenizer_matches(teacher: str, tokenizer, tokenizer_dir: str) -> str | None:
+    """What is wrong when the tokenizer that came with the teacher (an HF directory's, a Temper run's:
+    `core.tokenizer.checkpoint_tokenizer`) is not the run's (`tokenizer`, read from `tokenizer_dir`), naming both;
+    None when they agree, or when the teacher has none to compare (its vocabulary size is still checked)."""
     from core.data import load_tokenizer
     from core.tokenizer import checkpoint_tokenizer
     from posttrain.distill.topk_store import tokenizer_digest
@@ -30,6 +32,10 @@ def teacher_tokenizer_matches(teacher: str, tokenizer) -> str | None:
     if found is None:
         return None
     theirs = load_tokenizer(found)
-    if tokenizer_digest(theirs) != tokenizer_digest(tokenizer):
-        return f"{found}: {len(theirs)} tokens, the run's tokenizer {len(tokenizer)} tokens (or other tokens)"
-    return None
+    if tokenizer_digest(theirs) == tokenizer_digest(tokenizer):
+        return None
+    return (
+        f"the teacher's tokenizer ({found}: {len(theirs)} tokens) is not the student's ({tokenizer_dir}: "
+        f"{len(tokenizer)} tokens): distillation here needs one tokenizer for both (cross-tokenizer distillation "
+        f"is not supported)"
+    )

@@ -1,8 +1,9 @@
 """A teacher's top-k next-token distribution at every target of a dataset, on disk: offline distillation's input.
 
-    plan = DumpPlan(header, examples)                              # which rows go in which shard
-    write_shard(directory, plan, i, ids, logp, counts)              # one shard, atomically; the index updated
-    store = TopKStore.open(directory, header, examples)             # checked against the run's data
+    plan = DumpPlan.of(header, examples)                           # which rows go in which shard
+    todo = start_dump(directory, plan, examples)                    # the shards still to write (resume)
+    write_shard(directory, plan, i, examples, ids, logp, counts)    # one shard, atomically; the index updated
+    store = TopKStore.open(directory, data, student_vocab, examples)    # checked against the run's data
     ids, logp = store.gather(example_ids, positions, slots)         # [B, C, k] for a batch's target slots
 
 Layout of `directory` (written by `python -m recipes.distill_logits`):
@@ -20,7 +21,9 @@ tokenization in order (what `core.data.tokenize_examples` makes of the row: SFT'
 to a temporary name and renamed, the index last, so a killed dump leaves whole shards and resumes at the first one
 the index lacks. A shard's `digest` covers its rows' tokens and targets: when the data, the tokenizer, the
 truncation or the sequence length changes, the shard no longer matches and opening the store is an error naming it
-(as is a header that differs: another k, tokenizer or vocabulary).
+(as is a header whose data settings differ: another tokenizer, sequence length, truncation side, source or format,
+`DATA_KEYS`). A training run reads k, dtype, temperature and shard size from the index; a resumed dump must have
+the same ones.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from posttrain.token_store import tokens_digest
 
 FORMAT = "temper-topk-v1"
 INDEX = "index.json"
+# What ties a dump to a run's rows: a training run must agree on these (the rest it reads from the index).
+DATA_KEYS = ("format", "tokenizer", "seq_len", "truncation_side", "source", "data_format")
 
 
 class TopKStoreMismatch(TemperError, ValueError):
@@ -48,13 +53,14 @@ class TopKStoreMismatch(TemperError, ValueError):
 
 @dataclass(frozen=True)
 class DumpHeader:
-    """What a dump was made with; a run reading it must agree on all of it."""
+    """What a dump was made with: a training run must agree on `DATA_KEYS` (it reads the rest from the index), a
+    resumed dump on all but the teacher."""
 
     k: int
     dtype: str  # float32 | float16 | bfloat16
     temperature: float
     teacher: str
-    vocab_size: int  # the student's (and the tokenizer's) vocabulary: the teacher's ids are below it
+    vocab_size: int  # the teacher's ids are below it: its rows, at most the tokenizer's length
     tokenizer: str  # a digest of the tokenizer's vocabulary
     seq_len: int
     truncation_side: str
@@ -138,7 +144,8 @@ def start_dump(directory: str | Path, plan: DumpPlan, examples: Examples) -> lis
     if index is None:
         _write_index(directory, {"header": asdict(plan.header), "shards": []})
         return list(range(len(plan.shards)))
-    _check_header(directory, index, plan.header)
+    want = {k: v for k, v in asdict(plan.header).items() if k != "teacher"}  # a resumed dump: the same settings
+    _check_header(directory, index, want)
     done = {s["stem"] for s in index["shards"]}
     for entry in index["shards"]:
         _check_shard(directory, entry, plan, examples)
@@ -176,22 +183,14 @@ def _write_index(directory: Path, index: dict) -> None:
     os.replace(tmp, directory / INDEX)
 
 
-def _check_header(directory: Path, index: dict, header: DumpHeader) -> None:
+def _check_header(directory: Path, index: dict, want: dict) -> None:
     saved = index.get("header", {})
-    want = asdict(header)
-    for key in want:
-        if key in _NOT_COMPARED:
-            continue
-        if saved.get(key) != want[key]:
+    for key, value in want.items():
+        if saved.get(key) != value:
             raise TopKStoreMismatch(
-                f"{directory / INDEX}: the dump was made with {key}={saved.get(key)!r}, this run has {want[key]!r} "
+                f"{directory / INDEX}: the dump was made with {key}={saved.get(key)!r}, this run has {value!r} "
                 f"(dump again into another distill.logits_dir, or use the settings it was made with)"
             )
-
-
-# What a run reading a dump need not know: the teacher (read from the index, not reloaded), the range of its ids
-# (checked against the student's vocabulary instead: `TopKStore.open`).
-_NOT_COMPARED = ("teacher", "vocab_size")
 
 
 def _check_shard(directory: Path, entry: dict, plan: DumpPlan, examples: Examples) -> None:
@@ -220,24 +219,23 @@ class TopKStore:
     ordinal: dict[int, np.ndarray]  # source row -> [tokens] the target ordinal at each position (-1: none)
 
     @classmethod
-    def open(cls, directory: str | Path, header: DumpHeader, examples: Examples) -> TopKStore:
-        """The dump in `directory`, checked against `header` (its `vocab_size`: the student's) and the run's
-        `examples`: every usable row is in a shard whose digest matches (else `TopKStoreMismatch` naming the
-        shard, or the missing rows)."""
+    def open(cls, directory: str | Path, data: dict, student_vocab: int, examples: Examples) -> TopKStore:
+        """The dump in `directory`, checked against the run's data settings (`data`: `DATA_KEYS`), its student's
+        vocabulary and its `examples`: every usable row is in a shard whose digest matches (else
+        `TopKStoreMismatch` naming the shard, or the missing rows)."""
         directory = Path(directory)
         index = read_index(directory)
         if index is None:
             raise TopKStoreMismatch(
                 f"{directory}: no {INDEX} (write the teacher's top-k first: python -m recipes.distill_logits)"
             )
-        _check_header(directory, index, header)
-        dumped = int(index["header"]["vocab_size"])
-        if dumped > header.vocab_size:
-            raise TopKStoreMismatch(
-                f"{directory / INDEX}: the teacher's ids range over {dumped} tokens, more than the student's "
-                f"vocabulary of {header.vocab_size}: not the same tokenizer"
-            )
+        _check_header(directory, index, {k: data[k] for k in DATA_KEYS})
         header = DumpHeader(**index["header"])
+        if header.vocab_size > student_vocab:
+            raise TopKStoreMismatch(
+                f"{directory / INDEX}: the teacher's ids range over {header.vocab_size} tokens, more than the "
+                f"student's vocabulary of {student_vocab}: not the same tokenizer"
+            )
         plan = DumpPlan.of(header, examples)
         done = {s["stem"]: s for s in index["shards"]}
         missing = [plan.stem(i) for i in range(len(plan.shards)) if plan.stem(i) not in done]
