@@ -11,9 +11,10 @@ update, float32 on 2 CPU cores.
 Temper runs `posttrain.distill.onpolicy` (the JAX sampler in-process, and vLLM samplers on Ray with `--samplers
 vllm`); its step time is its logged `time/step_s` (sampling, the teacher's pass, the update, weight sync). TRL
 runs `trl.DistillationTrainer` with beta = 1 in its own virtual environment (`.venv-trl`, bench/grpo_step.py makes
-it) with bf16=False and gradient checkpointing off. The two compute reverse KL differently: Temper's per-token
-estimator on the sampled token (a policy-gradient advantage, as Qwen3 / Thinking Machines), TRL's the whole
-vocabulary's sum at every completion token; the sampling, the teacher's pass and the update are the same work.
+it) with bf16=False and gradient checkpointing off. Temper's `gkd` side (`distill.on_policy_loss=gkd`,
+`distill.loss=reverse`) computes what TRL does: reverse KL over the whole vocabulary at every completion token, the
+teacher in the step; its `sampled` side the per-token estimator on the sampled token (a policy-gradient advantage,
+as Qwen3 / Thinking Machines): the same sampling, teacher pass and update, a cheaper loss.
 The two sides run one after the other (each needs both cores); first steps (compilation, warm-up) are left out.
 
 offline: a student (hidden 512, 8 layers, vocabulary 32,768 untied: 58.7M parameters) on `--batch` rows
@@ -121,8 +122,12 @@ def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
     subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     theirs = json.loads(out.read_text())["step_times"][1:]
     result = {"trl": {"step_s": statistics.mean(theirs), "median_step_s": statistics.median(theirs)}}
-    for sampler in args.samplers:
-        run_dir = work / f"temper_{size}_{sampler}"
+    sides = [(sampler, "sampled") for sampler in args.samplers] + [("jax", "gkd")] * ("gkd" in args.losses)
+    for sampler, loss in sides:
+        if loss == "sampled" and "sampled" not in args.losses:
+            continue
+        name = sampler if loss == "sampled" else f"{sampler}_gkd"
+        run_dir = work / f"temper_{size}_{name}"
         cfg = load_config(
             ROOT / "recipes" / "configs" / "grpo_tiny.yml",
             [
@@ -138,6 +143,8 @@ def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
                 f"rollout.sampler={sampler}",
                 "distill.regime=on_policy",
                 f"distill.teacher={teacher}",
+                f"distill.on_policy_loss={loss}",
+                "distill.loss=reverse",
                 "reward.functions=[]",
                 "rl.accuracy_fn=null",
                 "checkpoint.enabled=false",
@@ -151,18 +158,17 @@ def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
         steps = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
         ours = [r["time/step_s"] for r in steps]
         means = {k: statistics.mean(r[k] for r in steps) for k in ("time/generate_s", "time/train_s", "time/sync_s")}
-        result[sampler] = {
+        result[name] = {
             "step_s": statistics.mean(ours),
             "median_step_s": statistics.median(ours),
             **{k.split("/")[1]: v for k, v in means.items()},
-            "reverse_kl": statistics.mean(r["reverse_kl"] for r in steps),
             "ratio": statistics.mean(ours) / result["trl"]["step_s"],
         }
         print(
-            f"on-policy {size} [{sampler}]: Temper {result[sampler]['step_s']:.3f} s/step (generate "
-            f"{result[sampler]['generate_s']:.3f}, train {result[sampler]['train_s']:.3f}, sync "
-            f"{result[sampler]['sync_s']:.3f}) | TRL {result['trl']['step_s']:.3f} s/step | ratio "
-            f"{result[sampler]['ratio']:.2f}",
+            f"on-policy {size} [{name}]: Temper {result[name]['step_s']:.3f} s/step (generate "
+            f"{result[name]['generate_s']:.3f}, train {result[name]['train_s']:.3f}, sync "
+            f"{result[name]['sync_s']:.3f}) | TRL {result['trl']['step_s']:.3f} s/step | ratio "
+            f"{result[name]['ratio']:.2f}",
             flush=True,
         )
     return result
@@ -274,6 +280,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--samplers", nargs="+", default=["jax"], choices=["vllm", "jax"])
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=list(PAIRS), help="on-policy models")
+    p.add_argument(
+        "--losses",
+        nargs="+",
+        default=["sampled", "gkd"],
+        choices=["sampled", "gkd"],
+        help="Temper's on-policy loss: the sampled-token advantage (per --samplers), and/or GKD (JAX sampler)",
+    )
     p.add_argument("--rounds", type=int, default=6, help="offline: timed rounds (after one warm-up round)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)

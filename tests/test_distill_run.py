@@ -150,9 +150,12 @@ def onpolicy_overrides(run_dir, tokenizer, teacher, *extra):
 
 
 @pytest.mark.serial
-def test_on_policy_distillation_on_ray_with_vllm(tmp_path, arithmetic_tokenizer, teacher):
-    """Real Ray, real vLLM: the student samples one completion a prompt, the teacher scores every token in the
-    trainer, the reverse KL on the student's samples goes down, weights sync after every step."""
+def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_tokenizer, teacher):
+    """Real Ray, real vLLM, async (`rl.off_policy_steps=1`: the samplers draw the next batch while the trainer
+    trains): the student samples one completion a prompt, the teacher scores every token in the trainer, no
+    completion is more than one policy version old, weights sync after every step, and the reverse KL on the
+    student's samples goes down. (Sync on-policy distillation runs in the quickstart and, with the JAX sampler,
+    in the resume test below.)"""
     import ray
 
     from core.config_loader import load_config
@@ -165,7 +168,12 @@ def test_on_policy_distillation_on_ray_with_vllm(tmp_path, arithmetic_tokenizer,
         cfg = load_config(
             "recipes/configs/grpo_tiny.yml",
             onpolicy_overrides(
-                tmp_path / "run", arithmetic_tokenizer, teacher, "train.steps=16", "train.eval_every=16"
+                tmp_path / "run",
+                arithmetic_tokenizer,
+                teacher,
+                "train.steps=16",
+                "train.eval_every=16",
+                "rl.off_policy_steps=1",
             ),
             schema=PostTrainConfig,
         )
@@ -178,8 +186,9 @@ def test_on_policy_distillation_on_ray_with_vllm(tmp_path, arithmetic_tokenizer,
         ray.shutdown()
     rows = [r for r in read_metrics(tmp_path / "run") if "reverse_kl" in r]
     assert [r["step"] for r in rows] == list(range(1, 17))
-    assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler follows every update
-    assert all(r["mismatch/logp_gap_mean"] < 1e-4 for r in rows)  # vLLM's log-probs are the trainer's
+    assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler gets every update
+    staleness = [r["staleness_max"] for r in rows]
+    assert max(staleness) == 1 and staleness[0] == 0, staleness  # async, bounded by rl.off_policy_steps
     kl = [r["reverse_kl"] for r in rows]
     first, last = np.mean(kl[:4]), np.mean(kl[-4:])
     print(f"reverse KL: steps 1-4 {first:.3f}, steps 13-16 {last:.3f}")
