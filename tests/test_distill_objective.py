@@ -86,8 +86,10 @@ def make_batch(packed, alpha, t, **extra):
     return DistillBatch(packed, np.full(b, alpha, np.float32), np.full(b, t, np.float32), **extra)
 
 
-@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
-@pytest.mark.parametrize("mode", ["renormalised", "tail"])
+@pytest.mark.parametrize(
+    "kind, mode",
+    [("forward", "renormalised"), ("reverse", "renormalised"), ("jsd", "renormalised"), ("reverse", "tail")],
+)
 def test_offline_topk_matches_numpy(kind, mode):
     student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
     packed = to_data_batch(rows(), 1).batch
@@ -110,7 +112,7 @@ def test_offline_topk_matches_numpy(kind, mode):
     assert float(sums["student_mass"]) / mask.sum() == pytest.approx(mass, rel=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+@pytest.mark.parametrize("kind", ["forward", "jsd"])  # reverse: the kernel's own tests and online top-k below
 def test_online_full_vocabulary_matches_numpy(kind):
     student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
     packed = to_data_batch(rows(seed=1), 1).batch

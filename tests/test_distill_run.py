@@ -77,33 +77,42 @@ def test_the_dump_resumes_and_refuses_other_data(tmp_path, arithmetic_tokenizer,
         dump([*args, "data.seq_len=160"])
 
 
-def test_offline_and_online_distillation_bring_the_student_closer(tmp_path, arithmetic_tokenizer, teacher):
-    """Offline from the dump (renormalised top-k) and online over the whole vocabulary at T = 2 with a hard-label
-    share: both lower the held-out forward KL(teacher || student) at T = 1."""
+def check_closer(run_dir: Path) -> list[float]:
+    """The held-out forward KL(teacher || student) at T = 1 went down between the two evaluations; every step
+    trained (finite, a non-zero gradient); the run exported."""
+    rows = read_metrics(run_dir)
+    evals = [r["eval/kl"] for r in rows if "eval/kl" in r]
+    assert len(evals) == 2 and evals[1] < 0.95 * evals[0], evals
+    train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
+    assert train_rows and all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in train_rows)
+    assert (run_dir / "hf" / "config.json").exists()
+    return evals
+
+
+TRAIN = ["train.steps=14", "train.eval_every=7", "sft.eval_generations=0"]
+
+
+def test_offline_distillation_brings_the_student_closer(tmp_path, arithmetic_tokenizer, teacher):
+    """From the dump (renormalised top-32, forward KL), the teacher never loaded."""
     from recipes.distill import main as train
     from recipes.distill_logits import main as dump
 
-    args = common(tmp_path, arithmetic_tokenizer, teacher, "train.steps=30", "train.eval_every=10")
+    args = common(tmp_path, arithmetic_tokenizer, teacher, *TRAIN)
     assert dump(args) == 0
     assert train([*args, f"run.run_dir={tmp_path / 'offline'}"]) == 0
-    online = [
-        f"run.run_dir={tmp_path / 'online'}",
-        "distill.regime=online",
-        "distill.temperature=2.0",
-        "distill.alpha=0.1",
-        "distill.loss=jsd",
-    ]
+    print("offline", check_closer(tmp_path / "offline"))
+    assert all(0 < r["teacher_mass"] <= 1 for r in read_metrics(tmp_path / "offline") if "teacher_mass" in r)
+
+
+def test_online_distillation_brings_the_student_closer(tmp_path, arithmetic_tokenizer, teacher):
+    """The teacher in the step, the whole vocabulary, JSD at T = 2 with a hard-label share."""
+    from recipes.distill import main as train
+
+    args = common(tmp_path, arithmetic_tokenizer, teacher, *TRAIN, f"run.run_dir={tmp_path / 'online'}")
+    online = ["distill.regime=online", "distill.temperature=2.0", "distill.alpha=0.1", "distill.loss=jsd"]
+    online.append("optim.learning_rate=3.0e-3")  # 14 steps of a random student: a faster rate than the recipe's
     assert train([*args, *online]) == 0
-    for regime in ("offline", "online"):
-        rows = read_metrics(tmp_path / regime)
-        evals = [r["eval/kl"] for r in rows if "eval/kl" in r]
-        print(regime, evals)
-        assert len(evals) == 3 and evals[0] > evals[1] > evals[2], (regime, evals)
-        train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
-        assert train_rows and all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in train_rows)
-        assert (tmp_path / regime / "hf" / "config.json").exists()
-    offline = read_metrics(tmp_path / "offline")
-    assert all(0 < r["teacher_mass"] <= 1 for r in offline if "teacher_mass" in r)
+    print("online", check_closer(tmp_path / "online"))
 
 
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_at_start(tmp_path, arithmetic_tokenizer):
@@ -171,8 +180,8 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
                 tmp_path / "run",
                 arithmetic_tokenizer,
                 teacher,
-                "train.steps=16",
-                "train.eval_every=16",
+                "train.steps=12",
+                "train.eval_every=12",
                 "rl.off_policy_steps=1",
             ),
             schema=PostTrainConfig,
@@ -185,13 +194,13 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
     finally:
         ray.shutdown()
     rows = [r for r in read_metrics(tmp_path / "run") if "reverse_kl" in r]
-    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler gets every update
     staleness = [r["staleness_max"] for r in rows]
     assert max(staleness) == 1 and staleness[0] == 0, staleness  # async, bounded by rl.off_policy_steps
     kl = [r["reverse_kl"] for r in rows]
-    first, last = np.mean(kl[:4]), np.mean(kl[-4:])
-    print(f"reverse KL: steps 1-4 {first:.3f}, steps 13-16 {last:.3f}")
+    first, last = np.mean(kl[:3]), np.mean(kl[-3:])
+    print(f"reverse KL: steps 1-3 {first:.3f}, steps 10-12 {last:.3f}")
     assert last < 0.85 * first, kl
     assert summary.final_eval is not None and "eval/pass@1" in summary.final_eval
 

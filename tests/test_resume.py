@@ -58,7 +58,7 @@ DISTILL_OVERRIDES = [
     "train.log_every=1",
     "train.eval_every=0",
     "train.batch_size=4",
-    "data.num_examples=400",
+    "data.num_examples=200",
     "data.eval_fraction=0",
     "data.format=chat",
     "data.seq_len=128",
@@ -100,7 +100,7 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
     overrides, steps, rows = {
         "sft": (OVERRIDES, 48, 2000),
         "dpo": (DPO_OVERRIDES, 24, 400),
-        "distill": (DISTILL_OVERRIDES, 24, 400),
+        "distill": (DISTILL_OVERRIDES, 24, 200),
     }[method]
     if method == "distill":  # the teacher's top-k, dumped once for both runs (the dump is a recipe of its own)
         from recipes.distill_logits import main as dump
