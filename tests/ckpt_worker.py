@@ -3,6 +3,7 @@
 
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,5 +22,10 @@ if __name__ == "__main__":
     ckpt.wait()
     state = TrainState(nnx.State({"w": params["w"] * 2}), state.opt_state, state.step + 1, state.rng)
     ckpt.save(state, None, Config(model=ModelConfig()))
+    # The write runs in a background thread: say "saving" once it has started (its temporary directory exists),
+    # so that the parent's kill lands mid-save and not before it (which a loaded machine made happen).
+    deadline = time.monotonic() + 30
+    while not any("tmp" in p.name for p in Path(directory).iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.005)
     print("saving", flush=True)
     time.sleep(60)
