@@ -64,6 +64,7 @@ def run_variant(args) -> dict:
         "xla_temp_plus_output_bytes": int(mem.temp_size_in_bytes + mem.output_size_in_bytes),
         "peak_rss_growth_bytes": int(peak - rss_inputs),
         "seconds": statistics.median(times),
+        "backend": jax.default_backend(),
     }
 
 
@@ -98,7 +99,7 @@ def main() -> None:
     gib = 2**30
     print(
         f"\n{args.kind} KL, N={args.batch}x{args.seq} tokens, V={args.vocab}, student {args.student} wide, teacher "
-        f"{args.teacher} wide, chunk {args.chunk}, float32, CPU"
+        f"{args.teacher} wide, chunk {args.chunk}, float32, {results[0]['backend']}"
     )
     print(f"{'variant':<10}{'XLA temp+out GiB':>18}{'peak RSS GiB':>14}{'seconds':>10}{'loss':>16}")
     for r in results:
