@@ -180,8 +180,8 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
                 tmp_path / "run",
                 arithmetic_tokenizer,
                 teacher,
-                "train.steps=12",
-                "train.eval_every=12",
+                "train.steps=16",
+                "train.eval_every=16",
                 "rl.off_policy_steps=1",
             ),
             schema=PostTrainConfig,
@@ -194,13 +194,13 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
     finally:
         ray.shutdown()
     rows = [r for r in read_metrics(tmp_path / "run") if "reverse_kl" in r]
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 17))
     assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler gets every update
     staleness = [r["staleness_max"] for r in rows]
     assert max(staleness) == 1 and staleness[0] == 0, staleness  # async, bounded by rl.off_policy_steps
     kl = [r["reverse_kl"] for r in rows]
-    first, last = np.mean(kl[:3]), np.mean(kl[-3:])
-    print(f"reverse KL: steps 1-3 {first:.3f}, steps 10-12 {last:.3f}")
+    first, last = np.mean(kl[:4]), np.mean(kl[-4:])
+    print(f"reverse KL: steps 1-4 {first:.3f}, steps 13-16 {last:.3f}")  # measured 1.12 -> 0.81 (12 steps: no drop)
     assert last < 0.85 * first, kl
     assert summary.final_eval is not None and "eval/pass@1" in summary.final_eval
 
