@@ -20,15 +20,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "distill_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    import jax
-
-    from core.checkpoint import load_model_from
     from core.data import load_records, load_tokenizer, tokenize_examples
     from core.mesh import make_mesh
     from core.tokenizer import tokenizer_for_run
     from posttrain.config import PostTrainConfig
     from posttrain.distill.dump import dump_topk
-    from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
+    from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
     from posttrain.sft import SFT, row_format
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
@@ -41,9 +38,7 @@ def main(argv: list[str]) -> int:
         cfg.data.tokenizer_dir, SFT.tokenizer_texts(records), cfg.run.run_dir, cfg.model.vocab_size, d.teacher
     )
     tokenizer = load_tokenizer(tokenizer_dir)
-    with jax.set_mesh(mesh):
-        teacher = load_model_from(d.teacher, mesh, dtype=d.teacher_dtype)
-    check_teacher_vocab(teacher.cfg.vocab_size, len(tokenizer), d.teacher, f"the tokenizer {tokenizer_dir}")
+    teacher = load_teacher(cfg, mesh, len(tokenizer), f"the tokenizer {tokenizer_dir}")
     mismatch = teacher_tokenizer_matches(d.teacher, tokenizer, tokenizer_dir)
     if mismatch:
         raise ConfigError(mismatch)

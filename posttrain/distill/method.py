@@ -36,7 +36,7 @@ from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
-from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
+from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
 from posttrain.sft import SFT, generation_hooks, row_format
 
 
@@ -106,17 +106,7 @@ class Distillation:
         """Online: the teacher, read with its own shape onto the run's mesh; offline: none."""
         if cfg.distill.regime != "online":
             return None
-        import jax
-
-        from core.checkpoint import load_model_from
-
-        path = str(cfg.distill.teacher)  # set: checked
-        with jax.set_mesh(mesh):
-            teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
-        check_teacher_vocab(
-            teacher.cfg.vocab_size, cfg.model.vocab_size, path, str(cfg.checkpoint.init_from or "a random init")
-        )
-        return teacher
+        return load_teacher(cfg, mesh, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg

@@ -43,7 +43,7 @@ from core.config_loader import ConfigError
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, distill_objective, schedules
-from posttrain.distill.teacher import check_teacher_vocab, teacher_tokenizer_matches
+from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher_tokenizer_matches
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
@@ -146,17 +146,11 @@ class GKDLearner(PolicyLearner[DistillBatch]):
         total_steps: int,
         tx: optax.GradientTransformation | None = None,
     ):
-        import jax
-
-        from core.checkpoint import load_model_from
         from core.learner import Learner
         from posttrain.distill.method import settings
 
         super().__init__(cfg, mesh)
-        path = str(cfg.distill.teacher)
-        with jax.set_mesh(mesh):
-            teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
-        check_teacher_vocab(teacher.cfg.vocab_size, model.cfg.vocab_size, path, _student(cfg))
+        teacher = load_teacher(cfg, mesh, model.cfg.vocab_size, _student(cfg))
         online = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"regime": "online"})})
         objective = distill_objective(settings(online), model.cfg)
         self.learner = Learner(model, mesh, objective, cfg.optim, total_steps, cfg.run.seed, tx, frozen=teacher)

@@ -1,7 +1,8 @@
 """What a teacher must share with its student: the tokenizer (a padded embedding allowed), checked at start.
 
 check_teacher_vocab(teacher_rows, student_rows, "runs/teacher/hf", "runs/sft/hf")   # ConfigError naming both
-mismatch = teacher_tokenizer_matches("runs/teacher/hf", tokenizer)                # None, or what differs
+mismatch = teacher_tokenizer_matches("runs/teacher/hf", tokenizer, tokenizer_dir)  # None, or what differs
+teacher = load_teacher(cfg, mesh, student_vocab, "runs/sft/hf")    # the model on the mesh, its size checked
 """
 
 from __future__ import annotations
@@ -39,3 +40,17 @@ def teacher_tokenizer_matches(teacher: str, tokenizer, tokenizer_dir: str) -> st
         f"{len(tokenizer)} tokens): distillation here needs one tokenizer for both (cross-tokenizer distillation "
         f"is not supported)"
     )
+
+
+def load_teacher(cfg, mesh, student_vocab: int, student: str):
+    """`distill.teacher` (in `distill.teacher_dtype`) read with its own shape onto `mesh`, its vocabulary checked
+    against the student's (`check_teacher_vocab`)."""
+    import jax
+
+    from core.checkpoint import load_model_from
+
+    path = str(cfg.distill.teacher)
+    with jax.set_mesh(mesh):
+        teacher = load_model_from(path, mesh, dtype=cfg.distill.teacher_dtype)
+    check_teacher_vocab(teacher.cfg.vocab_size, student_vocab, path, student)
+    return teacher
