@@ -89,6 +89,8 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             config=ocp.args.JsonSave(config.model_dump(mode="json")),
         )
+        if state.companion is not None:
+            items["companion"] = ocp.args.StandardSave(_pure(state.companion))
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -161,15 +163,21 @@ class Checkpointer:
             opt_state=ocp.args.StandardRestore(_abstract(target.opt_state)),
             meta=ocp.args.JsonRestore(),
         )
+        if target.companion is not None:
+            items["companion"] = ocp.args.StandardRestore(_abstract(_pure(target.companion)))
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         params = nnx.State(target.params)
         nnx.replace_by_pure_dict(params, out["params"])
+        companion = None
+        if target.companion is not None:
+            companion = nnx.State(target.companion)
+            nnx.replace_by_pure_dict(companion, out["companion"])
         meta = dict(out["meta"])
         rng = jax.random.wrap_key_data(jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
-        state = TrainState(params, out["opt_state"], jax.numpy.asarray(meta["step"], jax.numpy.int32), rng)
-        return state, meta
+        step_count = jax.numpy.asarray(meta["step"], jax.numpy.int32)
+        return TrainState(params, out["opt_state"], step_count, rng, companion), meta
 
     def check_compatible(self, step: int, target: TrainState, config: Config) -> None:
         """Raise `CheckpointMismatch` naming every model-config key and tensor that differs."""
@@ -185,16 +193,27 @@ class Checkpointer:
         meta = self.manager.item_metadata(step)
         saved = meta["params"] if meta is not None and "params" in meta else None
         if saved is not None:
-            flat_saved = _flat_shapes(saved)
-            flat_ours = _flat_shapes(_pure(target.params))
-            for path in sorted(set(flat_saved) | set(flat_ours)):
-                a, b = flat_saved.get(path), flat_ours.get(path)
-                if a != b:
-                    diffs.append(f"tensor {path}: checkpoint {a}, this run {b}")
+            diffs += _tensor_diffs(_flat_shapes(saved), _flat_shapes(_pure(target.params)), "")
+            # The companion (parameters trained beside the model's): both have it, with the same shapes, or neither.
+            theirs_c = meta.get("companion") if "companion" in meta else None
+            ours_c = None if target.companion is None else _pure(target.companion)
+            if (theirs_c is None) != (ours_c is None):
+                has = "this run trains" if theirs_c is None else "the checkpoint holds"
+                diffs.append(f"companion: {has} parameters beside the model's (a feature projection) the other lacks")
+            elif theirs_c is not None:
+                diffs += _tensor_diffs(_flat_shapes(theirs_c), _flat_shapes(ours_c), "companion ")
         if diffs:
             raise CheckpointMismatch(
                 f"checkpoint {where} was written for a different model:\n  " + "\n  ".join(diffs[:40])
             )
+
+
+def _tensor_diffs(saved: dict, ours: dict, what: str) -> list[str]:
+    return [
+        f"{what}tensor {path}: checkpoint {saved.get(path)}, this run {ours.get(path)}"
+        for path in sorted(set(saved) | set(ours))
+        if saved.get(path) != ours.get(path)
+    ]
 
 
 _SHAPE_KEYS = {

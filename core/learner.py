@@ -32,6 +32,7 @@ from core.models import Decoder
 from core.optim import make_optimizer, make_schedule
 from core.train import (
     LossFn,
+    bind_loss,
     init_train_state,
     jit_train_step,
     make_train_step,
@@ -71,31 +72,29 @@ class Learner:
         seed: int = 0,
         tx: optax.GradientTransformation | None = None,
         frozen: nnx.Module | None = None,
+        companion: nnx.Module | None = None,
     ):
         """`tx` replaces the optimizer `optim` describes (e.g. one that records gradients, in tests). `frozen`: a
         model the loss reads in every step and evaluation without training it (online distillation's teacher;
-        the loss then takes it as a fourth argument, `core.train.LossFn`)."""
+        the loss then takes it as a fourth argument, `core.train.LossFn`). `companion`: a module trained with the
+        model but kept apart from it (a feature-distillation projection, placed on `mesh`; the loss takes it
+        fifth): checkpointed in the state, never part of `model()`, `params` or the export."""
         self.mesh = mesh
         self.model_cfg = model.cfg
         self.schedule = make_schedule(optim, total_updates)
+        companion_graphdef, companion_params = nnx.split(companion) if companion is not None else (None, None)
         with jax.set_mesh(mesh):
-            self.tx = tx or make_optimizer(optim, total_updates, nnx.state(model))
-            self.graphdef, self.state = init_train_state(model, self.tx, seed)
+            self.tx = tx or make_optimizer(optim, total_updates, nnx.state(model), companion_params)
+            self.graphdef, self.state = init_train_state(model, self.tx, seed, companion_params)
         frozen_graphdef: nnx.GraphDef | None = None
         self.frozen_params: nnx.State | None = None
         if frozen is not None:
             frozen_graphdef, self.frozen_params = nnx.split(frozen)
-        step = make_train_step(self.graphdef, loss_fn, self.tx, self.schedule, frozen_graphdef)
+        step = make_train_step(self.graphdef, loss_fn, self.tx, self.schedule, frozen_graphdef, companion_graphdef)
         self._step = jit_train_step(step, self.state)
         self._executables: dict[Any, Callable] = {}
-
-        def evaluate(params, batch, frozen):
-            model, key = nnx.merge(self.graphdef, params), jax.random.key(0)
-            if frozen_graphdef is None:
-                return loss_fn(model, batch, key)
-            return loss_fn(model, batch, key, nnx.merge(frozen_graphdef, frozen))
-
-        self._evaluate = jax.jit(evaluate)
+        bound = bind_loss(self.graphdef, loss_fn, frozen_graphdef, companion_graphdef)
+        self._evaluate = jax.jit(lambda trainable, batch, frozen: bound(trainable, batch, jax.random.key(0), frozen))
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
 
     @property
@@ -141,7 +140,7 @@ class Learner:
         placed = place_batch(split_micro_batches(batch, 1, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):
             first = jax.tree.map(lambda x: x[0], placed)
-            loss_sum, sums = self._evaluate(self.state.params, first, self.frozen_params)
+            loss_sum, sums = self._evaluate(self.state.trainable, first, self.frozen_params)
         return float(loss_sum), {k: float(v) for k, v in jax.device_get(sums).items()}
 
     # ------------------------------------------------------------ checkpoints

@@ -73,8 +73,44 @@ def _muon_dims(params: nnx.State) -> Any:
     return nnx.from_flat_state([(p, dims(p)) for p in flat])
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
-    """The full transformation: clip -> optimizer (with schedule) -> freezing mask."""
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, params: nnx.State, companion: nnx.State | None = None
+) -> optax.GradientTransformation:
+    """The full transformation: clip -> optimizer (with schedule) -> freezing mask.
+
+    With `companion` (parameters trained beside the model's, `core.train.TrainState.companion`) it takes the pair
+    (params, companion): the model's part as above, the companion's with its own clip at the same norm and AdamW
+    (SGD under `sgd`; AdamW also under Muon), never frozen by `trainable_regex`."""
+    tx = _model_optimizer(cfg, total_steps, params)
+    if companion is None:
+        return tx
+    schedule = make_schedule(cfg, total_steps)
+    if cfg.name == "sgd":
+        opt = optax.sgd(schedule)
+    else:
+        decay_mask = _map_paths(companion, _is_decayed)
+        opt = optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    beside = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), opt) if cfg.grad_clip_norm else opt
+    return _pair(tx, beside)
+
+
+def _pair(first: optax.GradientTransformation, second: optax.GradientTransformation) -> optax.GradientTransformation:
+    """A transformation of (a, b) pairs: `first` on a, `second` on b, each with its own state (optax's
+    `multi_transform` would hand both the whole pair, which the model's masks do not describe)."""
+
+    def init(params):
+        return first.init(params[0]), second.init(params[1])
+
+    def update(updates, state, params=None):
+        a, b = (None, None) if params is None else params
+        update_a, state_a = first.update(updates[0], state[0], a)
+        update_b, state_b = second.update(updates[1], state[1], b)
+        return (update_a, update_b), (state_a, state_b)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _model_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
     schedule = make_schedule(cfg, total_steps)
     decay_mask = _map_paths(params, _is_decayed)
     if cfg.name == "adamw":

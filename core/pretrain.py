@@ -77,6 +77,9 @@ class Pretraining:
     def frozen_model(self, cfg, mesh) -> None:
         return None  # nothing beside the trained model in the step
 
+    def companion(self, cfg, mesh, frozen) -> None:
+        return None  # the model's parameters are all it trains
+
     def parts(self, run: RunContext) -> MethodParts:
         return next_token_parts(run, TextRows())
 

@@ -6,7 +6,8 @@
 
 A method (`Method`) says what is its own: the config it needs (`check`, before anything starts), the text a
 tokenizer would be trained on when the run has none (`tokenizer_texts`), its loss (`loss`, the `core.train`
-contract), a model its loss reads beside the trained one (`frozen_model`: online distillation's teacher), and,
+contract), a model its loss reads beside the trained one (`frozen_model`: online distillation's teacher), a module
+trained beside the model (`companion`: feature distillation's projections), and,
 given the built run (`RunContext`: config, mesh, rows, tokenizer, learner), its `MethodParts`:
 the training pipeline, the held-out evaluation, `prepare` (frozen models' values attached to a batch) and any
 hooks of its own. Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the tokenizer
@@ -79,6 +80,11 @@ class Method(Protocol):
         """A model the loss reads in every step without training it (online distillation's teacher), or None."""
         ...
 
+    def companion(self, cfg: Any, mesh: Mesh, frozen: Any | None) -> Any | None:
+        """A module trained beside the model and kept apart from it (`core.learner.Learner(companion=...)`: a
+        feature-distillation projection, given the frozen model), placed on `mesh`; or None."""
+        ...
+
     def parts(self, run: RunContext) -> MethodParts: ...
 
 
@@ -134,7 +140,14 @@ def build_run(cfg: Config, method: Method) -> Run:
         print(parameter_summary(model))
     frozen = method.frozen_model(cfg, mesh)
     learner = Learner(
-        model, mesh, method.loss(cfg), cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed, frozen=frozen
+        model,
+        mesh,
+        method.loss(cfg),
+        cfg.optim,
+        total_updates=cfg.train.steps,
+        seed=cfg.run.seed,
+        frozen=frozen,
+        companion=method.companion(cfg, mesh, frozen),
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))

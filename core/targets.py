@@ -15,6 +15,7 @@ into `[B, C]`, whose empty slots (a shorter completion's tail) read 0.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -36,6 +37,7 @@ class TargetStates:
     layout: Layout
     real: jax.Array | None  # [F] each entry's slot in the flat [B * C] (out of range on padding); None: all slots
     shape: tuple[int, int]  # [B, C]
+    features: jax.Array | None = None  # [F, n, D]: the residual stream after each requested layer, at the same F
 
     def to_slots(self, x: jax.Array) -> jax.Array:
         """[F, ...] per-entry values -> [B, C, ...], 0 where there is no real target."""
@@ -59,12 +61,13 @@ class TargetStates:
         return flat if self.real is None else jnp.take(flat, self.real, axis=0, mode="fill", fill_value=0)
 
 
-def target_states(model, batch: PackedBatch) -> TargetStates:
+def target_states(model, batch: PackedBatch, layers: Sequence[int] = ()) -> TargetStates:
     """`model`'s hidden states at the positions predicting `batch`'s targets. Only the `batch.scored` real
     targets are listed (when that is fewer than the slots): prompt and padding positions never reach a
-    vocabulary-sized matmul."""
-    hidden = model.hidden_states(  # [R, L, D]
-        batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids, compact=batch.compact
+    vocabulary-sized matmul. With `layers` (decoder layer numbers, `Decoder.layer_states`), `features` holds
+    the residual stream after each of them at the same positions (a feature-distillation loss's input)."""
+    hidden, per_layer = model.layer_states(  # [R, L, D], n x [R, L, D]
+        batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids, compact=batch.compact, layers=layers
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [R * L, D]
     weight, layout = model.output_weight()
@@ -78,7 +81,10 @@ def target_states(model, batch: PackedBatch) -> TargetStates:
         (real,) = jnp.nonzero(batch.target_mask.reshape(-1) > 0, size=batch.scored, fill_value=slots)
         index = jnp.take(index, real, mode="fill", fill_value=0)
         ids = jnp.take(ids, real, mode="fill", fill_value=0)
-    return TargetStates(hidden[index], ids, weight.astype(hidden.dtype), layout, real, (b, c))
+    features = None
+    if per_layer:
+        features = jnp.stack([h.reshape(-1, h.shape[-1])[index] for h in per_layer], axis=1)  # [F, n, D]
+    return TargetStates(hidden[index], ids, weight.astype(hidden.dtype), layout, real, (b, c), features)
 
 
 def target_logprobs(

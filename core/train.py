@@ -4,6 +4,8 @@ The loss contract, shared by pretraining, SFT, DPO, GRPO and distillation:
 
     loss_fn(model, batch, rng) -> (loss_sum, metrics)
     loss_fn(model, batch, rng, frozen) -> (loss_sum, metrics)      # with a frozen model in the step (a teacher)
+    loss_fn(model, batch, rng, frozen, companion) -> ...           # and a module trained beside the model
+                                                                   # (frozen None when there is none)
 
 `loss_sum` is a *sum* over the micro-batch (e.g. of per-token NLL) and
 `metrics["loss_denominator"]` the count it is normalised by (e.g. target
@@ -44,16 +46,49 @@ class TrainState:
     opt_state: Any
     step: jax.Array  # int32 scalar: train steps taken (skipped non-finite steps included)
     rng: jax.Array  # PRNG key for dropout-like randomness in the loss
+    # Parameters trained with the model's but not part of it (a feature-distillation projection): checkpointed
+    # with the state, never exported, synced or read as the model. None for most methods.
+    companion: nnx.State | None = None
+
+    @property
+    def trainable(self) -> Any:
+        """What the optimizer updates: the model's parameters, or (them, the companion's)."""
+        return self.params if self.companion is None else (self.params, self.companion)
 
 
-def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int) -> tuple[nnx.GraphDef, TrainState]:
-    """Split the model and create the optimizer state sharded like the parameters it tracks."""
+def init_train_state(
+    model: nnx.Module, tx: optax.GradientTransformation, seed: int, companion: nnx.State | None = None
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Split the model and create the optimizer state sharded like the parameters it tracks (`tx` takes
+    `TrainState.trainable`: the pair with a `companion`)."""
     graphdef, params = nnx.split(model)
-    shardings = optimizer_state_shardings(tx, params)
-    opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
+    trainable = params if companion is None else (params, companion)
+    shardings = optimizer_state_shardings(tx, trainable)
+    opt_state = jax.jit(tx.init, out_shardings=shardings)(trainable)
     replicated = _replicated_like(params)
     step, rng = jax.device_put((jnp.zeros((), jnp.int32), jax.random.key(seed)), replicated)
-    return graphdef, TrainState(params, opt_state, step, rng)
+    return graphdef, TrainState(params, opt_state, step, rng, companion)
+
+
+def bind_loss(
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    frozen_graphdef: nnx.GraphDef | None = None,
+    companion_graphdef: nnx.GraphDef | None = None,
+) -> Callable[..., tuple[jax.Array, dict]]:
+    """`(trainable, batch, rng, frozen_params) -> loss_fn(...)`: the parameters merged into the modules the loss
+    contract names (the model; the frozen model; the companion), for the step and for evaluation alike."""
+
+    def bound(trainable, batch, rng, frozen):
+        params, companion = (trainable, None) if companion_graphdef is None else trainable
+        args = [nnx.merge(graphdef, params), batch, rng]
+        if frozen_graphdef is not None or companion_graphdef is not None:
+            args.append(None if frozen_graphdef is None else nnx.merge(frozen_graphdef, frozen))
+        if companion_graphdef is not None:
+            args.append(nnx.merge(companion_graphdef, companion))
+        return loss_fn(*args)
+
+    return bound
 
 
 def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
@@ -63,8 +98,11 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any) -> 
     so XLA would otherwise replicate them (8x the memory under fsdp=8). A state
     leaf is matched to the parameter whose key path is a suffix of its own.
     """
+    parts = params if isinstance(params, tuple) else (params,)  # (the model's, a companion's): each on its own
     by_path = {
-        _path_key(path): (leaf.shape, leaf.sharding) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        _path_key(path): (leaf.shape, leaf.sharding)
+        for part in parts
+        for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]
     }
     replicated = _replicated_like(params)
 
@@ -130,11 +168,14 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
     frozen_graphdef: nnx.GraphDef | None = None,
+    companion_graphdef: nnx.GraphDef | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
     """The pure step `(state, micro_batched_batch, frozen_params) -> (state, metrics)`, not yet jitted.
 
     With `frozen_graphdef`, `frozen_params` (its parameters, never updated) are merged into a model the loss
     receives as its fourth argument, under a stop-gradient; without, they are None and the loss takes three.
+    With `companion_graphdef`, `state.companion` is merged into a module the loss receives fifth, and trained
+    with the model (`bind_loss`).
 
     A step whose loss or gradient norm is not finite leaves the parameters and
     optimizer state unchanged (`metrics["finite"] == 0`); the loop decides to
@@ -144,29 +185,27 @@ def make_train_step(
     move AdamW's moments and apply weight decay.
     """
 
-    def grads_of(params, micro_batch, rng, frozen):
-        def objective(p):
-            if frozen_graphdef is None:
-                return loss_fn(nnx.merge(graphdef, p), micro_batch, rng)
-            return loss_fn(nnx.merge(graphdef, p), micro_batch, rng, nnx.merge(frozen_graphdef, frozen))
+    bound = bind_loss(graphdef, loss_fn, frozen_graphdef, companion_graphdef)
 
-        (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    def grads_of(trainable, micro_batch, rng, frozen):
+        objective = lambda t: bound(t, micro_batch, rng, frozen)
+        (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return loss_sum, metrics, grads
 
-    def summed(params, batch, step_rng, frozen):
+    def summed(trainable, batch, step_rng, frozen):
         """Loss, metric and gradient sums over the micro-batches (float32)."""
         k = jax.tree.leaves(batch)[0].shape[0]
         to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
         if k == 1:  # no accumulation buffers for the common case
             first = jax.tree.map(lambda x: x[0], batch)
-            return to_f32(grads_of(params, first, jax.random.fold_in(step_rng, 0), frozen))
-        shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], batch), step_rng, frozen)
+            return to_f32(grads_of(trainable, first, jax.random.fold_in(step_rng, 0), frozen))
+        shapes = jax.eval_shape(grads_of, trainable, jax.tree.map(lambda x: x[0], batch), step_rng, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
         zeros[1].update({k: jnp.full((), -jnp.inf) for k in zeros[1] if k.startswith(MAX_PREFIX)})
 
         def accumulate(carry, inputs):
             micro_batch, i = inputs
-            out = to_f32(grads_of(params, micro_batch, jax.random.fold_in(step_rng, i), frozen))
+            out = to_f32(grads_of(trainable, micro_batch, jax.random.fold_in(step_rng, i), frozen))
             (loss, metrics, grads), (loss_i, metrics_i, grads_i) = carry, out
             metrics = {
                 k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k]) for k, v in metrics.items()
@@ -178,7 +217,7 @@ def make_train_step(
     def step(state: TrainState, batch: Any, frozen: Any = None) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(state.rng)
         frozen = jax.lax.stop_gradient(frozen)
-        loss_sum, sums, grads = summed(state.params, batch, step_rng, frozen)
+        loss_sum, sums, grads = summed(state.trainable, batch, step_rng, frozen)
         raw_denom = sums.pop("loss_denominator")
         has_tokens = raw_denom > 0
         denom = jnp.maximum(raw_denom, 1.0)
@@ -188,15 +227,16 @@ def make_train_step(
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(operands):
-            params, opt_state = operands
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            trainable, opt_state = operands
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            return optax.apply_updates(trainable, updates), opt_state
 
-        operands = (state.params, state.opt_state)
+        operands = (state.trainable, state.opt_state)
         # Only the taken branch runs: no extra pass over the state.
-        params, opt_state = jax.lax.cond(finite & has_tokens, update, lambda ops: ops, operands)
+        trainable, opt_state = jax.lax.cond(finite & has_tokens, update, lambda ops: ops, operands)
+        params, companion = (trainable, None) if state.companion is None else trainable
         # The step counter advances even when an update is skipped: it indexes batches.
-        new_state = TrainState(params, opt_state, state.step + 1, rng)
+        new_state = TrainState(params, opt_state, state.step + 1, rng, companion)
         metrics = {k: v if k.startswith(MAX_PREFIX) else v / denom for k, v in sums.items()}
         metrics.update(
             loss=loss,

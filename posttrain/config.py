@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, model_validator
 from core.config import Config, Section
 from core.kernels.divergence import Divergence
 from posttrain.advantages import Estimator
-from posttrain.losses.distill import Schedule, TopKMode
+from posttrain.losses.distill import FeatureKind, Schedule, TopKMode
 from posttrain.losses.kl import KLEstimator
 from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.preference import SMOOTHED, LossType
@@ -178,6 +178,9 @@ OnPolicyLoss = Literal["sampled", "gkd"]
 LogitDtype = Literal["float32", "float16", "bfloat16"]
 
 
+SCHEDULED = ("alpha", "temperature", "feature_weight")  # the distillation values that may follow a schedule
+
+
 class DistillConfig(Section):
     """Teacher-student distillation (posttrain/distill/; docs/distillation.md).
 
@@ -188,6 +191,11 @@ class DistillConfig(Section):
     regime: Regime = "offline"
     teacher: str | None = None  # an HF directory, a Hub id or a Temper run (online, on_policy, and the dump)
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Online: the teacher beside the student in the train step, or in a Ray actor of its own (a teacher that does
+    # not fit beside the student), answering each batch with its top-k (`top_k` > 0) on `teacher_gpus` GPUs (0: CPU).
+    teacher_placement: Literal["beside", "actor"] = "beside"
+    teacher_gpus: float = Field(0.0, ge=0.0)
+    teacher_timeout_s: float = Field(600.0, gt=0.0)  # the longest a teacher actor may take over one batch
     logits_dir: str | None = None  # offline: the top-k shards (written by recipes.distill_logits)
     # The divergence trained on (offline, online): forward KL(teacher || student), reverse, or TRL's JSD(beta).
     loss: Divergence = "forward"
@@ -202,6 +210,14 @@ class DistillConfig(Section):
     alpha_end: float | None = Field(None, ge=0.0, le=1.0)
     alpha_schedule: Schedule = "constant"
     t2_scaling: bool = True  # Hinton's T^2 on the soft term (a no-op at T = 1)
+    # Online: a feature loss between hidden states, added with weight feature_weight (on its own schedule). Each
+    # pair is [student layer, teacher layer], counted from 1 (the residual stream after that decoder layer); the
+    # student's states go through a learned projection when the widths differ (Tunix's feature strategies).
+    feature_layers: list[tuple[int, int]] = Field(default_factory=list)
+    feature_loss: FeatureKind = "cosine"
+    feature_weight: float = Field(0.0, ge=0.0)
+    feature_weight_end: float | None = Field(None, ge=0.0)
+    feature_weight_schedule: Schedule = "constant"
     # The dump (recipes.distill_logits): k ids per target, their log-probs' dtype, rows per shard, temperature.
     dump_k: int = Field(128, gt=0)
     dump_dtype: LogitDtype = "float32"
@@ -219,16 +235,38 @@ class DistillConfig(Section):
 
     @model_validator(mode="after")
     def _check_schedules(self) -> DistillConfig:
-        for name in ("alpha", "temperature"):
+        for name in SCHEDULED:
             if getattr(self, f"{name}_schedule") != "constant" and getattr(self, f"{name}_end") is None:
                 raise ValueError(
                     f"distill.{name}_schedule={getattr(self, f'{name}_schedule')} goes from distill.{name} to "
                     f"distill.{name}_end: set it"
                 )
+        if self.teacher_placement == "actor" and (self.regime != "online" or self.top_k == 0):
+            raise ValueError(
+                f"distill.teacher_placement=actor answers each batch with the teacher's top-k over Ray: it needs "
+                f"distill.regime=online (not {self.regime}) and distill.top_k > 0 (not {self.top_k}; the whole "
+                f"vocabulary would move [tokens, vocab] floats between processes)"
+            )
+        if self.feature_layers and self.teacher_placement == "actor":
+            raise ValueError(
+                "distill.feature_layers reads the teacher's hidden states in the train step: it needs "
+                "distill.teacher_placement=beside"
+            )
+        weighted = self.feature_weight > 0 or (self.feature_weight_end or 0) > 0
+        if self.feature_layers and self.regime != "online":
+            raise ValueError(
+                f"distill.feature_layers compares the teacher's hidden states, which only the online regime has "
+                f"(distill.regime={self.regime}): use distill.regime=online"
+            )
+        if bool(self.feature_layers) != weighted:
+            raise ValueError(
+                "distill.feature_layers and a distill.feature_weight above 0 go together: "
+                + ("set distill.feature_weight" if self.feature_layers else "set distill.feature_layers")
+            )
         return self
 
     def at(self, name: str) -> tuple[float, float, Schedule]:
-        """(start, end, schedule) of `alpha` or `temperature`."""
+        """(start, end, schedule) of one of `SCHEDULED`."""
         start = getattr(self, name)
         end = getattr(self, f"{name}_end")
         return start, start if end is None else end, getattr(self, f"{name}_schedule")

@@ -158,6 +158,9 @@ class SupervisedFineTuning:
     def frozen_model(self, cfg, mesh) -> None:
         return None  # nothing beside the trained model in the step
 
+    def companion(self, cfg, mesh, frozen) -> None:
+        return None  # the model's parameters are all it trains
+
     def parts(self, run: RunContext) -> MethodParts:
         rows = row_format(run.cfg.data.format, run.cfg.sft.completion_only_loss)
         return next_token_parts(run, rows, hooks=lambda examples: generation_hooks(run, examples))

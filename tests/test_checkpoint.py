@@ -218,3 +218,40 @@ def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
         )
         leaves_equal(restored.params, state.params)
         assert not marker.exists()
+
+
+def test_a_companion_round_trips_and_a_missing_one_is_named(tmp_path):
+    """Parameters trained beside the model's (a feature projection) are saved and restored exactly with their
+    optimizer moments; a run with a companion does not restore a checkpoint without one, or one of another shape,
+    and says so (the checkpoint is kept)."""
+    from posttrain.distill.features import feature_projections
+
+    cfg = Config(model=ModelConfig())
+
+    def with_companion(width, seed):
+        model = create_model(cfg.model, seed=seed)
+        companion = nnx.state(feature_projections([(1, 1)], 64, width, seed=seed))
+        tx = make_optimizer(ADAM, 10, nnx.state(model), companion)
+        _, state = init_train_state(model, tx, seed=seed, companion=companion)
+        grads = jax.tree.map(lambda p: p * 0.5 + 0.1, state.trainable)
+        _, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.trainable)
+        return TrainState(state.params, opt_state, state.step + 7, state.rng, state.companion)
+
+    state = with_companion(96, seed=0)
+    ckpt = Checkpointer(tmp_path / "ck", async_save=False)
+    ckpt.save(state, None, cfg)
+    restored, _ = ckpt.restore(7, with_companion(96, seed=1), None, cfg)
+    leaves_equal(restored.companion, state.companion)
+    leaves_equal(restored.opt_state, state.opt_state)
+    leaves_equal(restored.params, state.params)
+    assert np.abs(np.asarray(restored.companion["kernels"][0][...])).max() > 0
+
+    with pytest.raises(
+        CheckpointMismatch, match=r"companion tensor kernels\.0: checkpoint \(64, 96\), this run \(64, 80\)"
+    ):
+        ckpt.restore(7, with_companion(80, seed=1), None, cfg)
+    plain = Checkpointer(tmp_path / "plain", async_save=False)
+    plain.save(make_state(cfg.model)[1], None, cfg)
+    with pytest.raises(CheckpointMismatch, match="companion: this run trains parameters beside the model's"):
+        plain.restore(7, with_companion(96, seed=1), None, cfg)
+    assert ckpt.all_steps() == [7] and plain.all_steps() == [7]

@@ -48,6 +48,14 @@ def test_hidden_states_on_real_tokens_equal_the_rows(scan):
     np.testing.assert_allclose(compact[real], rows[real], rtol=0, atol=8 * float(np.spacing(np.float32(scale))))
     assert not compact[~real].any()  # padding positions read zeros
     assert rows[~real].any()  # (on the rows they hold the padding tokens' states)
+    # An intermediate layer's states (feature distillation's input) go back to the rows the same way.
+    (row_layer,) = model.layer_states(*args, layers=(1,))[1]
+    (compact_layer,) = model.layer_states(*args, compact=count + 5, layers=(1,))[1]
+    row_layer, compact_layer = np.asarray(row_layer), np.asarray(compact_layer)
+    scale = float(np.abs(row_layer[real]).max())
+    tol = 8 * float(np.spacing(np.float32(scale)))
+    np.testing.assert_allclose(compact_layer[real], row_layer[real], rtol=0, atol=tol)
+    assert not compact_layer[~real].any() and np.abs(row_layer - rows).max() > 1e-3  # not the final states
 
 
 def grads(graphdef, params, batch):

@@ -74,9 +74,9 @@ def reference(zs, zt, ids_label, kind, t, alpha, k=None, mode="renormalised", be
     return (1 - alpha) * t * t * kd + alpha * nll
 
 
-def objective_value(settings, student, batch, teacher=None):
+def objective_value(settings, student, batch, teacher=None, projections=None):
     loss_fn = distill_objective(settings, student.cfg)
-    args = (student, batch, None) if teacher is None else (student, batch, None, teacher)
+    args = (student, batch, None) if teacher is None else (student, batch, None, teacher, projections)
     loss_sum, sums = loss_fn(*args)
     return float(loss_sum) / float(sums["loss_denominator"]), sums
 
@@ -153,11 +153,76 @@ def test_padded_teacher_vocabulary_is_read_over_the_students():
     assert np.isfinite(with_padding).all()
 
 
-@pytest.mark.parametrize("online", [False, True])
+def layer_states_at_targets(model, packed, layers) -> np.ndarray:
+    """[B, C, n, D] float64: the residual stream after each of `layers` at every target slot's position."""
+    _, states = model.layer_states(packed.tokens, packed.positions, packed.segment_ids, layers=layers)
+    flat = [np.asarray(h, np.float64).reshape(-1, h.shape[-1]) for h in states]
+    return np.stack([h[np.asarray(packed.target_index)] for h in flat], axis=-2)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "l2"])
+def test_feature_loss_through_a_projection_matches_numpy(kind):
+    """Online with feature pairs (student 1 <-> teacher 2, student 1 <-> teacher 1; widths 32 -> 48): the loss is
+    the KD's plus the weight times the pairs' mean feature loss of (student states @ projection, teacher states),
+    float64 NumPy; the projection's gradient (l2) is NumPy's closed form, and not zero."""
+    import jax
+    from flax import nnx
+
+    from posttrain.distill.features import feature_projections
+
+    student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
+    packed = to_data_batch(rows(seed=6), 1).batch
+    pairs = ((1, 2), (1, 1))
+    projections = feature_projections(pairs, STUDENT.hidden_size, TEACHER.hidden_size, seed=3)
+    assert projections is not None and feature_projections(pairs, 32, 32, seed=3) is None  # equal widths: none
+    weight, t, alpha = 0.7, 1.0, 0.0
+    settings = DistillSettings(kind="forward", feature_layers=pairs, feature_kind=kind)
+    b = packed.target_ids.shape[0]
+    batch = make_batch(packed, alpha, t, feature_weight=np.full(b, weight, np.float32))
+    got, sums = objective_value(settings, student, batch, teacher, projections)
+
+    mask = np.asarray(packed.target_mask) > 0
+    hs = layer_states_at_targets(student, packed, (1, 1))[mask]  # [N, 2, 32]
+    ht = layer_states_at_targets(teacher, packed, (2, 1))[mask]  # [N, 2, 48]
+    kernels = [np.asarray(k[...], np.float64) for k in projections.kernels]
+    proj = np.stack([hs[:, i] @ kernels[i] for i in range(2)], axis=1)  # [N, 2, 48]
+    if kind == "cosine":
+        cos = (proj * ht).sum(-1) / (np.linalg.norm(proj, axis=-1) * np.linalg.norm(ht, axis=-1))
+        feature = (1 - cos).mean(-1)
+    else:
+        feature = ((proj - ht) ** 2).mean(-1).mean(-1)
+    kd = reference(full_logits(student, packed), full_logits(teacher, packed), np.asarray(packed.target_ids),
+                   "forward", t, alpha)[mask]  # fmt: skip
+    assert got == pytest.approx((kd + weight * feature).mean(), rel=2e-5)
+    assert float(sums["feature"]) / mask.sum() == pytest.approx(feature.mean(), rel=2e-5)
+    assert feature.mean() > 0.05  # a real distance, not a degenerate zero
+
+    if kind == "l2":  # d/dP_i of mean_tokens weight * mean_pairs mean_d (h_i P_i - t_i)^2
+        loss_fn = distill_objective(settings, STUDENT)
+        graphdef, state = nnx.split(projections)
+
+        def loss_of(p):
+            loss_sum, sums = loss_fn(student, batch, None, teacher, nnx.merge(graphdef, p))
+            return loss_sum / sums["loss_denominator"]
+
+        grads = jax.grad(loss_of)(state)
+        n, dt = hs.shape[0], ht.shape[-1]
+        for i in range(2):
+            want = weight * 2.0 / (n * 2 * dt) * hs[:, i].T @ (proj[:, i] - ht[:, i])
+            got_grad = np.asarray(grads["kernels"][i].get_value())
+            assert np.abs(want).max() > 1e-4
+            np.testing.assert_allclose(got_grad, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("online", [False, True, "features"])
 def test_micro_batches_give_the_one_batch_gradient(online):
-    """Two micro-batches and one give the same gradient, per tensor in float32 ulps, and it is not zero."""
+    """Two micro-batches and one give the same gradient, per tensor in float32 ulps, and it is not zero; with
+    feature pairs, the projection (the learner's companion) gets its gradient the same way."""
+    from posttrain.distill.features import feature_projections
+
     data = rows(n=8, seed=4)
     teacher = create_model(TEACHER, None, seed=1)
+    pairs = ((1, 2),) if online == "features" else ()
     k = 6
     zt = full_logits(teacher, to_data_batch(data, 1).batch)  # per [B, C] slot: the same slots in both layouts
     ids = np.argsort(-zt, -1)[..., :k].astype(np.int32)
@@ -166,8 +231,10 @@ def test_micro_batches_give_the_one_batch_gradient(online):
     for micro in (1, 2):
         packed = to_data_batch(data, micro).batch
         extra = {} if online else dump
+        if pairs:
+            extra = {"feature_weight": np.full(8, 0.5, np.float32)}
         batch = make_batch(packed, 0.2, 2.0, **extra)
-        settings = DistillSettings(kind="jsd", top_k=0 if online else k, unit_temperature=False)
+        settings = DistillSettings(kind="jsd", top_k=0 if online else k, unit_temperature=False, feature_layers=pairs)
         learner = Learner(
             create_model(STUDENT, None, seed=0),
             _mesh(),
@@ -176,10 +243,13 @@ def test_micro_batches_give_the_one_batch_gradient(online):
             total_updates=1,
             tx=recording_sgd(0.0),
             frozen=teacher if online else None,
+            companion=feature_projections(pairs, STUDENT.hidden_size, TEACHER.hidden_size, seed=0),
         )
         metrics = learner.update(batch, micro)
         assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0
         grads.append(learner.state.opt_state)  # the gradient the update was given
+    if pairs:  # (the model's, the projections'): the second is there, and checked tensor by tensor
+        assert isinstance(grads[0], tuple) and np.abs(np.asarray(grads[0][1]["kernels"][0])).max() > 0
     assert_same_gradients(grads[0], grads[1])
 
 

@@ -105,14 +105,78 @@ def test_offline_distillation_brings_the_student_closer(tmp_path, arithmetic_tok
 
 
 def test_online_distillation_brings_the_student_closer(tmp_path, arithmetic_tokenizer, teacher):
-    """The teacher in the step, the whole vocabulary, JSD at T = 2 with a hard-label share."""
+    """The teacher in the step, the whole vocabulary, JSD at T = 2 with a hard-label share, and a feature loss on
+    two layer pairs through learned projections (student width 64, teacher 128) whose weight decays linearly:
+    the feature distance goes down too, the projections are checkpointed and not exported."""
+    from safetensors import safe_open
+
     from recipes.distill import main as train
 
-    args = common(tmp_path, arithmetic_tokenizer, teacher, *TRAIN, f"run.run_dir={tmp_path / 'online'}")
+    run_dir = tmp_path / "online"
+    args = common(tmp_path, arithmetic_tokenizer, teacher, *TRAIN, f"run.run_dir={run_dir}")
     online = ["distill.regime=online", "distill.temperature=2.0", "distill.alpha=0.1", "distill.loss=jsd"]
     online.append("optim.learning_rate=3.0e-3")  # 14 steps of a random student: a faster rate than the recipe's
-    assert train([*args, *online]) == 0
-    print("online", check_closer(tmp_path / "online"))
+    features = ["distill.feature_layers=[[1,1],[2,2]]", "distill.feature_weight=1.0", "distill.feature_weight_end=0.2"]
+    features += ["distill.feature_weight_schedule=linear", "distill.feature_loss=cosine", "train.log_every=1"]
+    assert train([*args, *online, *features]) == 0
+    print("online", check_closer(run_dir))
+    feature = [r["feature"] for r in read_metrics(run_dir) if "feature" in r and "eval/loss" not in r]
+    assert len(feature) >= 10 and np.mean(feature[-3:]) < 0.9 * np.mean(feature[:3]), feature
+    latest = max((run_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+    assert (latest / "companion").is_dir()
+    with safe_open(str(next((run_dir / "hf").glob("*.safetensors"))), "np") as f:
+        names = list(f.keys())
+    assert names and not [n for n in names if "kernels" in n or "projection" in n]
+    assert json.loads((run_dir / "hf" / "config.json").read_text())["hidden_size"] == 64
+
+    # Refused at start: a teacher layer the teacher does not have; a feature loss where no teacher runs.
+    from core.config_loader import ConfigError
+
+    bad = [*args, *online, "distill.feature_layers=[[1,3]]", "distill.feature_weight=1.0", f"run.run_dir={run_dir}2"]
+    with pytest.raises(
+        ConfigError, match=r"distill.feature_layers\[0\] = \[1, 3\]: the teacher has layers 1..2, not 3"
+    ):
+        train(bad)
+    with pytest.raises(ConfigError, match="only the online regime has"):
+        train([*args, "distill.feature_layers=[[1,1]]", "distill.feature_weight=1.0", f"run.run_dir={run_dir}3"])
+
+
+@pytest.mark.serial
+def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(tmp_path, arithmetic_tokenizer, teacher):
+    """distill.teacher_placement=actor: the teacher in a Ray actor of its own answers each batch (two micro-batches)
+    with its top-16; three steps give the losses and KLs of the same run with the teacher in the step (top-16,
+    renormalised), step by step. An actor that dies is an error that says so, naming the call."""
+    import ray
+
+    from recipes.distill import main as train
+
+    args = common(tmp_path, arithmetic_tokenizer, teacher, "train.steps=3", "train.eval_every=100")
+    args += ["sft.eval_generations=0", "distill.regime=online", "distill.top_k=16", "train.micro_batches=2"]
+    args += ["optim.learning_rate=3.0e-3", "distill.temperature=2.0", "train.log_every=1"]
+    runs = {}
+    for placement in ("beside", "actor"):
+        run_dir = tmp_path / placement
+        assert train([*args, f"distill.teacher_placement={placement}", f"run.run_dir={run_dir}"]) == 0
+        runs[placement] = [r for r in read_metrics(run_dir) if "loss" in r and "eval/loss" not in r]
+    assert [r["step"] for r in runs["actor"]] == [r["step"] for r in runs["beside"]] == [1, 2, 3]
+    for a, b in zip(runs["actor"], runs["beside"], strict=True):
+        # Step 1 from the same parameters; later steps after updates whose float32 rounding differs (the actor
+        # takes its top-k at T = 1 on its own mesh, the step at T = 2 on the student's), grown by the updates.
+        rel = 2e-5 if a["step"] == 1 else 3e-4
+        for key in ("loss", "kl", "teacher_mass", "student_mass", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=rel), (a["step"], key, a[key], b[key])
+    assert runs["actor"][0]["grad_norm"] > 0 and runs["actor"][-1]["loss"] < runs["actor"][0]["loss"]
+
+    from posttrain.config import PostTrainConfig
+    from posttrain.distill.remote_teacher import RemoteTeacher, TeacherUnavailable
+
+    d = dict(regime="online", teacher=teacher, top_k=4, teacher_placement="actor", teacher_timeout_s=60)
+    cfg = PostTrainConfig.model_validate({"distill": d})
+    remote = RemoteTeacher.start(cfg, 512, "a test")
+    assert "cpu" in remote.where
+    ray.kill(remote.actor)
+    with pytest.raises(TeacherUnavailable, match=r"the teacher actor is unavailable during score\(\)"):
+        remote.score(None, 1)
 
 
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_at_start(tmp_path, arithmetic_tokenizer):

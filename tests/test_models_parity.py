@@ -121,3 +121,26 @@ def test_completions_sharing_a_prompt_match_transformers(tmp_path, family, windo
         assert np.abs(out[0, :7] - ref[:7]).max() <= TOL  # the shared prompt
         assert np.abs(out[0, start : start + len(c)] - ref[7:]).max() <= TOL
         start += len(c)
+
+
+@pytest.mark.parametrize("layers", ["scan, unrolled", "scan, rolled", "loop"])
+def test_layer_states_match_transformers_hidden_states(tmp_path, layers):
+    """`Decoder.layer_states`: the residual stream after decoder layer l == transformers' hidden_states[l]
+    (l < L; its entry L is after the final norm, as our final hidden states are), in the order asked, with the
+    final hidden states unchanged by asking."""
+    from core.tiny import save_tiny_hf_model
+
+    path = save_tiny_hf_model(tmp_path / "qwen3_4", "qwen3", num_hidden_layers=4)
+    tokens = np.random.RandomState(6).randint(0, 512, (2, 20))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = [h.numpy() for h in hf(torch.tensor(tokens), output_hidden_states=True).hidden_states]
+    model, _ = load_hf(path, scan_layers=layers != "loop", scan_unroll=layers != "scan, rolled")
+    final, states = model.layer_states(tokens.astype(np.int32), layers=(3, 1, 2))
+    assert len(states) == 3
+    for got, layer in zip(states, (3, 1, 2), strict=True):
+        assert np.abs(np.asarray(got) - ref[layer]).max() <= TOL, layer
+    assert np.abs(np.asarray(final) - ref[4]).max() <= TOL
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(model.hidden_states(tokens.astype(np.int32))))
+    with pytest.raises(ValueError, match=r"layer 5 is not a decoder layer of this model \(1..4\)"):
+        model.layer_states(tokens.astype(np.int32), layers=(5,))

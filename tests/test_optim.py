@@ -109,3 +109,25 @@ def test_other_optimizers_step(name):
     tx = make_optimizer(OptimConfig(name=name, learning_rate=0.01, schedule="constant"), 10, params)
     updates, _ = jax.jit(tx.update)(grads_like(params), tx.init(params), params)
     assert all(np.isfinite(np.asarray(u)).all() and np.asarray(u).any() for u in jax.tree.leaves(updates))
+
+
+def test_a_companion_trains_beside_a_frozen_model_part():
+    """With `trainable_regex` freezing part of the model, the companion (a feature projection) still trains with
+    AdamW; the frozen part does not move."""
+    from posttrain.distill.features import feature_projections
+
+    _model, params = tiny_params()
+    companion = nnx.state(feature_projections([(1, 1)], 64, 32, seed=0))
+    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.", schedule="constant")
+    tx = make_optimizer(c, 10, params, companion)
+    pair = (params, companion)
+    state = tx.init(pair)
+    grads = jax.tree.map(jnp.ones_like, pair)
+    updates, state = tx.update(grads, state, pair)
+    new_params, new_companion = optax.apply_updates(pair, updates)
+    kernel = np.asarray(companion["kernels"][0][...])
+    # AdamW's first step moves every entry by lr (sign of the gradient) plus the decay
+    moved = np.asarray(new_companion["kernels"][0][...]) - kernel
+    np.testing.assert_allclose(moved, -0.1 - 0.1 * c.weight_decay * kernel, rtol=1e-4, atol=1e-6)
+    frozen = np.asarray(params["embed"]["embedding"][...])
+    np.testing.assert_array_equal(np.asarray(new_params["embed"]["embedding"][...]), frozen)

@@ -164,12 +164,25 @@ def test_sharded_training_matches_single_device(mesh_cfg, micro):
     assert max_param_diff(sharded, single) <= 1e-5
 
 
-def test_optimizer_moments_are_sharded_like_parameters():
+@pytest.mark.parametrize("companion", [False, True])
+def test_optimizer_moments_are_sharded_like_parameters(companion):
+    """Also with a companion (a feature projection trained beside the model): the model's moments keep their
+    parameters' shardings, the companion's are its own (replicated)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.distill.features import feature_projections
+
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     model = create_model(ModelConfig(), mesh)
-    tx = make_optimizer(OptimConfig(name="adamw"), 10, nnx.state(model))
-    _, state = init_train_state(model, tx, seed=0)
-    params = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    extra = None
+    if companion:
+        extra = jax.device_put(
+            nnx.state(feature_projections([(1, 1)], 64, 96, 0)), NamedSharding(mesh, PartitionSpec())
+        )
+    tx = make_optimizer(OptimConfig(name="adamw"), 10, nnx.state(model), extra)
+    _, state = init_train_state(model, tx, seed=0, companion=extra)
+    trained = state.trainable if companion else (state.params,)
+    params = {jax.tree_util.keystr(p): x for part in trained for p, x in jax.tree_util.tree_flatten_with_path(part)[0]}
     moments = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
         key = jax.tree_util.keystr(path)
@@ -180,6 +193,8 @@ def test_optimizer_moments_are_sharded_like_parameters():
         else:
             assert leaf.ndim == 0 and leaf.sharding.is_fully_replicated, key
     assert moments == 2 * len(params)  # mu and nu for every parameter
+    q = state.params["layers"]["attn"]["q_proj"]["kernel"][...]
+    assert not q.sharding.is_fully_replicated  # (so the sharded matches above are not all trivially replicated)
 
 
 def test_batch_shards_is_what_batch_sharding_splits_rows_into():

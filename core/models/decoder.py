@@ -8,6 +8,7 @@ run under `jax.lax.scan` (`scan_layers`), optionally rematerialised.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -144,6 +145,19 @@ class Decoder(nnx.Module):
         With `compact` > 0 (`core.batch.PackedBatch.compact`: at least the real tokens of each data shard's
         rows) every layer but attention runs on the real tokens only (`core.models.compact`), and padding
         positions read zeros."""
+        return self.layer_states(tokens, positions, segment_ids, branch_ids, compact)[0]
+
+    def layer_states(
+        self, tokens, positions=None, segment_ids=None, branch_ids=None, compact: int = 0, layers: Sequence[int] = ()
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(`hidden_states`, the residual stream after each decoder layer numbered in `layers`, [B, T, D] each, in
+        the order given). Layer l counts from 1: the output of the l-th decoder layer, before the final norm
+        (transformers' `output_hidden_states[l]` for l < num_layers; its last entry has the final norm applied).
+        Scanned layers run as one scan per stretch between two requested layers, so no [L, B, T, D] stack of
+        every layer's output is kept."""
+        for layer in layers:
+            if not 1 <= layer <= self.cfg.num_layers:
+                raise ValueError(f"layer {layer} is not a decoder layer of this model (1..{self.cfg.num_layers})")
         b, t = tokens.shape
         index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions
@@ -156,10 +170,14 @@ class Decoder(nnx.Module):
         if layout is not None:
             tokens, positions = layout.to_compact(tokens), layout.to_compact(positions)
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
-        x = self.final_norm(self._run_layers(x, positions, mask, layout))
-        return x if layout is None else layout.to_rows(x)
+        x, stops = self._run_layers(x, positions, mask, layout, sorted(set(layers)))
+        x = self.final_norm(x)
+        rows = (lambda h: h) if layout is None else layout.to_rows
+        return rows(x), tuple(rows(stops[layer]) for layer in layers)
 
-    def _run_layers(self, x, positions, mask, layout):
+    def _run_layers(self, x, positions, mask, layout, stops: list[int]) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """The residual stream after every layer, and after each layer numbered in `stops` (sorted)."""
+
         def apply(graphdef, state, x):
             return nnx.merge(graphdef, state)(x, positions, mask, layout)
 
@@ -167,11 +185,21 @@ class Decoder(nnx.Module):
         if policy != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[policy], static_argnums=(0,))
 
+        kept: dict[int, jax.Array] = {}
+        n = self.cfg.num_layers
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
-            x, _ = jax.lax.scan(lambda h, s: (apply(graphdef, s, h), None), x, state, unroll=self.cfg.scan_unroll)
-            return x
-        for layer in self.layers:
+            start = 0
+            for stop in [*stops, n]:
+                if stop > start:
+                    part = state if (start, stop) == (0, n) else jax.tree.map(lambda p, a=start, b=stop: p[a:b], state)
+                    step = lambda h, s: (apply(graphdef, s, h), None)
+                    x, _ = jax.lax.scan(step, x, part, unroll=self.cfg.scan_unroll)
+                kept[stop] = x
+                start = stop
+            return x, kept
+        for i, layer in enumerate(self.layers, start=1):
             graphdef, state = nnx.split(layer)
             x = apply(graphdef, state, x)
-        return x
+            kept[i] = x
+        return x, kept

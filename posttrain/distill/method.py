@@ -12,7 +12,10 @@ between the two regimes is where the teacher's distribution comes from:
   ids and log-probs from it. The teacher is never loaded.
 - online: the teacher (`distill.teacher`, any checkpoint with its own shape and the same tokenizer) is a frozen
   model in the train step (`core.learner.Learner(frozen=...)`): it runs on every micro-batch beside the student,
-  over the whole vocabulary (`distill.top_k=0`) or its top-k.
+  over the whole vocabulary (`distill.top_k=0`) or its top-k; with feature pairs its layers' states too. With
+  `distill.teacher_placement=actor` it runs in a Ray actor of its own instead
+  (`posttrain.distill.remote_teacher`), and `prepare` asks it for each batch's top-k: the offline objective on a
+  live dump.
 
 Both train `posttrain.distill.objective` with alpha and T on their schedules (`distill.*_schedule`), evaluate it
 on the held-out split (`eval/kl`: forward KL at T = 1, the run-comparable figure; `eval/perplexity` of the
@@ -26,7 +29,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
@@ -35,6 +41,7 @@ from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
+from posttrain.distill.features import feature_projections
 from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
 from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
 from posttrain.sft import SFT, generation_hooks, row_format
@@ -48,17 +55,29 @@ def dump_temperature(cfg: PostTrainConfig) -> float:
     return float(index["header"]["temperature"]) if index else cfg.distill.dump_temperature
 
 
+def teacher_in_step(cfg: PostTrainConfig) -> bool:
+    """Online with the teacher beside the student (in the train step), not in an actor of its own."""
+    return cfg.distill.regime == "online" and cfg.distill.teacher_placement == "beside"
+
+
+def stored_temperature(cfg: PostTrainConfig) -> float:
+    """The temperature of the top-k log-probs the batch brings: the dump's (offline), 1 (a teacher actor's)."""
+    return dump_temperature(cfg) if cfg.distill.regime == "offline" else 1.0
+
+
 def settings(cfg: PostTrainConfig) -> DistillSettings:
     d = cfg.distill
     t_start, t_end, t_kind = d.at("temperature")
     return DistillSettings(
         kind=d.loss,
         beta=d.beta,
-        top_k=d.top_k if d.regime == "online" else 0,
+        top_k=d.top_k if teacher_in_step(cfg) else 0,
         mode=d.top_k_mode,
         t2_scaling=d.t2_scaling,
-        dump_temperature=dump_temperature(cfg) if d.regime == "offline" else d.dump_temperature,
+        dump_temperature=d.dump_temperature if teacher_in_step(cfg) else stored_temperature(cfg),
         unit_temperature=t_start == 1.0 and (t_kind == "constant" or t_end == 1.0),
+        feature_layers=tuple((s, t) for s, t in d.feature_layers),
+        feature_kind=d.feature_loss,
     )
 
 
@@ -81,11 +100,12 @@ def check_config(cfg: PostTrainConfig) -> None:
     if d.regime == "online" and d.teacher is None:
         raise ConfigError("distill.regime=online needs distill.teacher (an HF directory, a Hub id or a Temper run)")
     t_start, t_end, _ = d.at("temperature")
-    if d.top_k_mode == "tail" and d.regime == "offline" and not t_start == t_end == dump_temperature(cfg):
+    stored = stored_temperature(cfg)
+    if d.top_k_mode == "tail" and not teacher_in_step(cfg) and not t_start == t_end == stored:
+        source = "the dump's" if d.regime == "offline" else "the teacher actor's"
         raise ConfigError(
-            f"distill.top_k_mode=tail reads the dump's log-probs as they are: they were taken at T="
-            f"{dump_temperature(cfg)}, so distill.temperature must be that, constant (renormalised top-k reads a "
-            f"dump at any temperature)"
+            f"distill.top_k_mode=tail reads {source} log-probs as they are: they were taken at T={stored}, so "
+            f"distill.temperature must be that, constant (renormalised top-k reads them at any temperature)"
         )
 
 
@@ -103,10 +123,32 @@ class Distillation:
         return distill_objective(settings(cfg), cfg.model)
 
     def frozen_model(self, cfg: PostTrainConfig, mesh):
-        """Online: the teacher, read with its own shape onto the run's mesh; offline: none."""
-        if cfg.distill.regime != "online":
+        """Online beside the student: the teacher, read with its own shape onto the run's mesh; otherwise none
+        (offline reads a dump, a teacher actor answers each batch)."""
+        if not teacher_in_step(cfg):
             return None
         return load_teacher(cfg, mesh, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
+
+    def companion(self, cfg: PostTrainConfig, mesh, teacher):
+        """With `distill.feature_layers`: the learned projections from the student's width to the teacher's (None
+        when they agree), replicated on the mesh; the layer numbers are checked against both models here."""
+        pairs = cfg.distill.feature_layers
+        if not pairs:
+            return None
+        for i, (s_layer, t_layer) in enumerate(pairs):
+            for who, layer, n in (
+                ("student", s_layer, cfg.model.num_layers),
+                ("teacher", t_layer, teacher.cfg.num_layers),
+            ):
+                if not 1 <= layer <= n:
+                    raise ConfigError(
+                        f"distill.feature_layers[{i}] = {[s_layer, t_layer]}: the {who} has layers 1..{n}, not {layer}"
+                    )
+        projections = feature_projections(pairs, cfg.model.hidden_size, teacher.cfg.hidden_size, cfg.run.seed)
+        if projections is not None:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            nnx.update(projections, jax.device_put(nnx.state(projections), replicated))
+        return projections
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
@@ -114,6 +156,7 @@ class Distillation:
         examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
         notes = []
         store = None
+        remote = None
         if cfg.distill.regime == "offline":
             from posttrain.distill.dump import data_settings
             from posttrain.distill.topk_store import TopKStore
@@ -128,17 +171,33 @@ class Distillation:
             mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), run.tokenizer, run.tokenizer_dir)
             if mismatch:
                 raise ConfigError(mismatch)
+        if cfg.distill.regime == "online" and not teacher_in_step(cfg):
+            from posttrain.distill.remote_teacher import RemoteTeacher
+
+            remote = RemoteTeacher.start(cfg, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
+            notes.append(f"teacher: {cfg.distill.teacher} in a Ray actor ({remote.where}), its top-{cfg.distill.top_k}")
+        elif cfg.distill.regime == "online":
             notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
+            if cfg.distill.feature_layers:
+                how = "through learned projections" if run.learner.state.companion is not None else "as they are"
+                notes.append(
+                    f"feature loss ({cfg.distill.feature_loss}) on layers {cfg.distill.feature_layers} "
+                    f"(student, teacher), {how}"
+                )
         base = next_token_parts(run, rows, hooks=lambda ex: generation_hooks(run, ex), examples=examples)
         learner, total = run.learner, cfg.train.steps
 
         def prepare(data: DataBatch, groups: int) -> DistillBatch:
             packed = data.batch
-            alpha, temperature = schedules(cfg.distill, int(learner.state.step), total, packed.target_ids.shape[0])
-            batch = DistillBatch(packed, alpha, temperature)
-            if store is None:
+            batch = DistillBatch(
+                packed, **schedules(cfg.distill, int(learner.state.step), total, packed.target_ids.shape[0])
+            )
+            if store is not None:
+                ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
+            elif remote is not None:
+                ids, logp = remote.score(packed, groups)
+            else:
                 return batch
-            ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
             return batch.replace(teacher_ids=ids, teacher_logp=logp)
 
         evaluation = None
@@ -151,7 +210,7 @@ class Distillation:
             hooks=base.hooks,
             skipped=base.skipped,
             notes=notes,
-            console={"kl": "kl", "nll": "nll"},
+            console={"kl": "kl", "nll": "nll", **({"feature": "feat"} if cfg.distill.feature_layers else {})},
         )
 
 

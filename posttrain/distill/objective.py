@@ -2,11 +2,12 @@
 
     batch = DistillBatch(packed, alpha=a, temperature=t, teacher_ids=ids, teacher_logp=logp)   # offline
     batch = DistillBatch(packed, alpha=a, temperature=t)                                       # online
-    loss_fn = distill_objective(settings)    # (student, batch, rng[, teacher]) -> (loss sum, sums), core.train
+    loss_fn = distill_objective(settings)    # (student, batch, rng[, teacher[, projections]]) -> (loss sum, sums)
 
 Per target token, with p the teacher's and q the student's distribution at temperature T:
 
     loss = (1 - alpha) * T^2 * D(p, q) + alpha * NLL(target)        (T^2 with `t2_scaling`; NLL at T = 1)
+           [+ feature_weight * F(student states, teacher states)]  (online, `feature_layers`: `features`)
 
 D is `posttrain.losses.distill`'s divergence (forward KL, reverse KL or JSD(beta)), over
 
@@ -17,12 +18,14 @@ D is `posttrain.losses.distill`'s divergence (forward KL, reverse KL or JSD(beta
 - the whole vocabulary (online, top_k = 0): `core.kernels.divergence.chunked_divergence` from both models' final
   hidden states and output weights, never a [tokens, vocab] array of either.
 
-alpha and T arrive per row (every row the same value: the step's point on its schedule, `schedules`), so that
-a schedule changes no compiled shape: T divides the hidden states (h W / T = (h / T) W), not a static argument.
+alpha, T and the feature weight arrive per row (every row the same value: the step's point on its schedule,
+`schedules`), so that a schedule changes no compiled shape: T divides the hidden states (h W / T = (h / T) W),
+not a static argument.
 The loss is a sum over target tokens and `loss_denominator` their count, so micro-batches and packing leave the
 gradient unchanged (`core.train`). Metrics, per target token: `kd` (D at T), `kl` (forward KL at T = 1 over the
 same support: comparable across runs whatever T and loss), `nll`, and on a top-k `teacher_mass` / `student_mass`
-(each model's probability on the teacher's top-k at T = 1: a student shrinking its own mass there shows). Offline,
+(each model's probability on the teacher's top-k at T = 1: a student shrinking its own mass there shows), with
+feature layers `feature` (F, before its weight). Offline,
 the teacher's side of both is the dump's values (taken at `dump_temperature`, 1 by default: the same T = 1).
 """
 
@@ -40,7 +43,9 @@ from core.batch import PackedBatch
 from core.kernels.divergence import Divergence, chunked_divergence, chunked_topk
 from core.targets import TargetStates, states_logprobs, target_states
 from core.train import LossFn
-from posttrain.losses.distill import TopKMode, mix_hard_label, scheduled, topk_divergence, topk_mass
+from posttrain.config import SCHEDULED
+from posttrain.distill.features import FeatureProjections, feature_term
+from posttrain.losses.distill import FeatureKind, TopKMode, mix_hard_label, scheduled, topk_divergence, topk_mass
 
 _BLOCK = 256  # target tokens per block when gathering the student's logits at the teacher's top-k ids
 
@@ -53,6 +58,7 @@ class DistillBatch:
     temperature: Any  # [B] float32: T at this step, the same in every row
     teacher_ids: Any = None  # [B, C, k] int32: the teacher's top-k per target slot (offline); None: online
     teacher_logp: Any = None  # [B, C, k] float32: their log-probs at the dump's temperature
+    feature_weight: Any = None  # [B] float32: the feature loss's weight at this step (online with feature layers)
 
     def replace(self, **changes: Any) -> DistillBatch:
         return dataclasses.replace(self, **changes)
@@ -69,16 +75,20 @@ class DistillSettings:
     t2_scaling: bool = True
     dump_temperature: float = 1.0  # offline: the temperature the stored log-probs were taken at
     unit_temperature: bool = True  # T = 1 at every step: no separate pass for the T = 1 metrics
+    # Online: (student layer, teacher layer) pairs whose hidden states the feature loss compares (`features`).
+    feature_layers: tuple[tuple[int, int], ...] = ()
+    feature_kind: FeatureKind = "cosine"
 
 
-def schedules(cfg, step: int, total: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """([rows] alpha, [rows] temperature) for update `step` (0-based) of `total` (`cfg`: the `distill` section):
-    the start value at the first update, the end value at the last."""
-    values = []
-    for name in ("alpha", "temperature"):
+def schedules(cfg, step: int, total: int, rows: int) -> dict[str, np.ndarray]:
+    """{"alpha", "temperature", "feature_weight"}: [rows] each, the value at update `step` (0-based) of `total`
+    (`cfg`: the `distill` section): the start value at the first update, the end value at the last. The keys are
+    `DistillBatch`'s fields."""
+    values = {}
+    for name in SCHEDULED:
         start, end, kind = cfg.at(name)
-        values.append(np.full((rows,), float(scheduled(start, end, kind, step, total - 1)), np.float32))
-    return values[0], values[1]
+        values[name] = np.full((rows,), float(scheduled(start, end, kind, step, total - 1)), np.float32)
+    return values
 
 
 def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.Array:
@@ -102,10 +112,14 @@ def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.A
 def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
     """The loss of `DistillBatch` (module docstring); `teacher` is the frozen model of the online regime."""
 
-    def loss_fn(model, batch: DistillBatch, rng, teacher=None):
+    student_layers = tuple(s for s, _ in settings.feature_layers)
+    teacher_layers = tuple(t for _, t in settings.feature_layers)
+
+    def loss_fn(model, batch: DistillBatch, rng, teacher=None, projections: FeatureProjections | None = None):
         del rng
         packed = batch.packed
-        student = target_states(model, packed)
+        student = target_states(model, packed, student_layers)
+        teacher_states = None if teacher is None else target_states(teacher, packed, teacher_layers)
         mask = student.from_slots(packed.target_mask)  # [F]: 0 on the list's padding
         alpha, temperature = batch.alpha[0], batch.temperature[0]
         h_t = student.hidden / temperature.astype(student.hidden.dtype)
@@ -115,12 +129,11 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
         else:
             logp_t, _ = states_logprobs(model_cfg, dataclasses.replace(student, hidden=h_t))
         sums = {}
-        if teacher is not None and settings.top_k == 0:
-            teacher_states = target_states(teacher, packed)
+        if teacher_states is not None and settings.top_k == 0:
             kd, kl = _full_vocabulary(settings, model_cfg, student, h_t, teacher_states, temperature)
         else:
-            if teacher is not None:  # online, top-k: the teacher's at T, found in the step
-                t_states = target_states(teacher, packed)
+            if teacher_states is not None:  # online, top-k: the teacher's at T, found in the step
+                t_states = teacher_states
                 vocab = student.weight.shape[1 if student.layout == "dv" else 0]
                 ids, logp = chunked_topk(
                     t_states.hidden / temperature.astype(t_states.hidden.dtype),
@@ -151,6 +164,11 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             sums["student_mass"] = jnp.sum(topk_mass(logq1) * mask)
         nll = -logp1
         per_token = mix_hard_label(kd, nll, alpha, temperature, settings.t2_scaling)
+        if settings.feature_layers:
+            assert teacher_states is not None and student.features is not None and teacher_states.features is not None
+            f = feature_term(student.features, teacher_states.features, settings.feature_kind, projections)
+            per_token = per_token + batch.feature_weight[0] * f
+            sums["feature"] = jnp.sum(jax.lax.stop_gradient(f) * mask)
         sums.update(
             kd=jnp.sum(jax.lax.stop_gradient(kd) * mask),
             kl=jnp.sum(jax.lax.stop_gradient(kl) * mask),

@@ -205,8 +205,8 @@ class OnPolicyDistillRun(OnPolicyRun):
             share_prompts=rl.batch.share_prompts,
             choose_rows=self.row_counts.pick,
         ).packed
-        alpha, temperature = schedules(d, step - 1, self.cfg.train.steps, packed.target_ids.shape[0])
-        return StepData(DistillBatch(packed, alpha, temperature), scored, {"on_policy": float(on_policy)})
+        batch = DistillBatch(packed, **schedules(d, step - 1, self.cfg.train.steps, packed.target_ids.shape[0]))
+        return StepData(batch, scored, {"on_policy": float(on_policy)})
 
     def _dataset_completions(self, scored: Scored) -> list[Completion]:
         """The dataset's completion of each sampled completion's prompt (`distill.completion_template`), cut to

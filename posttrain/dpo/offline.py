@@ -88,6 +88,9 @@ class OfflineDPO:
     def frozen_model(self, cfg, mesh) -> None:
         return None  # nothing beside the trained model in the step
 
+    def companion(self, cfg, mesh, frozen) -> None:
+        return None  # the model's parameters are all it trains
+
     def parts(self, run: RunContext) -> MethodParts:
         cfg, learner, mesh = run.cfg, run.learner, run.mesh
         data = load_pairs(cfg, run.tokenizer, run.records)
