@@ -109,6 +109,12 @@ def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.A
     return jax.lax.map(block, (h, i)).reshape(-1, k)[:f]
 
 
+def _logits_and_label(states: TargetStates, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """([F, k] logits at `ids`, [F] logits at each target token) in one gather of k + 1 weight rows per target."""
+    z = _logits_at(states, states.hidden, jnp.concatenate([ids, states.ids[:, None].astype(ids.dtype)], axis=1))
+    return z[:, :-1], z[:, -1]
+
+
 def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
     """The loss of `DistillBatch` (module docstring); `teacher` is the frozen model of the online regime."""
 
@@ -152,8 +158,7 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
                 stored = student.from_slots(batch.teacher_logp).astype(jnp.float32)
                 logp = stored * (settings.dump_temperature / temperature)
                 logp1_teacher = stored  # at the dump's temperature (1 by default): what the metrics read
-            z = _logits_at(student, student.hidden, ids)  # [F, k] at T = 1
-            z_label = _logits_at(student, student.hidden, student.ids[:, None])[:, 0]
+            z, z_label = _logits_and_label(student, ids)  # [F, k], [F] at T = 1
             lse1 = z_label - logp1
             lse_t = z_label / temperature - logp_t
             logq = z / temperature - lse_t[:, None]
@@ -199,7 +204,6 @@ def _full_vocabulary(settings, model_cfg, student: TargetStates, h_t, teacher: T
 def _logprobs_at(model_cfg, states: TargetStates, ids: jax.Array) -> jax.Array:
     """[F, k] a model's log-probs at T = 1 at `ids`, no gradient (online top-k at T != 1: the teacher's T = 1
     values the metrics read, from the hidden states its top-k pass already has)."""
-    z = _logits_at(states, states.hidden, ids)
-    z_label = _logits_at(states, states.hidden, states.ids[:, None])[:, 0]
+    z, z_label = _logits_and_label(states, ids)
     logp1, _ = states_logprobs(model_cfg, states)
     return jax.lax.stop_gradient(z - (z_label - logp1)[:, None])
