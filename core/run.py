@@ -19,7 +19,7 @@ checkpoints, exact resume, NaN policy, metrics and Hugging Face export.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +58,7 @@ class MethodParts:
     skipped: list[str] = field(default_factory=list)  # rows left out (data.skip_malformed), described
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)
     console: dict[str, str] = field(default_factory=dict)  # metric -> label: the method's own on the console line
+    closers: list[Callable[[], None]] = field(default_factory=list)  # what it started, stopped when the run ends
 
 
 class Method(Protocol):
@@ -96,8 +97,13 @@ class Run:
     parts: MethodParts
 
     def fit(self) -> TrainState:
-        """Train to `train.steps` (resuming from `run.run_dir`)."""
-        return self.loop.fit()
+        """Train to `train.steps` (resuming from `run.run_dir`); then stop what the method started (its
+        `closers`: a teacher actor), however the loop ended."""
+        try:
+            return self.loop.fit()
+        finally:
+            for close in self.parts.closers:
+                close()
 
 
 def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str = "") -> None:

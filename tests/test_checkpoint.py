@@ -254,4 +254,6 @@ def test_a_companion_round_trips_and_a_missing_one_is_named(tmp_path):
     plain.save(make_state(cfg.model)[1], None, cfg)
     with pytest.raises(CheckpointMismatch, match="companion: this run trains parameters beside the model's"):
         plain.restore(7, with_companion(96, seed=1), None, cfg)
+    with pytest.raises(CheckpointMismatch, match="companion: the checkpoint holds parameters beside the model's"):
+        ckpt.restore(7, make_state(cfg.model, seed=1)[1], None, cfg)
     assert ckpt.all_steps() == [7] and plain.all_steps() == [7]

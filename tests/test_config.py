@@ -263,3 +263,40 @@ def test_saved_config_holds_no_code_and_loading_it_imports_none(tmp_path):
     plugin.unlink()  # even a plugin that is gone
     PostTrainConfig.model_validate(cfg.model_dump(mode="json"))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "distill, message",
+    [
+        ({"feature_layers": [[1, 1]], "feature_weight": 1.0}, "only the online regime has"),
+        ({"regime": "online", "feature_layers": [[1, 1]]}, "set distill.feature_weight"),
+        ({"regime": "online", "feature_weight": 0.5}, "set distill.feature_layers"),
+        ({"regime": "online", "teacher_placement": "actor"}, r"distill.top_k > 0 \(not 0"),
+        ({"teacher_placement": "actor", "top_k": 8}, r"distill.regime=online \(not offline\)"),
+        (
+            {
+                "regime": "online",
+                "teacher_placement": "actor",
+                "top_k": 8,
+                "feature_layers": [[1, 1]],
+                "feature_weight": 1.0,
+            },
+            "needs distill.teacher_placement=beside",
+        ),
+        ({"regime": "online", "feature_weight_schedule": "linear"}, "distill.feature_weight_end: set it"),
+    ],
+)
+def test_distillation_settings_that_cannot_go_together_are_refused_at_load(distill, message):
+    with pytest.raises(ValueError, match=message):
+        PostTrainConfig.model_validate({"distill": distill})
+
+
+def test_a_teacher_actors_tail_bucket_needs_its_temperature():
+    """The actor answers at T = 1: the tail bucket reads those values as they are, so T must be 1, constant."""
+    from posttrain.distill.method import check_config
+
+    d = dict(regime="online", teacher="t", teacher_placement="actor", top_k=8, top_k_mode="tail", temperature=2.0)
+    cfg = PostTrainConfig.model_validate({"data": {"source": "rows.jsonl", "format": "chat"}, "distill": d})
+    with pytest.raises(ConfigError, match=r"reads the teacher actor's log-probs as they are: they were taken at T=1.0"):
+        check_config(cfg)
+    check_config(cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"temperature": 1.0})}))

@@ -141,8 +141,16 @@ def test_feature_losses_match_numpy_with_and_without_a_projection():
     grad = jax.grad(lambda p: distill.feature_loss(jnp.asarray(hs), jnp.asarray(ht), "l2", p).sum())(jnp.asarray(w))
     ref = numeric_grad(lambda p: (((hs @ p) - ht) ** 2).mean(-1).sum(), w.copy())
     np.testing.assert_allclose(np.asarray(grad), ref, rtol=1e-3, atol=1e-5)
+    grad = jax.grad(lambda p: distill.feature_loss(jnp.asarray(hs), jnp.asarray(ht), "cosine", p).sum())(jnp.asarray(w))
+    cos_of = lambda p: 1 - ((hs @ p) * ht).sum(-1) / (np.linalg.norm(hs @ p, axis=-1) * np.linalg.norm(ht, axis=-1))
+    ref = numeric_grad(lambda p: cos_of(p).sum(), w.copy())
+    np.testing.assert_allclose(np.asarray(grad), ref, rtol=1e-3, atol=1e-5)
     with pytest.raises(ValueError, match="student width 6 != teacher width 3: give a projection"):
         distill.feature_loss(jnp.asarray(hs), jnp.asarray(ht), "cosine")
+    # A zero vector (a padding position's states): a finite loss and a finite gradient, which a mask then zeroes.
+    zeros = jnp.zeros((2, 6))
+    masked = lambda p: (distill.feature_loss(zeros, jnp.asarray(ht[:2]), "cosine", p) * 0.0).sum()
+    assert np.isfinite(np.asarray(jax.grad(masked)(jnp.asarray(w)))).all()
 
 
 def test_schedules():

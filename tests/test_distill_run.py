@@ -142,10 +142,13 @@ def test_online_distillation_brings_the_student_closer(tmp_path, arithmetic_toke
 
 
 @pytest.mark.serial
-def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(tmp_path, arithmetic_tokenizer, teacher):
+def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(
+    tmp_path, arithmetic_tokenizer, teacher, capsys
+):
     """distill.teacher_placement=actor: the teacher in a Ray actor of its own answers each batch (two micro-batches)
     with its top-16; three steps give the losses and KLs of the same run with the teacher in the step (top-16,
-    renormalised), step by step. An actor that dies is an error that says so, naming the call."""
+    renormalised), step by step. An actor that cannot start, does not answer in time or dies is an error that says
+    so, naming the call (and, at start, the actor's own error)."""
     import ray
 
     from recipes.distill import main as train
@@ -158,6 +161,8 @@ def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(tmp_pa
         run_dir = tmp_path / placement
         assert train([*args, f"distill.teacher_placement={placement}", f"run.run_dir={run_dir}"]) == 0
         runs[placement] = [r for r in read_metrics(run_dir) if "loss" in r and "eval/loss" not in r]
+        out = capsys.readouterr().out
+        assert ("in a Ray actor (cpu x" in out) == (placement == "actor"), out[-2000:]  # not a silent fallback
     assert [r["step"] for r in runs["actor"]] == [r["step"] for r in runs["beside"]] == [1, 2, 3]
     for a, b in zip(runs["actor"], runs["beside"], strict=True):
         # Step 1 from the same parameters; later steps after updates whose float32 rounding differs (the actor
@@ -174,9 +179,31 @@ def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(tmp_pa
     cfg = PostTrainConfig.model_validate({"distill": d})
     remote = RemoteTeacher.start(cfg, 512, "a test")
     assert "cpu" in remote.where
+    from core.data import to_data_batch
+
+    n, t = 2, 16
+    tokens = np.random.RandomState(0).randint(3, 512, (n, t)).astype(np.int32)
+    ones = np.ones((n, t), np.int32)
+    rows = dict(tokens=tokens, segment_ids=ones, positions=np.tile(np.arange(t, dtype=np.int32), (n, 1)))
+    packed = to_data_batch({**rows, "loss_mask": ones, "example_ids": 0 * ones}, 1).batch
+    ids, logp = remote.score(packed, 1)
+    assert ids.shape == logp.shape == (n, packed.target_ids.shape[1], 4) and (np.diff(logp, axis=-1) <= 0).all()
+    remote.timeout_s = 1e-3  # a compiled pass takes longer than this
+    with pytest.raises(TeacherUnavailable, match=r"unavailable during score\(\) \(GetTimeoutError"):
+        remote.score(packed, 2)
+    remote.timeout_s = 60
     ray.kill(remote.actor)
     with pytest.raises(TeacherUnavailable, match=r"the teacher actor is unavailable during score\(\)"):
-        remote.score(None, 1)
+        remote.score(packed, 1)
+
+    from core.tiny import save_tiny_hf_model
+
+    small = save_tiny_hf_model(tmp_path / "small", "qwen2", vocab_size=256)
+    bad = PostTrainConfig.model_validate({"distill": {**d, "teacher": str(small)}})
+    with pytest.raises(
+        TeacherUnavailable, match=r"could not start: .*vocabulary of 256 rows, the student \(a test\) 512"
+    ):
+        RemoteTeacher.start(bad, 512, "a test")
 
 
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_at_start(tmp_path, arithmetic_tokenizer):

@@ -131,3 +131,13 @@ def test_a_companion_trains_beside_a_frozen_model_part():
     np.testing.assert_allclose(moved, -0.1 - 0.1 * c.weight_decay * kernel, rtol=1e-4, atol=1e-6)
     frozen = np.asarray(params["embed"]["embedding"][...])
     np.testing.assert_array_equal(np.asarray(new_params["embed"]["embedding"][...]), frozen)
+    trained = [p for p, _ in nnx.to_flat_state(params) if "mlp" in ".".join(map(str, p))]
+    before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(new_params))
+    assert trained and all(not np.array_equal(before[p][...], after[p][...]) for p in trained)
+
+    # Its own clip at optim.grad_clip_norm (SGD shows it: AdamW's first step does not depend on the scale).
+    sgd = OptimConfig(name="sgd", learning_rate=0.1, schedule="constant", grad_clip_norm=1.0)
+    tx = make_optimizer(sgd, 10, params, companion)
+    updates, _ = tx.update(grads, tx.init(pair), pair)
+    norm = np.sqrt(kernel.size)  # of the all-ones companion gradient, alone
+    np.testing.assert_allclose(np.asarray(updates[1]["kernels"][0]), -0.1 / norm, rtol=1e-5)

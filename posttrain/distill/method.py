@@ -210,6 +210,7 @@ class Distillation:
             hooks=base.hooks,
             skipped=base.skipped,
             notes=notes,
+            closers=[] if remote is None else [remote.close],
             console={"kl": "kl", "nll": "nll", **({"feature": "feat"} if cfg.distill.feature_layers else {})},
         )
 

@@ -2,7 +2,7 @@
 
     batch = DistillBatch(packed, alpha=a, temperature=t, teacher_ids=ids, teacher_logp=logp)   # offline
     batch = DistillBatch(packed, alpha=a, temperature=t)                                       # online
-    loss_fn = distill_objective(settings)    # (student, batch, rng[, teacher[, projections]]) -> (loss sum, sums)
+    loss_fn = distill_objective(settings, model_cfg)   # (student, batch, rng[, teacher[, projections]]) -> sums
 
 Per target token, with p the teacher's and q the student's distribution at temperature T:
 

@@ -13,11 +13,14 @@ then trains the offline regime's objective on them (renormalised over the top-k 
 at T = 1). Only [B, C, k] ids and log-probs cross between the processes; the whole vocabulary would be [tokens, V].
 
 An actor that dies, or a call that outlasts `distill.teacher_timeout_s`, raises `TeacherUnavailable`: the run stops
-with that message and the same command resumes it from its last checkpoint.
+with that message and the same command resumes it from its last checkpoint. One that cannot start (a bad teacher
+path, a vocabulary smaller than the student's) raises it at start with the actor's own error line. The run stops the
+actor when it ends (`core.run.MethodParts.closers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +33,11 @@ from posttrain.config import PostTrainConfig
 
 
 class TeacherUnavailable(TemperError, RuntimeError):
-    """The teacher actor died or did not answer in time; the run resumes from its last checkpoint."""
+    """The teacher actor did not start, died or did not answer in time (`reason`: Ray's error, in a line)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class TeacherScorer:
@@ -101,7 +108,11 @@ class RemoteTeacher:
             .remote(cfg.model_dump(mode="json"), student_vocab, student)
         )
         handle = cls(actor, cfg.distill.teacher_timeout_s)
-        handle.where = handle._call(TeacherScorer.describe)  # start-up errors (a bad path, a vocabulary) show here
+        try:  # start-up errors (a bad path, a vocabulary the student's tokens overrun) show here
+            handle.where = handle._call(TeacherScorer.describe)
+        except TeacherUnavailable as err:
+            handle.close()
+            raise TeacherUnavailable(f"the teacher actor could not start: {err.reason}") from None
         return handle
 
     def _call(self, method: Callable, *args: Any) -> Any:
@@ -113,18 +124,22 @@ class RemoteTeacher:
         except ray.exceptions.RayTaskError as err:  # raised inside a live actor: its own error
             raise err.cause from None
         except (ray.exceptions.RayError, ConnectionError) as err:  # the actor is gone, or did not answer
+            reason = f"{type(err).__name__}: {_reason(err)}"
             raise TeacherUnavailable(
-                f"the teacher actor is unavailable during {name}() ({type(err).__name__}: {_reason(err)}); run the "
-                f"same command again to resume from the last checkpoint"
+                f"the teacher actor is unavailable during {name}() ({reason}); run the same command again to resume "
+                f"from the last checkpoint",
+                reason=reason,
             ) from None
 
     def score(self, packed: PackedBatch, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
         return self._call(TeacherScorer.score, packed, micro_batches)
 
     def close(self) -> None:
+        """Stop the actor (its devices go back to the cluster); a dead one is left as it is."""
         import ray
 
-        ray.kill(self.actor)
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+            ray.kill(self.actor)
 
 
 def _reason(err: Exception) -> str:

@@ -51,6 +51,7 @@ TopKMode = Literal["renormalised", "tail"]
 Schedule = Literal["constant", "linear", "cosine"]
 FeatureKind = Literal["cosine", "l2"]
 _TAIL_FLOOR = 1e-12  # a tail of exactly 0 mass (the top-k holds it all) stays a finite log
+_NORM_FLOOR = 1e-24  # under a squared norm: a zero vector's cosine loss is 1 with a finite (zero) gradient
 
 
 def divergence(
@@ -141,8 +142,10 @@ def feature_loss(
             f"feature loss: student width {hs.shape[-1]} != teacher width {ht.shape[-1]}: give a projection"
         )
     if kind == "cosine":
-        norm = jnp.linalg.norm(hs, axis=-1) * jnp.linalg.norm(ht, axis=-1)
-        return 1.0 - jnp.sum(hs * ht, axis=-1) / jnp.maximum(norm, 1e-12)
+        # sqrt(|x|^2 + eps), not jnp.linalg.norm: its gradient at a zero vector (a padding position) is NaN, and a
+        # NaN times a zero mask is still NaN.
+        norm = jnp.sqrt(jnp.sum(hs * hs, axis=-1) + _NORM_FLOOR) * jnp.sqrt(jnp.sum(ht * ht, axis=-1) + _NORM_FLOOR)
+        return 1.0 - jnp.sum(hs * ht, axis=-1) / norm
     if kind == "l2":
         return jnp.mean((hs - ht) ** 2, axis=-1)
     raise ValueError(f"unknown feature loss {kind!r}")
