@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml
 # that includes the end-to-end runs that need no Ray cluster or vLLM engine. The `serial` ones then run one at a
 # time: each starts a Ray cluster and vLLM engines, which use both cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not serial" -n 2
-	$(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -m "not serial" -n 2 --durations=15
+	$(PY) -m pytest -q -m serial --durations=10
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" -n 2
