@@ -322,3 +322,31 @@ def test_the_store_gathers_each_targets_topk_through_packing_and_micro_batches(t
         assert not got[~mask].any()
         seen += int(mask.sum())
     assert seen > 300
+
+
+def test_feature_layers_a_model_lacks_are_refused_at_start_naming_the_pair():
+    """`Distillation.companion` (built before any step): each pair's layers against both models' ranges; the
+    projections replicated on the mesh, none when the widths agree."""
+    from core.config_loader import ConfigError
+    from posttrain.config import PostTrainConfig
+    from posttrain.distill.method import DISTILL
+
+    teacher = create_model(TEACHER, None, seed=1)
+
+    def config(pairs):
+        d = dict(regime="online", teacher="t", feature_layers=pairs, feature_weight=1.0)
+        return PostTrainConfig.model_validate({"model": STUDENT.model_dump(), "distill": d})
+
+    with pytest.raises(
+        ConfigError, match=r"distill.feature_layers\[1\] = \[1, 3\]: the teacher has layers 1..2, not 3"
+    ):
+        DISTILL.companion(config([[1, 2], [1, 3]]), _mesh(), teacher)
+    with pytest.raises(
+        ConfigError, match=r"distill.feature_layers\[0\] = \[2, 1\]: the student has layers 1..1, not 2"
+    ):
+        DISTILL.companion(config([[2, 1]]), _mesh(), teacher)
+    projections = DISTILL.companion(config([[1, 2], [1, 1]]), _mesh(), teacher)
+    assert [k[...].shape for k in projections.kernels] == [(32, 48), (32, 48)]
+    assert projections.kernels[0][...].sharding.is_fully_replicated
+    same_width = create_model(TEACHER.model_copy(update={"hidden_size": 32}), None, seed=1)
+    assert DISTILL.companion(config([[1, 1]]), _mesh(), same_width) is None

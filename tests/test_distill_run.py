@@ -129,14 +129,9 @@ def test_online_distillation_brings_the_student_closer(tmp_path, arithmetic_toke
     assert names and not [n for n in names if "kernels" in n or "projection" in n]
     assert json.loads((run_dir / "hf" / "config.json").read_text())["hidden_size"] == 64
 
-    # Refused at start: a teacher layer the teacher does not have; a feature loss where no teacher runs.
+    # Refused at load: a feature loss where no teacher runs in the step.
     from core.config_loader import ConfigError
 
-    bad = [*args, *online, "distill.feature_layers=[[1,3]]", "distill.feature_weight=1.0", f"run.run_dir={run_dir}2"]
-    with pytest.raises(
-        ConfigError, match=r"distill.feature_layers\[0\] = \[1, 3\]: the teacher has layers 1..2, not 3"
-    ):
-        train(bad)
     with pytest.raises(ConfigError, match="only the online regime has"):
         train([*args, "distill.feature_layers=[[1,1]]", "distill.feature_weight=1.0", f"run.run_dir={run_dir}3"])
 

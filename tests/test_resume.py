@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_worker.py"
 OVERRIDES = [
-    "train.steps=48",
+    "train.steps=32",
     "train.log_every=1",
     "train.eval_every=0",
     "train.batch_size=4",
@@ -98,7 +98,7 @@ def id_records(path: Path) -> list[tuple[int, list[int]]]:
 @pytest.mark.parametrize("method", ["sft", "dpo", "distill"])
 def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_model_dir, method):
     overrides, steps, rows = {
-        "sft": (OVERRIDES, 48, 2000),
+        "sft": (OVERRIDES, 32, 2000),
         "dpo": (DPO_OVERRIDES, 24, 400),
         "distill": (DISTILL_OVERRIDES, 24, 200),
     }[method]
@@ -113,10 +113,11 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
             dump(["recipes/configs/distill_tiny.yml", *settings, teacher, f"data.tokenizer_dir={arithmetic_tokenizer}"])
             == 0
         )
-    # The uninterrupted reference run; distillation's redone steps are checked against the killed run's own log
-    # instead (the same batches, the same losses), which spares the suite a third process.
+    # The uninterrupted reference run (SFT); DPO's and distillation's redone steps are checked against the killed
+    # run's own log instead (the same batches, the same losses), which spares the suite a third process each.
+    against_reference = method == "sft"
     ref_dir, ref_ids = tmp_path / "ref", tmp_path / "ref_ids.jsonl"
-    if method != "distill":
+    if against_reference:
         ref = start(ref_dir, ref_ids, arithmetic_tokenizer, overrides)
         out, _ = ref.communicate(timeout=300)
         assert ref.returncode == 0, out
@@ -124,9 +125,9 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
     run_dir, run_ids = tmp_path / "run", tmp_path / "run_ids.jsonl"
     proc = start(run_dir, run_ids, arithmetic_tokenizer, overrides)
     deadline = time.time() + 300
-    # wait until checkpoint 16 is committed and training has moved past it, then kill -9 (distillation: once step
+    # wait until checkpoint 16 is committed and training has moved past it, then kill -9 (DPO, distillation: once step
     # 17 is logged, its batch for step 18 taken, so that a redone step has a loss to compare)
-    past = 18 if method == "distill" else 17
+    past = 17 if against_reference else 18
     while not (
         (run_dir / "checkpoints" / "16").exists()
         and run_ids.exists()
@@ -152,7 +153,7 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
         # stored by the killed run, not recomputed: both sides of the 400 pairs
         assert "reference_logps.npz: read 800 sequences' values" in out
 
-    if method == "distill":
+    if not against_reference:
         got = losses(run_dir)
         assert [s for s, _ in got] == list(range(1, steps + 1))  # no gap, no repeat
         redone = [(s, v) for s, v in losses_before_kill if s > resumed_from]
