@@ -1,0 +1,132 @@
+"""One process of a JAX process group (or the whole of a one-process run) taking one step of each method's loss on
+the same global batch over a mesh of 8 devices (fsdp 4 x tensor 2): pretraining, SFT, DPO, GRPO. Process 0 writes
+each step's loss and gradient (gathered whole) to OUT.
+
+    python tests/distributed_worker.py OUT NUM_PROCESSES PROCESS_ID PORT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+OUT, N, PID, PORT = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // N}"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.distributed import ProcessGroup, join, to_host  # noqa: E402
+
+join(ProcessGroup(f"127.0.0.1:{PORT}", N, PID, timeout_s=120))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from core.config import MeshConfig, ModelConfig, OptimConfig  # noqa: E402
+from core.config_loader import load_config  # noqa: E402
+from core.data import to_data_batch  # noqa: E402
+from core.learner import Learner  # noqa: E402
+from core.mesh import make_mesh  # noqa: E402
+from core.models import create_model  # noqa: E402
+from core.pretrain import PRETRAINING  # noqa: E402
+from posttrain.config import DPOConfig, PostTrainConfig  # noqa: E402
+from posttrain.dpo.objective import preference_objective  # noqa: E402
+from posttrain.dpo.pairs import Pair, build_pair_batch  # noqa: E402
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch  # noqa: E402
+from posttrain.sft import SFT  # noqa: E402
+from rollout.sampler import Completion  # noqa: E402
+from tests.helpers import recording_sgd  # noqa: E402
+
+assert jax.device_count() == 8 and jax.process_count() == N
+MESH = make_mesh(MeshConfig(fsdp=4, tensor=2))
+MODEL = ModelConfig(family="qwen2", attention_bias=True, num_layers=2)
+results: dict[str, np.ndarray] = {}
+
+
+def collectives_known_answers() -> None:
+    """psum, psum_scatter (large chunks: jax issue 40830 saw wrong values there) and all_gather over the 8 devices
+    against NumPy: the collectives under the steps below, checked on the pinned JAX before they are trusted."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = make_mesh(MeshConfig(fsdp=8))
+    x = np.arange(8 * 8 * 131072, dtype=np.float32).reshape(8, 8 * 131072) % 977  # 4 MiB a device
+    placed = jax.device_put(x, NamedSharding(devices, P("fsdp")))
+
+    def body(block):
+        total = jax.lax.psum(block, "fsdp")
+        scattered = jax.lax.psum_scatter(block[0], "fsdp", tiled=True)
+        gathered = jax.lax.all_gather(block[:, :4], "fsdp", tiled=True)
+        return total, scattered[None], gathered[None]
+
+    f = jax.shard_map(body, mesh=devices, in_specs=P("fsdp"), out_specs=(P(), P("fsdp"), P("fsdp")))
+    total, scattered, gathered = to_host(jax.jit(f)(placed))
+    want = x.sum(0, keepdims=True)
+    np.testing.assert_array_equal(total, want)
+    np.testing.assert_array_equal(scattered.reshape(-1), want[0])
+    np.testing.assert_array_equal(gathered[0], x[:, :4])
+
+
+def record(name: str, loss: float, grads) -> None:
+    host = to_host(grads)  # a collective: every process
+    results[f"{name}/loss"] = np.asarray(loss)
+    for i, leaf in enumerate(jax.tree.leaves(host)):
+        results[f"{name}/grad/{i:03d}"] = leaf
+
+
+def text_rows(seed: int, prompt: int) -> dict:
+    """8 rows of 32 tokens, two packed documents in some, the first `prompt` tokens of a row without loss."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(0, 512, (8, 32)).astype(np.int32)
+    seg, pos = np.zeros((8, 32), np.int32), np.zeros((8, 32), np.int32)
+    for r in range(8):
+        n = rng.randint(12, 33)
+        split = rng.randint(4, n - 4) if r % 2 else n
+        seg[r, :split], seg[r, split:n] = 1, 2
+        pos[r, :split], pos[r, split:n] = np.arange(split), np.arange(n - split)
+    mask = (seg > 0).astype(np.int32)
+    mask[:, :prompt] = 0
+    return {"tokens": tokens, "segment_ids": seg, "positions": pos, "loss_mask": mask, "example_ids": seg - 1}
+
+
+def offline_step(name: str, loss_fn, batch, micro: int) -> None:
+    with jax.set_mesh(MESH):
+        model = create_model(MODEL, MESH, seed=0)
+    learner = Learner(model, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1))
+    metrics = learner.update(batch, micro)
+    assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0, (name, metrics)
+    record(name, metrics["loss"], learner.state.opt_state)
+
+
+collectives_known_answers()
+offline_step("pretrain", PRETRAINING.loss(None), to_data_batch(text_rows(0, 0), 2).batch, 2)
+cfg = PostTrainConfig()
+offline_step("sft", SFT.loss(cfg), to_data_batch(text_rows(1, 6), 2).batch, 2)
+
+rng = np.random.default_rng(4)
+ids = lambda k: tuple(int(x) for x in rng.integers(1, 512, k))
+pairs = [Pair(i, ids(rng.integers(3, 20)), ids(rng.integers(2, 16)), ids(rng.integers(2, 16))) for i in range(8)]
+refs = {k: rng.normal(-60, 5, 8).astype(np.float32) for k in ("ref_chosen", "ref_rejected")}
+pair_batch = build_pair_batch(pairs, slots=8, row_len=96, groups=2).replace(**refs)
+offline_step("dpo", preference_objective(DPOConfig(loss_type="sigmoid")), pair_batch, 2)
+
+# GRPO: the policy learner's whole step (its pi_old pass, the clipped objective), one update on 16 completions.
+grpo = load_config("recipes/configs/grpo_tiny.yml", ["train.micro_batches=2"], schema=PostTrainConfig)
+rng = np.random.default_rng(1)
+prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]
+comps = []
+for i in range(16):
+    tokens = list(rng.integers(3, 512, rng.integers(1, 7)))
+    comps.append(Completion(prompts[i // 4], tokens, list(-rng.uniform(4, 7, len(tokens))), "stop", ""))
+adv, keep = rng.normal(size=16), np.ones(16, bool)
+rl_batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=True)
+with jax.set_mesh(MESH):
+    model = create_model(grpo.model, MESH, seed=0)
+policy = PolicyGradientLearner(grpo, model, MESH, total_steps=1, tx=recording_sgd(0.1))
+metrics = policy.train(rl_batch).metrics
+assert np.isfinite(metrics["loss"]), metrics
+record("grpo", metrics["loss"], policy.learner.state.opt_state)
+
+if PID == 0:
+    np.savez(OUT, **results)
+print(f"process {PID} of {N}: {len(results)} arrays", flush=True)
