@@ -81,17 +81,13 @@ def make_optimizer(
     With `companion` (parameters trained beside the model's, `core.train.TrainState.companion`) it takes the pair
     (params, companion): the model's part as above, the companion's with its own clip at the same norm and AdamW
     (SGD under `sgd`; AdamW also under Muon), never frozen by `trainable_regex`."""
-    tx = _model_optimizer(cfg, total_steps, params)
+    tx = _optimizer(cfg, total_steps, params)
     if companion is None:
         return tx
-    schedule = make_schedule(cfg, total_steps)
-    if cfg.name == "sgd":
-        opt = optax.sgd(schedule)
-    else:
-        decay_mask = _map_paths(companion, _is_decayed)
-        opt = optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
-    beside = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), opt) if cfg.grad_clip_norm else opt
-    return _pair(tx, beside)
+    # The same settings on the companion's own tree: AdamW where Muon trains the model (its dimension numbers
+    # describe the model's kernels), and nothing frozen.
+    name = "adamw" if cfg.name == "muon" else cfg.name
+    return _pair(tx, _optimizer(cfg.model_copy(update={"name": name, "trainable_regex": None}), total_steps, companion))
 
 
 def _pair(first: optax.GradientTransformation, second: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -110,7 +106,8 @@ def _pair(first: optax.GradientTransformation, second: optax.GradientTransformat
     return optax.GradientTransformation(init, update)
 
 
-def _model_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+def _optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+    """clip -> optimizer (with schedule) -> freezing mask, over one parameter tree."""
     schedule = make_schedule(cfg, total_steps)
     decay_mask = _map_paths(params, _is_decayed)
     if cfg.name == "adamw":

@@ -22,7 +22,6 @@ weight sync), not wrapped in Ray's `RayTaskError`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,19 +114,18 @@ class TrainerHandle:
     def _call(self, method: Callable, *args: Any) -> Any:
         if not self.remote:
             return method(self.target, *args)
-        import ray
+        from rollout.ray import call_actor
 
-        try:
-            return ray.get(getattr(self.target, method.__name__).remote(*args), timeout=self.timeout_s)
-        except ray.exceptions.RayTaskError as err:  # the method raised inside a live actor: its own error
-            raise err.cause from None
-        except (ray.exceptions.RayError, ConnectionError) as err:  # the actor (or the cluster) is gone
-            self.lost = True
-            raise TrainerUnavailable(
-                f"the trainer actor is unavailable during {method.__name__}() ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}). Nothing after the last checkpoint in "
-                f"{self.run_dir / 'checkpoints'} is kept; run the same command again to resume from it."
-            ) from None
+        return call_actor(self.target, method, args, self.timeout_s, self._unavailable)
+
+    def _unavailable(self, name: str, err: Exception) -> TrainerUnavailable:
+        """The actor (or the cluster) is gone."""
+        self.lost = True
+        return TrainerUnavailable(
+            f"the trainer actor is unavailable during {name}() ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Nothing after the last checkpoint in "
+            f"{self.run_dir / 'checkpoints'} is kept; run the same command again to resume from it."
+        )
 
     def model_config(self) -> dict:
         return self._call(LocalTrainer.model_config)
@@ -172,12 +170,10 @@ def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, learner_class: Lear
         return TrainerHandle(local, remote=False, run_dir=run_dir)
     import ray
 
-    from core.host_memory import malloc_tunables
     from rollout.placement import in_bundle
+    from rollout.ray import jax_actor_env
 
-    env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
-    env.setdefault("JAX_PLATFORMS", "cpu" if not ray.cluster_resources().get("GPU") else "")
-    env["GLIBC_TUNABLES"] = malloc_tunables()
+    env = jax_actor_env(gpus=bool(ray.cluster_resources().get("GPU")))
     actor = (
         ray.remote(LocalTrainer)
         .options(

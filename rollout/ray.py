@@ -25,6 +25,8 @@ import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -73,3 +75,30 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         )
     with _quiet_fork_exec():
         ray.init(**local_cluster_options(num_cpus))
+
+
+def jax_actor_env(gpus: bool) -> dict[str, str]:
+    """The environment a Ray actor running JAX starts with: this process's XLA / JAX settings, the CPU platform
+    where the actor gets no GPU, and the host malloc (`core.host_memory.malloc_tunables`)."""
+    from core.host_memory import malloc_tunables
+
+    env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
+    env.setdefault("JAX_PLATFORMS", "" if gpus else "cpu")
+    env["GLIBC_TUNABLES"] = malloc_tunables()
+    return env
+
+
+def call_actor(
+    actor: Any, method: Callable, args: tuple, timeout_s: float, unavailable: Callable[[str, Exception], Exception]
+) -> Any:
+    """`method` (a method of the actor's class, so the call is checked against it) run on `actor`, waited for at
+    most `timeout_s`. An error the method raised inside the live actor comes back as itself, not wrapped in Ray's
+    `RayTaskError`; a dead actor, a lost cluster or a timeout raises `unavailable(method name, Ray's error)`."""
+    import ray
+
+    try:
+        return ray.get(getattr(actor, method.__name__).remote(*args), timeout=timeout_s)
+    except ray.exceptions.RayTaskError as err:
+        raise err.cause from None
+    except (ray.exceptions.RayError, ConnectionError) as err:
+        raise unavailable(method.__name__, err) from None

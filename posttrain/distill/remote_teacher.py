@@ -94,14 +94,11 @@ class RemoteTeacher:
         """The actor on `distill.teacher_gpus` GPUs (0 on CPU: the host's XLA devices), started and loaded."""
         import ray
 
-        from core.host_memory import malloc_tunables
-        from rollout.ray import ensure_ray
+        from rollout.ray import ensure_ray, jax_actor_env
 
         ensure_ray()
-        env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
         gpus = cfg.distill.teacher_gpus
-        env.setdefault("JAX_PLATFORMS", "" if gpus else "cpu")
-        env["GLIBC_TUNABLES"] = malloc_tunables()
+        env = jax_actor_env(gpus=gpus > 0)
         actor = (
             ray.remote(TeacherScorer)
             .options(num_cpus=1, num_gpus=gpus, max_concurrency=1, runtime_env={"env_vars": env})
@@ -116,20 +113,9 @@ class RemoteTeacher:
         return handle
 
     def _call(self, method: Callable, *args: Any) -> Any:
-        import ray
+        from rollout.ray import call_actor
 
-        name = method.__name__
-        try:
-            return ray.get(getattr(self.actor, name).remote(*args), timeout=self.timeout_s)
-        except ray.exceptions.RayTaskError as err:  # raised inside a live actor: its own error
-            raise err.cause from None
-        except (ray.exceptions.RayError, ConnectionError) as err:  # the actor is gone, or did not answer
-            reason = f"{type(err).__name__}: {_reason(err)}"
-            raise TeacherUnavailable(
-                f"the teacher actor is unavailable during {name}() ({reason}); run the same command again to resume "
-                f"from the last checkpoint",
-                reason=reason,
-            ) from None
+        return call_actor(self.actor, method, args, self.timeout_s, _unavailable)
 
     def score(self, packed: PackedBatch, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
         return self._call(TeacherScorer.score, packed, micro_batches)
@@ -140,6 +126,16 @@ class RemoteTeacher:
 
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
             ray.kill(self.actor)
+
+
+def _unavailable(name: str, err: Exception) -> TeacherUnavailable:
+    """The actor is gone, or did not answer in time."""
+    reason = f"{type(err).__name__}: {_reason(err)}"
+    return TeacherUnavailable(
+        f"the teacher actor is unavailable during {name}() ({reason}); run the same command again to resume from "
+        f"the last checkpoint",
+        reason=reason,
+    )
 
 
 def _reason(err: Exception) -> str:
