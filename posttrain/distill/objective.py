@@ -91,13 +91,13 @@ def schedules(cfg, step: int, total: int, rows: int) -> dict[str, np.ndarray]:
     return values
 
 
-def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.Array:
-    """[F, k] the model's logits (of `hidden`, [F, D]) at `ids` [F, k], a block of targets at a time and
+def _logits_at(states: TargetStates, ids: jax.Array) -> jax.Array:
+    """[F, k] the model's logits (of `states.hidden`, [F, D]) at `ids` [F, k], a block of targets at a time and
     rematerialised in the backward pass, so that the gathered weight columns ([block, k, D]) are never held for
     every target at once."""
     f, k = ids.shape
     pad = (-f) % _BLOCK
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, _BLOCK, hidden.shape[-1])
+    h = jnp.pad(states.hidden, ((0, pad), (0, 0))).reshape(-1, _BLOCK, states.hidden.shape[-1])
     i = jnp.pad(ids, ((0, pad), (0, 0))).reshape(-1, _BLOCK, k)
     rows = states.weight.T if states.layout == "dv" else states.weight  # [V, D]
 
@@ -111,7 +111,7 @@ def _logits_at(states: TargetStates, hidden: jax.Array, ids: jax.Array) -> jax.A
 
 def _logits_and_label(states: TargetStates, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """([F, k] logits at `ids`, [F] logits at each target token) in one gather of k + 1 weight rows per target."""
-    z = _logits_at(states, states.hidden, jnp.concatenate([ids, states.ids[:, None].astype(ids.dtype)], axis=1))
+    z = _logits_at(states, jnp.concatenate([ids, states.ids[:, None].astype(ids.dtype)], axis=1))
     return z[:, :-1], z[:, -1]
 
 
@@ -139,20 +139,19 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             kd, kl = _full_vocabulary(settings, model_cfg, student, h_t, teacher_states, temperature)
         else:
             if teacher_states is not None:  # online, top-k: the teacher's at T, found in the step
-                t_states = teacher_states
                 vocab = student.weight.shape[1 if student.layout == "dv" else 0]
                 ids, logp = chunked_topk(
-                    t_states.hidden / temperature.astype(t_states.hidden.dtype),
-                    t_states.weight,
+                    teacher_states.hidden / temperature.astype(teacher_states.hidden.dtype),
+                    teacher_states.weight,
                     settings.top_k,
                     teacher.cfg.vocab_chunk_size,
-                    t_states.layout,
+                    teacher_states.layout,
                     vocab,
                 )
                 if settings.unit_temperature:
                     logp1_teacher = logp
                 else:
-                    logp1_teacher = _logprobs_at(teacher.cfg, t_states.over_vocab(vocab), ids)
+                    logp1_teacher = _logprobs_at(teacher.cfg, teacher_states.over_vocab(vocab), ids)
             else:  # offline: the dump's, rescaled from its temperature to T
                 ids = student.from_slots(batch.teacher_ids)
                 stored = student.from_slots(batch.teacher_logp).astype(jnp.float32)
