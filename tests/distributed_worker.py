@@ -36,6 +36,7 @@ from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_b
 from posttrain.sft import SFT  # noqa: E402
 from rollout.sampler import Completion  # noqa: E402
 from tests.helpers import recording_sgd  # noqa: E402
+from tests.test_train_step import make_batch  # noqa: E402
 
 assert jax.device_count() == 8 and jax.process_count() == N
 MESH = make_mesh(MeshConfig(fsdp=4, tensor=2))
@@ -75,18 +76,12 @@ def record(name: str, loss: float, grads) -> None:
 
 
 def text_rows(seed: int, prompt: int) -> dict:
-    """8 rows of 32 tokens, two packed documents in some, the first `prompt` tokens of a row without loss."""
-    rng = np.random.RandomState(seed)
-    tokens = rng.randint(0, 512, (8, 32)).astype(np.int32)
-    seg, pos = np.zeros((8, 32), np.int32), np.zeros((8, 32), np.int32)
-    for r in range(8):
-        n = rng.randint(12, 33)
-        split = rng.randint(4, n - 4) if r % 2 else n
-        seg[r, :split], seg[r, split:n] = 1, 2
-        pos[r, :split], pos[r, split:n] = np.arange(split), np.arange(n - split)
-    mask = (seg > 0).astype(np.int32)
-    mask[:, :prompt] = 0
-    return {"tokens": tokens, "segment_ids": seg, "positions": pos, "loss_mask": mask, "example_ids": seg - 1}
+    """`tests.test_train_step.make_batch`'s rows (packed documents, padding), the first `prompt` tokens of a row
+    without loss."""
+    rows = make_batch(rows=8, t=32, seed=seed)
+    rows["loss_mask"] = (rows["segment_ids"] > 0).astype(np.int32)
+    rows["loss_mask"][:, :prompt] = 0
+    return {**rows, "example_ids": rows["segment_ids"] - 1}
 
 
 def offline_step(name: str, loss_fn, batch, micro: int) -> None:
