@@ -1,6 +1,6 @@
 """One process of a JAX process group (or the whole of a one-process run) taking one step of each method's loss on
-the same global batch over a mesh of 8 devices (fsdp 4 x tensor 2): pretraining, SFT, DPO, GRPO. Process 0 writes
-each step's loss and gradient (gathered whole) to OUT.
+the same global batch over a mesh of 8 devices (fsdp 4 x tensor 2): pretraining, SFT, DPO, distillation (online,
+the teacher in the step), GRPO. Process 0 writes each step's loss and gradient (gathered whole) to OUT.
 
     python tests/distributed_worker.py OUT NUM_PROCESSES PROCESS_ID PORT
 """
@@ -30,6 +30,7 @@ from core.mesh import make_mesh  # noqa: E402
 from core.models import create_model  # noqa: E402
 from core.pretrain import PRETRAINING  # noqa: E402
 from posttrain.config import DPOConfig, PostTrainConfig  # noqa: E402
+from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective  # noqa: E402
 from posttrain.dpo.objective import preference_objective  # noqa: E402
 from posttrain.dpo.pairs import Pair, build_pair_batch  # noqa: E402
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch  # noqa: E402
@@ -84,10 +85,10 @@ def text_rows(seed: int, prompt: int) -> dict:
     return {**rows, "example_ids": rows["segment_ids"] - 1}
 
 
-def offline_step(name: str, loss_fn, batch, micro: int) -> None:
+def offline_step(name: str, loss_fn, batch, micro: int, frozen=None) -> None:
     with jax.set_mesh(MESH):
         model = create_model(MODEL, MESH, seed=0)
-    learner = Learner(model, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1))
+    learner = Learner(model, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), frozen=frozen)
     metrics = learner.update(batch, micro)
     assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0, (name, metrics)
     record(name, metrics["loss"], learner.state.opt_state)
@@ -104,6 +105,21 @@ pairs = [Pair(i, ids(rng.integers(3, 20)), ids(rng.integers(2, 16)), ids(rng.int
 refs = {k: rng.normal(-60, 5, 8).astype(np.float32) for k in ("ref_chosen", "ref_rejected")}
 pair_batch = build_pair_batch(pairs, slots=8, row_len=96, groups=2).replace(**refs)
 offline_step("dpo", preference_objective(DPOConfig(loss_type="sigmoid")), pair_batch, 2)
+
+# Distillation, online: the teacher (another model) in the step, the forward KL at T = 2 over the whole vocabulary
+# with a hard-label share, and a feature loss between a student and a teacher layer.
+with jax.set_mesh(MESH):
+    teacher = create_model(MODEL, MESH, seed=7)
+packed = to_data_batch(text_rows(2, 4), 2).batch
+rows = packed.tokens.shape[0]
+distill_batch = DistillBatch(
+    packed,
+    alpha=np.full(rows, 0.25, np.float32),
+    temperature=np.full(rows, 2.0, np.float32),
+    feature_weight=np.full(rows, 0.5, np.float32),
+)
+settings = DistillSettings(kind="forward", unit_temperature=False, feature_layers=((1, 2),))
+offline_step("distill", distill_objective(settings, MODEL), distill_batch, 2, frozen=teacher)
 
 # GRPO: the policy learner's whole step (its pi_old pass, the clipped objective), one update on 16 completions.
 grpo = load_config("recipes/configs/grpo_tiny.yml", ["train.micro_batches=2"], schema=PostTrainConfig)
