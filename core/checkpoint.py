@@ -9,7 +9,9 @@ so a process killed mid-save leaves the previous checkpoints intact (its
 temporary directory is removed at the next start). A committed checkpoint that
 cannot be read back (a truncated or deleted file) is moved aside as
 `corrupt-<step>` by `restore_latest`, with a warning, and the previous one is
-restored instead. Restoring takes a target tree (shapes, dtypes and
+restored instead. In a JAX process group (`core.distributed`) every process calls
+the same methods: each writes and reads its own shards, and Orbax commits a
+step once all have written. Restoring takes a target tree (shapes, dtypes and
 shardings), so a checkpoint written on one mesh restores onto another. Before
 restoring, the saved model config and tensor shapes are compared with the
 target and every difference is reported. Reading a checkpoint never imports
@@ -33,6 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from core.config import Config, ModelConfig
+from core.distributed import barrier, is_primary
 from core.errors import CheckpointMismatch, MissingPath, TemperError
 from core.train import TrainState
 
@@ -146,10 +149,13 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> Path:
-        """Rename a step's directory so that Orbax no longer lists it (and a later save may reuse the step)."""
+        """Rename a step's directory so that Orbax no longer lists it (and a later save may reuse the step). In a
+        process group the first process moves it, and the others wait for that before they look again."""
         src = self.directory / str(step)
         dst = self.directory / f"corrupt-{step}-{int(time.time())}"
-        shutil.move(str(src), str(dst))
+        if is_primary():
+            shutil.move(str(src), str(dst))
+        barrier(f"checkpoint {step} moved aside")
         self.manager.reload()
         return dst
 

@@ -3,6 +3,8 @@
     join(ProcessGroup("10.0.0.1:7777", num_processes=2, process_id=i))   # before anything queries a device
     mesh = make_mesh(cfg.mesh)            # then every process sees the global devices: one mesh over all of them
     host = to_host(learner.params)        # numpy of every array, spread over other processes' devices or not
+    barrier("compiled step 3")            # every process waits here for the others (the coordinator's barrier)
+    if is_primary(): write_files()        # what one process does for all: files, messages
 
 Every process runs the same program (SPMD): the same jitted steps, in the same order, on the same global
 shapes. A host batch that every process holds whole goes onto the global mesh with `jax.device_put` as it does in
@@ -15,6 +17,8 @@ Reading a global array back is itself a collective when some of its shards live 
 
 from __future__ import annotations
 
+import itertools
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +26,17 @@ import jax
 import numpy as np
 
 
+def free_port(host: str = "") -> int:
+    """A TCP port free on this machine now (for the coordinator of a group this process will lead)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 @dataclass(frozen=True)
 class ProcessGroup:
     """Where a process stands in the group: the coordinator (process 0's host and a free port), the group's size,
-    this process's index, and how long joining may take."""
+    this process's index, and how long joining, and each `barrier`, may wait for the others."""
 
     coordinator: str
     num_processes: int
@@ -40,6 +51,8 @@ def join(group: ProcessGroup) -> None:
         return
     if not 0 <= group.process_id < group.num_processes:
         raise ValueError(f"process {group.process_id} is not in a group of {group.num_processes}")
+    global _barrier_timeout_s
+    _barrier_timeout_s = group.timeout_s
     jax.distributed.initialize(
         group.coordinator,
         num_processes=group.num_processes,
@@ -61,3 +74,35 @@ def to_host(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(read, tree)
+
+
+def is_primary() -> bool:
+    """Whether this process writes what the group writes once (files, exports, the console's messages)."""
+    return jax.process_index() == 0
+
+
+_barriers = itertools.count()
+_barrier_timeout_s: float = 600.0  # the group's (`ProcessGroup.timeout_s`), set by `join`
+
+
+def barrier(what: str) -> None:
+    """Wait until every process of the group reaches its barrier of the same number (nothing in a group of one).
+
+    The coordination service's barrier, not a device collective: XLA:CPU's gloo collectives give up after 30 s of
+    waiting (jax issue 40831), which a process that compiles a step later than the others exceeds; waiting here
+    first, up to the group's timeout, makes the collectives after it start together. Every process must call it in the
+    same order (it is numbered), as every process runs the same programs in the same order."""
+    if jax.process_count() == 1:
+        return
+    from jax._src.distributed import global_state  # JAX's own client; Orbax's multi-host sync uses it too
+
+    name = f"temper-{next(_barriers)}"
+    client = global_state.client
+    assert client is not None, "join() first"
+    try:
+        client.wait_at_barrier(name, int(_barrier_timeout_s * 1000))
+    except Exception as err:
+        raise TimeoutError(
+            f"process {jax.process_index()}: the other processes of the group did not reach barrier {name} "
+            f"({what}) within {_barrier_timeout_s:.0f} s: {err}"
+        ) from None

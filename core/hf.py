@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from core.config import ModelConfig
+from core.distributed import is_primary, to_host
 from core.errors import CheckpointMismatch, MissingPath
 from core.hf_config import hf_config_from_model, model_section_from_hf
 from core.hf_layout import param_map
@@ -70,11 +71,16 @@ def save_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
-    """Write config.json, safetensors (sharded above `max_shard_bytes`) and the tokenizer files."""
+    """Write config.json, safetensors (sharded above `max_shard_bytes`) and the tokenizer files. In a process group
+    every process gathers each tensor with the others and the first one writes (`core.distributed`)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     dtype = dtype or model_config.param_dtype
     np_dtype = _NP_DTYPES[dtype]
+    if not is_primary():
+        for _ in hf_tensors(model, model_config):  # the gathers are collectives: take part, keep nothing
+            pass
+        return path
+    path.mkdir(parents=True, exist_ok=True)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -118,7 +124,7 @@ def hf_tensors(params: nnx.Module | nnx.State, cfg: ModelConfig) -> Iterator[tup
     flat = dict(nnx.to_flat_state(state))
     for m in param_map(cfg):
         value = flat[m.core_path].get_value()
-        host = np.asarray(jax.device_get(value if m.layer is None else value[m.layer]))
+        host = to_host(value if m.layer is None else value[m.layer])  # a collective in a process group
         yield m.hf_name, np.ascontiguousarray(m.layer_to_hf(host))
 
 

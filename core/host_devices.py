@@ -21,3 +21,9 @@ def request_host_devices(count: int) -> None:
             f"{count} devices are needed but JAX started with {jax.device_count()}; set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before starting Python"
         )
+
+
+def with_host_device_count(flags: str, count: int) -> str:
+    """`flags` (an XLA_FLAGS value) asking for `count` CPU devices, in place of any count it asked for."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
+from core.distributed import barrier
 from core.errors import TemperError
 from core.models import Decoder
 from core.optim import make_optimizer, make_schedule
@@ -133,6 +134,7 @@ class Learner:
                 compiled = self._step.lower(self.state, placed, self.frozen_params).compile()
             self.last_compile = memory_analysis_line(compiled)
             self._executables[key] = compiled
+            barrier("a newly compiled update")  # a process group's collectives start together (core.distributed)
         return self._executables[key]
 
     def evaluate(self, batch: Any) -> tuple[float, dict[str, float]]:

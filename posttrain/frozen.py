@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from core.batch import PackedBatch
 from core.config import ModelConfig
+from core.distributed import to_host
 from core.learner import Learner
 from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
@@ -54,7 +55,7 @@ def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups
     with jax.set_mesh(mesh):
         for i in range(groups):
             part = jax.tree.map(lambda x, i=i: x[i], placed)
-            out.append(np.asarray(jax.device_get(fn(params, part))))
+            out.append(to_host(fn(params, part)))  # a collective in a process group
     return np.concatenate(out).astype(np.float32)
 
 

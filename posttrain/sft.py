@@ -39,7 +39,7 @@ from core.losses import nll_loss
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from posttrain.config import PostTrainConfig
+from posttrain.config import PostTrainConfig, check_one_trainer_process
 from rollout.sampler import Prompt
 
 # ------------------------------------------------------------------ rows
@@ -172,3 +172,4 @@ SFT = SupervisedFineTuning()
 def check_config(cfg: PostTrainConfig) -> None:
     formats = {"chat": "a `messages` list", "prompt_completion": "`prompt`, `completion`"}
     check_rows(cfg, "SFT", formats, "; plain text is pretraining (python -m recipes.pretrain)")
+    check_one_trainer_process(cfg, "SFT")

@@ -25,6 +25,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from core.distributed import to_host
+
 Key = tuple[int, int]  # (source row, sequence within the row)
 
 
@@ -44,7 +46,7 @@ def weights_digest(params) -> str:
     frozen model gives depend on what it holds, not on which path it was read from."""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        value = np.asarray(jax.device_get(leaf))
+        value = to_host(leaf)  # a collective in a process group
         h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape}".encode())
         h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()

@@ -1,56 +1,92 @@
-"""Where an RL run's actors go: one Ray placement group with a bundle for the trainer and one per vLLM sampler.
+"""Where an on-policy run's actors go: one Ray placement group for the trainer's processes, one for the samplers.
 
-    pg = reserve(cfg)                          # bundle 0: the trainer; 1..k: the samplers (fails fast if it cannot fit)
-    sampler = start_vllm_sampler(cfg, hf_dir, 0, pg)
+    placement = reserve(cfg)                   # both groups, ready (fails fast, with the numbers, if they cannot fit)
+    trainer process i: in_bundle(placement.trainer, i)      (`placement.trainer_processes` bundles)
+    sampler = start_vllm_sampler(cfg, hf_dir, 0, placement)  # bundle 0 of placement.samplers
 
-The group is reserved up front, so a run that cannot fit fails at start with
-the numbers, not halfway through.
+Each group has its own Ray strategy (`placement.trainer_strategy`, `placement.sampler_strategy`): the trainer's
+processes exchange gradients by collectives, so PACK (as few nodes as fit) suits them; the samplers only receive
+weights and send completions, so SPREAD over nodes costs them little. STRICT_PACK / STRICT_SPREAD fail rather than
+bend. The groups are reserved up front, so a run that cannot fit fails at start, not halfway through.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from rollout.config import SamplingJob
 from rollout.vllm_actor import RemoteVLLMSampler
 
 
-def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> list[dict[str, float]]:
-    """Bundle 0: the trainer; then one per vLLM sampler (`rollout.rollout_data_parallelism`).
+@dataclass
+class Placement:
+    """The run's two placement groups (Ray `PlacementGroup`s)."""
 
-    With GPUs the split follows `mesh.trainer_devices_fraction` /
-    `sampler_devices_fraction`; on CPU the trainer gets one CPU and the
-    samplers share the rest (vLLM's CPU threads are bound separately).
+    trainer: Any  # one bundle per trainer process
+    samplers: Any  # one bundle per vLLM sampler
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.samplers)
+        remove_placement_group(self.trainer)
+
+
+def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> tuple[list[dict], list[dict]]:
+    """(one bundle per trainer process, one per vLLM sampler: `rollout.rollout_data_parallelism`).
+
+    With GPUs the split follows `mesh.trainer_devices_fraction` / `sampler_devices_fraction`, the trainer's GPUs
+    shared evenly by its processes; on CPU each trainer process gets one CPU and the samplers share the rest
+    (vLLM's CPU threads are bound separately).
     """
-    k = cfg.rollout.rollout_data_parallelism
+    k, n = cfg.rollout.rollout_data_parallelism, cfg.placement.trainer_processes
     gpus = int(resources.get("GPU", 0))
     if gpus:
-        trainer = max(1, round(cfg.mesh.trainer_devices_fraction * gpus))
+        trainer = max(n, round(cfg.mesh.trainer_devices_fraction * gpus))
         per_sampler = (cfg.mesh.sampler_devices_fraction * gpus or gpus - trainer) / k
-        if per_sampler < 1 or trainer + k * int(per_sampler) > gpus:
+        if per_sampler < 1 or trainer % n or trainer + k * int(per_sampler) > gpus:
             raise ValueError(
-                f"cannot place a trainer on {trainer} GPU(s) and {k} sampler(s) on {gpus} GPUs "
+                f"cannot place a trainer on {trainer} GPU(s) in {n} process(es) and {k} sampler(s) on {gpus} GPUs "
                 f"(mesh.trainer_devices_fraction={cfg.mesh.trainer_devices_fraction}, "
-                f"mesh.sampler_devices_fraction={cfg.mesh.sampler_devices_fraction})"
+                f"mesh.sampler_devices_fraction={cfg.mesh.sampler_devices_fraction}, "
+                f"placement.trainer_processes={n})"
             )
-        return [{"CPU": 1.0, "GPU": float(trainer)}] + [{"CPU": 1.0, "GPU": float(int(per_sampler))}] * k
+        trainer_bundle = {"CPU": 1.0, "GPU": float(trainer // n)}
+        return [trainer_bundle] * n, [{"CPU": 1.0, "GPU": float(int(per_sampler))}] * k
     cpus = resources.get("CPU", 1)
-    share = max(0.01, min(1.0, (cpus - 1) / k))
-    return [{"CPU": 1.0}] + [{"CPU": round(share, 2)}] * k
+    share = max(0.01, min(1.0, (cpus - n) / k))
+    return [{"CPU": 1.0}] * n, [{"CPU": round(share, 2)}] * k
 
 
-def reserve(cfg: SamplingJob, timeout_s: float = 120.0):
-    """A ready placement group for the run (raises with the numbers if the cluster cannot hold it)."""
+def reserve(cfg: SamplingJob, timeout_s: float = 120.0) -> Placement:
+    """The run's placement groups, ready (raises with the numbers if the cluster cannot hold them)."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundles = placement_bundles(cfg, ray.cluster_resources())
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        raise RuntimeError(
-            f"Ray could not reserve {bundles} within {timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
-        ) from e
-    return pg
+    trainer, samplers = placement_bundles(cfg, ray.cluster_resources())
+    p = cfg.placement
+    groups = [
+        ("trainer", placement_group(trainer, strategy=p.trainer_strategy), trainer, p.trainer_strategy),
+        ("samplers", placement_group(samplers, strategy=p.sampler_strategy), samplers, p.sampler_strategy),
+    ]
+    for what, pg, bundles, strategy in groups:
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            for _, other, _, _ in groups:
+                remove_placement_group(other)
+            raise RuntimeError(
+                f"Ray could not reserve the {what}' bundles {bundles} ({strategy}) within {timeout_s:.0f}s; "
+                f"cluster resources: {ray.cluster_resources()}, nodes: {_nodes()}"
+            ) from e
+    return Placement(trainer=groups[0][1], samplers=groups[1][1])
+
+
+def _nodes() -> list[dict]:
+    import ray
+
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
 def in_bundle(pg, index: int):
@@ -59,14 +95,15 @@ def in_bundle(pg, index: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def start_vllm_sampler(cfg: SamplingJob, hf_dir: str, index: int, pg=None) -> RemoteVLLMSampler:
-    """Sampler `index` (seeded `run.seed + index`) in its bundle of `pg` (None: anywhere)."""
-    bundle = pg.bundle_specs[1 + index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
+def start_vllm_sampler(cfg: SamplingJob, hf_dir: str, index: int, placement: Placement | None = None):
+    """Sampler `index` (seeded `run.seed + index`) in its bundle of `placement.samplers` (None: anywhere)."""
+    pg = placement.samplers if placement is not None else None
+    bundle = pg.bundle_specs[index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
     return RemoteVLLMSampler.start(
         hf_dir,
         cfg.rollout,
         seed=cfg.run.seed + index,
         num_cpus=bundle["CPU"],
         timeout_s=cfg.rollout.sampler_timeout_s,
-        scheduling_strategy=in_bundle(pg, 1 + index) if pg is not None else None,
+        scheduling_strategy=in_bundle(pg, index) if pg is not None else None,
     )

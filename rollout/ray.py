@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -42,7 +43,7 @@ def local_cluster_options(num_cpus: int | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def _quiet_fork_exec():
+def quiet_fork_exec():
     """JAX warns on every fork hook in a process that imported it ("os.fork() was called ... deadlock").
     Ray starts its local processes with subprocess + preexec_fn, which runs the hooks but execs at once, which
     is safe; so that warning says nothing here and is silenced, here only."""
@@ -73,17 +74,21 @@ def ensure_ray(num_cpus: int | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-    with _quiet_fork_exec():
+    with quiet_fork_exec():
         ray.init(**local_cluster_options(num_cpus))
 
 
-def jax_actor_env(gpus: bool) -> dict[str, str]:
+def jax_actor_env(gpus: bool, cpu_devices: int | None = None) -> dict[str, str]:
     """The environment a Ray actor running JAX starts with: this process's XLA / JAX settings, the CPU platform
-    where the actor gets no GPU, and the host malloc (`core.host_memory.malloc_tunables`)."""
+    where the actor gets no GPU (with `cpu_devices` XLA host devices, if given), and the host malloc
+    (`core.host_memory.malloc_tunables`)."""
+    from core.host_devices import with_host_device_count
     from core.host_memory import malloc_tunables
 
     env = {k: v for k, v in os.environ.items() if k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64")}
     env.setdefault("JAX_PLATFORMS", "" if gpus else "cpu")
+    if cpu_devices is not None and not gpus:
+        env["XLA_FLAGS"] = with_host_device_count(env.get("XLA_FLAGS", ""), cpu_devices)
     env["GLIBC_TUNABLES"] = malloc_tunables()
     return env
 
@@ -94,11 +99,62 @@ def call_actor(
     """`method` (a method of the actor's class, so the call is checked against it) run on `actor`, waited for at
     most `timeout_s`. An error the method raised inside the live actor comes back as itself, not wrapped in Ray's
     `RayTaskError`; a dead actor, a lost cluster or a timeout raises `unavailable(method name, Ray's error)`."""
+    return call_group([actor], method, args, timeout_s, lambda err, _: unavailable(method.__name__, err))[0]
+
+
+def call_group(
+    actors: Sequence[Any],
+    method: Callable,
+    args: tuple,
+    timeout_s: float,
+    unavailable: Callable[[Exception, int], Exception],
+    grace_s: float = 10.0,
+) -> list:
+    """`method` run on every one of `actors` with the same arguments (a process group takes each call together,
+    SPMD; the arguments are put in the object store once), their answers in order, all within `timeout_s`.
+
+    The first failure ends the wait. An actor that died, a lost cluster or a timeout raises
+    `unavailable(Ray's error, the actor's index)`. An error raised inside a live actor comes back as itself, unless
+    another actor of the group is found dead within `grace_s` (a process whose peer died fails in the collective it
+    shared with it: the death is the cause worth naming)."""
     import ray
 
-    try:
-        return ray.get(getattr(actor, method.__name__).remote(*args), timeout=timeout_s)
-    except ray.exceptions.RayTaskError as err:
-        raise err.cause from None
-    except (ray.exceptions.RayError, ConnectionError) as err:
-        raise unavailable(method.__name__, err) from None
+    if len(actors) > 1:
+        args = tuple(ray.put(a) for a in args)  # Ray resolves top-level references: each actor reads one copy
+    refs = [getattr(a, method.__name__).remote(*args) for a in actors]
+    index = {ref: i for i, ref in enumerate(refs)}
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = index[pending[0]]
+            raise unavailable(ray.exceptions.GetTimeoutError(f"no answer within {timeout_s:.0f} s"), late) from None
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError as err:
+            dead = _first_dead(pending, index, grace_s) if pending else None
+            if dead is not None:
+                raise unavailable(*dead) from None
+            raise err.cause from None
+        except (ray.exceptions.RayError, ConnectionError) as err:
+            raise unavailable(err, index[done[0]]) from None
+    return ray.get(refs)
+
+
+def _first_dead(pending: list, index: dict, grace_s: float) -> tuple[Exception, int] | None:
+    """(Ray's error, index) of the first of `pending` calls whose actor is found dead within `grace_s`, or None."""
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            return None
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError:
+            continue
+        except (ray.exceptions.RayError, ConnectionError) as err:
+            return err, index[done[0]]
+    return None

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from core.config import ModelConfig
+from core.distributed import is_primary
 from core.hf import hf_tensors
 from core.models import state_mismatches
 
@@ -166,10 +167,23 @@ def sync_to_vllm(
     max_tensors: int | None = None,
     dtype: Any | None = None,
 ) -> SyncStats:
-    """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`)."""
+    """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`).
+
+    In a trainer process group (`core.distributed`) every process calls it: each tensor is gathered from the
+    processes that hold its shards (a collective), and the first process sends the chunks; the others take part
+    in the gathers and send nothing. A sampler that fails mid-sync still gets the group through the remaining
+    gathers first, so that the processes stay in step for the next call."""
     start = time.perf_counter()
     counted = _Counted(hf_chunks(params, cfg, chunk_bytes, max_tensors, dtype))
-    info = sampler.update_weights(counted, version)
+    if not is_primary():
+        counted.drain()
+        return SyncStats(version or 0, counted.bytes, time.perf_counter() - start, counted.n)
+    try:
+        info = sampler.update_weights(counted, version)
+    except BaseException:
+        if jax.process_count() > 1:
+            counted.drain()
+        raise
     phases = {k: v for k, v in info.items() if k.endswith("_s")} or None
     stats = SyncStats(info["version"], info["bytes"], time.perf_counter() - start, counted.n, phases=phases)
     print(stats.line(), flush=True)
@@ -180,9 +194,15 @@ class _Counted:
     """An iterable that counts what it yields (the number of chunks sent)."""
 
     def __init__(self, items):
-        self.items, self.n = items, 0
+        self.items, self.n, self.bytes = iter(items), 0, 0
 
     def __iter__(self):
         for item in self.items:
             self.n += 1
+            self.bytes += sum(v.nbytes for v in item.values())
             yield item
+
+    def drain(self) -> None:
+        """Run through what is left (a process group's gathers), keeping nothing."""
+        for _ in self:
+            pass

@@ -97,7 +97,7 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
             killed["sampler"] = run.samplers.samplers[0].handle
             ray.kill(killed["sampler"])
         if step == 4:
-            ray.kill(run.trainer.target)
+            ray.kill(run.trainer.actors[0])
 
     run = GRPORun(cfg)
     try:

@@ -189,7 +189,9 @@ def test_prompt_stream_resumes_where_it_stopped():
 
 def test_placement_bundles():
     cfg = load_config(overrides=["rollout.rollout_data_parallelism=2"], schema=PostTrainConfig)
-    assert placement_bundles(cfg, {"CPU": 2.0}) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert placement_bundles(cfg, {"CPU": 2.0}) == ([{"CPU": 1.0}], [{"CPU": 0.5}, {"CPU": 0.5}])
+    group = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"trainer_processes": 2})})
+    assert placement_bundles(group, {"CPU": 4.0}) == ([{"CPU": 1.0}] * 2, [{"CPU": 1.0}, {"CPU": 1.0}])
     gpu = load_config(
         overrides=[
             "rollout.rollout_data_parallelism=2",
@@ -198,11 +200,15 @@ def test_placement_bundles():
         ],
         schema=PostTrainConfig,
     )
-    assert placement_bundles(gpu, {"CPU": 32, "GPU": 8}) == [
-        {"CPU": 1, "GPU": 4},
-        {"CPU": 1, "GPU": 2},
-        {"CPU": 1, "GPU": 2},
-    ]
+    assert placement_bundles(gpu, {"CPU": 32, "GPU": 8}) == ([{"CPU": 1, "GPU": 4}], [{"CPU": 1, "GPU": 2}] * 2)
+    gpu_group = gpu.model_copy(update={"placement": gpu.placement.model_copy(update={"trainer_processes": 4})})
+    four = ([{"CPU": 1, "GPU": 1}] * 4, [{"CPU": 1, "GPU": 2}] * 2)
+    assert placement_bundles(gpu_group, {"CPU": 32, "GPU": 8}) == four
+    with pytest.raises(ValueError, match="in 3 process"):  # 4 GPUs do not split evenly over 3 processes
+        placement_bundles(
+            gpu.model_copy(update={"placement": gpu.placement.model_copy(update={"trainer_processes": 3})}),
+            {"CPU": 32, "GPU": 8},
+        )
     with pytest.raises(ValueError, match="cannot place a trainer on 1 GPU"):
         placement_bundles(gpu, {"CPU": 32, "GPU": 1})
 
@@ -327,7 +333,7 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
     try:
         seen = []
         run.run(on_step=lambda r, step, m: seen.append(m))
-        assert int(run.trainer.target.learner.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
+        assert int(run.trainer.local().learner.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
         # Later updates of a step see a policy that already moved: pi_theta != pi_old, so ratios leave 1.
         assert any(m["clip_fraction"] > 0 for m in seen)
     finally:

@@ -66,7 +66,7 @@ from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
 from rewards.runner import RewardBatch, RewardRunner
 from rollout.group import Pending, SamplerGroup
-from rollout.placement import reserve, start_vllm_sampler
+from rollout.placement import Placement, reserve, start_vllm_sampler
 from rollout.sampler import Completion, Sampler, SamplingParams, sample_seed
 
 
@@ -138,6 +138,11 @@ def check_config(cfg: PostTrainConfig) -> None:
             f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
             f"the JAX sampler shares the trainer's process"
         )
+    if cfg.placement.trainer_processes > 1 and rollout.sampler != "vllm":
+        raise ConfigError(
+            f"placement.trainer_processes={cfg.placement.trainer_processes} (a trainer process group on Ray) needs "
+            f"rollout.sampler=vllm: the JAX sampler shares a single trainer process's devices"
+        )
     if batch.pack_length and batch.pack_length < rollout.max_model_len:
         raise ConfigError(
             f"rl.batch.pack_length ({batch.pack_length}) < rollout.max_model_len "
@@ -178,13 +183,13 @@ class OnPolicyRun:
         )
         self.rewards = RewardRunner(cfg.reward)
         self.tokenizer_dir = run_tokenizer(cfg)
-        self.pg = None
+        self.placement: Placement | None = None
         if rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
 
             ensure_ray()
-            self.pg = reserve(cfg)
-        self.trainer = start_trainer(cfg, self.run_dir, self.learner_class, self.pg)
+            self.placement = reserve(cfg)
+        self.trainer = start_trainer(cfg, self.run_dir, self.learner_class, self.placement)
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
@@ -240,8 +245,8 @@ class OnPolicyRun:
             self.init_hf = Path(self.trainer.export_hf(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
             k = cfg.rollout.rollout_data_parallelism
             group = SamplerGroup(
-                [start_vllm_sampler(cfg, str(self.init_hf), i, self.pg) for i in range(k)],
-                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.pg),
+                [start_vllm_sampler(cfg, str(self.init_hf), i, self.placement) for i in range(k)],
+                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.placement),
             )
         group.sync(self._push)
         return group
@@ -272,10 +277,11 @@ class OnPolicyRun:
         sampler.policy_version = stats["version"]
         return stats
 
-    def _sync(self) -> float:
+    def _sync(self) -> tuple[float, int]:
+        """(seconds, bytes sent to all samplers) of one weight sync."""
         start = time.perf_counter()
-        self.samplers.sync(self._push)
-        return time.perf_counter() - start
+        stats = self.samplers.sync(self._push)
+        return time.perf_counter() - start, sum(int(s["bytes"]) for s in stats)
 
     # ------------------------------------------------------------------ steps
 
@@ -356,7 +362,7 @@ class OnPolicyRun:
         t2 = time.perf_counter()
         trained = self._train(step, batch) if batch is not None else None
         train_s = time.perf_counter() - t2
-        sync_s = self._sync() if batch is not None else 0.0  # no update: the samplers hold these weights
+        sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
         metrics = self._step_metrics(data.scored, staleness)
         metrics.update(data.metrics)
         if trained is not None:
@@ -369,6 +375,7 @@ class OnPolicyRun:
                 "time/reward_s": reward_s,
                 "time/train_s": train_s,
                 "time/sync_s": sync_s,
+                "sync/bytes": float(sync_bytes),
                 "time/step_s": step_s,
                 "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
                 "tokens_per_s": tokens / max(step_s, 1e-9),
@@ -515,13 +522,9 @@ class OnPolicyRun:
         self.rewards.close()
         steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers)]
         steps.append(("trainer", self.trainer.close))
-        if self.pg is not None:
-            import ray
-            from ray.util.placement_group import remove_placement_group
-
-            steps.append(("placement group", lambda: remove_placement_group(self.pg)))
-            if self.trainer.remote:
-                steps.append(("trainer actor", lambda: ray.kill(self.trainer.target)))
+        if self.placement is not None:
+            steps.append(("placement groups", self.placement.remove))
+            steps.append(("trainer actors", self.trainer.kill))
 
         def release():
             for what, action in steps:

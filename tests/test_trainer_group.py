@@ -1,0 +1,100 @@
+"""The trainer as a JAX process group on a two-node Ray cluster: GRPO with 2 trainer processes (jax.distributed,
+gloo) on one node and a vLLM sampler on the other; one trainer process killed with SIGKILL, and the same config
+resumed exactly from the last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.test_grpo_e2e import assert_redone_steps_match, metric_rows, tiny_cfg
+
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
+
+
+@pytest.fixture
+def two_nodes():
+    """Node A (the head): 2 CPUs, room for the two trainer processes and nothing else; node B: 1 CPU, the
+    sampler's. Both are Ray nodes of their own on this machine (`ray.cluster_utils.Cluster`)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from rollout.ray import quiet_fork_exec
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with quiet_fork_exec():  # Ray starts its nodes by fork + exec from this JAX process: safe
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        node_b = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster.head_node.node_id, node_b.node_id
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def bundle_nodes(pg) -> list[str]:
+    import ray
+
+    table = ray.util.placement_group_table(pg)
+    return [table["bundles_to_node_id"][i] for i in range(len(table["bundles"]))]
+
+
+def test_grpo_with_a_two_process_trainer_on_one_node_and_vllm_on_another_resumes_after_kill_9(
+    two_nodes, tmp_path, arithmetic_tokenizer
+):
+    """Steps 1-3 run; after step 3 trainer process 1 gets SIGKILL. The next call names that process and its node
+    and stops the group (no hang). The same config resumes from checkpoint 2, redoes step 3 exactly (loss, reward,
+    lengths, policy version as logged before the kill) and finishes step 4. Throughout, the vLLM sampler's log-probs
+    equal the trainer's to float32 rounding: every weight sync from the two processes delivered the weights."""
+    from posttrain.grpo import GRPORun
+    from posttrain.trainer import TrainerUnavailable
+
+    node_a, node_b = two_nodes
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        arithmetic_tokenizer,
+        "placement.trainer_processes=2",
+        "placement.cpu_devices_per_process=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "train.steps=4",
+        "checkpoint.every_steps=2",
+    )
+    killed = {}
+
+    def kill_process_1(run, step, metrics):
+        if step == 3:
+            killed["pid"] = run.trainer.processes[1].pid
+            os.kill(killed["pid"], signal.SIGKILL)
+
+    run = GRPORun(cfg)
+    try:
+        assert bundle_nodes(run.placement.trainer) == [node_a, node_a]  # PACK: the group on one node
+        assert bundle_nodes(run.placement.samplers) == [node_b]
+        assert [p.node_id for p in run.trainer.processes] == [node_a, node_a]
+        assert len({p.pid for p in run.trainer.processes}) == 2
+        with pytest.raises(TrainerUnavailable) as failure:
+            run.run(on_step=kill_process_1)
+    finally:
+        run.close()
+    message = str(failure.value)
+    assert f"trainer process 1 of 2 (pid {killed['pid']} on node " in message and f" {node_a[:8]})" in message, message
+    assert "The other trainer processes were stopped" in message and "run the same command again" in message
+    before_kill, _ = metric_rows(cfg.run.run_dir)
+    assert [m["step"] for m in before_kill] == [1, 2, 3]
+
+    run = GRPORun(cfg)
+    try:
+        assert run.start_step == 2
+        run.run()
+    finally:
+        run.close()
+    after, _ = metric_rows(cfg.run.run_dir)
+    assert [m["step"] for m in after] == [1, 2, 3, 4]
+    assert_redone_steps_match(before_kill, after, 2)
+    for m in after:
+        assert m["policy_version"] == m["step"]
+        assert m["mismatch/logp_gap_max"] < 1e-4, m  # vLLM holds the weights the two processes trained
+        assert m["sync/bytes"] > 1e6  # the whole model (1.4 MiB in float32) reached the sampler
