@@ -7,9 +7,9 @@
     if is_primary(): write_files()        # what one process does for all: files, messages
 
 Every process runs the same program (SPMD): the same jitted steps, in the same order, on the same global
-shapes. A host batch that every process holds whole goes onto the global mesh with `jax.device_put` as it does in
-one process (each process writes the shards its own devices hold). On CPU the processes' collectives go through
-gloo, JAX's default once `jax.distributed` is initialised; on GPU, NCCL; on TPU, ICI.
+shapes. Each process puts on its devices only the part of a global batch they hold (`place_rows`:
+`jax.make_array_from_process_local_data` with the rows `local_indices` names). On CPU the processes' collectives
+go through gloo, JAX's default once `jax.distributed` is initialised; on GPU, NCCL; on TPU, ICI.
 
 Reading a global array back is itself a collective when some of its shards live on other processes
 (`jax.experimental.multihost_utils.process_allgather`): `to_host` must be called by every process.
@@ -74,6 +74,35 @@ def to_host(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(read, tree)
+
+
+def local_indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """The indices along `axis` of a global array of `shape` placed with `sharding` that this process's devices
+    hold, ascending: the process-local data `jax.make_array_from_process_local_data` takes is the global array at
+    these indices (its slices concatenated in order)."""
+    held: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        assert index is not None  # a device of this process always holds some index of a global array
+        held.update(range(*index[axis].indices(shape[axis])))
+    return np.array(sorted(held), dtype=np.int64)
+
+
+def place_rows(x: Any, sharding: jax.sharding.Sharding, axis: int) -> jax.Array:
+    """The host array `x` (the same on every process) as one global array with `sharding`, sharded along `axis`
+    only: each process transfers just its own devices' part (the whole of it in a group of one)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    local = np.take(np.asarray(x), local_indices(sharding, x.shape, axis), axis=axis)
+    return jax.make_array_from_process_local_data(sharding, local, x.shape)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process of the group (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([flag]))).any())
 
 
 def is_primary() -> bool:

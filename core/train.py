@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.batch import with_compact, with_scored
+from core.distributed import place_rows
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
 
@@ -158,8 +159,10 @@ def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) 
 
 
 def place_batch(batch: T, mesh: Mesh) -> T:
-    """A micro-batched host batch on `mesh`, each leaf's batch axis over the data axes (`batch_sharding`)."""
-    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, x.shape)), batch)
+    """A micro-batched host batch on `mesh`, each leaf's batch axis over the data axes (`batch_sharding`). In a
+    JAX process group every process holds the same host batch and places only the rows its devices hold
+    (`core.distributed.place_rows`)."""
+    return jax.tree.map(lambda x: place_rows(x, batch_sharding(mesh, x.shape), axis=1), batch)
 
 
 def make_train_step(

@@ -24,6 +24,7 @@ back as itself (a `NonFiniteLoss`, a sampler's death during a weight sync), not 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from core.errors import TemperError
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from rollout.sampler import Sampler
+from rollout.weight_sync import SyncStats
 
 
 class LocalTrainer:
@@ -75,17 +77,16 @@ class LocalTrainer:
     def train(self, batch: TrainBatch) -> TrainStats:
         return self.learner.train(batch)
 
-    def sync(self, sampler: Sampler) -> dict:
-        """Push the current weights (and policy version) to one sampler; returns its sync statistics."""
+    def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
+        """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
+        `tag` names the update (the same on every process of a group: their pieces make one update)."""
         from rollout.weight_sync import reshard_to_jax_sampler, sync_to_vllm
 
         chunk = self.cfg.rollout.reshard_chunk_bytes
         version = self.learner.version
-        if sampler.remote:  # a vLLM actor: HF-named host chunks
-            stats = sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version)
-        else:
-            stats = reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
-        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
+        if sampler.remote:  # a vLLM actor: every process sends the pieces its devices hold
+            return sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version, tag=tag or None)
+        return reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)
@@ -179,14 +180,19 @@ class TrainerHandle:
         self.lost = False  # set once a call found an actor (or its cluster) gone
 
     def _call(self, method: Callable, *args: Any) -> Any:
+        """`method` on the trainer: in this process, or on every process of the group (process 0's answer)."""
         if self.local_trainer is not None:
             return method(self.local_trainer, *args)
+        return self._call_all(method, *args)[0]
+
+    def _call_all(self, method: Callable, *args: Any) -> list:
+        """`method` on every process of the group, their answers in process order."""
         from rollout.ray import call_group
 
         name = method.__name__
         return call_group(
             self.actors, TrainerProcess.call, (method, args), self.timeout_s, lambda e, i: self._unavailable(name, e, i)
-        )[0]
+        )
 
     def _unavailable(self, name: str, err: Exception, rank: int) -> TrainerUnavailable:
         """An actor (or the cluster) is gone: the rest of the group is stopped (it would wait in a collective)."""
@@ -221,8 +227,16 @@ class TrainerHandle:
     def train(self, batch: TrainBatch) -> TrainStats:
         return self._call(LocalTrainer.train, batch)
 
-    def sync(self, sampler: Sampler) -> dict:
-        return self._call(LocalTrainer.sync, sampler)
+    def sync(self, sampler: Sampler) -> SyncStats:
+        """The weights into `sampler`, from every trainer process (each sends what its devices hold): bytes and
+        chunks summed over the processes, the time of the slowest."""
+        if self.local_trainer is not None:
+            return self.local_trainer.sync(sampler)
+        parts = self._call_all(LocalTrainer.sync, sampler, uuid.uuid4().hex)
+        stats = SyncStats.combine(parts)
+        if len(parts) > 1:
+            print(f"{stats.line()} from {len(parts)} trainer processes", flush=True)
+        return stats
 
     def save(self, step: int, extra: dict) -> None:
         self._call(LocalTrainer.save, step, extra)

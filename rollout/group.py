@@ -17,9 +17,12 @@ its engine raises (an out-of-memory error, say). Then `collect` (or `sync`)
 starts a replacement in its place, loads it with the trainer's current weights
 (`push`) and redoes that sampler's share of the request once; if the
 replacement fails too, `SamplerFailed` stops the run (resume it with the same
-command). A `ValueError` raised by a sampler's generate is bad input (a
-prompt longer than the model allows), not a failure: it stops the run as a
-`SamplerInputError` with the sampler's message.
+command). A sampler whose node has left the cluster is not restarted: it is
+dropped, its share redone by a surviving sampler, and the run goes on with the
+rest (`dropped`); only when none is left does the run stop. A `ValueError`
+raised by a sampler's generate is bad input (a prompt longer than the model
+allows), not a failure: it stops the run as a `SamplerInputError` with the
+sampler's message.
 """
 
 from __future__ import annotations
@@ -61,22 +64,27 @@ class Pending:
 
 class SamplerGroup:
     def __init__(self, samplers: Sequence[Sampler], restart: Callable[[int], Sampler] | None = None):
+        """`restart(slot)` starts a sampler in place of slot `slot`'s (its placement bundle and seed)."""
         if not samplers:
             raise ValueError("an RL run needs at least one sampler")
         self.samplers = list(samplers)
+        self.slots = list(range(len(samplers)))  # each sampler's slot (what `restart` takes), as samplers drop out
         self._restart = restart
+        self._successor: dict[int, Sampler] = {}  # id(failed sampler) -> its replacement
+        self._dropped: set[int] = set()  # id(sampler) of those dropped with their node
         self.restarts = 0  # samplers replaced so far
+        self.dropped = 0  # samplers dropped with their node
         self.redone_prompts = 0  # prompts generated again because their sampler failed
 
     def submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> Pending:
         pending = Pending()
         size = -(-len(prompts) // len(self.samplers))
-        for i, sampler in enumerate(self.samplers):
+        for i, (slot, sampler) in enumerate(zip(self.slots, self.samplers, strict=True)):
             lo = i * size
             part = list(prompts[lo : lo + size])
             if part:
                 own = dataclasses.replace(params, prompt_offset=params.prompt_offset + lo)
-                pending.parts.append(Part(i, sampler, part, own, self._start(sampler, part, own)))
+                pending.parts.append(Part(slot, sampler, part, own, self._start(sampler, part, own)))
         return pending
 
     @staticmethod
@@ -84,8 +92,8 @@ class SamplerGroup:
         return sampler.submit(part, params)
 
     def collect(self, pending: Pending, push: Callable[[Any], Any]) -> list[Completion]:
-        """Every part's completions in prompt order; a failed sampler is replaced (loaded with `push`) and its
-        part generated again, once."""
+        """Every part's completions in prompt order; a failed sampler is replaced (loaded with `push`), or dropped
+        with its node, and its part generated again, once, by the sampler that took over."""
         out: list[Completion] = []
         for part in pending.parts:
             if not part.sampler.remote:  # generated in `submit`; its errors were raised there
@@ -99,39 +107,66 @@ class SamplerGroup:
                     raise SamplerInputError(f"sampler {part.index} refused its prompts: {cause}") from None
                 if not is_sampler_failure(e) or self._restart is None:
                     raise
-                sampler = self._replace(part.index, part.sampler, e, push)
+                sampler = self._take_over(part.sampler, e, push)
                 self.redone_prompts += len(part.prompts)
                 out.extend(self._once(part.index, partial(sampler.generate, part.prompts, part.params)))
         return out
 
     def sync(self, push: Callable[[Any], Any]) -> list[Any]:
         """`push(sampler)` for every sampler (the trainer's weights into it); a sampler that fails meanwhile
-        is replaced and loaded once more. Returns what `push` returned, per sampler."""
+        is replaced and loaded once more, or dropped with its node. Returns what `push` returned, per sampler
+        loaded."""
         out = []
-        for i in range(len(self.samplers)):
-            sampler = self.samplers[i]
+        for sampler in list(self.samplers):
             try:
                 out.append(push(sampler))
             except Exception as e:
                 if not sampler.remote or not is_sampler_failure(e) or self._restart is None:
                     raise
-                out.append(self._replace(i, sampler, e, push, loaded=True))
+                successor = self._take_over(sampler, e, push, loaded=True)
+                if successor is not None:
+                    out.append(successor)
         return out
 
-    def _replace(self, i: int, failed: Any, error: Exception, push: Callable[[Any], Any], loaded: bool = False):
-        """The sampler in slot i, replaced if it is still the one that failed, loaded with the current weights.
-        Returns the new sampler (or, with `loaded`, what `push` returned for it)."""
-        if self.samplers[i] is failed:  # not yet replaced by an earlier part of this request
-            first = str(error).splitlines()[0] if str(error) else ""
-            log.warning("sampler %d failed (%s: %s); restarting it", i, type(error).__name__, first)
-            print(f"sampler {i} failed ({type(error).__name__}); restarting it", flush=True)
-            failed.stop()  # an engine that raised may still hold its memory
-            assert self._restart is not None  # callers check before replacing
-            self.samplers[i] = self._once(i, partial(self._restart, i))
-            self.restarts += 1
-            stats = self._once(i, lambda: push(self.samplers[i]))
-            return stats if loaded else self.samplers[i]
-        return self._once(i, lambda: push(self.samplers[i])) if loaded else self.samplers[i]
+    def _take_over(self, failed: Sampler, error: Exception, push: Callable[[Any], Any], loaded: bool = False):
+        """The sampler that does `failed`'s work from now on: a replacement in its slot, started and loaded with
+        the current weights (with `loaded`: what `push` returned for it), or, when `failed`'s node has left the
+        cluster, a surviving sampler (with `loaded`: None, the survivors hold the weights already)."""
+        if id(failed) in self._dropped:  # dropped with its node earlier: a survivor does its work
+            return None if loaded else self.samplers[0]
+        successor = self._successor.get(id(failed))
+        if successor is not None:  # replaced by an earlier part of this request
+            slot = self.slots[self.samplers.index(successor)]
+            return self._once(slot, lambda: push(successor)) if loaded else successor
+        slot = self.slots[self.samplers.index(failed)]
+        first = str(error).splitlines()[0] if str(error) else ""
+        failed.stop()  # an engine that raised may still hold its memory
+        if not failed.node_alive():
+            return self._drop(failed, slot, error, loaded)
+        log.warning("sampler %d failed (%s: %s); restarting it", slot, type(error).__name__, first)
+        print(f"sampler {slot} failed ({type(error).__name__}); restarting it", flush=True)
+        assert self._restart is not None  # callers check before replacing
+        successor = self._once(slot, partial(self._restart, slot))
+        self.samplers[self.samplers.index(failed)] = successor
+        self._successor[id(failed)] = successor
+        self.restarts += 1
+        stats = self._once(slot, lambda: push(successor))
+        return stats if loaded else successor
+
+    def _drop(self, failed: Sampler, slot: int, error: Exception, loaded: bool) -> Sampler | None:
+        """Leave out a sampler whose node is gone; the first survivor takes over its work."""
+        i = self.samplers.index(failed)
+        del self.samplers[i], self.slots[i]
+        self.dropped += 1
+        self._dropped.add(id(failed))
+        if not self.samplers:
+            raise SamplerFailed(
+                f"sampler {slot}'s node left the cluster ({type(error).__name__}) and no sampler is left; run the "
+                "same command again, on a cluster with room for the samplers, to resume from the last checkpoint"
+            )
+        log.warning("sampler %d's node left the cluster; dropped, %d sampler(s) go on", slot, len(self.samplers))
+        print(f"sampler {slot}'s node left the cluster: dropped, {len(self.samplers)} sampler(s) go on", flush=True)
+        return None if loaded else self.samplers[0]
 
     @staticmethod
     def _once(i: int, action: Callable[[], Any]) -> Any:

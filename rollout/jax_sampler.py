@@ -204,6 +204,9 @@ class JaxSampler:
     def stop(self) -> None:
         """Nothing to release: the parameters are the trainer's to free."""
 
+    def node_alive(self) -> bool:
+        return True  # it runs in this process
+
     def _completion(self, prompt, tokens, logps, stopped, params) -> Completion:
         ids = [int(t) for t in tokens]
         ids, text, hit = apply_stop_strings(self.tokenizer, ids, params.stop)

@@ -78,6 +78,18 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         ray.init(**local_cluster_options(num_cpus))
 
 
+def node_alive(node_id: str) -> bool:
+    """Whether Ray node `node_id` is alive in the cluster this process is connected to (False when the cluster
+    cannot be asked: a sampler is then not restarted on it)."""
+    import ray
+
+    try:
+        nodes = ray.nodes()
+    except Exception:
+        return False
+    return any(n["NodeID"] == node_id and n["Alive"] for n in nodes)
+
+
 def jax_actor_env(gpus: bool, cpu_devices: int | None = None) -> dict[str, str]:
     """The environment a Ray actor running JAX starts with: this process's XLA / JAX settings, the CPU platform
     where the actor gets no GPU (with `cpu_devices` XLA host devices, if given), and the host malloc

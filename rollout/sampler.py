@@ -87,7 +87,8 @@ class Sampler(Protocol):
 
     `remote` says where it runs and so how weights reach it: False, in the trainer's process (weights
     resharded as JAX arrays, `rollout.weight_sync.reshard_to_jax_sampler`); True, a Ray actor (weights
-    streamed as HF-named host chunks, `sync_to_vllm`; a failure of the actor can be met by restarting it).
+    streamed from each trainer process as pieces of tensors, `sync_to_vllm`; a failure of the actor can be met by
+    restarting it, or by dropping it when its node left the cluster).
     """
 
     remote: bool
@@ -105,6 +106,10 @@ class Sampler(Protocol):
 
     def stop(self) -> None:
         """Release the engine (a failed one may still hold its memory)."""
+        ...
+
+    def node_alive(self) -> bool:
+        """Whether the node it runs on is still part of the cluster (one that left is not restarted on)."""
         ...
 
 

@@ -2,13 +2,15 @@
 
     sampler = RemoteVLLMSampler.start("runs/x/hf", cfg.rollout)
     completions = sampler.generate(prompts, SamplingParams(...))
-    sampler.update_weights(chunks)        # iterable of {hf_name: array} chunks, via the object store
+    sampler.update_weights(chunks)        # iterable of chunks of core.hf_pieces.TensorPiece, via the object store
+    sampler.send_pieces(chunks, tag); sampler.commit_weights(tag, version)   # the same from several senders
     sampler.shutdown()
 
 vLLM keeps process-global state (its distributed groups), so each engine gets
 its own process: a Ray actor running `VLLMSampler` in-process. Weight chunks
 travel through the Ray object store and are read zero-copy on the receiving
-side, then copied into receive buffers that persist between syncs. Every call
+side, then copied into receive buffers that persist between syncs; each
+trainer process sends the pieces its own devices hold, straight to the actor. Every call
 has a timeout, so a dead or wedged actor surfaces as an error instead of a hang.
 """
 
@@ -16,10 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 
-import numpy as np
-
+from core.hf_pieces import TensorPiece
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
 
@@ -33,6 +35,7 @@ class RemoteVLLMSampler:
         self.timeout_s = timeout_s
         self.policy_version = 0
         self.last_sync: dict = {}
+        self.node_id = ""  # the Ray node it runs on
 
     @classmethod
     def start(
@@ -62,7 +65,7 @@ class RemoteVLLMSampler:
             .remote(model_dir, cfg, seed)
         )
         client = cls(actor, timeout_s)
-        client._get(actor.__ray_ready__.remote())  # type: ignore[union-attr]  # surface start-up errors here
+        client.node_id = client._get(actor.node_id.remote())  # type: ignore[attr-defined]  # start-up errors here
         return client
 
     def _get(self, ref):
@@ -80,36 +83,47 @@ class RemoteVLLMSampler:
     def result(self, ref) -> list[Completion]:
         return self._get(ref)
 
-    def update_weights(self, chunks: Iterable[Mapping[str, np.ndarray]], version: int | None = None) -> dict:
-        """Stream chunks into the actor's receive buffers, then commit all-or-nothing."""
+    def send_pieces(self, chunks: Iterable[Sequence[TensorPiece]], tag: str) -> dict:
+        """Stream chunks of tensor pieces (`core.hf_pieces`) into the actor's receive buffers for update `tag`, one
+        chunk in flight at a time (what a trainer process holds, from that process: several may send to one
+        sampler, in any order)."""
         import ray
 
-        start = time.perf_counter()
-        nbytes = 0
-        prepare = transfer = 0.0
+        nbytes, prepare, transfer = 0, 0.0, 0.0
         iterator = iter(chunks)
         while True:
             t0 = time.perf_counter()
-            chunk = next(iterator, None)  # gathering and layout happen in the producer
+            chunk = next(iterator, None)  # reading the shards and casting happen in the producer
             t1 = time.perf_counter()
             prepare += t1 - t0
             if chunk is None:
                 break
-            nbytes += self._get(self.handle.receive_weights.remote(ray.put(dict(chunk))))
+            nbytes += self._get(self.handle.receive_pieces.remote(ray.put(list(chunk)), tag))
             transfer += time.perf_counter() - t1
+        return {"bytes": nbytes, "prepare_s": prepare, "transfer_s": transfer}
+
+    def commit_weights(self, tag: str, version: int | None = None) -> dict:
+        """Load update `tag` in the engine (all of it arrived, or nothing changes); this client's policy version."""
+        start = time.perf_counter()
         version = self.policy_version + 1 if version is None else version
-        t2 = time.perf_counter()
-        self._get(self.handle.commit_weights.remote(version))
+        self._get(self.handle.commit_weights.remote(tag, version))
         self.policy_version = version
-        self.last_sync = {
-            "bytes": nbytes,
-            "seconds": time.perf_counter() - start,
-            "version": version,
-            "prepare_s": prepare,
-            "transfer_s": transfer,
-            "commit_s": time.perf_counter() - t2,
-        }
+        return {"commit_s": time.perf_counter() - start}
+
+    def update_weights(self, chunks: Iterable[Sequence[TensorPiece]], version: int | None = None) -> dict:
+        """`send_pieces` then `commit_weights`, from one process."""
+        start = time.perf_counter()
+        tag = uuid.uuid4().hex
+        info = self.send_pieces(chunks, tag)
+        info.update(self.commit_weights(tag, version))
+        self.last_sync = {**info, "seconds": time.perf_counter() - start, "version": self.policy_version}
         return self.last_sync
+
+    def node_alive(self) -> bool:
+        """Whether its Ray node is still alive in the cluster (False also when the cluster cannot be asked)."""
+        from rollout.ray import node_alive
+
+        return node_alive(self.node_id)
 
     def shutdown(self) -> None:
         import ray

@@ -2,7 +2,7 @@
 
     sampler = VLLMSampler("runs/x/hf", cfg.rollout)          # an HF directory from core.hf.save_hf
     completions = sampler.generate(prompts, SamplingParams(n=4, max_tokens=64))
-    sampler.receive_weights(chunk)  ...  sampler.commit_weights(version)   # see rollout/weight_sync.py
+    sampler.receive_pieces(pieces, tag) ... sampler.commit_weights(tag, version)   # see rollout/weight_sync.py
     sampler.shutdown()
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the
@@ -11,12 +11,13 @@ In a Ray actor (`rollout.vllm_actor`) that means arrays come through the
 object store. Log-probs are those of the distribution actually sampled
 (`logprobs_mode="processed_logprobs"`).
 
-Weight updates are all-or-nothing: chunks are copied into receive buffers
-that persist between syncs; `commit_weights` checks that every tensor arrived
-with the right shape before touching the engine, then calls the worker's
-`reload_weights` with Hugging Face names, re-packs a tied `lm_head` (the CPU
-backend keeps a packed copy of it) and resets the prefix cache. A bad update
-raises and the engine keeps serving the previous weights.
+Weight updates are all-or-nothing: pieces of tensors (`core.hf_pieces`: each
+trainer process sends the shards its devices hold) are written into receive
+buffers that persist between syncs; `commit_weights` checks that every element
+of every tensor arrived once before touching the engine, then calls the
+worker's `reload_weights` with Hugging Face names and layouts, re-packs a tied
+`lm_head` (the CPU backend keeps a packed copy of it) and resets the prefix
+cache. A bad update raises and the engine keeps serving the previous weights.
 """
 
 from __future__ import annotations
@@ -24,27 +25,24 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from core.config import ModelConfig
 from core.hf_config import model_section_from_hf
+from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
 
-
-class WeightUpdateError(ValueError):
-    """Weights that do not match the served model; the engine still serves the previous ones."""
+__all__ = ["VLLMSampler", "WeightUpdateError"]
 
 
-def expected_hf_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape the model in `model_dir` needs, from its config.json."""
-    from core.config import ModelConfig
-    from core.hf import hf_shapes
-
-    section = model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
-    return hf_shapes(ModelConfig(**section))
+def served_model(model_dir: str | Path) -> ModelConfig:
+    """The model section of the checkpoint in `model_dir` (its config.json)."""
+    return ModelConfig(**model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text())))
 
 
 class VLLMSampler:
@@ -67,11 +65,10 @@ class VLLMSampler:
             seed=seed,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.expected = expected_hf_shapes(self.model_dir)
-        self.tied = json.loads((Path(self.model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+        served = served_model(self.model_dir)
+        self.assembler = TensorAssembler(served)  # receive buffers, reused between syncs
+        self.tied = served.tie_word_embeddings
         self.policy_version = 0
-        self._buffers: dict[str, np.ndarray] = {}  # receive buffers, reused between syncs
-        self._received: set[str] = set()
         self.last_sync: dict = {}
 
     # ---------------------------------------------------------------- generate
@@ -126,42 +123,26 @@ class VLLMSampler:
 
     # ----------------------------------------------------------------- weights
 
-    def receive_weights(self, tensors: Mapping[str, np.ndarray]) -> int:
-        """Copy one chunk of HF-named tensors into the receive buffers; returns bytes received."""
-        problems = []
-        for name, value in tensors.items():
-            want = self.expected.get(name)
-            if want is None:
-                problems.append(f"unexpected tensor {name}")
-            elif tuple(value.shape) != want:
-                problems.append(f"{name}: expected shape {want}, got {tuple(value.shape)}")
-        if problems:
-            self._received.clear()
-            raise WeightUpdateError("weight update rejected, previous weights kept:\n  " + "\n  ".join(problems))
-        nbytes = 0
-        for name, value in tensors.items():
-            buf = self._buffers.get(name)
-            if buf is None or buf.dtype != value.dtype:
-                buf = self._buffers[name] = np.empty(value.shape, value.dtype)
-            np.copyto(buf, value)
-            self._received.add(name)
-            nbytes += value.nbytes
-        return nbytes
+    def receive_pieces(self, pieces: Sequence[TensorPiece], tag: str) -> int:
+        """Write one chunk of tensor pieces (`core.hf_pieces`, from any trainer process) into the receive buffers
+        of update `tag`; returns their bytes."""
+        return self.assembler.add(pieces, tag)
 
-    def commit_weights(self, version: int | None = None) -> None:
-        """Load the received tensors into the engine, if and only if every tensor arrived."""
+    def send_pieces(self, chunks: Iterable[Sequence[TensorPiece]], tag: str) -> dict:
+        """`receive_pieces` for every chunk (what a trainer process does through `RemoteVLLMSampler`, here in
+        this process)."""
+        start = time.perf_counter()
+        nbytes = sum(self.receive_pieces(chunk, tag) for chunk in chunks)
+        return {"bytes": nbytes, "transfer_s": time.perf_counter() - start}
+
+    def commit_weights(self, tag: str, version: int | None = None) -> None:
+        """Load update `tag` into the engine, if and only if every element of every tensor arrived once."""
         import torch
 
-        missing = sorted(set(self.expected) - self._received)
-        self._received = set()
-        if missing:
-            raise WeightUpdateError(
-                f"weight update incomplete, previous weights kept: {len(missing)} tensor(s) missing: "
-                + ", ".join(missing[:20])
-            )
+        self.assembler.check(tag)
         start = time.perf_counter()
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        worker.reload_weights(weights_iterator=[(n, _to_torch(b)) for n, b in self._buffers.items()])
+        worker.reload_weights(weights_iterator=((n, _to_torch(v)) for n, v in self.assembler.hf_tensors()))
         if self.tied:
             # The CPU backend keeps a packed copy of the output projection; re-pack it from the new embedding.
             model = worker.model_runner.get_model()
@@ -171,19 +152,26 @@ class VLLMSampler:
         self.policy_version = self.policy_version + 1 if version is None else version
         self.last_sync = {"load_seconds": time.perf_counter() - start}
 
-    def update_weights(self, chunks: Iterable[Mapping[str, np.ndarray]], version: int | None = None) -> dict:
-        """`receive_weights` for every chunk, then `commit_weights` (in-process use)."""
+    def update_weights(self, chunks: Iterable[Sequence[TensorPiece]], version: int | None = None) -> dict:
+        """`send_pieces`, then `commit_weights` (in-process use)."""
         start = time.perf_counter()
-        nbytes = sum(self.receive_weights(chunk) for chunk in chunks)
+        tag = uuid.uuid4().hex
+        sent = self.send_pieces(chunks, tag)
         received = time.perf_counter()
-        self.commit_weights(version)
+        self.commit_weights(tag, version)
         return {
-            "bytes": nbytes,
+            "bytes": sent["bytes"],
             "seconds": time.perf_counter() - start,
             "version": self.policy_version,
             "transfer_s": received - start,
             "commit_s": time.perf_counter() - received,
         }
+
+    def node_id(self) -> str:
+        """The Ray node this sampler runs on (in a Ray actor)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         """Stop the engine core (frees its shared memory)."""

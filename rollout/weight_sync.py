@@ -10,11 +10,12 @@ One planner (`plan_chunks`) groups tensors into chunks of at most
   It is always a copy (`may_alias=False`): on the trainer's own mesh
   `device_put` would otherwise hand back the trainer's buffers, which its next
   step donates (deletes), and a second sync would delete them itself.
-- `sync_to_vllm`: to a vLLM actor. Each Hugging Face tensor is gathered from
-  the trainer mesh (one layer of a stacked parameter at a time), converted to
-  the `[out, in]` layout by the shared table in `core.hf_layout`, grouped into
-  chunks and streamed through the Ray object store into the actor's reusable
-  receive buffers; the actor commits only a complete, well-shaped set.
+- `sync_to_vllm`: to a vLLM actor. Each trainer process reads the shards its
+  own devices hold (one replica each, cut into layers: `core.hf_pieces`), groups
+  them into chunks and streams them through the Ray object store into the
+  actor's reusable receive buffers; nothing is gathered between processes or
+  through the driver. The actor puts each tensor together, converts it to the
+  Hugging Face layout (`core.hf_layout`) and loads only a complete set.
 
 Every sync bumps the policy version and returns (and logs) its bytes and time.
 """
@@ -22,6 +23,7 @@ Every sync bumps the policy version and returns (and logs) its bytes and time.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from core.config import ModelConfig
-from core.distributed import is_primary
-from core.hf import hf_tensors
+from core.distributed import any_process, is_primary
+from core.hf_pieces import TensorPiece, local_pieces
 from core.models import state_mismatches
 
 T = TypeVar("T")
@@ -45,7 +47,22 @@ class SyncStats:
     seconds: float
     chunks: int
     peak_extra_bytes: int = 0
-    phases: dict | None = None  # seconds per phase (prepare: gather + layout, transfer, commit)
+    phases: dict | None = None  # seconds per phase (prepare: read + cast, transfer, commit)
+    committed: bool = True  # False: another process of the group failed to send; nothing was loaded
+
+    @staticmethod
+    def combine(parts: Sequence[SyncStats]) -> SyncStats:
+        """One sync made of several processes' parts: bytes and chunks summed, the slowest part's time and
+        phases."""
+        slowest = max(parts, key=lambda p: p.seconds)
+        return SyncStats(
+            parts[0].version,
+            sum(p.bytes for p in parts),
+            slowest.seconds,
+            sum(p.chunks for p in parts),
+            phases=slowest.phases,
+            committed=all(p.committed for p in parts),
+        )
 
     def line(self) -> str:
         rate = self.bytes / max(self.seconds, 1e-9) / 1e9
@@ -147,15 +164,12 @@ def reshard_to_jax_sampler(
 # ------------------------------------------------------------ JAX -> vLLM
 
 
-def hf_chunks(
+def piece_chunks(
     params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None, dtype: Any | None = None
-) -> Iterator[dict[str, np.ndarray]]:
-    """Chunks of {HF name: host array in HF layout}, gathered one tensor (one layer) at a time."""
-    tensors = hf_tensors(params, cfg)
-    if dtype is not None:
-        tensors = ((name, value.astype(dtype)) for name, value in tensors)
-    for group in group_by_bytes(tensors, lambda item: item[1].nbytes, chunk_bytes, max_tensors):
-        yield dict(group)
+) -> Iterator[list[TensorPiece]]:
+    """Chunks of the tensor pieces this process's devices hold (`core.hf_pieces.local_pieces`), each of at most
+    `chunk_bytes` (a bigger piece travels alone) and `max_tensors` pieces."""
+    yield from group_by_bytes(local_pieces(params, cfg, dtype), lambda p: p.data.nbytes, chunk_bytes, max_tensors)
 
 
 def sync_to_vllm(
@@ -166,43 +180,47 @@ def sync_to_vllm(
     version: int | None = None,
     max_tensors: int | None = None,
     dtype: Any | None = None,
+    tag: str | None = None,
 ) -> SyncStats:
-    """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`).
+    """Stream trainer `params` to a vLLM sampler (`RemoteVLLMSampler` or in-process `VLLMSampler`): this process
+    sends the pieces its devices hold, in chunks of at most `chunk_bytes`; the sampler loads them once all arrived.
 
-    In a trainer process group (`core.distributed`) every process calls it: each tensor is gathered from the
-    processes that hold its shards (a collective), and the first process sends the chunks; the others take part
-    in the gathers and send nothing. A sampler that fails mid-sync still gets the group through the remaining
-    gathers first, so that the processes stay in step for the next call."""
+    In a trainer process group (`core.distributed`) every process calls it with the same `tag` (the update's
+    name): each sends its own pieces straight to the sampler, with no gather between processes; once all have
+    sent, the first process commits. A process whose sending fails raises its error and the others return without
+    a commit (they learn it from one small collective), so that the group stays in step for the next call. The
+    stats are this process's part (bytes it sent)."""
     start = time.perf_counter()
-    counted = _Counted(hf_chunks(params, cfg, chunk_bytes, max_tensors, dtype))
-    if not is_primary():
-        counted.drain()
-        return SyncStats(version or 0, counted.bytes, time.perf_counter() - start, counted.n)
+    tag = tag or uuid.uuid4().hex
+    chunks = _Counted(piece_chunks(params, cfg, chunk_bytes, max_tensors, dtype))
+    error: Exception | None = None
+    info: dict = {}
     try:
-        info = sampler.update_weights(counted, version)
-    except BaseException:
-        if jax.process_count() > 1:
-            counted.drain()
-        raise
+        info = sampler.send_pieces(chunks, tag)
+    except Exception as err:
+        error = err
+    if any_process(error is not None):  # every process takes part, so none waits on the others
+        if error is not None:
+            raise error
+        return SyncStats(version or 0, chunks.bytes, time.perf_counter() - start, chunks.n, committed=False)
+    if is_primary():
+        info.update(sampler.commit_weights(tag, version) or {})
     phases = {k: v for k, v in info.items() if k.endswith("_s")} or None
-    stats = SyncStats(info["version"], info["bytes"], time.perf_counter() - start, counted.n, phases=phases)
-    print(stats.line(), flush=True)
+    done = version if version is not None else sampler.policy_version
+    stats = SyncStats(done, chunks.bytes, time.perf_counter() - start, chunks.n, phases=phases)
+    if jax.process_count() == 1:
+        print(stats.line(), flush=True)
     return stats
 
 
 class _Counted:
-    """An iterable that counts what it yields (the number of chunks sent)."""
+    """An iterable of piece chunks that counts what it yields (chunks and bytes sent)."""
 
-    def __init__(self, items):
+    def __init__(self, items: Iterable[list[TensorPiece]]):
         self.items, self.n, self.bytes = iter(items), 0, 0
 
     def __iter__(self):
         for item in self.items:
             self.n += 1
-            self.bytes += sum(v.nbytes for v in item.values())
+            self.bytes += sum(p.data.nbytes for p in item)
             yield item
-
-    def drain(self) -> None:
-        """Run through what is left (a process group's gathers), keeping nothing."""
-        for _ in self:
-            pass

@@ -15,7 +15,7 @@ OUT, N, PID, PORT = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.a
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // N}"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.distributed import ProcessGroup, join, to_host  # noqa: E402
+from core.distributed import ProcessGroup, join, local_indices, to_host  # noqa: E402
 
 join(ProcessGroup(f"127.0.0.1:{PORT}", N, PID, timeout_s=120))
 
@@ -29,6 +29,7 @@ from core.learner import Learner  # noqa: E402
 from core.mesh import make_mesh  # noqa: E402
 from core.models import create_model  # noqa: E402
 from core.pretrain import PRETRAINING  # noqa: E402
+from core.train import batch_shards, place_batch, split_micro_batches  # noqa: E402
 from posttrain.config import DPOConfig, PostTrainConfig  # noqa: E402
 from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective  # noqa: E402
 from posttrain.dpo.objective import preference_objective  # noqa: E402
@@ -85,7 +86,23 @@ def text_rows(seed: int, prompt: int) -> dict:
     return {**rows, "example_ids": rows["segment_ids"] - 1}
 
 
+def check_placement(name: str, batch, micro: int) -> None:
+    """The global batch each process assembles from its own rows equals the host batch, leaf by leaf; in a group,
+    each process transferred only its share of the rows when the rows split over all 4 data shards (2 rows a
+    micro-batch, as DPO's pairs here, split over 2 of them: both processes hold both)."""
+    host = split_micro_batches(batch, micro, MESH)
+    placed = place_batch(host, MESH)
+    for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(placed), strict=True):
+        rows = local_indices(got.sharding, got.shape, axis=1)
+        if N > 1:
+            assert not got.is_fully_addressable, (name, path)
+            share = want.shape[1] // N if want.shape[1] % batch_shards(MESH) == 0 else want.shape[1]
+            assert len(rows) == share, (name, path, rows)
+        np.testing.assert_array_equal(to_host(got), want, err_msg=f"{name}{jax.tree_util.keystr(path)}")
+
+
 def offline_step(name: str, loss_fn, batch, micro: int, frozen=None) -> None:
+    check_placement(name, batch, micro)
     with jax.set_mesh(MESH):
         model = create_model(MODEL, MESH, seed=0)
     learner = Learner(model, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), frozen=frozen)
@@ -131,6 +148,7 @@ for i in range(16):
     comps.append(Completion(prompts[i // 4], tokens, list(-rng.uniform(4, 7, len(tokens))), "stop", ""))
 adv, keep = rng.normal(size=16), np.ones(16, bool)
 rl_batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=True)
+check_placement("grpo", rl_batch, 2)
 with jax.set_mesh(MESH):
     model = create_model(grpo.model, MESH, seed=0)
 policy = PolicyGradientLearner(grpo, model, MESH, total_steps=1, tx=recording_sgd(0.1))

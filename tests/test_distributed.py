@@ -48,7 +48,10 @@ def test_two_processes_of_four_devices_take_the_one_process_step_of_every_method
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert sorted(one.files) == sorted(two.files)
     for method in METHODS:
-        assert float(two[f"{method}/loss"]) == pytest.approx(float(one[f"{method}/loss"]), rel=1e-6), method
+        # Losses are means of terms of order 1 (GRPO's, ~0.01, sums advantages of both signs): within 8 float32
+        # steps of max(1, |loss|). Measured: at most 0.2 steps.
+        a, b = float(one[f"{method}/loss"]), float(two[f"{method}/loss"])
+        assert abs(a - b) <= 8 * np.finfo(np.float32).eps * max(1.0, abs(a)), (method, a, b)
         names = sorted(k for k in one.files if k.startswith(f"{method}/grad/"))
         assert len(names) > 10, method
         # Measured: at most 18 float32 steps of a tensor's largest entry (the two sum in other orders).

@@ -438,6 +438,12 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
         trainer_logp + 0.05 * np.sin(np.arange(trainer_logp.size)).reshape(trainer_logp.shape) * mask
     ).astype(np.float32)
     expected = _mismatch_reference(trainer_logp, sampler_logp, mask)
+    # The step recomputes the trainer's log-probs, in another row layout for 4 micro-batches: each token's may
+    # differ from the reference's by a few float32 steps of its size, and seq_kl sums max_tokens of them into a
+    # small difference (measured 1.3e-6 here on 4 micro-batches, ~3 steps of a log-prob near -6).
+    ulp = float(np.spacing(np.float32(np.abs(trainer_logp).max())))
+    tolerance = {"mismatch/logp_gap_mean": 4 * ulp, "mismatch/logp_gap_max": 4 * ulp}
+    tolerance["mismatch/seq_kl"] = 2 * settings.max_tokens * ulp
     results = {}
     for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
@@ -452,7 +458,7 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
         stats = PolicyStats.summarise([metrics], 1, settings).metrics()
         results[name, k] = jax.device_get(state.opt_state)
         for key, value in expected.items():
-            assert stats[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (name, k, key)
+            assert stats[key] == pytest.approx(float(value), rel=1e-4, abs=tolerance[key]), (name, k, key)
     for key in (("fused", 1), ("fused", 4)):  # every tensor, in float32 steps of that tensor
         assert_same_gradients(results["separate", 1], results[key])
 

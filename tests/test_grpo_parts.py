@@ -219,9 +219,9 @@ class _FakeRemote:
 
     remote = True
 
-    def __init__(self, tag, fail=None, fail_sync=None):
+    def __init__(self, tag, fail=None, fail_sync=None, alive=True):
         self.tag, self.fail, self.fail_sync, self.policy_version = tag, fail, fail_sync, 0
-        self.killed, self.offsets = False, []
+        self.killed, self.offsets, self.alive = False, [], alive
 
     def submit(self, prompts, params):
         self.offsets.append(params.prompt_offset)
@@ -242,6 +242,9 @@ class _FakeRemote:
 
     def stop(self):
         self.killed = True
+
+    def node_alive(self):
+        return self.alive
 
 
 def _task_error(cause):
@@ -290,6 +293,30 @@ def test_sampler_group_stops_on_a_second_failure_and_passes_bad_input_through():
     no_restart = SamplerGroup([_FakeRemote("c", fail=ray.exceptions.RayActorError())])
     with pytest.raises(ray.exceptions.RayActorError):  # without a restart function the failure surfaces
         no_restart.collect(no_restart.submit(["p"], SamplingParams()), push=lambda s: None)
+
+
+def test_sampler_group_drops_a_sampler_whose_node_left_and_goes_on_with_the_rest():
+    """Sampler b's node is gone: b is not restarted but dropped; its part of the request is redone by a survivor
+    with b's prompt offsets (the same seeds), the next request and sync use the survivors only, and when the
+    last sampler's node goes too the run stops with a message."""
+    import ray.exceptions
+
+    lost = ray.exceptions.RayActorError()
+    a, b = _FakeRemote("a"), _FakeRemote("b", fail=lost, fail_sync=lost, alive=False)
+    group = SamplerGroup([a, b, _FakeRemote("c")], restart=lambda i: pytest.fail("a node that left is not restarted"))
+    out = group.collect(group.submit(["p0", "p1", "p2", "p3", "p4", "p5"], SamplingParams(seed=3)), push=print)
+    assert [x.text for x in out] == ["a:p0", "a:p1", "a:p2", "a:p3", "c:p4", "c:p5"]
+    assert a.offsets == [0, 2] and b.killed and group.dropped == 1 and group.restarts == 0
+    assert group.samplers == [a, group.samplers[1]] and group.slots == [0, 2]
+    assert [x.text for x in group.collect(group.submit(["q0", "q1"], SamplingParams()), push=print)] == [
+        "a:q0",
+        "c:q1",
+    ]
+    assert group.sync(lambda s: s.push()) == ["a", "c"]
+    dying = _FakeRemote("d", fail_sync=lost, alive=False)
+    alone = SamplerGroup([dying], restart=lambda i: pytest.fail("not restarted"))
+    with pytest.raises(SamplerFailed, match="sampler 0's node left the cluster .* no sampler is left"):
+        alone.sync(lambda s: s.push())
 
 
 def test_sampler_group_sync_replaces_a_sampler_that_died_since():

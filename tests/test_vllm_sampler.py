@@ -3,8 +3,10 @@ JAX sampler, in-place weight updates == a fresh engine, processed log-probs, bad
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from core.hf import hf_tensors, load_hf
+from core.hf_pieces import TensorPiece, local_pieces
 from rollout.config import RolloutConfig
 from rollout.sampler import SamplingParams
 
@@ -92,7 +94,6 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
     try:
         before = sampler.generate(PROMPTS, params)
         # trainer-side model sharded over 4 devices, streamed in 64 KiB chunks
-        from flax import nnx
         from jax import devices
 
         from core.config import MeshConfig
@@ -102,6 +103,7 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
         model, cfg = load_hf(new, mesh=make_mesh(MeshConfig(fsdp=4), devices()[:4]))
         tensors = dict(hf_tensors(model, cfg))
         sync = sync_to_vllm(nnx.state(model), cfg, sampler, chunk_bytes=64 * 1024, version=7)
+        assert sync.committed
         got = sampler.generate(PROMPTS, params)
     finally:
         sampler.shutdown()
@@ -113,17 +115,17 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
 
 
 def test_bad_updates_keep_serving_previous_weights(llama_engine, rollout_model_dir):
-    from rollout.vllm_sampler import WeightUpdateError
+    from rollout.vllm_sampler import WeightUpdateError  # the sampler's own name for the error
 
     params = SamplingParams(temperature=0.0, max_tokens=8)
     before = llama_engine.generate(PROMPTS, params)
     model, cfg = load_hf(rollout_model_dir("llama", seed=1))
-    tensors = dict(hf_tensors(model, cfg))
-    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
-    with pytest.raises(WeightUpdateError, match="1 tensor\\(s\\) missing: model.layers.1.mlp.up_proj.weight"):
+    pieces = list(local_pieces(nnx.state(model), cfg))
+    missing = [p for p in pieces if p.name != "model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(WeightUpdateError, match="1 tensor\\(s\\) wrong: model.layers.1.mlp.up_proj.weight: missing"):
         llama_engine.update_weights([missing])
-    wrong = dict(tensors, **{"model.norm.weight": np.ones(3, np.float32)})
-    with pytest.raises(WeightUpdateError, match=r"model.norm.weight: expected shape \(128,\), got \(3,\)"):
+    wrong = [*missing, TensorPiece("model.norm.weight", (0,), np.ones(300, np.float32))]
+    with pytest.raises(WeightUpdateError, match=r"model.norm.weight: a block of shape \(300,\) at \(0,\) does not fit"):
         llama_engine.update_weights([wrong])
     with pytest.raises(ValueError, match="empty prompt list"):
         llama_engine.generate([], params)

@@ -1,4 +1,5 @@
-"""Chunked weight sync: planning, JAX -> JAX resharding across sub-meshes, JAX -> HF chunks."""
+"""Chunked weight sync: planning, JAX -> JAX resharding across sub-meshes, JAX -> the pieces a vLLM sampler puts
+together."""
 
 import jax
 import numpy as np
@@ -7,10 +8,11 @@ from flax import nnx
 
 from core.config import MeshConfig
 from core.hf import load_hf
+from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError, local_pieces
 from core.mesh import make_mesh
 from rollout.jax_sampler import JaxSampler
 from rollout.sampler import SamplingParams
-from rollout.weight_sync import hf_chunks, plan_chunks, reshard_to_jax_sampler
+from rollout.weight_sync import piece_chunks, plan_chunks, reshard_to_jax_sampler
 
 
 def test_plan_chunks():
@@ -64,52 +66,88 @@ def test_reshard_refuses_a_different_model(rollout_model_dir):
 
 
 def source_tensors(hf_dir) -> dict[str, np.ndarray]:
-    """The tensors `transformers` wrote to the model directory: what the synced chunks must hold, name for name."""
+    """The tensors `transformers` wrote to the model directory: what the synced pieces must make, name for name."""
     from safetensors.numpy import load_file
 
     return load_file(str(hf_dir / "model.safetensors"))
 
 
-def sent_tensors(chunks, bound: int | None = None) -> list[tuple[str, np.ndarray]]:
-    """Every (name, array) the chunks carry, in order, as a list: a tensor sent twice shows as two entries."""
-    out: list[tuple[str, np.ndarray]] = []
+def assembled(cfg, chunks, bound: int | None = None) -> dict[str, np.ndarray]:
+    """What a sampler makes of the chunks: every tensor put together from its pieces and laid out as Hugging Face
+    keeps it (raises unless every element arrived once). Each chunk is within `bound` unless it is one piece."""
+    assembler = TensorAssembler(cfg)
     for chunk in chunks:
         if bound is not None:
-            assert len(chunk) == 1 or sum(v.nbytes for v in chunk.values()) <= bound, list(chunk)
-        out += list(chunk.items())
-    return out
+            assert len(chunk) == 1 or sum(p.data.nbytes for p in chunk) <= bound, [p.name for p in chunk]
+        assembler.add(chunk, tag="t")
+    assembler.check("t")
+    return dict(assembler.hf_tensors())
 
 
-def assert_sends_the_source(sent: list[tuple[str, np.ndarray]], source: dict[str, np.ndarray]) -> None:
-    names = [name for name, _ in sent]
-    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]  # each tensor once
-    assert set(names) == set(source), set(names) ^ set(source)
-    for name, value in sent:
+def assert_makes_the_source(got: dict[str, np.ndarray], source: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(source), set(got) ^ set(source)
+    for name, value in got.items():
         np.testing.assert_array_equal(value, source[name], err_msg=name)
         assert value.flags["C_CONTIGUOUS"], name
 
 
 @pytest.mark.parametrize("scan", [True, False])
-def test_hf_chunks_hold_the_checkpoints_tensors_once_within_the_bound(rollout_model_dir, scan):
-    """The chunks of a model loaded from a Hugging Face directory (sharded on a 2 x 2 mesh, stacked layers or not)
-    carry exactly the tensors `transformers` saved there, each once, bitwise, no chunk above the bound by more
-    than one tensor."""
+def test_pieces_of_a_sharded_model_make_the_checkpoints_tensors_once_within_the_bound(rollout_model_dir, scan):
+    """The pieces of a model loaded from a Hugging Face directory (sharded on a 2 x 2 mesh, stacked layers or not),
+    one replica of each shard, put back together, are exactly the tensors `transformers` saved there, bitwise;
+    no chunk is above the bound by more than one piece, and nothing is sent twice: the pieces hold each element
+    of the model once."""
     hf_dir = rollout_model_dir("qwen2", tied=True)
     model, cfg = load_hf(hf_dir, mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4]), scan_layers=scan)
     source = source_tensors(hf_dir)
-    bound = 50_000 + max(v.nbytes for v in source.values())
-    chunks = list(hf_chunks(nnx.state(model), cfg, chunk_bytes=50_000))
+    chunks = list(piece_chunks(nnx.state(model), cfg, chunk_bytes=50_000))
     assert len(chunks) > 4  # the bound really cut the weights into several chunks
-    assert_sends_the_source(sent_tensors(chunks, bound), source)
+    pieces = [p for chunk in chunks for p in chunk]
+    assert len(pieces) > len(source)  # sharded tensors travel in several pieces
+    assert sum(p.data.size for p in pieces) == sum(v.size for v in source.values())
+    assert_makes_the_source(assembled(cfg, chunks, 50_000), source)
+
+
+def test_the_assembler_refuses_pieces_that_do_not_make_the_model(rollout_model_dir):
+    """A missing piece, a piece sent twice, a piece outside its tensor and a tensor the model does not have are
+    each refused, naming the tensor; pieces of a new update start the buffers over."""
+    model, cfg = load_hf(rollout_model_dir("llama"), mesh=make_mesh(MeshConfig(fsdp=2), jax.devices()[:2]))
+    pieces = list(local_pieces(nnx.state(model), cfg))
+    name = "model.layers.1.mlp.up_proj.weight"
+    split = [p for p in pieces if p.name == name]
+    assert len(split) == 2  # fsdp=2: two halves
+
+    def check(chunk, tag="t"):
+        assembler = TensorAssembler(cfg)
+        assembler.add(chunk, tag)
+        assembler.check(tag)
+
+    half, shape = split[0].data.size, split[0].data.shape
+    with pytest.raises(WeightUpdateError, match=f"{name}: {half} of {2 * half} elements received"):
+        check([p for p in pieces if p is not split[0]])
+    with pytest.raises(WeightUpdateError, match=f"{name}: {3 * half} of {2 * half} elements received"):
+        check([*pieces, split[0]])
+    moved = TensorPiece(name, (1, 1), split[0].data)  # one row and column off: past the tensor's end
+    with pytest.raises(WeightUpdateError, match=rf"{name}: a block of shape \({shape[0]}, {shape[1]}\) at \(1, 1\)"):
+        check([*pieces, moved])
+    with pytest.raises(WeightUpdateError, match="unexpected tensor model.layers.9.mlp.up_proj.weight"):
+        check([*pieces, TensorPiece("model.layers.9.mlp.up_proj.weight", (0, 0), split[0].data)])
+    assembler = TensorAssembler(cfg)
+    assembler.add(pieces[:3], tag="old")
+    assembler.add(pieces, tag="new")  # the old update's pieces do not count twice
+    assembler.check("new")
+    with pytest.raises(WeightUpdateError, match="no piece of this update arrived"):
+        assembler.check("new")  # a check ends the update
 
 
 @pytest.mark.gpu_only
 def test_gpu_sync_path_sends_the_checkpoints_tensors(rollout_model_dir):
-    """On a GPU machine the chunks come from device memory: they must hold what `transformers` saved, bitwise."""
+    """On a GPU machine the pieces come from device memory: they must make what `transformers` saved, bitwise."""
     hf_dir = rollout_model_dir("llama")
     model, cfg = load_hf(hf_dir)
     assert next(iter(jax.tree.leaves(nnx.state(model)))).devices().pop().platform == "gpu"
-    assert_sends_the_source(sent_tensors(hf_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20)), source_tensors(hf_dir))
+    got = assembled(cfg, piece_chunks(nnx.state(model), cfg, chunk_bytes=1 << 20))
+    assert_makes_the_source(got, source_tensors(hf_dir))
 
 
 def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_alive(rollout_model_dir):

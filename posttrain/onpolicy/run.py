@@ -68,6 +68,7 @@ from rewards.runner import RewardBatch, RewardRunner
 from rollout.group import Pending, SamplerGroup
 from rollout.placement import Placement, reserve, start_vllm_sampler
 from rollout.sampler import Completion, Sampler, SamplingParams, sample_seed
+from rollout.weight_sync import SyncStats
 
 
 @dataclass
@@ -271,17 +272,17 @@ class OnPolicyRun:
             model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len, seed=self.cfg.run.seed
         )
 
-    def _push(self, sampler: Sampler) -> dict:
+    def _push(self, sampler: Sampler) -> SyncStats:
         """The trainer's current weights and policy version into one sampler."""
         stats = self.trainer.sync(sampler)
-        sampler.policy_version = stats["version"]
+        sampler.policy_version = stats.version
         return stats
 
     def _sync(self) -> tuple[float, int]:
         """(seconds, bytes sent to all samplers) of one weight sync."""
         start = time.perf_counter()
         stats = self.samplers.sync(self._push)
-        return time.perf_counter() - start, sum(int(s["bytes"]) for s in stats)
+        return time.perf_counter() - start, sum(s.bytes for s in stats)
 
     # ------------------------------------------------------------------ steps
 
