@@ -78,16 +78,21 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         ray.init(**local_cluster_options(num_cpus))
 
 
-def node_alive(node_id: str) -> bool:
-    """Whether Ray node `node_id` is alive in the cluster this process is connected to (False when the cluster
-    cannot be asked: a sampler is then not restarted on it)."""
+def node_alive(node_id: str, settle_s: float = 5.0) -> bool:
+    """Whether Ray node `node_id` is alive in the cluster this process is connected to, asked again for up to
+    `settle_s` (an actor's death can reach the caller before its node's does); False when the cluster cannot be
+    asked (a sampler is then not restarted on it)."""
     import ray
 
-    try:
-        nodes = ray.nodes()
-    except Exception:
-        return False
-    return any(n["NodeID"] == node_id and n["Alive"] for n in nodes)
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            alive = any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+        except Exception:
+            return False
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def jax_actor_env(gpus: bool, cpu_devices: int | None = None) -> dict[str, str]:

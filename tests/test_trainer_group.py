@@ -1,6 +1,7 @@
-"""The trainer as a JAX process group on a two-node Ray cluster: GRPO with 2 trainer processes (jax.distributed,
-gloo) on one node and a vLLM sampler on the other; one trainer process killed with SIGKILL, and the same config
-resumed exactly from the last checkpoint."""
+"""The trainer as a JAX process group on a multi-node Ray cluster: GRPO with 2 trainer processes (jax.distributed,
+gloo) on one node and a vLLM sampler on each of two others; one sampler node leaves (its sampler is dropped and the
+run goes on), then one trainer process is killed with SIGKILL, and the same config resumes exactly from the last
+checkpoint."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 
 @pytest.fixture
-def two_nodes():
-    """Node A (the head): 2 CPUs, room for the two trainer processes and nothing else; node B: 1 CPU, the
-    sampler's. Both are Ray nodes of their own on this machine (`ray.cluster_utils.Cluster`)."""
+def nodes():
+    """Node A (the head): 2 CPUs, room for the two trainer processes and nothing else; nodes B and C: 1 CPU each,
+    a sampler's. All are Ray nodes of their own on this machine (`ray.cluster_utils.Cluster`)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -27,9 +28,10 @@ def two_nodes():
         ray.shutdown()
     with quiet_fork_exec():  # Ray starts its nodes by fork + exec from this JAX process: safe
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        node_b = cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster.head_node.node_id, node_b.node_id
+    yield cluster
     ray.shutdown()
     cluster.shutdown()
 
@@ -41,22 +43,31 @@ def bundle_nodes(pg) -> list[str]:
     return [table["bundles_to_node_id"][i] for i in range(len(table["bundles"]))]
 
 
-def test_grpo_with_a_two_process_trainer_on_one_node_and_vllm_on_another_resumes_after_kill_9(
-    two_nodes, tmp_path, arithmetic_tokenizer
+def test_grpo_with_a_two_process_trainer_survives_a_lost_sampler_node_and_resumes_after_kill_9(
+    nodes, tmp_path, arithmetic_tokenizer
 ):
-    """Steps 1-3 run; after step 3 trainer process 1 gets SIGKILL. The next call names that process and its node
-    and stops the group (no hang). The same config resumes from checkpoint 2, redoes step 3 exactly (loss, reward,
-    lengths, policy version as logged before the kill) and finishes step 4. Throughout, the vLLM sampler's log-probs
-    equal the trainer's to float32 rounding: every weight sync from the two processes delivered the weights."""
+    """The trainer's processes share node A (PACK), the samplers are spread over B and C (SPREAD). Steps 1-2 run;
+    then node C leaves the cluster: at step 3 its sampler is found dead with its node, dropped (not restarted),
+    and its prompts are redone on B's; after step 3 trainer process 1 gets SIGKILL. The next call names that
+    process and its node and stops the group (no hang). With node C back, the same config resumes from checkpoint
+    2, redoes step 3 exactly (loss, reward, lengths, policy version as logged before the kill) and finishes step
+    4. Throughout, the vLLM samplers' log-probs equal the trainer's to float32 rounding: every weight sync, each
+    process sending the pieces it holds, delivered the weights."""
+    from ray.cluster_utils import Cluster
+
     from posttrain.grpo import GRPORun
     from posttrain.trainer import TrainerUnavailable
+    from rollout.ray import quiet_fork_exec
 
-    node_a, node_b = two_nodes
+    cluster: Cluster = nodes
+    node_a, node_b, node_c = (n.node_id for n in [cluster.head_node, *cluster.worker_nodes])
     cfg = tiny_cfg(
         tmp_path / "run",
         arithmetic_tokenizer,
         "placement.trainer_processes=2",
         "placement.cpu_devices_per_process=2",
+        "placement.sampler_strategy=SPREAD",
+        "rollout.rollout_data_parallelism=2",
         "mesh.fsdp=2",
         "mesh.tensor=2",
         "train.steps=4",
@@ -64,27 +75,36 @@ def test_grpo_with_a_two_process_trainer_on_one_node_and_vllm_on_another_resumes
     )
     killed = {}
 
-    def kill_process_1(run, step, metrics):
+    def lose_a_node_then_kill_process_1(run, step, metrics):
+        if step == 2:
+            leaving = next(n for n in cluster.worker_nodes if n.node_id == node_c)
+            cluster.remove_node(leaving)
         if step == 3:
             killed["pid"] = run.trainer.processes[1].pid
+            killed["samplers"] = (run.samplers.dropped, len(run.samplers.samplers))
             os.kill(killed["pid"], signal.SIGKILL)
 
     run = GRPORun(cfg)
     try:
         assert bundle_nodes(run.placement.trainer) == [node_a, node_a]  # PACK: the group on one node
-        assert bundle_nodes(run.placement.samplers) == [node_b]
+        assert sorted(bundle_nodes(run.placement.samplers)) == sorted([node_b, node_c])  # SPREAD: one a node
         assert [p.node_id for p in run.trainer.processes] == [node_a, node_a]
         assert len({p.pid for p in run.trainer.processes}) == 2
         with pytest.raises(TrainerUnavailable) as failure:
-            run.run(on_step=kill_process_1)
+            run.run(on_step=lose_a_node_then_kill_process_1)
     finally:
         run.close()
+    assert killed["samplers"] == (1, 1)  # C's sampler dropped, B's went on alone
     message = str(failure.value)
     assert f"trainer process 1 of 2 (pid {killed['pid']} on node " in message and f" {node_a[:8]})" in message, message
     assert "The other trainer processes were stopped" in message and "run the same command again" in message
     before_kill, _ = metric_rows(cfg.run.run_dir)
     assert [m["step"] for m in before_kill] == [1, 2, 3]
+    assert [m["sampler_restarts"] for m in before_kill] == [0, 0, 0]
+    assert before_kill[2]["sampler_redone_prompts"] > 0  # C's share of step 3 was generated again on B
 
+    with quiet_fork_exec():
+        cluster.add_node(num_cpus=1)  # room for the second sampler again
     run = GRPORun(cfg)
     try:
         assert run.start_step == 2
@@ -97,4 +117,4 @@ def test_grpo_with_a_two_process_trainer_on_one_node_and_vllm_on_another_resumes
     for m in after:
         assert m["policy_version"] == m["step"]
         assert m["mismatch/logp_gap_max"] < 1e-4, m  # vLLM holds the weights the two processes trained
-        assert m["sync/bytes"] > 1e6  # the whole model (1.4 MiB in float32) reached the sampler
+        assert m["sync/bytes"] > 1e6  # the whole model (1.4 MiB in float32) reached each sampler
