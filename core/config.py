@@ -280,6 +280,24 @@ class ProfilerConfig(Section):
     dir: str | None = None
 
 
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class PlacementConfig(Section):
+    """Where a run's Ray actors go: the trainer, as one JAX process or a group of them joined by `jax.distributed`
+    (`core.distributed`; on Ray `posttrain.process_group`), and an on-policy run's vLLM samplers, each kind in a
+    placement group of its own with a Ray strategy."""
+
+    trainer_processes: int = Field(1, gt=0)  # JAX processes of the trainer, one Ray actor each
+    # CPU trainers only: XLA host devices in each trainer process (None: what XLA_FLAGS says, else 1).
+    cpu_devices_per_process: int | None = Field(None, gt=0)
+    trainer_strategy: Strategy = "PACK"  # its processes talk by collectives: on as few nodes as fit
+    sampler_strategy: Strategy = "PACK"
+    # How long a trainer process may wait at a barrier for the others (after each compilation: gloo's own reads
+    # time out after 30 s, and processes compile at different speeds), and for the group to form.
+    barrier_timeout_s: int = Field(600, gt=0)
+
+
 # ------------------------------------------------------------------------- root
 
 
@@ -298,6 +316,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     def check_at_load(self, source: str) -> None:
         """What loading a user's config checks beyond its schema (`core.config_loader.load_config`; never when a

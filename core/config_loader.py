@@ -79,8 +79,12 @@ def load_config(
 
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:
-    """Write the resolved config to `run_dir/config.yaml` (what actually ran)."""
+    """Write the resolved config to `run_dir/config.yaml` (what actually ran; by the first process of a group)."""
+    from core.distributed import is_primary
+
     out = Path(run_dir) / "config.yaml"
+    if not is_primary():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return out

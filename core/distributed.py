@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "") -> int:
@@ -103,6 +106,17 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.asarray(multihost_utils.process_allgather(np.array([flag]))).any())
+
+
+def primary_first(fn: Callable[[], T], what: str) -> T:
+    """`fn()` on the first process, then on the others once it returned: for what writes files the others then
+    read (a tokenizer trained for the run), which every process calls."""
+    if is_primary():
+        out = fn()
+        barrier(what)
+        return out
+    barrier(what)
+    return fn()
 
 
 def is_primary() -> bool:

@@ -19,6 +19,7 @@ state exists.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -153,7 +154,10 @@ class TrainLoop:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> TrainState:
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Signal handlers live in the main thread only (a Ray actor's calls may run on another: then Ray's own
+        # handling of SIGTERM stays).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main else None
         try:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with self._profiling(step):
@@ -170,7 +174,8 @@ class TrainLoop:
             self._finish()
             return self.state
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
             if self.ckpt:
                 self.ckpt.wait()
             self.logger.close()

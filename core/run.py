@@ -122,6 +122,7 @@ def build_run(cfg: Config, method: Method) -> Run:
     """Everything `method` trains with, ready to `fit`."""
     from core.checkpoint import initial_model
     from core.data import load_records, load_tokenizer
+    from core.distributed import primary_first
     from core.mesh import make_mesh
     from core.metrics import device_memory
     from core.models.summary import parameter_summary
@@ -135,8 +136,15 @@ def build_run(cfg: Config, method: Method) -> Run:
     mesh = make_mesh(cfg.mesh)
     run_dir = Path(cfg.run.run_dir)
     records = load_records(cfg.data)
-    tokenizer_dir = tokenizer_for_run(
-        cfg.data.tokenizer_dir, method.tokenizer_texts(records), run_dir, cfg.model.vocab_size, cfg.checkpoint.init_from
+    tokenizer_dir = primary_first(  # in a process group one process trains a missing tokenizer, the rest read it
+        lambda: tokenizer_for_run(
+            cfg.data.tokenizer_dir,
+            method.tokenizer_texts(records),
+            run_dir,
+            cfg.model.vocab_size,
+            cfg.checkpoint.init_from,
+        ),
+        "the run's tokenizer",
     )
     model, cfg = initial_model(cfg, mesh)
     if cfg.checkpoint.init_from is not None:

@@ -16,7 +16,6 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from core.config import Config, Section
-from core.config_loader import ConfigError
 from core.kernels.divergence import Divergence
 from posttrain.advantages import Estimator
 from posttrain.losses.distill import FeatureKind, Schedule, TopKMode
@@ -24,7 +23,7 @@ from posttrain.losses.kl import KLEstimator
 from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.preference import SMOOTHED, LossType
 from rewards.config import RewardConfig, check_reward_functions
-from rollout.config import PlacementConfig, RolloutConfig
+from rollout.config import RolloutConfig
 
 # ---------------------------------------------------------------------------- rl
 
@@ -276,22 +275,10 @@ class DistillConfig(Section):
 # ------------------------------------------------------------------------- root
 
 
-def check_one_trainer_process(cfg: PostTrainConfig, method: str) -> None:
-    """The offline methods train in the driver's own process: a trainer process group (`placement`) is the
-    on-policy runs' for now."""
-    n = cfg.placement.trainer_processes
-    if n > 1:
-        raise ConfigError(
-            f"placement.trainer_processes={n}: {method} trains in this one process; a trainer process group on Ray "
-            f"serves the on-policy methods (GRPO / GSPO, online DPO, on-policy distillation)"
-        )
-
-
 class PostTrainConfig(Config):
     """A post-training job: the core sections, and the sections the methods read."""
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)

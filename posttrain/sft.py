@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from core.data import Examples, messages_problem, string_fields_problem
+from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook, TrainLoop
 from core.losses import nll_loss
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from posttrain.config import PostTrainConfig, check_one_trainer_process
+from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
 
 # ------------------------------------------------------------------ rows
@@ -123,7 +124,9 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
         # The learner's current parameters, read before its next update donates them.
         sampler[0].update_weights(loop.learner.params, version=step)
         params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens)
-        completions = sampler[0].generate([p for p, _ in chosen], params)
+        completions = sampler[0].generate([p for p, _ in chosen], params)  # every process of a group takes part
+        if not is_primary():
+            return
         with out.open("a") as f:
             for (prompt, reference), c in zip(chosen, completions):
                 f.write(json.dumps({"step": step, "prompt": prompt, "reference": reference, "output": c.text}) + "\n")
@@ -172,4 +175,3 @@ SFT = SupervisedFineTuning()
 def check_config(cfg: PostTrainConfig) -> None:
     formats = {"chat": "a `messages` list", "prompt_completion": "`prompt`, `completion`"}
     check_rows(cfg, "SFT", formats, "; plain text is pretraining (python -m recipes.pretrain)")
-    check_one_trainer_process(cfg, "SFT")

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from core.distributed import to_host
+from core.distributed import is_primary, to_host
 
 Key = tuple[int, int]  # (source row, sequence within the row)
 
@@ -104,7 +104,8 @@ class TokenStore:
         if stored is not None:
             print(f"{path.name}: read {len(stored.values)} sequences' values from {path}", flush=True)
             return stored
-        store = cls(compute(), path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        store.save(path, digest)
+        store = cls(compute(), path)  # in a process group every process computes (a collective)...
+        if is_primary():  # ...and the first writes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            store.save(path, digest)
         return store

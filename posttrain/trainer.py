@@ -9,11 +9,11 @@ handle.
 
 The trainer is one class, `LocalTrainer`, hosting one method's `posttrain.onpolicy.learner.PolicyLearner`, used
 directly (single-controller mode, with the JAX sampler on another sub-mesh of the same process) or in Ray actors
-(`TrainerProcess`) that own the trainer's devices, one per bundle of the run's trainer placement group
-(`rollout.placement`). With `placement.trainer_processes` > 1 the actors are one JAX process group
-(`core.distributed`: `jax.distributed`, one mesh over all their devices), and the driver sends every call to every
-process (SPMD: the same programs in the same order) and reads process 0's answer. The driver talks to any of these
-through `TrainerHandle`, whose methods mirror `LocalTrainer`'s.
+that own the trainer's devices, one per bundle of the run's trainer placement group (`rollout.placement`). With
+`placement.trainer_processes` > 1 the actors are one JAX process group (`posttrain.process_group`: `jax.distributed`,
+one mesh over all their devices), and the driver sends every call to every process (SPMD: the same programs in the
+same order) and reads process 0's answer; a weight sync takes every process's part (each sends the pieces its
+devices hold). The driver talks to any of these through `TrainerHandle`, whose methods mirror `LocalTrainer`'s.
 
 A trainer process that dies (or a Ray cluster that goes away under it) raises `TrainerUnavailable` naming the
 process and its node; the group's other processes are stopped with it (they would wait in their next collective),
@@ -23,17 +23,17 @@ back as itself (a `NonFiniteLoss`, a sampler's death during a weight sync), not 
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from core.batch import TrainBatch
-from core.errors import TemperError
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.learner import LearnerFactory, TrainStats
+from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
+
+__all__ = ["LocalTrainer", "TrainerHandle", "TrainerUnavailable", "start_trainer"]
 from rollout.sampler import Sampler
 from rollout.weight_sync import SyncStats
 
@@ -103,117 +103,39 @@ class LocalTrainer:
         self.checkpointer.close()
 
 
-class TrainerUnavailable(TemperError, RuntimeError):
-    """A trainer process died, or the Ray cluster it ran on went away; the run resumes from its last checkpoint."""
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """Where one trainer process runs (what a message about it names)."""
-
-    rank: int
-    processes: int
-    node_ip: str
-    node_id: str
-    pid: int
-
-    def name(self) -> str:
-        if self.processes == 1:
-            return "the trainer actor"
-        where = f"pid {self.pid} on node {self.node_ip} {self.node_id[:8]}"
-        return f"trainer process {self.rank} of {self.processes} ({where})"
-
-
-class TrainerProcess:
-    """One process of the trainer, as a Ray actor: it joins the JAX process group, then hosts a `LocalTrainer` and
-    runs the driver's calls on it."""
-
-    def __init__(self, rank: int, processes: int):
-        self.rank, self.processes = rank, processes
-        self.trainer: LocalTrainer | None = None
-
-    def info(self) -> ProcessInfo:
-        import os
-
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return ProcessInfo(self.rank, self.processes, ray.util.get_node_ip_address(), ctx.get_node_id(), os.getpid())
-
-    def coordinator(self) -> str:
-        """Where the group's coordinator will listen: this node's address and a free port (asked of process 0)."""
-        import ray
-
-        from core.distributed import free_port
-
-        return f"{ray.util.get_node_ip_address()}:{free_port()}"
-
-    def start(
-        self, coordinator: str, timeout_s: int, cfg_json: dict, run_dir: str, learner_class: LearnerFactory
-    ) -> None:
-        """Join the group (before JAX looks at a device), then build the trainer on the group's devices."""
-        from core.distributed import ProcessGroup, join
-
-        join(ProcessGroup(coordinator, self.processes, self.rank, timeout_s))
-        self.trainer = LocalTrainer(cfg_json, run_dir, learner_class, None)
-
-    def call(self, method: Callable, args: tuple) -> Any:
-        """`method` (one of `LocalTrainer`'s) on this process's trainer."""
-        assert self.trainer is not None, "start() first"
-        return method(self.trainer, *args)
-
-
 class TrainerHandle:
     """The driver's view of the trainer: `LocalTrainer`'s methods, run in this process or on every process of its
-    Ray actor group, whose process 0 answers (each remote call with a timeout)."""
+    Ray actor group (`posttrain.process_group`), whose process 0 answers (each remote call with a timeout)."""
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        local: LocalTrainer | None = None,
-        actors: Sequence[Any] = (),
-        timeout_s: float = 3600.0,
-    ):
-        self.run_dir, self.local_trainer, self.actors, self.timeout_s = Path(run_dir), local, list(actors), timeout_s
+    def __init__(self, run_dir: str | Path, local: LocalTrainer | None = None, group: RayProcessGroup | None = None):
+        self.run_dir, self.local_trainer, self.group = Path(run_dir), local, group
         self.remote = local is None
-        self.processes: list[ProcessInfo] = []  # where each actor runs, once started
-        self.lost = False  # set once a call found an actor (or its cluster) gone
+
+    @property
+    def actors(self) -> list:
+        """The trainer's Ray actors, one a process (none in this process's mode)."""
+        return self.group.actors if self.group is not None else []
+
+    @property
+    def processes(self) -> list[ProcessInfo]:
+        return self.group.processes if self.group is not None else []
+
+    @property
+    def lost(self) -> bool:
+        """Whether a call found a trainer process (or its cluster) gone."""
+        return self.group is not None and self.group.lost
 
     def _call(self, method: Callable, *args: Any) -> Any:
         """`method` on the trainer: in this process, or on every process of the group (process 0's answer)."""
         if self.local_trainer is not None:
             return method(self.local_trainer, *args)
-        return self._call_all(method, *args)[0]
-
-    def _call_all(self, method: Callable, *args: Any) -> list:
-        """`method` on every process of the group, their answers in process order."""
-        from rollout.ray import call_group
-
-        name = method.__name__
-        return call_group(
-            self.actors, TrainerProcess.call, (method, args), self.timeout_s, lambda e, i: self._unavailable(name, e, i)
-        )
-
-    def _unavailable(self, name: str, err: Exception, rank: int) -> TrainerUnavailable:
-        """An actor (or the cluster) is gone: the rest of the group is stopped (it would wait in a collective)."""
-        self.lost = True
-        who = self.processes[rank].name() if rank < len(self.processes) else f"trainer process {rank}"
-        if len(self.actors) > 1:
-            self.kill()
-        stopped = " The other trainer processes were stopped." if len(self.actors) > 1 else ""
-        return TrainerUnavailable(
-            f"{who} is unavailable during {name}() ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}).{stopped} Nothing after the last checkpoint in "
-            f"{self.run_dir / 'checkpoints'} is kept; run the same command again to resume from it."
-        )
+        assert self.group is not None
+        return self.group.call(method, *args)
 
     def kill(self) -> None:
         """Stop every trainer actor now (best effort: the cluster may be gone)."""
-        import ray
-
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        if self.group is not None:
+            self.group.kill()
 
     def model_config(self) -> dict:
         return self._call(LocalTrainer.model_config)
@@ -232,7 +154,8 @@ class TrainerHandle:
         chunks summed over the processes, the time of the slowest."""
         if self.local_trainer is not None:
             return self.local_trainer.sync(sampler)
-        parts = self._call_all(LocalTrainer.sync, sampler, uuid.uuid4().hex)
+        assert self.group is not None
+        parts = self.group.call_all(LocalTrainer.sync, sampler, uuid.uuid4().hex)
         stats = SyncStats.combine(parts)
         if len(parts) > 1:
             print(f"{stats.line()} from {len(parts)} trainer processes", flush=True)
@@ -266,41 +189,5 @@ def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, learner_class: Lear
         fractions = (cfg.mesh.trainer_devices_fraction, cfg.mesh.sampler_devices_fraction)
         local = LocalTrainer(cfg_json, str(run_dir), learner_class, fractions)
         return TrainerHandle(run_dir, local=local)
-    import ray
-
-    from rollout.placement import in_bundle
-    from rollout.ray import call_group, jax_actor_env
-
-    n, p = cfg.placement.trainer_processes, cfg.placement
-    bundles = placement.trainer.bundle_specs
-    env = jax_actor_env(gpus=bool(bundles[0].get("GPU")), cpu_devices=p.cpu_devices_per_process)
-    actors = [
-        ray.remote(TrainerProcess)
-        .options(
-            num_cpus=bundles[i]["CPU"],
-            num_gpus=bundles[i].get("GPU", 0),  # Ray sets the process's CUDA_VISIBLE_DEVICES from it
-            max_concurrency=1,
-            scheduling_strategy=in_bundle(placement.trainer, i),
-            runtime_env={"env_vars": env},
-        )
-        .remote(i, n)
-        for i in range(n)
-    ]
-    handle = TrainerHandle(run_dir, actors=actors)
-    starting = lambda what: lambda e, i: handle._unavailable(what, e, i)
-    handle.processes = call_group(actors, TrainerProcess.info, (), p.barrier_timeout_s, starting("info"))
-    coordinator = ""
-    if n > 1:
-        ask = (actors[0],)
-        coordinator = call_group(ask, TrainerProcess.coordinator, (), p.barrier_timeout_s, starting("coordinator"))[0]
-    call_group(
-        actors,
-        TrainerProcess.start,
-        (coordinator, p.barrier_timeout_s, cfg_json, str(run_dir), learner_class),
-        p.barrier_timeout_s,
-        starting("start"),
-    )
-    if n > 1:
-        where = ", ".join(f"{x.pid}@{x.node_ip}" for x in handle.processes)
-        print(f"trainer: {n} JAX processes ({where}), coordinator {coordinator}", flush=True)
-    return handle
+    args = (cfg_json, str(run_dir), learner_class, None)
+    return TrainerHandle(run_dir, group=start_group(placement.trainer, cfg.placement, run_dir, LocalTrainer, args))

@@ -31,14 +31,11 @@ def main(argv: list[str]) -> int:
         summary = run_onpolicy_distill(cfg)
         print(f"done: {summary.steps} steps; run directory {cfg.run.run_dir}")
         return 0
-    from core.run import build_run
     from posttrain.distill.method import DISTILL
+    from posttrain.offline import fit
 
-    run = build_run(cfg, DISTILL)
-    run.fit()
-    print(
-        f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, generations.jsonl, hf/)"
-    )
+    result = fit(cfg, DISTILL)  # here, or in a process group (placement.trainer_processes)
+    print(f"done: run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, generations.jsonl, hf/)")
     return 0
 
 

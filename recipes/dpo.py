@@ -33,12 +33,11 @@ def main(argv: list[str]) -> int:
         summary = run_online_dpo(cfg)
         print(f"done: {summary.steps} steps; run directory {summary.run_dir} (metrics.jsonl, reward.png, hf/)")
         return 0
-    from core.run import build_run
     from posttrain.dpo.offline import DPO
+    from posttrain.offline import fit
 
-    run = build_run(cfg, DPO)
-    run.fit()
-    print(f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, hf/)")
+    result = fit(cfg, DPO)  # here, or in a process group (placement.trainer_processes)
+    print(f"done: run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, hf/)")
     return 0
 
 

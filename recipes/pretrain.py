@@ -41,13 +41,12 @@ def main(argv: list[str]) -> int:
         compile_train_step(cfg)
         return 0
     from core.pretrain import PRETRAINING
-    from core.run import build_run
+    from posttrain.offline import fit
 
-    run = build_run(cfg, PRETRAINING)
-    run.fit()
+    result = fit(cfg, PRETRAINING)  # here, or in a process group (placement.trainer_processes)
     print(
-        f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, tensorboard/, "
-        f"loss.png, hf/)"
+        f"done: {result.steps} steps; run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, "
+        f"tensorboard/, loss.png, hf/)"
     )
     return 0
 

@@ -23,16 +23,15 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    from core.run import build_run
     from posttrain.config import PostTrainConfig
+    from posttrain.offline import fit
     from posttrain.sft import SFT
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
-    run = build_run(cfg, SFT)
-    run.fit()
+    result = fit(cfg, SFT)  # here, or in a process group (placement.trainer_processes)
     print(
-        f"done: run directory {run.cfg.run.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, "
-        f"generations.jsonl, hf/)"
+        f"done: {result.steps} steps; run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, "
+        f"loss.png, generations.jsonl, hf/)"
     )
     return 0
 

@@ -6,7 +6,7 @@ from typing import Literal, Protocol
 
 from pydantic import Field, model_validator
 
-from core.config import DType, MeshConfig, RunConfig, Section
+from core.config import DType, MeshConfig, PlacementConfig, RunConfig, Section
 
 
 class RolloutConfig(Section):
@@ -31,24 +31,6 @@ class RolloutConfig(Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         return self
-
-
-Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-
-
-class PlacementConfig(Section):
-    """Where an on-policy run's Ray actors go (`rollout.placement`): the trainer, as one JAX process or a group of
-    them joined by `jax.distributed` (`posttrain.trainer`), and the vLLM samplers, each in a placement group of
-    its own with a Ray strategy."""
-
-    trainer_processes: int = Field(1, gt=0)  # JAX processes of the trainer, one Ray actor each
-    # CPU trainers only: XLA host devices in each trainer process (None: what XLA_FLAGS says, else 1).
-    cpu_devices_per_process: int | None = Field(None, gt=0)
-    trainer_strategy: Strategy = "PACK"  # its processes talk by collectives: on as few nodes as fit
-    sampler_strategy: Strategy = "PACK"
-    # How long a trainer process may wait at a barrier for the others (after each compilation: gloo's own reads
-    # time out after 30 s, and processes compile at different speeds), and for the group to form.
-    barrier_timeout_s: int = Field(600, gt=0)
 
 
 class SamplingJob(Protocol):

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from core.distributed import to_host
 from core.models import state_mismatches
 from core.models.decoder import Decoder
 from core.shapes import SizeCache
@@ -188,7 +189,7 @@ class JaxSampler:
                 top_p=float(params.top_p),
                 stop_ids=stop_ids,
             )
-        out, logps, n_gen, stopped = (np.asarray(x) for x in jax.device_get((out, logps, n_gen, stopped)))
+        out, logps, n_gen, stopped = to_host((out, logps, n_gen, stopped))  # a collective in a process group
         return [
             self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
             for i in range(len(rows))

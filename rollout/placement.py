@@ -1,8 +1,9 @@
-"""Where an on-policy run's actors go: one Ray placement group for the trainer's processes, one for the samplers.
+"""Where a run's actors go: one Ray placement group for the trainer's processes, one for an on-policy run's samplers.
 
     placement = reserve(cfg)                   # both groups, ready (fails fast, with the numbers, if they cannot fit)
     trainer process i: in_bundle(placement.trainer, i)      (`placement.trainer_processes` bundles)
     sampler = start_vllm_sampler(cfg, hf_dir, 0, placement)  # bundle 0 of placement.samplers
+    pg = reserve_trainer(cfg.placement)        # an offline run: the trainer's group alone
 
 Each group has its own Ray strategy (`placement.trainer_strategy`, `placement.sampler_strategy`): the trainer's
 processes exchange gradients by collectives, so PACK (as few nodes as fit) suits them; the samplers only receive
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import PlacementConfig
 from rollout.config import SamplingJob
 from rollout.vllm_actor import RemoteVLLMSampler
 
@@ -62,25 +64,45 @@ def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> tuple[li
 def reserve(cfg: SamplingJob, timeout_s: float = 120.0) -> Placement:
     """The run's placement groups, ready (raises with the numbers if the cluster cannot hold them)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     trainer, samplers = placement_bundles(cfg, ray.cluster_resources())
     p = cfg.placement
-    groups = [
-        ("trainer", placement_group(trainer, strategy=p.trainer_strategy), trainer, p.trainer_strategy),
-        ("samplers", placement_group(samplers, strategy=p.sampler_strategy), samplers, p.sampler_strategy),
-    ]
-    for what, pg, bundles, strategy in groups:
+    groups = reserve_groups(
+        [("trainer", trainer, p.trainer_strategy), ("samplers", samplers, p.sampler_strategy)], timeout_s
+    )
+    return Placement(trainer=groups[0], samplers=groups[1])
+
+
+def reserve_trainer(placement: PlacementConfig, timeout_s: float = 120.0) -> Any:
+    """The placement group of an offline run's trainer processes (`placement.trainer_processes` bundles, all the
+    cluster's GPUs shared evenly, one CPU each), ready."""
+    import ray
+
+    n, gpus = placement.trainer_processes, int(ray.cluster_resources().get("GPU", 0))
+    if gpus and gpus % n:
+        raise ValueError(f"{gpus} GPUs do not split evenly over placement.trainer_processes={n}")
+    bundle = {"CPU": 1.0, "GPU": float(gpus // n)} if gpus else {"CPU": 1.0}
+    return reserve_groups([("trainer", [bundle] * n, placement.trainer_strategy)], timeout_s)[0]
+
+
+def reserve_groups(groups: list[tuple[str, list[dict], str]], timeout_s: float) -> list[Any]:
+    """A ready Ray placement group for each (what, bundles, strategy); none is left behind when one cannot be
+    reserved within `timeout_s` (the error says which, with the cluster's resources)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    made = [placement_group(bundles, strategy=strategy) for _, bundles, strategy in groups]
+    for (what, bundles, strategy), pg in zip(groups, made, strict=True):
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            for _, other, _, _ in groups:
+            for other in made:
                 remove_placement_group(other)
             raise RuntimeError(
                 f"Ray could not reserve the {what}' bundles {bundles} ({strategy}) within {timeout_s:.0f}s; "
                 f"cluster resources: {ray.cluster_resources()}, nodes: {_nodes()}"
             ) from e
-    return Placement(trainer=groups[0][1], samplers=groups[1][1])
+    return made
 
 
 def _nodes() -> list[dict]:

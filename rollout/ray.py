@@ -139,6 +139,15 @@ def call_group(
     if len(actors) > 1:
         args = tuple(ray.put(a) for a in args)  # Ray resolves top-level references: each actor reads one copy
     refs = [getattr(a, method.__name__).remote(*args) for a in actors]
+    return wait_group(refs, timeout_s, unavailable, grace_s)
+
+
+def wait_group(
+    refs: Sequence[Any], timeout_s: float, unavailable: Callable[[Exception, int], Exception], grace_s: float = 10.0
+) -> list:
+    """The results of one call per actor of a group (`refs`, in actor order), as `call_group` waits for them."""
+    import ray
+
     index = {ref: i for i, ref in enumerate(refs)}
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
@@ -156,7 +165,7 @@ def call_group(
             raise err.cause from None
         except (ray.exceptions.RayError, ConnectionError) as err:
             raise unavailable(err, index[done[0]]) from None
-    return ray.get(refs)
+    return ray.get(list(refs))
 
 
 def _first_dead(pending: list, index: dict, grace_s: float) -> tuple[Exception, int] | None:

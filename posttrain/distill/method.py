@@ -40,7 +40,7 @@ from core.loop import Evaluation
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from posttrain.config import PostTrainConfig, check_one_trainer_process
+from posttrain.config import PostTrainConfig
 from posttrain.distill.features import feature_projections
 from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
 from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
@@ -91,7 +91,12 @@ def check_config(cfg: PostTrainConfig) -> None:
     )
     if d.regime == "on_policy":
         raise ConfigError("distill.regime=on_policy samples from the student: run it with python -m recipes.distill")
-    check_one_trainer_process(cfg, f"{d.regime} distillation")
+    if d.teacher_placement == "actor" and cfg.placement.trainer_processes > 1:
+        raise ConfigError(
+            f"distill.teacher_placement=actor with placement.trainer_processes={cfg.placement.trainer_processes}: "
+            "the teacher's own Ray actor serves one trainer process; in a process group the teacher runs beside the "
+            "student in the step (distill.teacher_placement=beside), sharded over the group's devices"
+        )
     if d.regime == "offline" and (d.logits_dir is None or not (Path(d.logits_dir) / "index.json").exists()):
         where = "distill.logits_dir" if d.logits_dir is None else f"distill.logits_dir={d.logits_dir} (no index.json)"
         raise ConfigError(

@@ -30,7 +30,7 @@ from core.data import DataBatch
 from core.loop import Evaluation
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
-from posttrain.config import PostTrainConfig, check_one_trainer_process
+from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
 from posttrain.dpo.pairs import Pair, PairBatch
@@ -151,4 +151,3 @@ def check_config(cfg: PostTrainConfig) -> None:
         "chat": "prompt messages, chosen / rejected one assistant message each",
     }
     check_rows(cfg, "DPO", formats)
-    check_one_trainer_process(cfg, "offline DPO")

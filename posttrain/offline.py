@@ -1,0 +1,94 @@
+"""An offline method's run (pretraining, SFT, DPO, offline and online distillation): in this process, or as a JAX
+process group of Ray actors.
+
+    result = fit(cfg, SFT)        # python -m recipes.sft CONFIG.yml placement.trainer_processes=2
+
+With `placement.trainer_processes` = 1 (the default) this is `core.run.build_run(cfg, method).fit()` here. With
+N > 1 the run is N Ray actors, one JAX process each (`posttrain.process_group`), in the trainer's placement group
+(`placement.trainer_strategy`): every process builds the same run from the same config and trains it step for
+step (SPMD), on one mesh over all their devices. Each reads and packs the same data stream and places only the rows
+its devices hold (`core.train.place_batch`), so a global batch is the one a single process would train on; all
+processes write their shards of each checkpoint (Orbax) and the first one writes everything else: metrics, plots,
+the tokenizer it trains, the reference store, the Hugging Face export. The run directory (and what the config
+reads) must be where every node sees it: a shared filesystem across nodes.
+
+The driver prints process 0's output as it comes (`run_dir/logs/trainer-0.log`) and returns its answer. A process
+that dies stops the group with `TrainerUnavailable` naming it and its node; the same command resumes from the last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.config import Config
+from core.run import Method, build_run
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What a finished offline run reports."""
+
+    run_dir: str
+    steps: int  # train steps taken, skipped non-finite ones included
+
+
+class OfflineProcess:
+    """The run, as one process of the group hosts it: built and trained when the driver calls `fit`."""
+
+    def __init__(self, schema: type[Config], cfg_json: dict, method: Method):
+        self.cfg, self.method = schema.model_validate(cfg_json), method
+
+    def fit(self) -> FitResult:
+        run = build_run(self.cfg, self.method)
+        state = run.fit()
+        return FitResult(str(run.cfg.run.run_dir), int(state.step))
+
+
+def fit(cfg: Config, method: Method) -> FitResult:
+    """Train `method` to `train.steps` (resuming from `run.run_dir`), in this process or in a process group."""
+    if cfg.placement.trainer_processes == 1:
+        return OfflineProcess(type(cfg), cfg.model_dump(mode="json"), method).fit()
+    from ray.util.placement_group import remove_placement_group
+
+    from posttrain.process_group import start_group
+    from rollout.placement import reserve_trainer
+    from rollout.ray import ensure_ray
+
+    method.check(cfg)  # before a cluster starts
+    ensure_ray()
+    pg = reserve_trainer(cfg.placement)
+    group = None
+    log = Path(cfg.run.run_dir) / "logs" / "trainer-0.log"
+    seen = log.stat().st_size if log.exists() else 0  # a resumed run's log goes on after the last one's
+    try:
+        args = (type(cfg), cfg.model_dump(mode="json"), method)
+        group = start_group(pg, cfg.placement, cfg.run.run_dir, OfflineProcess, args)
+        refs = group.submit(OfflineProcess.fit)
+        _follow(log, seen, refs)
+        return group.wait(refs, "fit", timeout_s=60.0)[0]
+    finally:
+        if group is not None:
+            group.kill()
+        remove_placement_group(pg)
+
+
+def _follow(log: Path, offset: int, refs: list[Any], every_s: float = 1.0) -> None:
+    """Print what `log` holds past `offset`, as it comes, until one of `refs` is done (the run ended, or a process
+    failed)."""
+    import ray
+
+    while True:
+        done, _ = ray.wait(refs, num_returns=1, timeout=every_s)
+        if log.exists():
+            with log.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if done:
+            return

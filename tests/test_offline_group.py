@@ -1,0 +1,102 @@
+"""An offline method on a trainer process group: SFT with 2 JAX processes x 4 CPU devices (Ray actors,
+jax.distributed, gloo) trains step for step as 1 process x 8 devices does, and writes the run directory once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.test_sft import chats, qwen_chat  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
+
+
+@pytest.fixture
+def local_ray():
+    from rollout.ray import ensure_ray
+
+    ensure_ray(num_cpus=2)  # before anything imports Ray: a cluster on 127.0.0.1
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def sft_cfg(run_dir, source, tokenizer_dir, *overrides):
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+
+    return load_config(
+        "recipes/configs/sft_tiny.yml",
+        [
+            f"run.run_dir={run_dir}",
+            f"data.source={source}",
+            f"data.tokenizer_dir={tokenizer_dir}",
+            "data.eval_fraction=0.05",
+            "data.seq_len=96",
+            "mesh.fsdp=4",
+            "mesh.tensor=2",
+            "optim.name=sgd",  # AdamW would amplify the two runs' different summation orders into visible noise
+            "optim.learning_rate=0.1",
+            "train.steps=4",
+            "train.log_every=1",
+            "train.eval_every=4",
+            "checkpoint.every_steps=2",
+            "logging.tensorboard=false",
+            *overrides,
+        ],
+        schema=PostTrainConfig,
+    )
+
+
+def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_path, qwen_chat, local_ray):  # noqa: F811
+    """The same SFT run in this process on 8 devices and on a group of 2 Ray actors x 4 devices: the same losses
+    at every step and the same held-out loss (to float32 rounding: the two sum gradients in other orders), each
+    step logged once, the generations written once per evaluation, a Hugging Face export that loads, and each
+    process's output in its own log."""
+    import torch
+    import transformers
+
+    from core.metrics import read_metrics
+    from posttrain.offline import fit
+    from posttrain.sft import SFT
+
+    tokenizer_dir, _ = qwen_chat
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in chats(200, seed=3)))
+    one = fit(sft_cfg(tmp_path / "one", source, tokenizer_dir), SFT)
+    two = fit(
+        sft_cfg(
+            tmp_path / "two",
+            source,
+            tokenizer_dir,
+            "placement.trainer_processes=2",
+            "placement.cpu_devices_per_process=4",
+        ),
+        SFT,
+    )
+    assert one.steps == two.steps == 4
+    rows = {name: read_metrics(tmp_path / name) for name in ("one", "two")}
+    steps = {name: [r["step"] for r in rs if "loss" in r] for name, rs in rows.items()}
+    assert steps["one"] == steps["two"] == [1, 2, 3, 4]  # each once: one process wrote the metrics
+    for key in ("loss", "eval/loss"):
+        a = [r[key] for r in rows["one"] if key in r]
+        b = [r[key] for r in rows["two"] if key in r]
+        assert a and len(a) == len(b), key
+        # within 16 float32 steps of each value (measured: at most 0.6)
+        np.testing.assert_allclose(b, a, rtol=16 * np.finfo(np.float32).eps, err_msg=key)
+    assert [r["loss"] for r in rows["two"] if "loss" in r][-1] < rows["two"][0]["loss"]  # it trained
+
+    generations = [json.loads(line) for line in (tmp_path / "two" / "generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in generations] == [4] * 4  # once, by the first process
+    logs = tmp_path / "two" / "logs"
+    assert "step 4/4" in (logs / "trainer-0.log").read_text() and (logs / "trainer-1.log").exists()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf", dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 11]])
+    with torch.no_grad():
+        got, want = hf(ids).logits.numpy(), ref(ids).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=64 * float(np.spacing(np.float32(np.abs(want).max()))))
