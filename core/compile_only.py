@@ -1,71 +1,60 @@
-"""`train.compile_only=true`: lower and compile the train step for the configured mesh, run nothing.
+"""`train.compile_only=true`: the update a method trains with, lowered and compiled for the configured mesh; nothing
+runs.
 
-Parameters, optimizer state and the batch are abstract (`ShapeDtypeStruct`s
-with shardings), so a full-size preset compiles on fake CPU devices without
-allocating its weights. Prints XLA's memory analysis per device.
+    compile_method(cfg, PRETRAINING)          # python -m recipes.pretrain CONFIG.yml train.compile_only=true
+    compile_update(cfg, learner, batch, what) # any method's Learner (GRPO's policy learner: posttrain.grpo)
+
+The step is the one the run executes: the method's loss inside `core.learner.Learner` (its jit, donation and
+shardings, the scored and compacted targets of a packed batch), on a host batch of the configured shapes made by
+the method's own batch builder (`Method.example_batch`); only the parameters and the optimizer state are abstract
+(shapes and shardings), so a full-size preset compiles on fake CPU devices without allocating its weights. It
+prints XLA's memory analysis per device. Frozen models that run outside the update (a live reference's log-probs)
+are not part of it.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+import math
+from typing import Any
 
-from core.batch import PackedBatch
+from flax import nnx
+
+from core.batch import TrainBatch
 from core.config import Config
-from core.losses import nll_loss
+from core.learner import Learner
 from core.mesh import make_mesh
-from core.models import abstract_sharded_state
-from core.optim import make_optimizer, make_schedule
-from core.train import (
-    TrainState,
-    batch_sharding,
-    make_train_step,
-    memory_analysis_line,
-    optimizer_state_shardings,
-)
+from core.models import Decoder, abstract_sharded_state
+from core.run import Method
+from core.train import batch_shards
 
 
-def compile_train_step(cfg: Config):
-    """The compiled next-token step (an XLA executable) for the configured model, mesh and batch; prints and
-    returns it."""
-    mesh = make_mesh(cfg.mesh)
-    graphdef, params = abstract_sharded_state(cfg.model, mesh)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, params)
-    abstract_opt = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(tx.init, params),
-        optimizer_state_shardings(tx, params),
-    )
-    replicated = NamedSharding(mesh, PartitionSpec())
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    state = TrainState(  # abstract leaves: the step is lowered, never run
-        params,
-        abstract_opt,
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),  # type: ignore[arg-type]
-        jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),  # type: ignore[arg-type]
-    )
-    k, b, t = cfg.train.micro_batches, cfg.train.batch_size // cfg.train.micro_batches, cfg.data.seq_len
+def request_devices(cfg: Config) -> None:
+    """Fake CPU devices for the configured mesh (before JAX's first device query)."""
+    from core.host_devices import request_host_devices
 
-    def spec(dtype):  # one [k, b, t] leaf, its batch axis sharded like a real batch's
-        return jax.ShapeDtypeStruct((k, b, t), dtype, sharding=batch_sharding(mesh, (k, b, t)))
+    request_host_devices(math.prod(v for v in cfg.mesh.axis_sizes().values() if v > 0))
 
-    ints = [spec(jnp.int32) for _ in range(6)]
-    batch = PackedBatch(
-        tokens=ints[0],
-        positions=ints[1],
-        segment_ids=ints[2],
-        branch_ids=ints[3],
-        target_index=ints[4],
-        target_ids=ints[5],
-        target_mask=spec(jnp.float32),
-    )
-    step = make_train_step(graphdef, nll_loss, tx, make_schedule(cfg.optim, cfg.train.steps))
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=(0,)).lower(state, batch).compile()
+
+def abstract_model(cfg: Config, mesh: Any) -> Decoder:
+    """The configured model with abstract parameters (shapes and shardings on `mesh`): allocates nothing."""
+    graphdef, state = abstract_sharded_state(cfg.model, mesh)
+    return nnx.merge(graphdef, state)
+
+
+def compile_update(cfg: Config, learner: Learner, batch: TrainBatch, what: str) -> str:
+    """Compile `learner`'s update for `batch` in `train.micro_batches`; print and return XLA's memory analysis."""
+    line = learner.compile(batch, cfg.train.micro_batches)
+    rows, length = batch.packed.tokens.shape
     print(
-        f"compile-only: {cfg.model.preset or cfg.model.family} on mesh {dict(mesh.shape)}, "
-        f"batch {cfg.train.batch_size} x {t} in {k} micro-batch(es)"
+        f"compile-only: {what} step, {cfg.model.preset or cfg.model.family} on mesh {dict(learner.mesh.shape)}, "
+        f"{rows} packed rows x {length} tokens in {cfg.train.micro_batches} micro-batch(es)"
     )
-    print(memory_analysis_line(compiled), flush=True)
-    return compiled
+    print(line, flush=True)
+    return line
+
+
+def compile_method(cfg: Config, method: Method) -> str:
+    """An offline method's update (`method.loss`) on its own example batch, compiled; XLA's memory analysis."""
+    mesh = make_mesh(cfg.mesh)
+    learner = Learner(abstract_model(cfg, mesh), mesh, method.loss(cfg), cfg.optim, cfg.train.steps, cfg.run.seed)
+    return compile_update(cfg, learner, method.example_batch(cfg, batch_shards(mesh)), method.name)

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from core.batch import pad_rows
+import numpy as np
+
+from core.batch import PackedBatch, pad_rows
 from core.config import Config
-from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, tokenize_examples
+from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, to_data_batch, tokenize_examples
 from core.loop import Evaluation, Hook
 from core.losses import nll_loss, perplexity
 from core.run import MethodParts, RunContext, check_rows
@@ -59,6 +61,22 @@ def next_token_parts(
     return MethodParts(pipeline("train"), evaluation, hooks=own, skipped=tokenized.skipped)
 
 
+def full_rows_batch(cfg: Config, prompt_tokens: int = 0, seed: int = 0) -> PackedBatch:
+    """`train.batch_size` rows of `data.seq_len` random tokens, one document a row, the first `prompt_tokens` of each
+    without loss, as the data pipeline packs them (`core.data.to_data_batch`)."""
+    b, t = cfg.train.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(seed)
+    rows = {
+        "tokens": rng.integers(1, cfg.model.vocab_size, (b, t)).astype(np.int32),
+        "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+        "segment_ids": np.ones((b, t), np.int32),
+        "loss_mask": np.ones((b, t), np.int32),
+        "example_ids": np.repeat(np.arange(b, dtype=np.int32)[:, None], t, axis=1),
+    }
+    rows["loss_mask"][:, :prompt_tokens] = 0
+    return to_data_batch(rows, cfg.train.micro_batches).batch
+
+
 @dataclass(frozen=True)
 class Pretraining:
     name: str = "pretraining"
@@ -82,6 +100,9 @@ class Pretraining:
 
     def parts(self, run: RunContext) -> MethodParts:
         return next_token_parts(run, TextRows())
+
+    def example_batch(self, cfg: Config, row_multiple: int) -> PackedBatch:
+        return full_rows_batch(cfg)  # every row full: train.batch_size rows, a multiple of the data shards
 
 
 PRETRAINING = Pretraining()

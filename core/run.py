@@ -88,6 +88,12 @@ class Method(Protocol):
 
     def parts(self, run: RunContext) -> MethodParts: ...
 
+    def example_batch(self, cfg: Any, row_multiple: int) -> Any:
+        """A training batch of the configured shapes (full rows; a row count divisible by `row_multiple`, the
+        data-parallel size) from the method's own batch builder: what `core.compile_only` compiles the update
+        for."""
+        ...
+
 
 @dataclass
 class Run:

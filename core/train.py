@@ -61,11 +61,18 @@ def init_train_state(
     model: nnx.Module, tx: optax.GradientTransformation, seed: int, companion: nnx.State | None = None
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split the model and create the optimizer state sharded like the parameters it tracks (`tx` takes
-    `TrainState.trainable`: the pair with a `companion`)."""
+    `TrainState.trainable`: the pair with a `companion`). A model of `jax.ShapeDtypeStruct`s gives an abstract
+    state (shapes and shardings)."""
     graphdef, params = nnx.split(model)
     trainable = params if companion is None else (params, companion)
     shardings = optimizer_state_shardings(tx, trainable)
-    opt_state = jax.jit(tx.init, out_shardings=shardings)(trainable)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainable)):
+        # An abstract model (`core.models.abstract_sharded_state`): the state's shapes and shardings only, to
+        # compile the step without allocating it (`core.compile_only`).
+        abstract = jax.eval_shape(tx.init, trainable)
+        opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    else:
+        opt_state = jax.jit(tx.init, out_shardings=shardings)(trainable)
     replicated = _replicated_like(params)
     step, rng = jax.device_put((jnp.zeros((), jnp.int32), jax.random.key(seed)), replicated)
     return graphdef, TrainState(params, opt_state, step, rng, companion)

@@ -14,14 +14,24 @@ on-policy run's (`posttrain.onpolicy.run.OnPolicyRun`). A group a reward functio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from core.config_loader import ConfigError
 from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
+from posttrain.onpolicy.policy_gradient import (
+    PolicyGradientLearner,
+    RLBatch,
+    build_rl_batch,
+    mini_batch,
+    policy_update_learner,
+    updates_per_step,
+)
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, check_graded_groups, run_to_end
 from rewards.runner import RewardBatch
+from rollout.sampler import Completion
 
 
 def check_config(cfg: PostTrainConfig) -> None:
@@ -61,27 +71,7 @@ class GRPORun(OnPolicyRun):
         return StepData(self._batch(scored, adv), scored, metrics)
 
     def _batch(self, scored: Scored, adv: Advantages) -> RLBatch:
-        """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts
-        a multiple of the trainer's data-parallel size."""
-        rl, completions = self.cfg.rl, scored.completions
-        row_len = self.row_len
-        if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
-            longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
-            row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
-        return build_rl_batch(
-            completions,
-            adv.values,
-            adv.keep,
-            row_len=row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
-            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
-            row_multiple=self.row_multiple,
-            pack=rl.batch.pack_sequences,
-            share_prompts=rl.batch.share_prompts,
-            mask_truncated=rl.loss.mask_truncated,
-            choose_rows=self.row_counts.pick,
-            kl_keep=adv.trainable if rl.loss.kl_every_token else None,
-        )
+        return rl_batch(self.cfg, scored.completions, adv, self.row_len, self.row_multiple, self.row_counts.pick)
 
     def _advantages(self, rewards: RewardBatch) -> Advantages:
         rl = self.cfg.rl
@@ -118,6 +108,69 @@ class GRPORun(OnPolicyRun):
             correct,
         )
         return kept, self._advantages(rewards), rounds
+
+
+def rl_batch(
+    cfg: PostTrainConfig,
+    completions: list[Completion],
+    adv: Advantages,
+    row_len: int,
+    row_multiple: int,
+    choose_rows: Callable[[int], int] | None = None,
+) -> RLBatch:
+    """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts a multiple
+    of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled)."""
+    rl = cfg.rl
+    if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+        longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+        row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+    return build_rl_batch(
+        completions,
+        adv.values,
+        adv.keep,
+        row_len=row_len,
+        max_tokens=cfg.rollout.max_tokens,
+        groups=rl.batch.mini_batches * cfg.train.micro_batches,
+        row_multiple=row_multiple,
+        pack=rl.batch.pack_sequences,
+        share_prompts=rl.batch.share_prompts,
+        mask_truncated=rl.loss.mask_truncated,
+        choose_rows=choose_rows,
+        kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+    )
+
+
+def compile_step(cfg: PostTrainConfig) -> str:
+    """`train.compile_only=true`: GRPO's update as its trainer runs it (`policy_update_learner`, the first
+    mini-batch of an `RLBatch` built as `GRPORun` builds it) on abstract parameters, compiled for `cfg.mesh`.
+    The batch: `rl.batch.prompts_per_step` prompts of `rollout.max_model_len - max_tokens` tokens, each with
+    `num_generations` completions of `rollout.max_tokens`, advantages with variance, pi_old's and the reference's
+    log-probs when the step reads them; XLA's memory analysis."""
+    from core.compile_only import abstract_model, compile_update
+    from core.mesh import make_mesh
+    from core.train import batch_shards
+
+    mesh = make_mesh(cfg.mesh)
+    learner = policy_update_learner(cfg, abstract_model(cfg, mesh), mesh, cfg.train.steps)
+    rl, rollout = cfg.rl.batch, cfg.rollout
+    rng = np.random.default_rng(0)
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(1, cfg.model.vocab_size, size=n)]
+
+    prompts = [tokens(rollout.max_model_len - rollout.max_tokens) for _ in range(rl.prompts_per_step)]
+    completions = [
+        Completion(p, tokens(rollout.max_tokens), [-1.0] * rollout.max_tokens, "stop", "")
+        for p in prompts
+        for _ in range(rl.num_generations)
+    ]
+    adv = group_advantages(rng.normal(size=len(completions)), rl.num_generations, cfg.rl.advantage.estimator)
+    batch = rl_batch(cfg, completions, adv, rl.pack_length or rollout.max_model_len, batch_shards(mesh))
+    zeros = np.zeros_like(batch.sampler_logp)
+    batch = batch.replace(
+        old_logp=zeros if updates_per_step(cfg) > 1 else None, ref_logp=zeros if cfg.rl.loss.beta else None
+    )
+    return compile_update(cfg, learner, mini_batch(batch, 0, rl.mini_batches), "GRPO")
 
 
 def run_grpo(cfg: PostTrainConfig) -> RunSummary:

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.batch import PackedBatch
 from core.data import Examples, messages_problem, string_fields_problem
 from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook, TrainLoop
 from core.losses import nll_loss
-from core.pretrain import next_token_parts
+from core.pretrain import full_rows_batch, next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
@@ -167,6 +168,11 @@ class SupervisedFineTuning:
     def parts(self, run: RunContext) -> MethodParts:
         rows = row_format(run.cfg.data.format, run.cfg.sft.completion_only_loss)
         return next_token_parts(run, rows, hooks=lambda examples: generation_hooks(run, examples))
+
+    def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> PackedBatch:
+        # Full rows, the first half a prompt (no loss under sft.completion_only_loss): the targets compacted to
+        # the completions' share, as the pipeline's batches are.
+        return full_rows_batch(cfg, cfg.data.seq_len // 2 if cfg.sft.completion_only_loss else 0)
 
 
 SFT = SupervisedFineTuning()

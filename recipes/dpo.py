@@ -36,6 +36,12 @@ def main(argv: list[str]) -> int:
     from posttrain.dpo.offline import DPO
     from posttrain.offline import fit
 
+    if cfg.train.compile_only:
+        from core.compile_only import compile_method, request_devices
+
+        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
+        compile_method(cfg, DPO)
+        return 0
     result = fit(cfg, DPO)  # here, or in a process group (placement.trainer_processes)
     print(f"done: run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, hf/)")
     return 0

@@ -29,6 +29,13 @@ def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
+    if cfg.train.compile_only:
+        from core.compile_only import request_devices
+        from posttrain.grpo import compile_step
+
+        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
+        compile_step(cfg)
+        return 0
     if cfg.checkpoint.init_from is None and cfg.data.tokenizer_dir is None:
         from core.data import load_records
         from core.tokenizer import tokenizer_for_run

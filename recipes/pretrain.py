@@ -19,7 +19,6 @@ The run directory ends up with the resolved config, checkpoints, metrics
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -31,17 +30,14 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "pretrain_tiny.yml"
 
 def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, DEFAULT_CONFIG)
-    if cfg.train.compile_only:
-        # Fake CPU devices stand in for the configured topology; this must precede JAX's first device query.
-        from core.host_devices import request_host_devices
-
-        request_host_devices(math.prod(v for v in cfg.mesh.axis_sizes().values() if v > 0))
-        from core.compile_only import compile_train_step
-
-        compile_train_step(cfg)
-        return 0
+    from core.compile_only import compile_method, request_devices
     from core.pretrain import PRETRAINING
     from posttrain.offline import fit
+
+    if cfg.train.compile_only:
+        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
+        compile_method(cfg, PRETRAINING)
+        return 0
 
     result = fit(cfg, PRETRAINING)  # here, or in a process group (placement.trainer_processes)
     print(

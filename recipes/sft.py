@@ -28,6 +28,12 @@ def main(argv: list[str]) -> int:
     from posttrain.sft import SFT
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
+    if cfg.train.compile_only:
+        from core.compile_only import compile_method, request_devices
+
+        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
+        compile_method(cfg, SFT)
+        return 0
     result = fit(cfg, SFT)  # here, or in a process group (placement.trainer_processes)
     print(
         f"done: {result.steps} steps; run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, "

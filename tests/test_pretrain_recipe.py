@@ -74,7 +74,8 @@ def test_compile_only_on_fake_devices(tmp_path):
         env_extra={"XLA_FLAGS": ""},
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "compile-only: qwen2.5-0.5b on mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'sequence': 1}" in res.stdout
+    mesh = "on mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'sequence': 1}, 8 packed rows x 256 tokens in 2 micro-batch"
+    assert f"compile-only: pretraining step, qwen2.5-0.5b {mesh}" in res.stdout
     line = next(l for l in res.stdout.splitlines() if l.startswith("memory analysis"))
     args_gib = float(line.split("arguments ")[1].split(" GiB")[0])
     # 494M float32 parameters + 2 Adam moments, sharded 8 ways: ~0.69 GiB per device

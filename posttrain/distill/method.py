@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -218,6 +219,12 @@ class Distillation:
             notes=notes,
             closers=[] if remote is None else [remote.close],
             console={"kl": "kl", "nll": "nll", **({"feature": "feat"} if cfg.distill.feature_layers else {})},
+        )
+
+    def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> Any:
+        raise ConfigError(
+            "train.compile_only: not for distillation: its step reads the teacher (its parameters or its dump), "
+            "which compile-only does not load; compile the student's SFT step instead (python -m recipes.sft)"
         )
 
 

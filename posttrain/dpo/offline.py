@@ -33,7 +33,7 @@ from core.train import LossFn, batch_shards
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
-from posttrain.dpo.pairs import Pair, PairBatch
+from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
 from posttrain.token_store import Key, TokenStore, tokens_digest, weights_digest
 
@@ -140,6 +140,24 @@ class OfflineDPO:
         # the share of pairs whose chosen completion gets the higher implicit reward, in training and held out
         console = {"rewards/accuracies": "pref acc", "eval/rewards/accuracies": "eval pref acc"}
         return MethodParts(train, evaluation, prepare=prepare, skipped=data.skipped, notes=notes, console=console)
+
+    def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> PairBatch:
+        """`train.batch_size` pairs whose prompt and completions are a third of `data.seq_len` each, packed as the
+        pipeline packs pairs, with the reference's log-probs the loss reads."""
+        rng = np.random.default_rng(0)
+        third = cfg.data.seq_len // 3
+        ids = lambda: tuple(int(x) for x in rng.integers(1, cfg.model.vocab_size, third))
+        pairs = [Pair(i, ids(), ids(), ids()) for i in range(cfg.train.batch_size)]
+        batch = build_pair_batch(
+            pairs,
+            slots=len(pairs),
+            row_len=cfg.data.seq_len,
+            groups=cfg.train.micro_batches,
+            pack=cfg.data.packing,
+            row_multiple=row_multiple,
+        )
+        zeros = np.zeros(len(pairs), np.float32)
+        return batch.replace(ref_chosen=zeros, ref_rejected=zeros) if needs_reference(cfg.dpo) else batch
 
 
 DPO = OfflineDPO()

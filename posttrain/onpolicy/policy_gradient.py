@@ -321,6 +321,27 @@ def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
 # ------------------------------------------------------------------ the learner
 
 
+def updates_per_step(cfg: PostTrainConfig) -> int:
+    """Optimizer updates on each rollout batch: `rl.batch.num_iterations` passes of `mini_batches` each."""
+    return cfg.rl.batch.num_iterations * cfg.rl.batch.mini_batches
+
+
+def policy_update_learner(
+    cfg: PostTrainConfig, model, mesh: Mesh, total_steps: int, tx: optax.GradientTransformation | None = None
+) -> Learner:
+    """The learner of the clipped policy objective, its schedule over every update of `total_steps` RL steps (what
+    `PolicyGradientLearner` trains with, and `posttrain.grpo.compile_step` compiles)."""
+    return Learner(
+        model,
+        mesh,
+        policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0),
+        cfg.optim,
+        total_updates=total_steps * updates_per_step(cfg),
+        seed=cfg.run.seed,
+        tx=tx,
+    )
+
+
 class PolicyGradientLearner(PolicyLearner[RLBatch]):
     """The policy, its reference (rl.loss.beta > 0) and the clipped update schedule of one rollout batch."""
 
@@ -334,19 +355,10 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
     ):
         """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
         super().__init__(cfg, mesh)
-        schedule = cfg.rl.batch
-        self.updates_per_step = schedule.num_iterations * schedule.mini_batches
+        self.updates_per_step = updates_per_step(cfg)
         self.temperature = cfg.rollout.temperature or 1.0
         self.settings = loss_settings(cfg)
-        self.learner = Learner(
-            model,
-            mesh,
-            policy_objective(self.settings, self.temperature),
-            cfg.optim,
-            total_updates=total_steps * self.updates_per_step,
-            seed=cfg.run.seed,
-            tx=tx,
-        )
+        self.learner = policy_update_learner(cfg, model, mesh, total_steps, tx)
         # The reference is the starting policy, frozen (beta = 0: none at all).
         self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
         self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
