@@ -13,6 +13,7 @@ bend. The groups are reserved up front, so a run that cannot fit fails at start,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,8 @@ def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> tuple[li
     """(one bundle per trainer process, one per vLLM sampler: `rollout.rollout_data_parallelism`).
 
     With GPUs the split follows `mesh.trainer_devices_fraction` / `sampler_devices_fraction`, the trainer's GPUs
-    shared evenly by its processes; on CPU each trainer process gets one CPU and the samplers share the rest
-    (vLLM's CPU threads are bound separately).
+    shared evenly by its processes; on CPU each trainer process gets one CPU and the samplers share the rest, or, on
+    a cluster without a CPU to spare, all share the CPUs evenly (vLLM's CPU threads are bound separately).
     """
     k, n = cfg.rollout.rollout_data_parallelism, cfg.placement.trainer_processes
     gpus = int(resources.get("GPU", 0))
@@ -57,8 +58,10 @@ def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> tuple[li
         trainer_bundle = {"CPU": 1.0, "GPU": float(trainer // n)}
         return [trainer_bundle] * n, [{"CPU": 1.0, "GPU": float(int(per_sampler))}] * k
     cpus = resources.get("CPU", 1)
-    share = max(0.01, min(1.0, (cpus - n) / k))
-    return [{"CPU": 1.0}] * n, [{"CPU": round(share, 2)}] * k
+    # A trainer process takes a CPU when one is left for the samplers; on a smaller cluster all share it evenly.
+    trainer = 1.0 if cpus >= n + 1 else math.floor(100 * cpus / (n + k)) / 100
+    share = max(0.01, min(1.0, math.floor(100 * (cpus - n * trainer) / k) / 100))
+    return [{"CPU": trainer}] * n, [{"CPU": share}] * k
 
 
 def reserve(cfg: SamplingJob, timeout_s: float = 120.0) -> Placement:

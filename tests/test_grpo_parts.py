@@ -192,6 +192,8 @@ def test_placement_bundles():
     assert placement_bundles(cfg, {"CPU": 2.0}) == ([{"CPU": 1.0}], [{"CPU": 0.5}, {"CPU": 0.5}])
     group = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"trainer_processes": 2})})
     assert placement_bundles(group, {"CPU": 4.0}) == ([{"CPU": 1.0}] * 2, [{"CPU": 1.0}, {"CPU": 1.0}])
+    # 2 CPUs for 2 trainer processes and 2 samplers: none to spare, all share evenly
+    assert placement_bundles(group, {"CPU": 2.0}) == ([{"CPU": 0.5}] * 2, [{"CPU": 0.5}, {"CPU": 0.5}])
     gpu = load_config(
         overrides=[
             "rollout.rollout_data_parallelism=2",
