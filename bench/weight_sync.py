@@ -4,8 +4,9 @@
     python bench/weight_sync.py --preset tiny-qwen2 --chunk-mib 1
 
 The trainer's parameters (random, float32) live in this JAX process; vLLM runs
-in a Ray actor. A sync gathers HF-layout chunks, ships them through the Ray
-object store into the actor's receive buffers and reloads the engine
+in a Ray actor. A sync reads the shards this process's devices hold in chunks,
+ships them through the Ray object store into the actor's receive buffers, where
+each tensor is put together and laid out, and reloads the engine
 (`rollout.weight_sync.sync_to_vllm`). GB/s is bytes / wall time of the whole
 sync; memcpy GB/s is a warm `np.copyto` of 1 GiB measured in the same run.
 The first sync allocates the receive buffers; the second reuses them.
