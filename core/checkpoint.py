@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from core.config import Config, ModelConfig
-from core.distributed import barrier, is_primary
+from core.distributed import any_process, barrier, is_primary
 from core.errors import CheckpointMismatch, MissingPath, TemperError
 from core.train import TrainState
 
@@ -125,13 +125,19 @@ class Checkpointer:
         """
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
+            error: Exception | None = None
             try:
                 state, meta = self.restore(step, target, data_iterator, config)
             except CheckpointMismatch:
                 raise
             except Exception as err:
+                error = err
+            # In a process group one process may fail to read its shards while the others succeed: all agree,
+            # so that every process moves on to the same checkpoint (a collective).
+            if any_process(error is not None):
                 moved = self._move_aside(step)
-                reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                err_text = str(error).splitlines()[0] if error is not None and str(error) else ""
+                reason = f"{type(error).__name__}: {err_text}" if error is not None else "another process failed"
                 failures.append(f"{step} ({reason})")
                 message = (
                     f"checkpoint {self.directory / str(step)} cannot be restored ({reason}); "

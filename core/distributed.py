@@ -44,7 +44,7 @@ class ProcessGroup:
     coordinator: str
     num_processes: int
     process_id: int
-    timeout_s: int = 300
+    timeout_s: int = 600
 
 
 def join(group: ProcessGroup) -> None:
@@ -99,13 +99,51 @@ def place_rows(x: Any, sharding: jax.sharding.Sharding, axis: int) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, x.shape)
 
 
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on any process of the group (a collective: every process calls it)."""
+def from_every_process(x: np.ndarray) -> np.ndarray:
+    """`x` of every process, stacked in process order: `[processes, ...]` (a collective: every process calls it,
+    with the same shape; they may reach it at different times, so they meet at a barrier first)."""
     if jax.process_count() == 1:
-        return flag
+        return x[None]
     from jax.experimental import multihost_utils
 
-    return bool(np.asarray(multihost_utils.process_allgather(np.array([flag]))).any())
+    barrier("from_every_process")
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process of the group (a collective: every process calls it)."""
+    return bool(from_every_process(np.array([flag])).any())
+
+
+class CompiledTogether:
+    """A jitted function, called as usual; in a process group each new argument signature is compiled first, and
+    every process waits at a barrier for the others before running it. XLA:CPU's gloo collectives give up after
+    30 s of waiting (jax issue 40831, no setting raises it): a process that compiles a program later than the
+    others would otherwise fail the collectives of its first run. (The call after `lower().compile()` finds the
+    executable in JAX's compilation cache.)"""
+
+    def __init__(self, jitted: Any, what: str):
+        self.jitted, self.what = jitted, what
+        self._seen: set = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.process_count() > 1:
+            leaves, tree = jax.tree.flatten((args, kwargs))
+            key = (tree, tuple(_signature(x) for x in leaves))
+            if key not in self._seen:
+                self.jitted.lower(*args, **kwargs).compile()
+                barrier(f"compiled {self.what}")
+                self._seen.add(key)
+        return self.jitted(*args, **kwargs)
+
+
+def _signature(x: Any) -> Any:
+    """What a compiled program depends on: an array's shape, dtype and sharding; any other (static) value itself."""
+    if isinstance(x, jax.Array):
+        return (x.shape, str(x.dtype), x.sharding)
+    if isinstance(x, np.ndarray):
+        return (x.shape, str(x.dtype))
+    return x
 
 
 def primary_first(fn: Callable[[], T], what: str) -> T:
@@ -137,11 +175,10 @@ def barrier(what: str) -> None:
     same order (it is numbered), as every process runs the same programs in the same order."""
     if jax.process_count() == 1:
         return
-    from jax._src.distributed import global_state  # JAX's own client; Orbax's multi-host sync uses it too
+    from orbax.checkpoint import multihost  # JAX's coordination-service client, as Orbax's own barriers use it
 
     name = f"temper-{next(_barriers)}"
-    client = global_state.client
-    assert client is not None, "join() first"
+    client = multihost.get_jax_distributed_client()
     try:
         client.wait_at_barrier(name, int(_barrier_timeout_s * 1000))
     except Exception as err:

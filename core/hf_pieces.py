@@ -84,39 +84,54 @@ class TensorAssembler:
     def __init__(self, cfg: ModelConfig):
         self.layouts = core_layouts(cfg)
         self._buffers: dict[str, np.ndarray] = {}
-        self._filled: dict[str, int] = {}
+        self._blocks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}  # name -> (start, stop)s
         self.tag: Any = None  # which update the buffers hold pieces of
 
     def add(self, pieces: Iterable[TensorPiece], tag: Any) -> int:
         """Write `pieces` into the buffers; returns their bytes. Pieces of another update than the last (`tag`)
         start the buffers over. A piece that is not part of the model raises `WeightUpdateError` (and drops what
-        this update received so far)."""
+        this update received so far), and so does one that overlaps a piece this update already brought: with
+        that excluded, pieces adding up to a tensor's size cover it exactly."""
         if tag != self.tag:
-            self.tag, self._filled = tag, {}
+            self.tag, self._blocks = tag, {}
         nbytes = 0
         for p in pieces:
             layout = self.layouts.get(p.name)
             region = _region(p, layout[1]) if layout is not None else None
-            if region is None:
-                self._filled = {}
-                raise WeightUpdateError(
-                    f"weight update rejected, previous weights kept: {_not_part(p, layout)}; "
-                    "the trainer's model is not the served one"
-                )
+            problem = _not_part(p, layout) if region is None else self._overlap(p)
+            if problem:
+                self._blocks = {}
+                raise WeightUpdateError(f"weight update rejected, previous weights kept: {problem}")
             buf = self._buffers.get(p.name)
             if buf is None or buf.dtype != p.data.dtype:
                 buf = self._buffers[p.name] = np.empty(layout[1], p.data.dtype)  # type: ignore[index]
             buf[region] = p.data
-            self._filled[p.name] = self._filled.get(p.name, 0) + p.data.size
+            stop = tuple(s + n for s, n in zip(p.start, p.data.shape, strict=True))
+            self._blocks.setdefault(p.name, []).append((p.start, stop))
             nbytes += p.data.nbytes
         return nbytes
 
+    def _overlap(self, p: TensorPiece) -> str:
+        """What is wrong when `p` overlaps a block of its tensor received before in this update ("" if nothing)."""
+        blocks = self._blocks.get(p.name)
+        if not blocks:
+            return ""
+        lo, hi = (np.array(side) for side in zip(*blocks, strict=True))  # [blocks, ndim] each
+        start = np.array(p.start)
+        stop = start + np.array(p.data.shape)
+        hit = np.flatnonzero(np.all((lo < stop) & (start < hi), axis=1))
+        if not len(hit):
+            return ""
+        before = blocks[hit[0]][0]
+        return f"{p.name}: the block at {p.start} of shape {p.data.shape} overlaps one received before at {before}"
+
     def problems(self) -> list[str]:
-        """What keeps the received pieces from being the whole model: tensors missing, part-filled or overfilled
-        (a piece received twice)."""
+        """What keeps the received pieces from being the whole model: tensors missing or part-filled."""
         out = []
         for name, (_, shape) in self.layouts.items():
-            size, got = int(np.prod(shape)), self._filled.get(name, 0)
+            blocks = self._blocks.get(name, [])
+            size = int(np.prod(shape))
+            got = sum(int(np.prod(np.subtract(stop, start))) for start, stop in blocks)
             if got != size:
                 out.append(f"{name}: {'missing' if got == 0 else f'{got} of {size} elements received'}")
         return out
@@ -125,7 +140,7 @@ class TensorAssembler:
         """Raise `WeightUpdateError` unless every element of every tensor of update `tag` arrived, once. Either
         way the next update starts over."""
         problems = self.problems() if tag == self.tag else ["no piece of this update arrived"]
-        self._filled, self.tag = {}, None
+        self._blocks, self.tag = {}, None
         if problems:
             raise WeightUpdateError(
                 f"weight update incomplete, previous weights kept: {len(problems)} tensor(s) wrong: "
@@ -149,5 +164,8 @@ def _region(piece: TensorPiece, shape: tuple[int, ...]) -> tuple[slice, ...] | N
 
 def _not_part(piece: TensorPiece, layout: tuple[ParamMapping, tuple[int, ...]] | None) -> str:
     if layout is None:
-        return f"unexpected tensor {piece.name}"
-    return f"{piece.name}: a block of shape {piece.data.shape} at {piece.start} does not fit core shape {layout[1]}"
+        return f"unexpected tensor {piece.name}; the trainer's model is not the served one"
+    return (
+        f"{piece.name}: a block of shape {piece.data.shape} at {piece.start} does not fit core shape {layout[1]}; "
+        "the trainer's model is not the served one"
+    )

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
-from core.distributed import barrier
+from core.distributed import CompiledTogether, barrier
 from core.errors import TemperError
 from core.models import Decoder
 from core.optim import make_optimizer, make_schedule
@@ -95,7 +95,9 @@ class Learner:
         self._step = jit_train_step(step, self.state)
         self._executables: dict[Any, Callable] = {}
         bound = bind_loss(self.graphdef, loss_fn, frozen_graphdef, companion_graphdef)
-        self._evaluate = jax.jit(lambda trainable, batch, frozen: bound(trainable, batch, jax.random.key(0), frozen))
+        self._evaluate = CompiledTogether(
+            jax.jit(lambda trainable, batch, frozen: bound(trainable, batch, jax.random.key(0), frozen)), "evaluation"
+        )
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
 
     @property

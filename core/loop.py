@@ -33,6 +33,7 @@ from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
 from core.data import DataBatch
+from core.distributed import any_process
 from core.learner import Learner, NonFiniteLoss, apply_nan_policy
 from core.metrics import (
     MetricsLogger,
@@ -167,7 +168,8 @@ class TrainLoop:
                 for hook in self.hooks:
                     if hook.due(step):
                         hook.fn(self, step)
-                if self._stop:
+                # Every process of a group stops at the same step, if any of them was told to (a collective).
+                if any_process(self._stop):
                     self._save_if_new()
                     print(f"SIGTERM: checkpoint saved at step {int(self.state.step)}; exiting", flush=True)
                     return self.state

@@ -229,13 +229,16 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def update_run_info(run_dir: str | Path, **fields: Any) -> dict:
-    """Add `fields` to `run_dir/run_info.json` (the first process of a group writes it; the others read it)."""
+    """Add `fields` to `run_dir/run_info.json` and return it (in a process group the first process writes it;
+    the others get {})."""
     path = Path(run_dir) / "run_info.json"
-    if not is_primary():
-        return json.loads(path.read_text()) if path.exists() else {}
+    if not is_primary():  # never read it: the first process may be rewriting it now
+        return {}
     info = json.loads(path.read_text()) if path.exists() else {}
     info.update(fields)
-    path.write_text(json.dumps(info, indent=2, default=str))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info, indent=2, default=str))
+    tmp.replace(path)  # whole or not at all, for readers of the run directory
     return info
 
 

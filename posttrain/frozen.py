@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from core.batch import PackedBatch
 from core.config import ModelConfig
-from core.distributed import to_host
+from core.distributed import CompiledTogether, to_host
 from core.learner import Learner
 from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
@@ -36,8 +36,11 @@ def logprob_pass(graphdef: nnx.GraphDef, temperature: float, vocab: int | None =
     """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets (normalised over the first `vocab`
     tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows)."""
     if vocab is None:
-        return jax.jit(
-            lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
+        return CompiledTogether(
+            jax.jit(
+                lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
+            ),
+            "a log-prob pass",
         )
 
     def over_vocab(params, batch):
@@ -45,7 +48,7 @@ def logprob_pass(graphdef: nnx.GraphDef, temperature: float, vocab: int | None =
         states = target_states(model, batch).over_vocab(vocab)
         return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
 
-    return jax.jit(over_vocab)
+    return CompiledTogether(jax.jit(over_vocab), "a log-prob pass")
 
 
 def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:

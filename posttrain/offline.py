@@ -13,13 +13,15 @@ the tokenizer it trains, the reference store, the Hugging Face export. The run d
 reads) must be where every node sees it: a shared filesystem across nodes.
 
 The driver prints process 0's output as it comes (`run_dir/logs/trainer-0.log`) and returns its answer. A process
-that dies stops the group with `TrainerUnavailable` naming it and its node; the same command resumes from the last
-checkpoint.
+that dies stops the group with `TrainerUnavailable` naming it and its node, and so does a group whose process 0
+writes nothing for `placement.call_timeout_s` (hung: NCCL collectives have no timeout of their own); the same
+command resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,9 @@ def fit(cfg: Config, method: Method) -> FitResult:
         args = (type(cfg), cfg.model_dump(mode="json"), method)
         group = start_group(pg, cfg.placement, cfg.run.run_dir, OfflineProcess, args)
         refs = group.submit(OfflineProcess.fit)
-        _follow(log, seen, refs)
+        if not _follow(log, seen, refs, quiet_s=cfg.placement.call_timeout_s):
+            quiet = TimeoutError(f"no output for placement.call_timeout_s={cfg.placement.call_timeout_s} s")
+            raise group.unavailable("fit", quiet, 0)
         return group.wait(refs, "fit", timeout_s=60.0)[0]
     finally:
         if group is not None:
@@ -76,11 +80,12 @@ def fit(cfg: Config, method: Method) -> FitResult:
         remove_placement_group(pg)
 
 
-def _follow(log: Path, offset: int, refs: list[Any], every_s: float = 1.0) -> None:
+def _follow(log: Path, offset: int, refs: list[Any], quiet_s: float, every_s: float = 1.0) -> bool:
     """Print what `log` holds past `offset`, as it comes, until one of `refs` is done (the run ended, or a process
-    failed)."""
+    failed: True) or the log stays the same for `quiet_s` (a hung group: False)."""
     import ray
 
+    last = time.monotonic()
     while True:
         done, _ = ray.wait(refs, num_returns=1, timeout=every_s)
         if log.exists():
@@ -90,5 +95,9 @@ def _follow(log: Path, offset: int, refs: list[Any], every_s: float = 1.0) -> No
             offset += len(chunk)
             sys.stdout.write(chunk.decode(errors="replace"))
             sys.stdout.flush()
+            if chunk:
+                last = time.monotonic()
         if done:
-            return
+            return True
+        if time.monotonic() - last > quiet_s:
+            return False

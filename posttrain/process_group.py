@@ -186,7 +186,7 @@ def start_group(
         for i in range(n)
     ]
     timeout = placement.barrier_timeout_s
-    group = RayProcessGroup(actors, run_dir, timeout_s=3600.0)
+    group = RayProcessGroup(actors, run_dir, timeout_s=placement.call_timeout_s)
     group.processes = call_group(actors, GroupProcess.info, (), timeout, group._failure("info"))
     coordinator = ""
     if n > 1:

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from core.distributed import is_primary, to_host
+from core.distributed import from_every_process, is_primary
 
 Key = tuple[int, int]  # (source row, sequence within the row)
 
@@ -43,13 +43,20 @@ def tokens_digest(sequences: Iterable[tuple[int, Sequence[Sequence[int]]]]) -> s
 
 def weights_digest(params) -> str:
     """A digest of a model's weights (every parameter's path, dtype, shape and bytes, in tree order): the values a
-    frozen model gives depend on what it holds, not on which path it was read from."""
+    frozen model gives depend on what it holds, not on which path it was read from.
+
+    Hashed from the shards this process's devices hold (one replica of each, with its place), then, in a process
+    group, every process's digest together: no parameter is gathered. Another sharding gives another digest, so
+    values stored under one mesh are recomputed under another, never reused wrongly."""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        value = to_host(leaf)  # a collective in a process group
-        h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape}".encode())
-        h.update(np.ascontiguousarray(value).tobytes())
-    return h.hexdigest()
+        h.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape}".encode())
+        own = [(s.index, s.data) for s in leaf.addressable_shards if s.replica_id == 0]
+        for index, data in sorted(own, key=lambda item: [sl.indices(n)[0] for sl, n in zip(item[0], leaf.shape)]):
+            h.update(repr([sl.indices(n)[:2] for sl, n in zip(index, leaf.shape)]).encode())
+            h.update(np.ascontiguousarray(np.asarray(data)).tobytes())
+    every = from_every_process(np.frombuffer(h.digest(), np.uint8))  # [processes, 32]
+    return hashlib.sha256(every.tobytes()).hexdigest()
 
 
 @dataclass

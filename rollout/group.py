@@ -70,8 +70,9 @@ class SamplerGroup:
         self.samplers = list(samplers)
         self.slots = list(range(len(samplers)))  # each sampler's slot (what `restart` takes), as samplers drop out
         self._restart = restart
-        self._successor: dict[int, Sampler] = {}  # id(failed sampler) -> its replacement
-        self._dropped: set[int] = set()  # id(sampler) of those dropped with their node
+        # What became of each failed sampler, the failed one kept with it (a freed object's id could be reused).
+        self._successor: dict[int, tuple[Sampler, Sampler]] = {}  # id(failed) -> (failed, its replacement)
+        self._dropped: dict[int, Sampler] = {}  # id(sampler) -> sampler, of those dropped with their node
         self.restarts = 0  # samplers replaced so far
         self.dropped = 0  # samplers dropped with their node
         self.redone_prompts = 0  # prompts generated again because their sampler failed
@@ -134,8 +135,8 @@ class SamplerGroup:
         cluster, a surviving sampler (with `loaded`: None, the survivors hold the weights already)."""
         if id(failed) in self._dropped:  # dropped with its node earlier: a survivor does its work
             return None if loaded else self.samplers[0]
-        successor = self._successor.get(id(failed))
-        if successor is not None:  # replaced by an earlier part of this request
+        if id(failed) in self._successor:  # replaced by an earlier part of this request
+            successor = self._successor[id(failed)][1]
             slot = self.slots[self.samplers.index(successor)]
             return self._once(slot, lambda: push(successor)) if loaded else successor
         slot = self.slots[self.samplers.index(failed)]
@@ -146,9 +147,16 @@ class SamplerGroup:
         log.warning("sampler %d failed (%s: %s); restarting it", slot, type(error).__name__, first)
         print(f"sampler {slot} failed ({type(error).__name__}); restarting it", flush=True)
         assert self._restart is not None  # callers check before replacing
-        successor = self._once(slot, partial(self._restart, slot))
+        try:
+            successor = self._once(slot, partial(self._restart, slot))
+        except SamplerFailed:
+            # A node that crashed (rather than left) is seen dead by Ray only after its health checks fail,
+            # which the restart's wait outlasts: asked again now, a dead node's sampler is dropped.
+            if failed.node_alive():
+                raise
+            return self._drop(failed, slot, error, loaded)
         self.samplers[self.samplers.index(failed)] = successor
-        self._successor[id(failed)] = successor
+        self._successor[id(failed)] = (failed, successor)
         self.restarts += 1
         stats = self._once(slot, lambda: push(successor))
         return stats if loaded else successor
@@ -158,7 +166,7 @@ class SamplerGroup:
         i = self.samplers.index(failed)
         del self.samplers[i], self.slots[i]
         self.dropped += 1
-        self._dropped.add(id(failed))
+        self._dropped[id(failed)] = failed
         if not self.samplers:
             raise SamplerFailed(
                 f"sampler {slot}'s node left the cluster ({type(error).__name__}) and no sampler is left; run the "

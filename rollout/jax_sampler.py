@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from core.distributed import to_host
+from core.distributed import CompiledTogether, to_host
 from core.models import state_mismatches
 from core.models.decoder import Decoder
 from core.shapes import SizeCache
@@ -125,6 +125,10 @@ def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_le
     return tokens, logps, n_gen, done
 
 
+# In a trainer process group every process generates (SFT's held-out samples): they compile it, then run it, together.
+_generate_together = CompiledTogether(_generate, "generation")
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
@@ -175,7 +179,7 @@ class JaxSampler:
         seeds[: len(rows)] = np.asarray(per_prompt, np.uint32).reshape(-1)
         stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            out, logps, n_gen, stopped = _generate(
+            out, logps, n_gen, stopped = _generate_together(
                 self.graphdef,
                 self.params,
                 jnp.asarray(tokens),

@@ -59,9 +59,9 @@ def placement_bundles(cfg: SamplingJob, resources: dict[str, float]) -> tuple[li
         return [trainer_bundle] * n, [{"CPU": 1.0, "GPU": float(int(per_sampler))}] * k
     cpus = resources.get("CPU", 1)
     # A trainer process takes a CPU when one is left for the samplers; on a smaller cluster all share it evenly.
-    trainer = 1.0 if cpus >= n + 1 else math.floor(100 * cpus / (n + k)) / 100
-    share = max(0.01, min(1.0, math.floor(100 * (cpus - n * trainer) / k) / 100))
-    return [{"CPU": trainer}] * n, [{"CPU": share}] * k
+    per_process = 1.0 if cpus >= n + 1 else math.floor(100 * cpus / (n + k)) / 100
+    share = max(0.01, min(1.0, math.floor(100 * (cpus - n * per_process) / k) / 100))
+    return [{"CPU": per_process}] * n, [{"CPU": share}] * k
 
 
 def reserve(cfg: SamplingJob, timeout_s: float = 120.0) -> Placement:

@@ -48,7 +48,6 @@ class SyncStats:
     chunks: int
     peak_extra_bytes: int = 0
     phases: dict | None = None  # seconds per phase (prepare: read + cast, transfer, commit)
-    committed: bool = True  # False: another process of the group failed to send; nothing was loaded
 
     @staticmethod
     def combine(parts: Sequence[SyncStats]) -> SyncStats:
@@ -61,7 +60,6 @@ class SyncStats:
             slowest.seconds,
             sum(p.chunks for p in parts),
             phases=slowest.phases,
-            committed=all(p.committed for p in parts),
         )
 
     def line(self) -> str:
@@ -202,7 +200,8 @@ def sync_to_vllm(
     if any_process(error is not None):  # every process takes part, so none waits on the others
         if error is not None:
             raise error
-        return SyncStats(version or 0, chunks.bytes, time.perf_counter() - start, chunks.n, committed=False)
+        # Another process failed to send: nothing is committed; its error is the one the driver sees.
+        return SyncStats(version or 0, chunks.bytes, time.perf_counter() - start, chunks.n)
     if is_primary():
         info.update(sampler.commit_weights(tag, version) or {})
     phases = {k: v for k, v in info.items() if k.endswith("_s")} or None

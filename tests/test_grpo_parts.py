@@ -246,7 +246,8 @@ class _FakeRemote:
         self.killed = True
 
     def node_alive(self):
-        return self.alive
+        """`alive`: a bool, or a list of answers given in turn (a node Ray sees dead only later)."""
+        return self.alive.pop(0) if isinstance(self.alive, list) else self.alive
 
 
 def _task_error(cause):
@@ -319,6 +320,29 @@ def test_sampler_group_drops_a_sampler_whose_node_left_and_goes_on_with_the_rest
     alone = SamplerGroup([dying], restart=lambda i: pytest.fail("not restarted"))
     with pytest.raises(SamplerFailed, match="sampler 0's node left the cluster .* no sampler is left"):
         alone.sync(lambda s: s.push())
+
+
+def test_sampler_group_drops_a_sampler_whose_node_crashed_once_its_restart_fails():
+    """A crashed node is still alive to Ray when its sampler's death arrives: the restart is tried, fails (its
+    bundle's node is gone), and then the node is seen dead: the sampler is dropped, not the run stopped. On a
+    node that is still alive, the failed restart stops the run as before."""
+    import ray.exceptions
+
+    lost = ray.exceptions.RayActorError()
+    tries = []
+
+    def restart(i):
+        tries.append(i)
+        raise ray.exceptions.GetTimeoutError("the actor could not be scheduled")
+
+    a, b = _FakeRemote("a"), _FakeRemote("b", fail=lost, alive=[True, False])
+    group = SamplerGroup([a, b], restart=restart)
+    out = group.collect(group.submit(["p0", "p1"], SamplingParams()), push=print)
+    assert [x.text for x in out] == ["a:p0", "a:p1"] and tries == [1]
+    assert group.samplers == [a] and group.dropped == 1 and group.restarts == 0
+    alive = SamplerGroup([_FakeRemote("a"), _FakeRemote("b", fail=lost, alive=True)], restart=restart)
+    with pytest.raises(SamplerFailed, match="sampler 1 failed again right after a restart"):
+        alive.collect(alive.submit(["p0", "p1"], SamplingParams()), push=print)
 
 
 def test_sampler_group_sync_replaces_a_sampler_that_died_since():

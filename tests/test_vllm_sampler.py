@@ -103,7 +103,6 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
         model, cfg = load_hf(new, mesh=make_mesh(MeshConfig(fsdp=4), devices()[:4]))
         tensors = dict(hf_tensors(model, cfg))
         sync = sync_to_vllm(nnx.state(model), cfg, sampler, chunk_bytes=64 * 1024, version=7)
-        assert sync.committed
         got = sampler.generate(PROMPTS, params)
     finally:
         sampler.shutdown()

@@ -1,6 +1,8 @@
 """Chunked weight sync: planning, JAX -> JAX resharding across sub-meshes, JAX -> the pieces a vLLM sampler puts
 together."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -109,8 +111,9 @@ def test_pieces_of_a_sharded_model_make_the_checkpoints_tensors_once_within_the_
 
 
 def test_the_assembler_refuses_pieces_that_do_not_make_the_model(rollout_model_dir):
-    """A missing piece, a piece sent twice, a piece outside its tensor and a tensor the model does not have are
-    each refused, naming the tensor; pieces of a new update start the buffers over."""
+    """A missing piece, a piece sent twice, a piece in place of another (the right size in all, one block
+    covered twice and one not at all), a piece outside its tensor and a tensor the model does not have are each
+    refused, naming the tensor; pieces of a new update start the buffers over."""
     model, cfg = load_hf(rollout_model_dir("llama"), mesh=make_mesh(MeshConfig(fsdp=2), jax.devices()[:2]))
     pieces = list(local_pieces(nnx.state(model), cfg))
     name = "model.layers.1.mlp.up_proj.weight"
@@ -125,8 +128,15 @@ def test_the_assembler_refuses_pieces_that_do_not_make_the_model(rollout_model_d
     half, shape = split[0].data.size, split[0].data.shape
     with pytest.raises(WeightUpdateError, match=f"{name}: {half} of {2 * half} elements received"):
         check([p for p in pieces if p is not split[0]])
-    with pytest.raises(WeightUpdateError, match=f"{name}: {3 * half} of {2 * half} elements received"):
+    with pytest.raises(
+        WeightUpdateError, match=f"{name}: the block at {re.escape(str(split[0].start))} .* overlaps one received"
+    ):
         check([*pieces, split[0]])
+    twice = TensorPiece(name, split[0].start, split[1].data)  # the second half's values over the first half
+    with pytest.raises(
+        WeightUpdateError, match=f"{name}: the block at {re.escape(str(split[0].start))} .* overlaps one received"
+    ):
+        check([p for p in pieces if p is not split[1]] + [twice])
     moved = TensorPiece(name, (1, 1), split[0].data)  # one row and column off: past the tensor's end
     with pytest.raises(WeightUpdateError, match=rf"{name}: a block of shape \({shape[0]}, {shape[1]}\) at \(1, 1\)"):
         check([*pieces, moved])
