@@ -102,9 +102,7 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
     np.testing.assert_allclose(got, want, rtol=0, atol=64 * float(np.spacing(np.float32(np.abs(want).max()))))
 
 
-def test_dpo_with_a_stored_reference_on_two_processes_trains_as_one_process(
-    tmp_path, arithmetic_tokenizer, local_ray
-):
+def test_dpo_with_a_stored_reference_on_two_processes_trains_as_one_process(tmp_path, arithmetic_tokenizer, local_ray):
     """DPO with the reference's log-probs computed once and stored (every process computes them, process 0 writes
     the store, keyed on a digest made of each process's own shards): on 2 processes x 4 devices the same losses
     as in one process x 8 devices; the store is written once and read back by a resumed group."""
