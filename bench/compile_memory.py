@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="sequences (DPO: pairs)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--remat", default="full")
+    p.add_argument("--scan-unroll", default=None, help="model.scan_unroll (default: the preset's; true: unrolled)")
     args = p.parse_args()
     base = (ROOT / "core" / "configs" / "base.yml").read_text()
     common = [
@@ -44,6 +45,7 @@ def main() -> None:
         f"data.seq_len={args.seq_len}",
         f"train.batch_size={args.batch_size}",
         f"train.micro_batches={args.micro_batches}",
+        *([f"model.scan_unroll={args.scan_unroll}"] if args.scan_unroll is not None else []),
     ]
     # GRPO: 8 prompts x 8 completions of half the model length each, rows of the model length.
     grpo = [
@@ -54,7 +56,11 @@ def main() -> None:
     ]
     methods = {"pretrain": [], "sft": [], "dpo": [], "grpo": grpo}
     devices = args.fsdp * args.tensor
-    print(f"{args.preset}, mesh fsdp {args.fsdp} x tensor {args.tensor} = {devices} devices, remat {args.remat}")
+    unroll = args.scan_unroll or "the preset's"
+    print(
+        f"{args.preset}, mesh fsdp {args.fsdp} x tensor {args.tensor} = {devices} devices, remat {args.remat}, "
+        f"scan_unroll {unroll}"
+    )
     print("| method | packed rows x tokens | arguments | outputs | temp | total (GiB per device) | compile s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
