@@ -1,5 +1,5 @@
-"""GRPO building blocks: the RL batch layout, prompts, placement, the policy learner's updates (the sampler group's failure
-handling: tests/test_sampler_group.py)."""
+"""GRPO building blocks: the RL batch layout, prompts, placement, the policy learner's updates (the sampler
+group's failure handling: tests/test_sampler_group.py)."""
 
 from __future__ import annotations
 
