@@ -35,7 +35,7 @@ def request_devices(cfg: Config) -> None:
     request_host_devices(math.prod(v for v in cfg.mesh.axis_sizes().values() if v > 0))
 
 
-def abstract_model(cfg: Config, mesh: Any) -> Decoder:
+def sharded_abstract_model(cfg: Config, mesh: Any) -> Decoder:
     """The configured model with abstract parameters (shapes and shardings on `mesh`): allocates nothing."""
     graphdef, state = abstract_sharded_state(cfg.model, mesh)
     return nnx.merge(graphdef, state)
@@ -56,5 +56,6 @@ def compile_update(cfg: Config, learner: Learner, batch: TrainBatch, what: str) 
 def compile_method(cfg: Config, method: Method) -> str:
     """An offline method's update (`method.loss`) on its own example batch, compiled; XLA's memory analysis."""
     mesh = make_mesh(cfg.mesh)
-    learner = Learner(abstract_model(cfg, mesh), mesh, method.loss(cfg), cfg.optim, cfg.train.steps, cfg.run.seed)
+    model = sharded_abstract_model(cfg, mesh)
+    learner = Learner(model, mesh, method.loss(cfg), cfg.optim, cfg.train.steps, cfg.run.seed)
     return compile_update(cfg, learner, method.example_batch(cfg, batch_shards(mesh)), method.name)

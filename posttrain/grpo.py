@@ -146,12 +146,12 @@ def compile_step(cfg: PostTrainConfig) -> str:
     The batch: `rl.batch.prompts_per_step` prompts of `rollout.max_model_len - max_tokens` tokens, each with
     `num_generations` completions of `rollout.max_tokens`, advantages with variance, pi_old's and the reference's
     log-probs when the step reads them; XLA's memory analysis."""
-    from core.compile_only import abstract_model, compile_update
+    from core.compile_only import compile_update, sharded_abstract_model
     from core.mesh import make_mesh
     from core.train import batch_shards
 
     mesh = make_mesh(cfg.mesh)
-    learner = policy_update_learner(cfg, abstract_model(cfg, mesh), mesh, cfg.train.steps)
+    learner = policy_update_learner(cfg, sharded_abstract_model(cfg, mesh), mesh, cfg.train.steps)
     rl, rollout = cfg.rl.batch, cfg.rollout
     rng = np.random.default_rng(0)
 

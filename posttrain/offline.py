@@ -41,8 +41,8 @@ class FitResult:
 class OfflineProcess:
     """The run, as one process of the group hosts it: built and trained when the driver calls `fit`."""
 
-    def __init__(self, schema: type[Config], cfg_json: dict, method: Method):
-        self.cfg, self.method = schema.model_validate(cfg_json), method
+    def __init__(self, cfg: Config, method: Method):
+        self.cfg, self.method = cfg, method
 
     def fit(self) -> FitResult:
         run = build_run(self.cfg, self.method)
@@ -53,7 +53,7 @@ class OfflineProcess:
 def fit(cfg: Config, method: Method) -> FitResult:
     """Train `method` to `train.steps` (resuming from `run.run_dir`), in this process or in a process group."""
     if cfg.placement.trainer_processes == 1:
-        return OfflineProcess(type(cfg), cfg.model_dump(mode="json"), method).fit()
+        return OfflineProcess(cfg, method).fit()
     from ray.util.placement_group import remove_placement_group
 
     from posttrain.process_group import start_group
@@ -67,8 +67,7 @@ def fit(cfg: Config, method: Method) -> FitResult:
     log = Path(cfg.run.run_dir) / "logs" / "trainer-0.log"
     seen = log.stat().st_size if log.exists() else 0  # a resumed run's log goes on after the last one's
     try:
-        args = (type(cfg), cfg.model_dump(mode="json"), method)
-        group = start_group(pg, cfg.placement, cfg.run.run_dir, OfflineProcess, args)
+        group = start_group(pg, cfg.placement, cfg.run.run_dir, OfflineProcess, (cfg, method))
         refs = group.submit(OfflineProcess.fit)
         if not _follow(log, seen, refs, quiet_s=cfg.placement.call_timeout_s):
             quiet = TimeoutError(f"no output for placement.call_timeout_s={cfg.placement.call_timeout_s} s")

@@ -116,21 +116,20 @@ class RayProcessGroup:
         return self.call_all(method, *args)[0]
 
     def call_all(self, method: Callable, *args: Any) -> list:
-        """`method` on every process, their answers in process order."""
-        from rollout.ray import call_group
-
-        failure = self._failure(method.__name__)
-        return call_group(self.actors, GroupProcess.call, (method, args), self.timeout_s, failure)
+        """`method` on every process, their answers in process order (within the group's call timeout)."""
+        return self.wait(self.submit(method, *args), method.__name__, self.timeout_s)
 
     def submit(self, method: Callable, *args: Any) -> list:
-        """Start `method` on every process and return at once (Ray object refs, in process order; `wait` them)."""
+        """Start `method` on every process and return at once (Ray object refs, in process order; `wait` them).
+        The arguments go into the object store once: each actor reads the same copy."""
         import ray
 
         refs = tuple(ray.put(a) for a in (method, args))
         return [actor.call.remote(*refs) for actor in self.actors]
 
     def wait(self, refs: list, name: str, timeout_s: float) -> list:
-        """The answers of `submit`'s calls, as `call_all` gives them (`timeout_s` in all)."""
+        """The answers of `submit`'s calls (`timeout_s` in all); a dead process, a lost cluster or a timeout raises
+        `TrainerUnavailable` naming the process (`rollout.ray.wait_group`)."""
         from rollout.ray import wait_group
 
         return wait_group(refs, timeout_s, self._failure(name))

@@ -32,10 +32,10 @@ from core.batch import TrainBatch
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
-
-__all__ = ["LocalTrainer", "TrainerHandle", "TrainerUnavailable", "start_trainer"]
 from rollout.sampler import Sampler
 from rollout.weight_sync import SyncStats
+
+__all__ = ["LocalTrainer", "TrainerHandle", "TrainerUnavailable", "start_trainer"]
 
 
 class LocalTrainer:
