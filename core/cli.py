@@ -2,7 +2,10 @@
 
     def main(argv): ...                                   # the recipe: CONFIG.yml [key=value ...]
     if __name__ == "__main__":
-        sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG))
+        sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, supervise=True))
+
+With `supervise=True` the recipe runs in a child of the process the user started (`core.supervise`), so that
+an ending Python never sees (Ray ending the driver, SIGKILL) is reported the same way.
 
 A `core.errors.TemperError` (a bad config, YAML file, override, path, data
 row or checkpoint; a run stopped on a non-finite loss or a dead trainer) is
@@ -42,8 +45,12 @@ def run_recipe(
     doc: str | None,
     default_config: Path | None = None,
     module: str | None = None,
+    supervise: bool = False,
 ) -> int:
-    """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback."""
+    """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback.
+
+    With `supervise` (a recipe run as `python -m`), the recipe runs in a child process of this one, so that an
+    ending Python cannot report (Ray ending the driver, SIGKILL) still gets a message: `core.supervise`."""
     module = module or getattr(main, "__module__", "recipe")
     if any(a in ("-h", "--help") for a in argv):
         print(usage(str(module), doc or "", default_config))
@@ -55,6 +62,12 @@ def run_recipe(
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
+    if supervise:
+        from core import supervise as sv
+
+        if not sv.is_child():
+            return sv.run_supervised()
+        sv.mark_python_exit()
     return run_cli(main, argv)
 
 

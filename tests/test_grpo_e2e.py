@@ -237,7 +237,7 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
 def test_async_vllm_survives_a_lost_ray_head_and_kill_9_and_resumes_exactly(tmp_path, arithmetic_tokenizer):
     """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe:
     1. the local Ray cluster's GCS and raylet die after checkpoint 2: the driver stops within a minute with
-       exit code 2 and one message (no traceback) saying how to resume;
+       exit code 2 and one message (no traceback) saying what happened and how to resume;
     2. the same command resumes from checkpoint 2; two steps after checkpoint 4 the whole job is killed with
        SIGKILL (driver, Ray, actors: a node going down);
     3. the same command resumes from checkpoint 4: steps 5-6 log the losses and rewards the killed run logged
@@ -263,7 +263,10 @@ def test_async_vllm_survives_a_lost_ray_head_and_kill_9_and_resumes_exactly(tmp_
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     message = next(line for line in err.splitlines() if line.startswith("error: "))
-    assert "the trainer actor is unavailable" in message and "run the same command again to resume" in message
+    assert "run the same command again to resume" in message, message
+    # Temper's own message when a Ray call fails first; when the driver touches the object store first, Ray's
+    # core ends it with _exit(1) and the recipe's parent process (core.supervise) quotes Ray's log instead.
+    assert "the trainer actor is unavailable" in message or "Ray ended it: " in message, message
 
     proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
     _kill_tree(proc.pid)

@@ -1,0 +1,78 @@
+"""core.supervise: a recipe's endings that Python never sees get one message; the ones it sees pass through."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from core.supervise import ending_message
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(what: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "supervised_worker.py"), what],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_endings_python_sees_pass_through_unchanged():
+    ok, error, bug = run("ok"), run("error"), run("bug")
+    assert (ok.returncode, ok.stderr) == (0, "")
+    assert error.returncode == 2 and error.stderr == "error: the config's key x is wrong\n"
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: a bug" in bug.stderr
+    assert "the recipe's process" not in bug.stderr  # a traceback is its own message
+
+
+@pytest.mark.parametrize(
+    ("what", "said"), [("native-exit", "ended with exit code 1"), ("sigkill", "killed by SIGKILL")]
+)
+def test_an_ending_python_never_sees_gets_one_message_and_exit_code_2(what, said):
+    res = run(what)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the recipe's process (pid "), res.stderr
+    assert said in lines[0] and "run the same command again to resume" in lines[0]
+
+
+def test_sigterm_reaches_the_recipe_and_kill_9_of_the_parent_ends_it():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "tests" / "supervised_worker.py"), "wait-sigterm"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    assert child != proc.pid and psutil.Process(child).ppid() == proc.pid  # the recipe runs in a child
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0 and proc.stdout.read() == "stopped\n"
+
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(proc.stdout.readline()))
+    proc.kill()
+    proc.wait()
+    child.wait(timeout=10)  # raises if the child outlives the parent
+    assert not child.is_running()
+    proc.stdout.close()
+
+
+def test_a_driver_ended_by_ray_is_explained_from_its_log(tmp_path, monkeypatch):
+    logs = tmp_path / "ray" / "session_2026-11-26_12-53-59_1_15010" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "python-core-driver-01000000ffff_4242.log").write_text(
+        "[2026-11-26 12:54:23,334 I 4242 4250] actor_manager.cc:236: received notification on actor\n"
+        "[2026-11-26 12:54:33,977 W 4242 4242] connection.cc:216: The connection to the plasma store is failed. "
+        "Terminate the process. Status: IOError: Broken pipe\n"
+    )
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    message = ending_message(4242, 1)
+    assert "Ray ended it: connection.cc:216: The connection to the plasma store is failed." in message
+    assert str(logs) in message and "run the same command again to resume" in message
+    assert "Ray ended it" not in ending_message(4243, 1)  # another process's log is not read
