@@ -37,6 +37,7 @@ gradient as padded rows, in fewer rows. The iterator's state (`get_state` / `set
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -101,6 +102,10 @@ def _read_source(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 
 
 def _read(load, source: str, what: str):
+    # `datasets` logs its own traceback at ERROR before raising; the error below says what was wrong in one line.
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         return load()
     except Exception as err:
@@ -109,6 +114,8 @@ def _read(load, source: str, what: str):
             f"data.source {source!r}: cannot be read as {what} "
             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
         ) from None
+    finally:
+        logger.setLevel(level)
 
 
 def _with_columns(rows: Sequence[dict], columns: dict[str, str], source: str) -> Sequence[dict]:
