@@ -47,10 +47,8 @@ def run_recipe(
     module: str | None = None,
     supervise: bool = False,
 ) -> int:
-    """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback.
-
-    With `supervise` (a recipe run as `python -m`), the recipe runs in a child process of this one, so that an
-    ending Python cannot report (Ray ending the driver, SIGKILL) still gets a message: `core.supervise`."""
+    """A config recipe (`[CONFIG.yml] [key=value ...]`): `--help`, `--debug`, user errors without a traceback;
+    `supervise` as in `run_cli`."""
     module = module or getattr(main, "__module__", "recipe")
     if any(a in ("-h", "--help") for a in argv):
         print(usage(str(module), doc or "", default_config))
@@ -62,17 +60,18 @@ def run_recipe(
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
+    return run_cli(main, argv, supervise)
+
+
+def run_cli(main: Callable[[list[str]], int], argv: list[str], supervise: bool = False) -> int:
+    """`main(argv)` with `--debug` taken out of argv and a `TemperError` printed as one line, exit code 2.
+
+    With `supervise` (a recipe's `__main__`), it runs in a child process of this one, so that an ending Python
+    never sees (Ray ending the driver, SIGKILL) still gets a message: `core.supervise`."""
     if supervise:
-        from core import supervise as sv
+        from core.supervise import supervised
 
-        if not sv.is_child():
-            return sv.run_supervised()
-        sv.mark_python_exit()
-    return run_cli(main, argv)
-
-
-def run_cli(main: Callable[[list[str]], int], argv: list[str]) -> int:
-    """`main(argv)` with `--debug` taken out of argv and a `TemperError` printed as one line, exit code 2."""
+        return supervised(lambda: run_cli(main, argv))
     debug = "--debug" in argv or os.environ.get("TEMPER_DEBUG", "") not in ("", "0")
     try:
         return main([a for a in argv if a != "--debug"])

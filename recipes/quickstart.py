@@ -266,4 +266,4 @@ def _check(rc: int) -> None:
 if __name__ == "__main__":
     from core.cli import run_cli
 
-    sys.exit(run_cli(main, sys.argv[1:]))
+    sys.exit(run_cli(main, sys.argv[1:], supervise=True))

@@ -1,9 +1,12 @@
 """A recipe run as `python tests/supervised_worker.py WHAT`, supervised as every recipe is (tests/test_supervise.py).
 
-WHAT: `ok` returns 0; `error` raises a TemperError; `bug` raises a ValueError; `native-exit` ends with
-`os._exit(1)` (how Ray's core ends a driver); `sigkill` kills itself; `wait-sigterm` prints its pid and then
-`stopped` once SIGTERM arrives."""
+WHAT: `ok` returns 0; `error` raises a TemperError; `bug` raises a ValueError; `interrupt` raises
+KeyboardInterrupt; `native-exit` ends with `os._exit(1)` (how Ray's core ends a driver); `error-then-native-exit`
+raises a TemperError and then ends with `os._exit(1)` at interpreter exit (Ray's teardown doing so); `sigkill`
+kills itself; `env` prints its pid and whether the supervisor's variable reached it; `wait-sigterm` prints its
+pid and then `stopped` once SIGTERM arrives."""
 
+import atexit
 import os
 import signal
 import sys
@@ -11,6 +14,7 @@ import time
 
 from core.cli import run_recipe
 from core.errors import TemperError
+from core.supervise import CHILD_ENV
 
 
 def main(argv: list[str]) -> int:
@@ -19,10 +23,17 @@ def main(argv: list[str]) -> int:
         raise TemperError("the config's key x is wrong")
     if what == "bug":
         raise ValueError("a bug")
+    if what == "interrupt":
+        raise KeyboardInterrupt
     if what == "native-exit":
         os._exit(1)
+    if what == "error-then-native-exit":
+        atexit.register(os._exit, 1)
+        raise TemperError("the trainer actor is unavailable")
     if what == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if what == "env":
+        print(os.getpid(), CHILD_ENV in os.environ, flush=True)
     if what == "wait-sigterm":
         stopped = []
         signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
