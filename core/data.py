@@ -103,7 +103,7 @@ def _read_source(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
 
 def _read(load, source: str, what: str):
     # `datasets` logs its own traceback at ERROR before raising; the error below says what was wrong in one line.
-    # (Its warnings on a load that succeeds are silenced too: none of them is about a local file.)
+    # (Its warnings on a load that succeeds are silenced too: a trade for errors a user can read.)
     logger = logging.getLogger("datasets")
     level = logger.level
     logger.setLevel(logging.CRITICAL)

@@ -91,8 +91,8 @@ def _run_parent() -> int:
         preexec_fn=_die_with(os.getpid()),
     )
     os.close(write_fd)
-    for signum in pending:
-        child.send_signal(signum)
+    for early in pending:
+        child.send_signal(early)
     rc = child.wait()
     try:
         reported = os.read(read_fd, 1)
