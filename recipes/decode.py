@@ -98,4 +98,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     from core.cli import run_cli
 
-    sys.exit(run_cli(main, sys.argv[1:], supervise=True))
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -72,4 +72,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     from core.cli import run_recipe
 
-    sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, "recipes.hf_parity_demo", supervise=True))
+    sys.exit(run_recipe(main, sys.argv[1:], __doc__, DEFAULT_CONFIG, "recipes.hf_parity_demo"))
