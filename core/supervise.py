@@ -7,9 +7,9 @@ Some endings never reach Python, so nothing in the recipe's process can report t
 The user would see the process gone and nothing said. A training recipe run as `python -m recipes.X`
 therefore runs in a child process, and the process the user started waits for it. When the recipe's Python
 code is done (it returned, raised, or printed its `error: ...`), the child writes the exit code it chose to a
-pipe; the parent exits with that code, whatever happens in the child's teardown after it. A child that ended without writing one gets one line, `error: ...`,
-saying how it ended (quoting Ray's driver log when Ray ended it) and how to resume, and exit code 2, like any
-other stopped run.
+pipe; the parent exits with that code, whatever happens in the child's teardown after it. A child that
+ended without writing one gets one line, `error: ...`, saying how it ended (quoting Ray's driver log when Ray
+ended it) and how to resume, and exit code 2, like any other stopped run.
 
 Signals: the parent passes SIGTERM and SIGHUP on to the child (an offline run's loop writes a checkpoint on
 SIGTERM and exits). Ctrl-C's SIGINT reaches the child from the terminal, so the parent ignores its own copy:
