@@ -85,8 +85,8 @@ def save_model(shape: dict, path: Path, tokenizer: str | None, seed: int) -> Pat
 
 def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
     from core.config_loader import load_config
-    from core.data import reasoning_gym_records
     from core.metrics import read_metrics
+    from core.sources import reasoning_gym_records
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import run_onpolicy_distill
 
@@ -294,7 +294,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "distill_step.json"))
     args = p.parse_args()
 
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
     results = {}

@@ -133,7 +133,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
     results = {}

@@ -58,9 +58,9 @@ def trl_python() -> Path:
 def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
     """An HF model directory for `size` and a prompts file."""
     from core.config_loader import load_config
-    from core.data import reasoning_gym_records
     from core.hf import save_hf
     from core.models import create_model, param_count
+    from core.sources import reasoning_gym_records
     from posttrain.config import PostTrainConfig
 
     cfg = load_config(
@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo_step.json"))
     args = p.parse_args()
 
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
     results = {}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def completions(n: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
 
     rows = reasoning_gym_records("gsm_symbolic", min(n, 256), seed)
     rng = random.Random(seed)

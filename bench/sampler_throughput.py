@@ -72,9 +72,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.data import reasoning_gym_records
     from core.hf import load_hf
     from core.models import param_count
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
     from rollout.config import RolloutConfig
     from rollout.jax_sampler import JaxSampler

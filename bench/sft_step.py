@@ -68,7 +68,7 @@ def text_pieces(tokenizer: str, lengths: list[list[int]]) -> list[list[str]]:
     """Consecutive pieces of reasoning-gym text of the given token lengths (one list of pieces per row)."""
     from transformers import AutoTokenizer
 
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     text = " ".join(r["question"] for r in reasoning_gym_records("basic_arithmetic", 3000, seed=0))
@@ -144,8 +144,9 @@ def build(size: str, work: Path, tokenizer: str, rows: int, seq: int) -> tuple[P
 def temper_side(hf: Path, data: Path, tokenizer: str, args, packing: bool, padding_free: bool):
     """A Temper learner on the HF model and the SFT pipeline's batches of `data` (rows in file order)."""
     from core.config import DataConfig
-    from core.data import load_records, load_tokenizer, make_pipeline, tokenize_examples
+    from core.data import load_tokenizer, make_pipeline, tokenize_examples
     from core.losses import nll_loss
+    from core.sources import load_records
     from posttrain.sft import PromptCompletionRows
 
     dcfg = DataConfig(
@@ -297,7 +298,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
     results = {}

@@ -153,7 +153,7 @@ class MeshConfig(Section):
 
 
 class DataConfig(Section):
-    """Where training examples come from and how they become token batches (see core/data.py)."""
+    """Where training examples come from and how they become token batches (see core/sources.py, core/data.py)."""
 
     # A local file or directory (jsonl / parquet / arrow / `save_to_disk` / a dataset repository's files), a Hugging
     # Face Hub dataset id (`trl-lib/ultrafeedback_binarized`: through the hub cache, honouring HF_HUB_OFFLINE; a

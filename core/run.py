@@ -127,11 +127,12 @@ def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str
 def build_run(cfg: Config, method: Method) -> Run:
     """Everything `method` trains with, ready to `fit`."""
     from core.checkpoint import initial_model
-    from core.data import load_records, load_tokenizer
+    from core.data import load_tokenizer
     from core.distributed import primary_first
     from core.mesh import make_mesh
     from core.metrics import device_memory
     from core.models.summary import parameter_summary
+    from core.sources import load_records
     from core.tokenizer import check_vocab, tokenizer_for_run
 
     method.check(cfg)

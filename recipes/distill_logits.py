@@ -20,8 +20,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "distill_tiny.yml"
 
 
 def main(argv: list[str]) -> int:
-    from core.data import load_records, load_tokenizer, tokenize_examples
+    from core.data import load_tokenizer, tokenize_examples
     from core.mesh import make_mesh
+    from core.sources import load_records
     from core.tokenizer import tokenizer_for_run
     from posttrain.config import PostTrainConfig
     from posttrain.distill.dump import dump_topk

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         compile_step(cfg)
         return 0
     if cfg.checkpoint.init_from is None and cfg.data.tokenizer_dir is None:
-        from core.data import load_records
+        from core.sources import load_records
         from core.tokenizer import tokenizer_for_run
 
         if cfg.data.source is None:

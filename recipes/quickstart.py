@@ -48,7 +48,7 @@ SIGN_SLIP = 0.8
 
 
 def problems(n: int, seed: int) -> list[dict]:
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
 
     return reasoning_gym_records("basic_arithmetic", n, seed, **TASK)
 

@@ -59,7 +59,7 @@ def tiny_hf_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def arithmetic_tokenizer(tmp_path_factory):
     """A 512-token byte-level BPE tokenizer trained on generated arithmetic problems."""
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
     texts = [r["text"] for r in reasoning_gym_records("basic_arithmetic", 300, seed=123)]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from core.config import DataConfig
-from core.data import MalformedRow, TextRows, load_records, load_tokenizer, tokenize_examples
+from core.data import MalformedRow, TextRows, load_tokenizer, tokenize_examples
+from core.sources import load_records
 from tests.helpers import pipeline
 
 TEXTS = [f"Calculate {i} + {i + 1}.\nAnswer: {2 * i + 1}" for i in range(40)]

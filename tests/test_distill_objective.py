@@ -284,7 +284,8 @@ def test_the_store_gathers_each_targets_topk_through_packing_and_micro_batches(t
     """A dump whose top-1 at every target is that target's own token: gathered for packed rows (several
     conversations a row) in two micro-batches, every slot's top-1 is the token the slot predicts."""
     from core.config import DataConfig
-    from core.data import load_tokenizer, make_pipeline, reasoning_gym_records, tokenize_examples
+    from core.data import load_tokenizer, make_pipeline, tokenize_examples
+    from core.sources import reasoning_gym_records
     from posttrain.distill.method import _token_at
     from posttrain.distill.topk_store import DumpHeader, DumpPlan, TopKStore, start_dump, write_shard
     from posttrain.sft import row_format

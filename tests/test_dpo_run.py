@@ -42,7 +42,7 @@ def dpo_config(tmp_path, tokenizer, *extra):
 def pairs_of(cfg, tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from core.data import load_records
+    from core.sources import load_records
     from posttrain.dpo.data import load_pairs
 
     return load_pairs(cfg, AutoTokenizer.from_pretrained(tokenizer_dir), load_records(cfg.data))
@@ -130,8 +130,8 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
     """Pairs whose rejected answer is the right one with a digit appended (a preference a small random model can
     pick up): from policy == reference (held-out loss log 2 at step 0), DPO raises the held-out preference
     accuracy and lowers the held-out loss; the run exports an HF model."""
-    from core.data import reasoning_gym_records
     from core.run import build_run
+    from core.sources import reasoning_gym_records
     from posttrain.dpo.offline import DPO
 
     rows = [

@@ -119,7 +119,7 @@ def test_an_id_missing_from_the_cache_offline_is_a_clear_error(hub):
 
 def test_a_dataset_by_hub_id_with_split_subset_and_columns(hub):
     from core.config import DataConfig
-    from core.data import load_records
+    from core.sources import load_records
 
     base = dict(source=DATASET_ID, columns={"prompt": "question", "chosen": "good", "rejected": "bad"})
     train = load_records(DataConfig(**base))

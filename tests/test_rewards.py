@@ -139,7 +139,7 @@ def test_shaping_rewards_against_numpy():
 
 
 def test_reasoning_gym_reward_uses_the_task_checker():
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
     from rewards.rgym import reasoning_gym
 
     rows = reasoning_gym_records("basic_arithmetic", 4, seed=3)
@@ -347,7 +347,7 @@ def test_bad_columns_are_reported():
 
 
 def test_reasoning_gym_rows_carry_json_metadata():
-    from core.data import reasoning_gym_records
+    from core.sources import reasoning_gym_records
 
     row = reasoning_gym_records("basic_arithmetic", 1, seed=0)[0]
     assert json.loads(row["metadata"])["source_dataset"] == "basic_arithmetic"

@@ -26,8 +26,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from core.data import DataBatch, DataSourceError, MalformedRow, held_out
+from core.data import DataBatch, MalformedRow, held_out
 from core.shapes import bucketed_width
+from core.sources import DataSourceError
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch, tokenize_pairs
 

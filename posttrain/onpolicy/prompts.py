@@ -21,7 +21,8 @@ from typing import Any
 
 import grain
 
-from core.data import DataSourceError, MalformedRow, held_out, load_records
+from core.data import MalformedRow, held_out
+from core.sources import DataSourceError, load_records
 from posttrain.config import PostTrainConfig, RLConfig
 
 
