@@ -29,9 +29,10 @@ import sys
 import time
 from collections.abc import Callable
 
+from core.cli import EXIT_USER_ERROR  # the code of a run stopped with one `error: ...` line
+
 CHILD_ENV = "TEMPER_RECIPE_EXIT_FD"
 OFF_ENV = "TEMPER_NO_SUPERVISE"
-EXIT_STOPPED = 2  # the code of a run stopped with one `error: ...` line (core.cli.EXIT_USER_ERROR)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -102,7 +103,7 @@ def _run_parent() -> int:
     if reported:
         return reported[0]
     print(f"error: {ending_message(child.pid, rc, started)}", file=sys.stderr, flush=True)
-    return EXIT_STOPPED
+    return EXIT_USER_ERROR
 
 
 def _die_with(parent: int) -> Callable[[], None] | None:
