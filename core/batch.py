@@ -18,8 +18,13 @@ packing group (the rows that travel together in one micro-batch).
     branch_ids                      [R, L] int32
     target_index, target_ids        [B, C] int32
     target_mask                     [B, C] float32  1 where target j exists
+    groups                          int (static)    packing groups: the micro-batches it was packed for
     scored                          int (static)    targets the output head scores per micro-batch
     compact                         int (static)    positions the layers run on per part (0 = all)
+
+`target_index` is local to each packing group, so a batch splits into exactly `groups` micro-batches:
+`core.train.split_micro_batches` refuses another count, naming both (a builder and a learner can no longer
+disagree about it silently).
 
 Real targets rarely fill `[B, C]` (C is the longest scored sequence, bucketed), and the vocabulary-sized
 output projection is the costliest per-target work there is, so `core.targets.target_logprobs` scores a flat
@@ -57,6 +62,9 @@ class PackedBatch:
     target_index: Any  # [B, C] int32, flat into the group's [R_g * L] positions
     target_ids: Any  # [B, C] int32
     target_mask: Any  # [B, C] float32
+    # Packing groups: contiguous equal slices of the rows (and of the targets) that are each self-contained, one
+    # per micro-batch the batch is packed for (static: part of the compiled shape, and checked when it is split).
+    groups: int = field(default=1, metadata=dict(static=True))
     # Real targets the head scores per micro-batch (bucketed; static, so part of the compiled shape); 0 = all.
     scored: int = field(default=0, metadata=dict(static=True))
     # Positions the position-wise layers run on per part of a micro-batch's rows (`core.models.compact`;
@@ -86,14 +94,34 @@ class TrainBatch(Protocol):
     def packed(self) -> PackedBatch: ...
 
 
-def with_scored(tree: T, groups: int) -> T:
-    """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `scored` set
+def packing_groups(tree: Any) -> list[tuple[str, int]]:
+    """(where, packing groups) of every `PackedBatch` in `tree`."""
+    found = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PackedBatch))[0]:
+        if isinstance(x, PackedBatch):
+            found.append((jax.tree_util.keystr(path), x.groups))
+    return found
+
+
+def with_groups(tree: T, groups: int) -> T:
+    """Every `PackedBatch` in `tree` marked as packed for `groups` packing groups (a slice of a batch: a
+    mini-batch of an on-policy step holds its share of the groups)."""
+    return jax.tree.map(
+        lambda x: replace(x, groups=groups) if isinstance(x, PackedBatch) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, PackedBatch),
+    )
+
+
+def with_scored(tree: T) -> T:
+    """Every `PackedBatch` in `tree` (host arrays, before its `groups` micro-batches are split off) with `scored` set
     to the most real targets any micro-batch holds, rounded up (a quarter of its `[B / groups, C]` slots, or
     64 targets in larger batches: see below) so that a run compiles its step for a handful of counts."""
 
     def one(x):
         if not isinstance(x, PackedBatch):
             return x
+        groups = x.groups
         mask = np.asarray(x.target_mask)
         if mask.shape[0] % groups:
             return x  # split_micro_batches names the leaf that does not divide
@@ -116,8 +144,8 @@ def with_scored(tree: T, groups: int) -> T:
 COMPACT_MIN_SLOTS = 1024
 
 
-def with_compact(tree: T, groups: int, mesh_shape: dict[str, int] | None = None) -> T:
-    """Every `PackedBatch` in `tree` (host arrays, before `groups` micro-batches are split off) with `compact`
+def with_compact(tree: T, mesh_shape: dict[str, int] | None = None) -> T:
+    """Every `PackedBatch` in `tree` (host arrays, before its `groups` micro-batches are split off) with `compact`
     set to the most real tokens any part of a micro-batch holds (a part: the rows of one data shard on a mesh
     of `mesh_shape`, `core.mesh.row_shards`), rounded up to an eighth of the part's positions so that a run
     compiles its step for a handful of counts; 0 (every position) when that saves nothing or the part is
@@ -126,6 +154,7 @@ def with_compact(tree: T, groups: int, mesh_shape: dict[str, int] | None = None)
     def one(x):
         if not isinstance(x, PackedBatch):
             return x
+        groups = x.groups
         real = np.asarray(x.segment_ids) > 0
         if real.shape[0] % groups:
             return x  # split_micro_batches names the leaf that does not divide

@@ -92,8 +92,6 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             config=ocp.args.JsonSave(config.model_dump(mode="json")),
         )
-        if state.companion is not None:
-            items["companion"] = ocp.args.StandardSave(_pure(state.companion))
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -175,21 +173,15 @@ class Checkpointer:
             opt_state=ocp.args.StandardRestore(_abstract(target.opt_state)),
             meta=ocp.args.JsonRestore(),
         )
-        if target.companion is not None:
-            items["companion"] = ocp.args.StandardRestore(_abstract(_pure(target.companion)))
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         params = nnx.State(target.params)
         nnx.replace_by_pure_dict(params, out["params"])
-        companion = None
-        if target.companion is not None:
-            companion = nnx.State(target.companion)
-            nnx.replace_by_pure_dict(companion, out["companion"])
         meta = dict(out["meta"])
         rng = jax.random.wrap_key_data(jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
         step_count = jax.numpy.asarray(meta["step"], jax.numpy.int32)
-        return TrainState(params, out["opt_state"], step_count, rng, companion), meta
+        return TrainState(params, out["opt_state"], step_count, rng), meta
 
     def check_compatible(self, step: int, target: TrainState, config: Config) -> None:
         """Raise `CheckpointMismatch` naming every model-config key and tensor that differs."""
@@ -204,16 +196,8 @@ class Checkpointer:
         ]
         meta = self.manager.item_metadata(step)
         saved = meta["params"] if meta is not None and "params" in meta else None
-        if saved is not None:
+        if saved is not None:  # the trainable state: every tensor with its shape (a LoRA run's: its adapters)
             diffs += _tensor_diffs(_flat_shapes(saved), _flat_shapes(_pure(target.params)), "")
-            # The companion (parameters trained beside the model's): both have it, with the same shapes, or neither.
-            theirs_c = meta.get("companion") if "companion" in meta else None
-            ours_c = None if target.companion is None else _pure(target.companion)
-            if (theirs_c is None) != (ours_c is None):
-                has = "this run trains" if theirs_c is None else "the checkpoint holds"
-                diffs.append(f"companion: {has} parameters beside the model's (a feature projection) the other lacks")
-            elif theirs_c is not None:
-                diffs += _tensor_diffs(_flat_shapes(theirs_c), _flat_shapes(ours_c), "companion ")
         if diffs:
             raise CheckpointMismatch(
                 f"checkpoint {where} was written for a different model:\n  " + "\n  ".join(diffs[:40])
@@ -241,6 +225,7 @@ _SHAPE_KEYS = {
     "attention_bias",
     "qk_norm",
     "scan_layers",
+    "lora",
 }
 
 
@@ -283,12 +268,15 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
     """(model, its ModelConfig, the saved config as data) from a Temper run directory or its `checkpoints/`
     folder: parameters only, `step` defaulting to the latest.
 
-    Only the saved config's model section is validated (by `ModelConfig`), so nothing the run directory
-    names (reward plugins) is imported, and a config written by another Temper version still loads.
+    The trained model is read where the run's module tree held it (`TRAINED_MODEL` in the checkpoint's meta: the
+    tree itself, or its `.model`); a LoRA run's checkpoint holds its adapters, and its base is read from the
+    run's own `checkpoint.init_from` (`initial_model`'s rules). Only the saved config's model and checkpoint
+    sections are read (the model section validated by `ModelConfig`), so nothing the run directory names
+    (reward plugins) is imported, and a config written by another Temper version still loads.
     """
     from core.mesh import single_device_mesh
-    from core.models import abstract_sharded_state
 
+    mesh = mesh or single_device_mesh()
     path = Path(path).absolute()
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = ocp.CheckpointManager(directory)
@@ -296,30 +284,121 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
     if step is None:
         raise MissingPath(f"no checkpoint found in {directory}")
     manager.close()
-    saved = saved_config(directory / str(step))
+    step_dir = directory / str(step)
+    saved = saved_config(step_dir)
     model_cfg = ModelConfig.model_validate(saved.get("model", {}))
-    graphdef, params = abstract_sharded_state(model_cfg, mesh or single_device_mesh())
-    # The params item alone (a partial restore through the manager logs a warning per item it skips).
+    prefix = _saved_meta(step_dir).get(TRAINED_MODEL, [])
+    if model_cfg.lora is None:
+        from core.models import abstract_sharded_state
+
+        graphdef, params = abstract_sharded_state(model_cfg, mesh)
+        nnx.replace_by_pure_dict(params, _restore_subtree(step_dir / "params", prefix, _pure(params), mesh))
+        return nnx.merge(graphdef, params), model_cfg, saved
+    base_path = (saved.get("checkpoint") or {}).get("init_from")
+    if base_path is None:
+        raise CheckpointMismatch(
+            f"checkpoint {step_dir} holds LoRA adapters of a randomly initialised base (checkpoint.init_from was "
+            f"not set): there is no base to read them onto"
+        )
+    model = _model_with_adapters(base_path, model_cfg.lora, mesh, seed=0, dtype=model_cfg.param_dtype)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)  # type: ignore[misc]
+    nnx.replace_by_pure_dict(adapters, _restore_subtree(step_dir / "params", prefix, _pure(adapters), mesh))
+    return nnx.merge(graphdef, adapters, rest), model.cfg, saved
+
+
+TRAINED_MODEL = "trained_model"  # meta key: where the trained model sits in the checkpoint's trainable tree
+
+
+def _saved_meta(step_dir: Path) -> dict:
+    path = step_dir / "meta" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointMismatch(f"checkpoint {step_dir}: its meta ({path}) cannot be read: {err}") from None
+
+
+def _restore_subtree(item: Path, prefix: list[str], target: dict, mesh) -> dict:
+    """The subtree at `prefix` of a saved params item, restored into `target`'s shapes and shardings (the rest of
+    the item, such as a method's feature projections, is read replicated and dropped)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
     with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(directory / str(step) / "params", _abstract(_pure(params)))
-    nnx.replace_by_pure_dict(params, restored)
-    return nnx.merge(graphdef, params), model_cfg, saved
+        if not prefix:
+            return ckptr.restore(item, _abstract(target))
+        meta = ckptr.metadata(item)
+        tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
+        replicated = NamedSharding(mesh, PartitionSpec())
+        full = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), dict(tree))
+        node = full
+        for key in prefix[:-1]:
+            node = node[key]
+        node[prefix[-1]] = _abstract(target)
+        restored = ckptr.restore(item, full)
+    for key in prefix:
+        restored = restored[key]
+    return restored
+
+
+def _model_with_adapters(init_from: str, lora, mesh, seed: int, dtype: str):
+    """A model with the adapters `lora` describes on the base `init_from` names: an HF directory, a Hub id, a Temper
+    run (merged first if it has adapters of its own), or a PEFT adapter directory (its base, and its adapters'
+    values as the starting point; they must be adapters of `lora`'s shape). The base's shape wins over the run's
+    model section."""
+    from core.hub import resolve_model
+    from core.models.adapters import add_adapters, merged_model
+    from core.peft import is_adapter_dir, load_adapter, read_adapter
+
+    where = resolve_model(str(init_from))
+    adapter = None
+    base_path: str | Path = where
+    if is_adapter_dir(where):
+        adapter = read_adapter(where)
+        if adapter.base is None:
+            raise CheckpointMismatch(f"{where}: its adapter_config.json names no base_model_name_or_path")
+        _check_same_adapters(lora, adapter.lora, str(where))
+        base_path = adapter.base
+    model = add_adapters(merged_model(load_model_from(base_path, mesh, dtype=dtype)), lora, mesh, seed)
+    if adapter is not None:
+        load_adapter(model, adapter, str(where))
+    return model
+
+
+def _check_same_adapters(ours, theirs, where: str) -> None:
+    """A PEFT adapter the run starts from must be the adapters `model.lora` asks for."""
+    keys = ("rank", "alpha", "target_modules", "use_rslora")
+    diffs = [
+        f"{k}: adapter {getattr(theirs, k)!r}, model.lora {getattr(ours, k)!r}"
+        for k in keys
+        if getattr(theirs, k) != getattr(ours, k)
+    ]
+    if diffs:
+        raise CheckpointMismatch(
+            f"checkpoint.init_from={where} is a PEFT adapter unlike model.lora:\n  " + "\n  ".join(diffs)
+        )
 
 
 def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
     """A model from an HF directory (config.json + safetensors), a Hugging Face Hub model id (`core.hub`: through
-    the Hub cache; a local path of that name wins) or a Temper run / checkpoint directory."""
+    the Hub cache; a local path of that name wins), a Temper run / checkpoint directory (with its adapters, if it
+    trained LoRA adapters) or a PEFT adapter directory (its base with the adapters merged in)."""
     from core.hf import load_hf
     from core.hub import resolve_model
+    from core.peft import is_adapter_dir, read_adapter
 
     p = resolve_model(str(path))
     if (p / "config.json").exists():
         model, _ = load_hf(p, dtype=dtype, mesh=mesh)
         return model
+    if is_adapter_dir(p):
+        from core.mesh import single_device_mesh
+        from core.models.adapters import merged_model
+
+        lora = read_adapter(p).lora
+        return merged_model(_model_with_adapters(str(p), lora, mesh or single_device_mesh(), 0, dtype))
     if p.exists():
         model, _, _ = load_checkpoint_model(p, mesh=mesh)
         return model
-    raise MissingPath(f"{path}: neither an HF directory (config.json) nor a Temper checkpoint")
+    raise MissingPath(f"{path}: neither an HF directory (config.json), a PEFT adapter nor a Temper checkpoint")
 
 
 C = TypeVar("C", bound=Config)
@@ -330,12 +409,18 @@ def initial_model(cfg: C, mesh) -> tuple[Any, C]:
     whose shape wins over `model.*`) or a random init of `model.*`. Returns the model on `mesh` and the config
     with the model section it actually has."""
     from core.models import create_model
+    from core.models.adapters import merged_model
 
+    lora = cfg.model.lora
     with jax.set_mesh(mesh):
         if cfg.checkpoint.init_from is None:
             return create_model(cfg.model, mesh, seed=cfg.run.seed), cfg
         try:
-            model = load_model_from(cfg.checkpoint.init_from, mesh, dtype=cfg.model.param_dtype)
+            if lora is not None:
+                init, seed, dtype = cfg.checkpoint.init_from, cfg.run.seed, cfg.model.param_dtype
+                model = _model_with_adapters(init, lora, mesh, seed, dtype)
+            else:
+                model = merged_model(load_model_from(cfg.checkpoint.init_from, mesh, dtype=cfg.model.param_dtype))
         except MissingPath as e:
             raise MissingPath(f"checkpoint.init_from: {e}") from None
     return model, cfg.model_copy(update={"model": model.cfg})

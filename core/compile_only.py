@@ -57,5 +57,13 @@ def compile_method(cfg: Config, method: Method) -> str:
     """An offline method's update (`method.loss`) on its own example batch, compiled; XLA's memory analysis."""
     mesh = make_mesh(cfg.mesh)
     model = sharded_abstract_model(cfg, mesh)
-    learner = Learner(model, mesh, method.loss(cfg), cfg.optim, cfg.train.steps, cfg.run.seed)
+    learner = Learner(
+        method.modules(cfg, model, mesh),
+        mesh,
+        method.loss(cfg),
+        cfg.optim,
+        cfg.train.steps,
+        cfg.run.seed,
+        trainable=method.trainable(cfg),
+    )
     return compile_update(cfg, learner, method.example_batch(cfg, batch_shards(mesh)), method.name)

@@ -50,6 +50,48 @@ DType = Literal["float32", "bfloat16"]
 AttentionImpl = Literal["xla", "dot_product", "cudnn"]  # core/kernels/attention.py implements each
 
 
+# The projections LoRA can adapt, by their Hugging Face names (PEFT's `target_modules`).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """`model.lora`: low-rank adapters on the projections named in `target_modules` (Hu et al., 2021; PEFT's
+    layout and scaling), the base frozen; with `quantize_base` the frozen base is stored quantized (QLoRA).
+
+    y = x W + (alpha / r) * dropout(x) A B     (alpha / sqrt(r) with use_rslora, Kalajdzievski 2023)
+    """
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    use_rslora: bool = False
+    # A's initialisation (B starts at zero, so the adapted model starts as the base): PEFT's default (Kaiming
+    # uniform, bound 1/sqrt(fan_in)) or "gaussian" (normal, std 1/r).
+    init: Literal["default", "gaussian"] = "default"
+    # QLoRA: the frozen projections of the base stored as int8 (per output channel) or 4-bit NormalFloat (blocks
+    # of `quant_block_size` input elements, two codes a byte), dequantized in the forward pass; embeddings,
+    # norms and the output head stay as they are.
+    quantize_base: Literal["none", "int8", "nf4"] = "none"
+    quant_block_size: int = Field(64, gt=0)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraConfig:
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"model.lora.target_modules {self.target_modules}: each must be one of {list(LORA_TARGETS)} "
+                f"(and at least one){'; unknown: ' + ', '.join(unknown) if unknown else ''}"
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules {self.target_modules} names a module twice")
+        return self
+
+
 class ModelConfig(Section):
     """Shape and numerics of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral)."""
 
@@ -90,6 +132,8 @@ class ModelConfig(Section):
     # step saved at 100M, bench/dpo_step.py); peers keep every position's logits.
     logits_budget_mb: float = Field(512, ge=0)
     vocab_chunk_size: int = Field(8192, gt=0)
+    # LoRA adapters (and QLoRA's quantized base): None trains every parameter.
+    lora: LoraConfig | None = None
 
     @property
     def resolved_head_dim(self) -> int:
@@ -206,7 +250,9 @@ class OptimConfig(Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip_norm: float | None = 1.0
-    # Regex over parameter paths; only matching parameters train (None: all).
+    # Regex over the trainable parameters' dotted paths (re.search); only matching ones get updates (None: all).
+    # The paths are those of the method's trainable state: `layers.mlp.up_proj.kernel` for a model, and under the
+    # tree's attributes where a method trains a module tree (`model.layers...`, `projections.kernels.0`).
     trainable_regex: str | None = None
 
     @model_validator(mode="after")

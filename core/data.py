@@ -300,7 +300,7 @@ def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
         index[r, :n] = (r % per_group) * length + ks - 1
         ids[r, :n] = tokens[r, ks]
         mask[r, :n] = 1.0
-    packed = PackedBatch(tokens, rows["positions"], seg, np.zeros_like(tokens), index, ids, mask)
+    packed = PackedBatch(tokens, rows["positions"], seg, np.zeros_like(tokens), index, ids, mask, groups=micro_batches)
     return DataBatch(packed, rows["example_ids"])
 
 

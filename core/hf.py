@@ -72,7 +72,13 @@ def save_hf(
     max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
     """Write config.json, safetensors (sharded above `max_shard_bytes`) and the tokenizer files. In a process group
-    every process gathers each tensor with the others and the first one writes (`core.distributed`)."""
+    every process gathers each tensor with the others and the first one writes (`core.distributed`). A model with
+    LoRA adapters (or a quantized base) is written merged: `core.models.adapters.merged_model`."""
+    from core.models.adapters import merged_model
+
+    if model_config.lora is not None:
+        model = merged_model(model)  # type: ignore[arg-type]
+        model_config = model.cfg
     path = Path(path)
     dtype = dtype or model_config.param_dtype
     np_dtype = _NP_DTYPES[dtype]

@@ -36,7 +36,7 @@ LAYOUTS: dict[str, tuple[Callable, Callable]] = {
 }
 
 # (core path inside a layer, HF name inside `model.layers.{i}.`, layout kind, needed when)
-_LAYER_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]] = [
+LAYER_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]] = [
     (("input_norm", "scale"), "input_layernorm.weight", "identity", lambda c: True),
     (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", "heads_in", lambda c: True),
     (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", "heads_in", lambda c: True),
@@ -89,7 +89,7 @@ def param_map(cfg: ModelConfig) -> list[ParamMapping]:
     """Every Hugging Face tensor of this model, in HF order (embeddings, layers, norm, head)."""
     out = [ParamMapping(n, p, None, k) for p, n, k, need in _TOP_TABLE[:1] if need(cfg)]
     for i in range(cfg.num_layers):
-        for sub, name, kind, need in _LAYER_TABLE:
+        for sub, name, kind, need in LAYER_TABLE:
             if not need(cfg):
                 continue
             path = ("layers", *sub) if cfg.scan_layers else ("layers", i, *sub)

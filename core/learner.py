@@ -1,17 +1,21 @@
-"""One model's training state and its jitted update, for any loss in the `core.train` contract.
+"""One module tree's training state and its jitted update, for any loss in the `core.train` contract.
 
     learner = Learner(model, mesh, loss_fn, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
-    metrics = learner.update(batch, micro_batches=2)   # one optimizer update on a host batch; floats
-    loss_sum, sums = learner.evaluate(batch)           # the loss without an update (evaluation)
-    learner.params, learner.state, learner.graphdef
+    update = learner.update(batch, micro_batches=2)   # one optimizer update on a host batch: a core.train.Update
+    out = learner.evaluate(batch)                      # the loss without an update: a core.train.LossOutput
+    learner.model()                                    # the trained model (a Decoder), for sampling and export
     learner.save(checkpointer, cfg, data_iterator, extra); learner.restore_latest(checkpointer, cfg, data_iterator)
-    learner.export_hf("run/hf", tokenizer_dir)
 
-Every method trains through one: the offline methods in `core.loop.TrainLoop`, the on-policy ones inside their
-policy learner (`posttrain.onpolicy.learner.PolicyLearner`), which adds the frozen models' and pi_old's passes
-around it. Each batch shape is compiled once, ahead of time (`update` reports the first compilation's XLA memory
-analysis in `last_compile`), and executed with the state donated. An update whose loss or gradient is not finite
-is never applied (`core.train`); `apply_nan_policy` is what every loop then does about it (`train.nan_policy`).
+What a learner trains is the method's module tree (a `Decoder`, or a module holding the trained `Decoder` as
+`.model` beside what its loss also reads: modules trained with it, frozen models) cut by a filter (`trainable`,
+Flax NNX:
+`nnx.Param` by default, `nnx.LoRAParam` for a model with LoRA adapters): the selected parameters get gradients,
+optimizer moments and checkpoints; the rest is frozen state, passed to the step as it is. Every method trains
+through one: the offline methods in `core.loop.TrainLoop`, the on-policy ones inside their policy learner
+(`posttrain.onpolicy.learner.PolicyLearner`). Each batch shape is compiled once, ahead of time (`update`
+reports the first compilation's XLA memory analysis in `last_compile`), and executed with the state donated. An
+update whose loss or gradient is not finite is never applied (`core.train`); `apply_nan_policy` is what every
+loop then does about it (`train.nan_policy`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
 from core.distributed import CompiledTogether, barrier
 from core.errors import TemperError
-from core.models import Decoder
+from core.models import Decoder, trained_model
+from core.models.lora import trainable_filter
 from core.optim import make_optimizer, make_schedule
+from core.sums import to_host
 from core.train import (
     LossFn,
+    LossOutput,
+    Update,
     bind_loss,
     init_train_state,
     jit_train_step,
@@ -40,22 +48,23 @@ from core.train import (
     memory_analysis_line,
     place_batch,
     split_micro_batches,
+    split_modules,
 )
+
+ADAPTER_DIR = "adapter"  # where an export puts a LoRA model's PEFT adapter, inside its Hugging Face directory
 
 
 class NonFiniteLoss(TemperError, FloatingPointError):
     """An update's loss or gradient was not finite under `train.nan_policy=abort` (the update was not applied)."""
 
 
-def apply_nan_policy(metrics: dict[str, float], policy: str, where: str) -> bool:
-    """What a loop does about an update (`Learner.update`'s metrics): True when it was applied or had nothing to
+def apply_nan_policy(update: Update, policy: str, where: str) -> bool:
+    """What a loop does about an update (`Learner.update`'s result): True when it was applied or had nothing to
     apply; False when it was not finite and `policy` is `skip` (said on the console); `abort` raises
-    `NonFiniteLoss` (the caller saves a checkpoint of the state without it first)."""
-    if metrics["finite"]:
+    `NonFiniteLoss` (the loop saves a checkpoint of the state without it first)."""
+    if update.finite:
         return True
-    what = (
-        f"{where}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} is not finite; the update was not applied"
-    )
+    what = f"{where}: loss {update.loss}, grad norm {update.grad_norm} is not finite; the update was not applied"
     if policy == "abort":
         raise NonFiniteLoss(what)
     print(f"{what} (train.nan_policy=skip)", flush=True)
@@ -65,58 +74,58 @@ def apply_nan_policy(metrics: dict[str, float], policy: str, where: str) -> bool
 class Learner:
     def __init__(
         self,
-        model: Decoder,
+        modules: nnx.Module,
         mesh: Mesh,
         loss_fn: LossFn,
         optim: OptimConfig,
         total_updates: int,
         seed: int = 0,
         tx: optax.GradientTransformation | None = None,
-        frozen: nnx.Module | None = None,
-        companion: nnx.Module | None = None,
+        trainable: Any = None,
     ):
-        """`tx` replaces the optimizer `optim` describes (e.g. one that records gradients, in tests). `frozen`: a
-        model the loss reads in every step and evaluation without training it (online distillation's teacher;
-        the loss then takes it as a fourth argument, `core.train.LossFn`). `companion`: a module trained with the
-        model but kept apart from it (a feature-distillation projection, placed on `mesh`; the loss takes it
-        fifth): checkpointed in the state, never part of `model()`, `params` or the export."""
+        """`modules`: the method's module tree (on `mesh`); `trainable`: the filter of what trains (None: the
+        trained model's own, `core.models.lora.trainable_filter`: every parameter, or its LoRA adapters). `tx`
+        replaces the optimizer `optim` describes (e.g. one that records gradients, in tests)."""
         self.mesh = mesh
-        self.model_cfg = model.cfg
+        self.model_cfg = trained_model(modules).cfg
+        self.trainable = trainable_filter(self.model_cfg) if trainable is None else trainable
         self.schedule = make_schedule(optim, total_updates)
-        companion_graphdef, companion_params = nnx.split(companion) if companion is not None else (None, None)
+        self.graphdef, params, self.rest = split_modules(modules, self.trainable)
         with jax.set_mesh(mesh):
-            self.tx = tx or make_optimizer(optim, total_updates, nnx.state(model), companion_params)
-            self.graphdef, self.state = init_train_state(model, self.tx, seed, companion_params)
-        frozen_graphdef: nnx.GraphDef | None = None
-        self.frozen_params: nnx.State | None = None
-        if frozen is not None:
-            frozen_graphdef, self.frozen_params = nnx.split(frozen)
-        step = make_train_step(self.graphdef, loss_fn, self.tx, self.schedule, frozen_graphdef, companion_graphdef)
-        self._step = jit_train_step(step, self.state)
+            self.tx = tx or make_optimizer(optim, total_updates, params)
+            self.state = init_train_state(params, self.tx, seed)
+        self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
         self._executables: dict[Any, Callable] = {}
-        bound = bind_loss(self.graphdef, loss_fn, frozen_graphdef, companion_graphdef)
+        bound = bind_loss(self.graphdef, loss_fn)
         self._evaluate = CompiledTogether(
-            jax.jit(lambda trainable, batch, frozen: bound(trainable, batch, jax.random.key(0), frozen)), "evaluation"
+            jax.jit(lambda params, rest, batch: bound(params, rest, batch, jax.random.key(0))), "evaluation"
         )
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
 
     @property
     def params(self) -> nnx.State:
+        """The trainable state (what the optimizer updates and a checkpoint holds)."""
         return self.state.params
 
+    def modules(self) -> nnx.Module:
+        """The method's module tree with the current parameters (no copy: a later update donates the trainable
+        arrays)."""
+        return nnx.merge(self.graphdef, self.state.params, self.rest)
+
     def model(self) -> Decoder:
-        """The current parameters as a model (for generation, export)."""
-        return nnx.merge(self.graphdef, self.state.params)
+        """The trained model with the current parameters (for generation, weight sync, export)."""
+        return trained_model(self.modules())
 
     # ------------------------------------------------------------------ train
 
-    def update(self, batch: Any, micro_batches: int = 1) -> dict[str, float]:
-        """One optimizer update on a host batch (any pytree of `[N, ...]` arrays), accumulated over
-        `micro_batches`; the step's metrics as floats (`finite`, `empty` say whether it was applied)."""
+    def update(self, batch: Any, micro_batches: int = 1) -> Update:
+        """One optimizer update on a host batch (any pytree of `[N, ...]` arrays packed for `micro_batches`
+        packing groups), accumulated over `micro_batches`; its outcome as floats (`finite`, `empty` say whether
+        it was applied)."""
         placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
-            self.state, metrics = self._executable(placed)(self.state, placed, self.frozen_params)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+            self.state, report = self._executable(placed)(self.state, placed, self.rest)
+        return to_host(jax.device_get(report))
 
     def compile(self, batch: Any, micro_batches: int = 1) -> str:
         """Compile the update for this batch's shapes now (not inside a timed step); XLA's memory analysis."""
@@ -133,19 +142,20 @@ class Learner:
         key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._executables:
             with jax.set_mesh(self.mesh):
-                compiled = self._step.lower(self.state, placed, self.frozen_params).compile()
+                compiled = self._step.lower(self.state, placed, self.rest).compile()
             self.last_compile = memory_analysis_line(compiled)
             self._executables[key] = compiled
             barrier("a newly compiled update")  # a process group's collectives start together (core.distributed)
         return self._executables[key]
 
-    def evaluate(self, batch: Any) -> tuple[float, dict[str, float]]:
-        """(loss sum, other sums) of one host batch under the current parameters, no update."""
+    def evaluate(self, batch: Any) -> LossOutput:
+        """The loss output of one host batch (one packing group) under the current parameters, no update, as
+        floats."""
         placed = place_batch(split_micro_batches(batch, 1, self.mesh), self.mesh)
         with jax.set_mesh(self.mesh):
             first = jax.tree.map(lambda x: x[0], placed)
-            loss_sum, sums = self._evaluate(self.state.trainable, first, self.frozen_params)
-        return float(loss_sum), {k: float(v) for k, v in jax.device_get(sums).items()}
+            out = self._evaluate(self.state.params, self.rest, first)
+        return to_host(jax.device_get(out))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -170,7 +180,15 @@ class Learner:
         self.state, meta, step = restored
         return step, meta
 
-    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None, base: str | None = None) -> Path:
+        """The trained model as a Hugging Face directory at `path`; a model with LoRA adapters has them merged into
+        its weights there, and written alone, in PEFT's format, to `path`/adapter (`core.peft`; `base`: the base
+        model it names)."""
         from core.hf import save_hf
+        from core.peft import save_adapter
 
-        return save_hf(self.model(), self.model_cfg, path, tokenizer_dir=tokenizer_dir)
+        model = self.model()
+        out = save_hf(model, self.model_cfg, path, tokenizer_dir=tokenizer_dir)
+        if self.model_cfg.lora is not None:
+            save_adapter(model, Path(out) / ADAPTER_DIR, base)
+        return out

@@ -1,19 +1,32 @@
-"""The offline training loop: a `core.learner.Learner`'s update on each batch, then hooks that own their cadence.
+"""The one training loop: steps, then hooks that own their cadence; the NaN policy, SIGTERM, resume and the end.
 
-    learner = Learner(model, mesh, nll_loss, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
-    loop = TrainLoop(cfg, learner, train_pipeline, evaluation=Evaluation(...), tokenizer_dir=..., hooks=[...])
-    state = loop.fit()
+    class MyRun(Loop):                   # a kind of run: where its batches come from and how a step trains
+        def train_step(self, step): ...
+        def save(self, step): ...
+    last = MyRun(...).fit()
 
-Every offline method runs here (pretraining, SFT, offline DPO; `core.run.build_run` assembles the loop from a
-method): the data yields `core.data.DataBatch`es, the method's `prepare` turns each into what its loss reads
-(attaching a frozen model's log-probs, say; default: the batch itself), the learner trains on it. The built-in
-hooks log (`train.log_every`), evaluate (`train.eval_every`: the loss and the loss's own metrics, as means over
-the held-out split, plus what the method derives from them) and checkpoint (`checkpoint.every_steps`); a
-method adds its own. A restart on the same `run.run_dir` resumes from the latest checkpoint that restores
-(parameters, optimizer, step, RNG and data-iterator position). SIGTERM saves a checkpoint and returns cleanly.
-A non-finite loss or gradient never reaches the parameters; `train.nan_policy` (`core.learner.apply_nan_policy`,
-the on-policy methods' too) then either skips the step or aborts after making sure a checkpoint of the last good
-state exists.
+Every run is a `Loop`: the offline methods' `TrainLoop` (batches from a dataset pipeline, one `core.learner.Learner`
+update each) and the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun` (batches from the samplers, the
+trainer's step, a weight sync). What a run kind says is where its batches come from (`train_step`), how it logs
+(`log`), evaluates (`evaluate`), checkpoints (`save`, `saved_step`) and exports (`export`); everything else is
+here, once:
+
+- hooks: log (`train.log_every`), eval (`train.eval_every`), checkpoint (`checkpoint.every_steps`), then the
+  method's own (`Hook`), each after the step it is due on;
+- the NaN policy: a step whose update was not finite under `train.nan_policy=abort` raises `NonFiniteLoss`
+  (`core.learner.apply_nan_policy`, where the update is); the loop then saves a checkpoint of the state without
+  that update, the data positioned after its batch, and raises the error saying so; `skip` goes on;
+- SIGTERM (in the main thread): the step in progress finishes, a checkpoint is saved and `fit` returns; in a
+  process group every process stops at the same step;
+- the end: the last checkpoint (unless the hook just wrote it), the Hugging Face export (`checkpoint.export_hf`),
+  the curves as PNGs, and a summary in `run_info.json`;
+- a profiler trace of `profiler.num_steps` steps from `profiler.start_step`.
+
+`TrainLoop` is the offline kind: `data.*`'s pipeline yields `core.data.DataBatch`es, the method's `prepare` turns
+each into what its loss reads (attaching a frozen model's log-probs, say; default: the batch itself), the learner
+trains on it; the held-out evaluation reports the loss's own sums as means over the split (`Evaluation`). A
+restart on the same `run.run_dir` resumes from the latest checkpoint that restores (parameters, optimizer, step,
+RNG and data-iterator position).
 """
 
 from __future__ import annotations
@@ -46,17 +59,17 @@ from core.metrics import (
     update_run_info,
 )
 from core.models import param_count
+from core.sums import combine, means
 from core.train import TrainState
 
-__all__ = ["Evaluation", "Hook", "NonFiniteLoss", "Prepare", "TrainLoop"]
+__all__ = ["Evaluation", "Hook", "Loop", "NonFiniteLoss", "Plot", "Prepare", "TrainLoop"]
 
 H = TypeVar("H")
 
 
 @dataclass
 class Hook(Generic[H]):
-    """Runs `fn(owner, step)` after every `every`-th step (never when `every` is 0): the owner is the loop that
-    runs it (a `TrainLoop`, or the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun`)."""
+    """Runs `fn(loop, step)` after every `every`-th step (never when `every` is 0)."""
 
     name: str
     every: int
@@ -66,225 +79,135 @@ class Hook(Generic[H]):
         return self.every > 0 and step % self.every == 0
 
 
-# (a pipeline's item, the packing groups its rows form: train.micro_batches when training, 1 when evaluating)
-# -> what the method's loss reads.
-Prepare = Callable[[DataBatch, int], Any]
+@dataclass(frozen=True)
+class Plot:
+    """A PNG of logged curves the run draws at its end (`core.metrics.plot_curves`)."""
+
+    keys: tuple[str, ...]
+    out: str
+    ylabel: str
 
 
-def _as_is(data: DataBatch, groups: int) -> Any:
-    return data.batch
+class Loop:
+    """The loop every run kind shares (module docstring); a subclass says where batches come from."""
 
+    plots: Sequence[Plot] = ()
 
-@dataclass
-class Evaluation:
-    """The held-out evaluation of an offline method: one pass over `batches()`, each prepared as for training,
-    the loss and every metric the loss sums reported as means over the split (`eval/loss`, `eval/<metric>`),
-    plus what `derive` computes from those means (the perplexity of a next-token loss)."""
-
-    batches: Callable[[], Iterable[DataBatch]]
-    derive: Callable[[dict[str, float]], dict[str, float]] | None = None
-
-
-class TrainLoop:
-    def __init__(
-        self,
-        cfg: Config,
-        learner: Learner,
-        train_data: Iterable,
-        *,
-        evaluation: Evaluation | None = None,
-        tokenizer_dir: str | None = None,
-        on_batch: Callable[[int, object], None] | None = None,
-        prepare: Prepare = _as_is,
-        hooks: Sequence[Hook] = (),
-        console: dict[str, str] | None = None,
-    ):
-        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
-        `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
-        timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
-        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label)."""
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, hooks: Sequence[Hook] = (), evaluates=True):
+        """`start_step`: the step a resumed run restored (0: a fresh run); `hooks`: the method's own, after the
+        built-in log, eval and checkpoint hooks; `evaluates`: whether there is anything to evaluate."""
         self.cfg = cfg
-        self.learner = learner
-        self.mesh = learner.mesh
-        self.run_dir = Path(cfg.run.run_dir)
+        self.run_dir = Path(run_dir)
+        self.start_step = start_step
         self.total_steps = cfg.train.steps
-        self.tokenizer_dir = tokenizer_dir
-        self.evaluation = evaluation
-        self.on_batch = on_batch
-        self.prepare = prepare
-        save_config(cfg, self.run_dir)
-        self.data_iter = iter(train_data)
-
-        self.ckpt = None
-        start = 0
-        if cfg.checkpoint.enabled:
-            self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            restored = learner.restore_latest(self.ckpt, cfg, self.data_iter)
-            if restored is not None:
-                start = restored[0]
-                print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
-        self.start_step = start
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
-        self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
-        print(device_memory() + " (after model and optimizer load)", flush=True)
-        update_run_info(
-            self.run_dir,
-            param_count=param_count(learner.model()),
-            flops_per_token=self.flops_per_token,
-            peak_flops_per_device=self.peak_flops,
-            peak_source=peak_source,
-            devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            mesh=dict(self.mesh.shape),
-            versions=library_versions(),
-        )
+        checkpoints = cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0
+        # The built-in hooks call the run kind's own `log`, `evaluate` and `save`.
         self.hooks: list[Hook] = [
-            Hook("log", cfg.train.log_every, TrainLoop._log),
-            Hook("eval", cfg.train.eval_every if evaluation else 0, TrainLoop._evaluate),
-            Hook("checkpoint", cfg.checkpoint.every_steps if self.ckpt else 0, TrainLoop._checkpoint),
+            Hook("log", cfg.train.log_every, lambda loop, step: loop.log(step)),
+            Hook("eval", cfg.train.eval_every if evaluates else 0, lambda loop, step: loop.evaluate(step)),
+            Hook("checkpoint", checkpoints, lambda loop, step: loop._save_if_new(step)),
             *hooks,
         ]
-        self._window: list[dict] = []
         self._stop = False
-        self._compiled = False
 
-    @property
-    def state(self) -> TrainState:
-        return self.learner.state
+    # ---------------------------------------------------------------- the run kind's
 
-    # ------------------------------------------------------------------ loop
+    def train_step(self, step: int) -> None:
+        """One step: its batch(es), the update(s), what follows an update (a weight sync). An update that was not
+        finite under `train.nan_policy=abort` raises `NonFiniteLoss`."""
+        raise NotImplementedError
 
-    def fit(self) -> TrainState:
+    def log(self, step: int) -> None:
+        """The `train.log_every` hook."""
+
+    def evaluate(self, step: int) -> Any:
+        """The `train.eval_every` hook."""
+
+    def save(self, step: int) -> None:
+        """A checkpoint at `step` from which the run resumes exactly."""
+        raise NotImplementedError
+
+    def saved_step(self) -> int | None:
+        """The latest checkpoint's step (None: none)."""
+        return None
+
+    def export(self) -> Path | None:
+        """The Hugging Face export (`checkpoint.export_hf`) into `run_dir/hf`; its directory."""
+        return None
+
+    def flush_log(self, step: int) -> None:
+        """Log what the last `log` did not (the end of a run between two log steps)."""
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """What the end of the run adds to `run_info.json`."""
+        return {}
+
+    def close_logs(self) -> None:
+        """Close what the loop writes (its metrics logger, pending checkpoint writes), however it ended."""
+
+    # ------------------------------------------------------------------- the loop
+
+    def fit(self) -> int:
+        """Train from `start_step` to `train.steps`; the last step trained (on SIGTERM: the step it stopped at)."""
         # Signal handlers live in the main thread only (a Ray actor's calls may run on another: then Ray's own
         # handling of SIGTERM stays).
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main else None
+        step = self.start_step
         try:
             for step in range(self.start_step + 1, self.total_steps + 1):
-                with self._profiling(step):
-                    metrics = self._train_step(step)
-                if not metrics["finite"]:
-                    self._non_finite(step, metrics)
+                try:
+                    with _Profiler(self.cfg, self.run_dir, step):
+                        self.train_step(step)
+                except NonFiniteLoss as err:
+                    self._abort(step, err)
                 for hook in self.hooks:
                     if hook.due(step):
                         hook.fn(self, step)
                 # Every process of a group stops at the same step, if any of them was told to (a collective).
                 if any_process(self._stop):
-                    self._save_if_new()
-                    print(f"SIGTERM: checkpoint saved at step {int(self.state.step)}; exiting", flush=True)
-                    return self.state
-            self._finish()
-            return self.state
+                    self._save_if_new(step)
+                    print(f"SIGTERM: checkpoint saved at step {step}; exiting", flush=True)
+                    return step
+            self._finish(step)
+            return step
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
-            if self.ckpt:
-                self.ckpt.wait()
-            self.logger.close()
+            self.close_logs()
 
-    def _train_step(self, step: int) -> dict[str, float]:
-        data = next(self.data_iter)
-        if self.on_batch is not None:
-            self.on_batch(step, data)
-        micro = self.cfg.train.micro_batches
-        start = time.perf_counter()
-        batch = self.prepare(data, micro)
-        prepare_seconds = time.perf_counter() - start
-        if not self._compiled:  # compile time is not step time
-            print(self.learner.compile(batch, micro), flush=True)
-            self._compiled = True
-        start = time.perf_counter()
-        metrics = self.learner.update(batch, micro)
-        seconds = time.perf_counter() - start + prepare_seconds
-        n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
-        flops = self.flops_per_token * n_tokens / seconds
-        metrics.update(
-            step_seconds=seconds,
-            tokens_per_s=n_tokens / seconds,
-            tflops_per_s=flops / 1e12,
-            mfu=flops / (self.peak_flops * jax.device_count()),
-        )
-        if step == self.start_step + 1:
-            line = device_memory()
-            print(line + " (after the first step)", flush=True)
-            update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
-        self._window.append(metrics)
-        return metrics
+    def _save_if_new(self, step: int) -> None:
+        if self.cfg.checkpoint.enabled and self.saved_step() != step:
+            self.save(step)
 
-    def _non_finite(self, step: int, metrics: dict) -> None:
-        try:
-            apply_nan_policy(metrics, self.cfg.train.nan_policy, f"step {step}")
-        except NonFiniteLoss as err:
-            self._save_if_new()
-            where = f" ({self.ckpt.directory})" if self.ckpt else ""
-            raise NonFiniteLoss(
-                f"{err}. Checkpoint {step}{where} holds the last good parameters and optimizer state, with the data "
-                f"positioned after the bad batch. Set train.nan_policy=skip to skip such steps."
-            ) from None
+    def _abort(self, step: int, err: NonFiniteLoss) -> None:
+        """`train.nan_policy=abort`: a checkpoint of the state without the bad update, then the error saying so."""
+        saved = ""
+        if self.cfg.checkpoint.enabled:
+            self._save_if_new(step)
+            saved = (
+                f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer state "
+                f"without that update (every update applied was finite), with the data positioned after its batch: "
+                f"the same command resumes past it."
+            )
+        raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
 
-    # ----------------------------------------------------------------- hooks
-
-    def _log(self, step: int) -> None:
-        window, self._window = self._window, []
-        means = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-        means["skipped_steps"] = float(sum(1 for m in window if not m["finite"]))
-        means.pop("finite")
-        means.pop("empty")
-        means["learning_rate"] = window[-1].get("learning_rate", 0.0)
-        self.logger.log(step, means)
-
-    def _evaluate(self, step: int) -> None:
-        self.logger.log(step, self.evaluate(), console=True)
-
-    def evaluate(self) -> dict[str, float]:
-        """`eval/loss` and `eval/<metric>`: the loss's sums over the held-out split, each divided by the summed
-        denominator (a mean per target token, per pair, ...), and what the method derives from them."""
-        assert self.evaluation is not None  # the hook is registered only with one
-        totals: dict[str, float] = {}
-        for data in self.evaluation.batches():
-            loss_sum, sums = self.learner.evaluate(self.prepare(data, 1))
-            for k, v in {"loss": loss_sum, **sums}.items():
-                totals[k] = totals.get(k, 0.0) + v
-        n = max(totals.pop("loss_denominator", 0.0), 1.0)
-        means = {k: v / n for k, v in totals.items()}
-        if self.evaluation.derive is not None:
-            means.update(self.evaluation.derive(means))
-        return {f"eval/{k}": v for k, v in means.items()}
-
-    def _checkpoint(self, step: int) -> None:
-        self._save_if_new()
-
-    def _save_if_new(self) -> None:
-        if self.ckpt and self.ckpt.latest_step() != int(self.state.step):
-            self.learner.save(self.ckpt, self.cfg, self.data_iter)
-
-    def _finish(self) -> None:
-        if self._window:
-            self._log(int(self.state.step))
-        if self.ckpt:
-            self._save_if_new()
-            self.ckpt.wait()
-        if self.cfg.checkpoint.export_hf:
-            out = self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir)
-            print(f"exported Hugging Face model to {out}", flush=True)
-        plot, rows = None, []
-        if self.cfg.logging.jsonl:  # the plot and the summary read metrics.jsonl
-            plot = plot_curves(self.run_dir)
-            rows = [r for r in read_metrics(self.run_dir) if "loss" in r]
-        update_run_info(
-            self.run_dir,
-            final_loss=rows[-1]["loss"] if rows else None,
-            mean_step_seconds=float(np.mean([r["step_seconds"] for r in rows])) if rows else None,
-            loss_plot=str(plot) if plot else None,
-        )
-
-    # ------------------------------------------------------------- plumbing
+    def _finish(self, step: int) -> None:
+        self.flush_log(step)
+        if step > self.start_step:
+            self._save_if_new(step)
+        hf_dir = self.export() if self.cfg.checkpoint.export_hf else None
+        if hf_dir is not None:
+            print(f"exported Hugging Face model to {hf_dir}", flush=True)
+        drawn = {}
+        if self.cfg.logging.jsonl:  # the plots read metrics.jsonl
+            for plot in self.plots:
+                path = plot_curves(self.run_dir, keys=plot.keys, out=plot.out, ylabel=plot.ylabel)
+                drawn[plot.out] = str(path) if path else None
+        update_run_info(self.run_dir, plots=drawn, hf_dir=str(hf_dir) if hf_dir else None, **self.summary(step))
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
-
-    def _profiling(self, step: int):
-        return _Profiler(self.cfg, self.run_dir, step)
 
 
 class _Profiler:
@@ -304,3 +227,174 @@ class _Profiler:
         if self.stop:
             jax.profiler.stop_trace()
             print(f"profiler trace written to {self.dir}", flush=True)
+
+
+# ----------------------------------------------------------------------- offline
+
+
+# (a pipeline's item, the packing groups its rows form: train.micro_batches when training, 1 when evaluating)
+# -> what the method's loss reads.
+Prepare = Callable[[DataBatch, int], Any]
+
+
+def _as_is(data: DataBatch, groups: int) -> Any:
+    return data.batch
+
+
+@dataclass
+class Evaluation:
+    """The held-out evaluation of an offline method: one pass over `batches()`, each prepared as for training,
+    the loss and every sum the loss reports as means over the split (`eval/loss`, `eval/<metric>`), plus what
+    `derive` computes from those means (the perplexity of a next-token loss)."""
+
+    batches: Callable[[], Iterable[DataBatch]]
+    derive: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+
+class TrainLoop(Loop):
+    """The offline kind of run: a dataset's batches, one learner update each."""
+
+    plots = (Plot(("loss", "eval/loss"), "loss.png", "loss"),)
+
+    def __init__(
+        self,
+        cfg: Config,
+        learner: Learner,
+        train_data: Iterable,
+        *,
+        evaluation: Evaluation | None = None,
+        tokenizer_dir: str | None = None,
+        on_batch: Callable[[int, object], None] | None = None,
+        prepare: Prepare = _as_is,
+        hooks: Sequence[Hook] = (),
+        console: dict[str, str] | None = None,
+    ):
+        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
+        `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
+        timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
+        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label)."""
+        self.learner = learner
+        self.mesh = learner.mesh
+        self.tokenizer_dir = tokenizer_dir
+        self.evaluation = evaluation
+        self.on_batch = on_batch
+        self.prepare = prepare
+        run_dir = Path(cfg.run.run_dir)
+        save_config(cfg, run_dir)
+        self.data_iter = iter(train_data)
+        self.ckpt = None
+        start = 0
+        if cfg.checkpoint.enabled:
+            self.ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+            restored = learner.restore_latest(self.ckpt, cfg, self.data_iter)
+            if restored is not None:
+                start = restored[0]
+                print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
+        super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None)
+        self.logger = MetricsLogger(run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
+        self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
+        print(device_memory() + " (after model and optimizer load)", flush=True)
+        update_run_info(
+            run_dir,
+            param_count=param_count(learner.model()),
+            flops_per_token=self.flops_per_token,
+            peak_flops_per_device=self.peak_flops,
+            peak_source=peak_source,
+            devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            mesh=dict(self.mesh.shape),
+            versions=library_versions(),
+        )
+        self._window: list[dict] = []
+        self._compiled = False
+
+    @property
+    def state(self) -> TrainState:
+        return self.learner.state
+
+    def train_step(self, step: int) -> None:
+        data = next(self.data_iter)
+        if self.on_batch is not None:
+            self.on_batch(step, data)
+        micro = self.cfg.train.micro_batches
+        start = time.perf_counter()
+        batch = self.prepare(data, micro)
+        prepare_seconds = time.perf_counter() - start
+        if not self._compiled:  # compile time is not step time
+            print(self.learner.compile(batch, micro), flush=True)
+            self._compiled = True
+        start = time.perf_counter()
+        update = self.learner.update(batch, micro)
+        seconds = time.perf_counter() - start + prepare_seconds
+        n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
+        flops = self.flops_per_token * n_tokens / seconds
+        metrics = {
+            **update.metrics(),
+            "skipped": float(not update.finite),
+            "step_seconds": seconds,
+            "tokens_per_s": n_tokens / seconds,
+            "tflops_per_s": flops / 1e12,
+            "mfu": flops / (self.peak_flops * jax.device_count()),
+        }
+        if step == self.start_step + 1:
+            line = device_memory()
+            print(line + " (after the first step)", flush=True)
+            update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
+        self._window.append(metrics)
+        apply_nan_policy(update, self.cfg.train.nan_policy, f"step {step}")
+
+    def log(self, step: int) -> None:
+        window, self._window = self._window, []
+        if not window:
+            return
+        keys = [k for k in window[0] if k != "skipped"]
+        means_ = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
+        means_["skipped_steps"] = float(sum(m["skipped"] for m in window))
+        means_["learning_rate"] = window[-1].get("learning_rate", 0.0)
+        self.logger.log(step, means_)
+
+    def evaluate(self, step: int) -> None:
+        self.logger.log(step, self.held_out(), console=True)
+
+    def held_out(self) -> dict[str, float]:
+        """`eval/loss` and `eval/<metric>`: the loss's sums over the held-out split, each divided by the summed
+        denominator (a mean per target token, per pair, ...), and what the method derives from them."""
+        assert self.evaluation is not None  # the hook is registered only with one
+        total, denominator, sums = 0.0, 0.0, None
+        for data in self.evaluation.batches():
+            out = self.learner.evaluate(self.prepare(data, 1))
+            total += out.total
+            denominator += out.denominator
+            sums = out.sums if sums is None else combine(sums, out.sums)
+        values = {"loss": total / max(denominator, 1.0), **(means(sums, denominator) if sums is not None else {})}
+        if self.evaluation.derive is not None:
+            values.update(self.evaluation.derive(values))
+        return {f"eval/{k}": v for k, v in values.items()}
+
+    def save(self, step: int) -> None:
+        assert self.ckpt is not None
+        self.learner.save(self.ckpt, self.cfg, self.data_iter)
+
+    def saved_step(self) -> int | None:
+        return None if self.ckpt is None else self.ckpt.latest_step()
+
+    def export(self) -> Path | None:
+        if self.ckpt:
+            self.ckpt.wait()
+        return self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir, base=self.cfg.checkpoint.init_from)
+
+    def flush_log(self, step: int) -> None:
+        if self._window:
+            self.log(step)
+
+    def summary(self, step: int) -> dict[str, Any]:
+        rows = [r for r in read_metrics(self.run_dir) if "loss" in r] if self.cfg.logging.jsonl else []
+        return {
+            "final_loss": rows[-1]["loss"] if rows else None,
+            "mean_step_seconds": float(np.mean([r["step_seconds"] for r in rows])) if rows else None,
+        }
+
+    def close_logs(self) -> None:
+        if self.ckpt:
+            self.ckpt.wait()
+        self.logger.close()

@@ -1,6 +1,6 @@
 """The next-token loss on a packed batch's targets: pretraining (every token) and SFT (assistant tokens) alike.
 
-    loss_sum, sums = nll_loss(model, batch, rng)     # the core.train contract; sums["loss_denominator"]
+    out = nll_loss(model, batch, rng)                # the core.train contract: LossOutput(total, denominator)
     perplexity({"loss": 2.3})                        # what an evaluation derives from the mean loss
 
 The sum runs over every target of the micro-batch and the denominator is
@@ -17,14 +17,14 @@ import jax.numpy as jnp
 
 from core.batch import PackedBatch
 from core.targets import target_logprobs
+from core.train import LossOutput
 
 
-def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(sum of -log p over the targets, {loss_denominator: number of targets})."""
-    del rng
-    logp, _ = target_logprobs(model, batch, entropy=False)
+def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> LossOutput:
+    """The sum of -log p over the targets, over their number."""
+    logp, _ = target_logprobs(model, batch, entropy=False, rng=rng)
     mask = batch.target_mask.astype(jnp.float32)
-    return -(logp * mask).sum(), {"loss_denominator": mask.sum()}
+    return LossOutput(-(logp * mask).sum(), mask.sum())
 
 
 def perplexity(means: dict[str, float]) -> dict[str, float]:

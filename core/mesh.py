@@ -37,6 +37,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # a LoRA adapter's rank: small, kept whole
 }
 
 Logical = Sequence[str | None]

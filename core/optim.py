@@ -60,7 +60,9 @@ def _muon_dims(params: nnx.State) -> Any:
     def dims(path_tuple):
         var = flat[path_tuple]
         name = ".".join(map(str, path_tuple))
-        if not name.endswith(".kernel") or name.startswith("lm_head"):
+        # Muon orthogonalises hidden projections; the output head (and anything not a projection kernel: LoRA's
+        # factors, norms, a method's own parameters) takes Adam.
+        if not name.endswith(".kernel") or "lm_head" in path_tuple:
             return None
         axes = list(var.get_metadata("logical_axes"))
         embed = axes.index("embed")
@@ -73,41 +75,10 @@ def _muon_dims(params: nnx.State) -> Any:
     return nnx.from_flat_state([(p, dims(p)) for p in flat])
 
 
-def make_optimizer(
-    cfg: OptimConfig, total_steps: int, params: nnx.State, companion: nnx.State | None = None
-) -> optax.GradientTransformation:
-    """The full transformation: clip -> optimizer (with schedule) -> freezing mask.
-
-    With `companion` (parameters trained beside the model's, `core.train.TrainState.companion`) it takes the pair
-    (params, companion): the model's part as above, the companion's with its own clip at the same norm and AdamW
-    (SGD under `sgd`; AdamW also under Muon), never frozen by `trainable_regex`."""
-    tx = _optimizer(cfg, total_steps, params)
-    if companion is None:
-        return tx
-    # The same settings on the companion's own tree: AdamW where Muon trains the model (its dimension numbers
-    # describe the model's kernels), and nothing frozen.
-    name = "adamw" if cfg.name == "muon" else cfg.name
-    return _pair(tx, _optimizer(cfg.model_copy(update={"name": name, "trainable_regex": None}), total_steps, companion))
-
-
-def _pair(first: optax.GradientTransformation, second: optax.GradientTransformation) -> optax.GradientTransformation:
-    """A transformation of (a, b) pairs: `first` on a, `second` on b, each with its own state (optax's
-    `multi_transform` would hand both the whole pair, which the model's masks do not describe)."""
-
-    def init(params):
-        return first.init(params[0]), second.init(params[1])
-
-    def update(updates, state, params=None):
-        a, b = (None, None) if params is None else params
-        update_a, state_a = first.update(updates[0], state[0], a)
-        update_b, state_b = second.update(updates[1], state[1], b)
-        return (update_a, update_b), (state_a, state_b)
-
-    return optax.GradientTransformation(init, update)
-
-
-def _optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
-    """clip -> optimizer (with schedule) -> freezing mask, over one parameter tree."""
+def make_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
+    """The full transformation over the trainable state `params` (a method's module tree cut by its trainable
+    filter: a model's parameters, its LoRA adapters, a model and modules trained with it): clip -> optimizer (with
+    schedule) -> freezing mask."""
     schedule = make_schedule(cfg, total_steps)
     decay_mask = _map_paths(params, _is_decayed)
     if cfg.name == "adamw":

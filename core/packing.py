@@ -206,4 +206,6 @@ def packed_batch(rows: PackedRows, targets: Sequence[tuple[np.ndarray, np.ndarra
         if n > max_targets:
             raise ValueError(f"scored sequence {i} has {n} targets > {max_targets}")
         index[i, :n], ids[i, :n], mask[i, :n] = idx, tok, 1.0
-    return PackedBatch(rows.tokens, rows.positions, rows.segment_ids, rows.branch_ids, index, ids, mask)
+    return PackedBatch(
+        rows.tokens, rows.positions, rows.segment_ids, rows.branch_ids, index, ids, mask, groups=len(rows.groups)
+    )

@@ -13,7 +13,6 @@ shares with it: the pipelines of a row format and the held-out loss and perplexi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +21,7 @@ from core.config import Config
 from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, to_data_batch, tokenize_examples
 from core.loop import Evaluation, Hook
 from core.losses import nll_loss, perplexity
-from core.run import MethodParts, RunContext, check_rows
+from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 
 
@@ -35,7 +34,7 @@ def next_token_parts(
     """The training pipeline of `rows`, and, with `data.eval_fraction`, the held-out loss and perplexity (the last
     eval batch padded to `train.batch_size` rows, so that it runs the compiled shape); `hooks(examples)`: the
     method's own, given the tokenized rows and their split. `examples`: the rows already tokenized (by a method
-    that needs them first, as distillation's check of its teacher dump)."""
+    that checks them against something of its own first)."""
     cfg = run.cfg
 
     def pipeline(split: str):
@@ -77,9 +76,8 @@ def full_rows_batch(cfg: Config, prompt_tokens: int = 0, seed: int = 0) -> Packe
     return to_data_batch(rows, cfg.train.micro_batches).batch
 
 
-@dataclass(frozen=True)
-class Pretraining:
-    name: str = "pretraining"
+class Pretraining(Method):
+    name = "pretraining"
 
     def check(self, cfg: Config) -> None:
         check_rows(
@@ -91,12 +89,6 @@ class Pretraining:
 
     def loss(self, cfg: Config) -> LossFn:
         return nll_loss
-
-    def frozen_model(self, cfg, mesh) -> None:
-        return None  # nothing beside the trained model in the step
-
-    def companion(self, cfg, mesh, frozen) -> None:
-        return None  # the model's parameters are all it trains
 
     def parts(self, run: RunContext) -> MethodParts:
         return next_token_parts(run, TextRows())

@@ -4,27 +4,28 @@
                                         # posttrain.distill.method.DISTILL
     run.fit()
 
-A method (`Method`) says what is its own: the config it needs (`check`, before anything starts), the text a
-tokenizer would be trained on when the run has none (`tokenizer_texts`), its loss (`loss`, the `core.train`
-contract), a model its loss reads beside the trained one (`frozen_model`: online distillation's teacher), a module
-trained beside the model (`companion`: feature distillation's projections), and,
-given the built run (`RunContext`: config, mesh, rows, tokenizer, learner), its `MethodParts`:
-the training pipeline, the held-out evaluation, `prepare` (frozen models' values attached to a batch) and any
-hooks of its own. Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the tokenizer
-(`data.tokenizer_dir`, else the initial checkpoint's, else one trained on the method's text into
-`run_dir/tokenizer`); the model from `checkpoint.init_from` (its shape wins over `model.*`) or a random init; the
-vocabulary check; the `core.learner.Learner` on the method's loss; the `core.loop.TrainLoop` with its
-checkpoints, exact resume, NaN policy, metrics and Hugging Face export.
+A method is a `Method` subclass that writes only what is its own: its loss (`loss`, the `core.train` contract),
+its parts given the built run (`parts(RunContext) -> MethodParts`: the training pipeline, the held-out evaluation,
+`prepare` (frozen models' values attached to a batch) and hooks of its own), and where it departs from the
+defaults: the config it checks (`check`, before anything starts), the text a tokenizer would be trained on
+(`tokenizer_texts`), the module tree it trains (`modules`: by default the model, else a module holding it beside
+modules trained with it and frozen models) and what in that tree trains (`trainable`: by default every
+parameter of the model, or its LoRA adapters with `model.lora`), and the batch compile-only compiles its update
+for (`example_batch`). Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the
+tokenizer (`core.tokenizer.run_tokenizer`); the model from `checkpoint.init_from` (its shape wins over `model.*`;
+adapters added with `model.lora`) or a random init; the vocabulary check; the `core.learner.Learner` on the
+method's loss and tree; the `core.loop.TrainLoop` with its checkpoints, exact resume, NaN policy, metrics and
+Hugging Face export.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from core.config import Config, resolve_mesh_shape
@@ -32,6 +33,7 @@ from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.learner import Learner
 from core.loop import Evaluation, Hook, Prepare, TrainLoop, _as_is
+from core.models.lora import trainable_filter
 from core.train import LossFn, TrainState
 
 
@@ -61,38 +63,39 @@ class MethodParts:
     closers: list[Callable[[], None]] = field(default_factory=list)  # what it started, stopped when the run ends
 
 
-class Method(Protocol):
-    """An offline method (`core.pretrain.PRETRAINING`, `posttrain.sft.SFT`, `posttrain.dpo.offline.DPO`)."""
+class Method:
+    """An offline method (`core.pretrain.PRETRAINING`, `posttrain.sft.SFT`, `posttrain.dpo.offline.DPO`,
+    `posttrain.distill.method.DISTILL`): override what is the method's own."""
 
-    @property
-    def name(self) -> str:
-        """What the run calls it ("SFT", "DPO")."""
-        ...
+    name: str = "a method"  # what the run calls it ("SFT", "DPO")
 
     def check(self, cfg: Any) -> None:
         """Raise `ConfigError` for a config this method cannot run (before anything is loaded)."""
-        ...
 
-    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]: ...
+    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
+        """The text a tokenizer is trained on when the run has none: every string field of the rows."""
+        return (v for r in records for v in r.values() if isinstance(v, str))
 
-    def loss(self, cfg: Any) -> LossFn: ...
+    def loss(self, cfg: Any) -> LossFn:
+        raise NotImplementedError(f"{self.name} has no loss")
 
-    def frozen_model(self, cfg: Any, mesh: Mesh) -> Any | None:
-        """A model the loss reads in every step without training it (online distillation's teacher), or None."""
-        ...
+    def modules(self, cfg: Any, model: Any, mesh: Mesh) -> nnx.Module:
+        """The module tree the method trains (`core.train`): the model itself, or a module holding it as `.model`
+        beside what its loss also reads (modules trained with it, frozen models), on `mesh`."""
+        return model
 
-    def companion(self, cfg: Any, mesh: Mesh, frozen: Any | None) -> Any | None:
-        """A module trained beside the model and kept apart from it (`core.learner.Learner(companion=...)`: a
-        feature-distillation projection, given the frozen model), placed on `mesh`; or None."""
-        ...
+    def trainable(self, cfg: Any) -> Any:
+        """What trains in `modules` (a Flax NNX filter): every parameter of the model, or its LoRA adapters."""
+        return trainable_filter(cfg.model)
 
-    def parts(self, run: RunContext) -> MethodParts: ...
+    def parts(self, run: RunContext) -> MethodParts:
+        raise NotImplementedError(f"{self.name} has no parts")
 
     def example_batch(self, cfg: Any, row_multiple: int) -> Any:
         """A training batch of the configured shapes (full rows; a row count divisible by `row_multiple`, the
         data-parallel size) from the method's own batch builder: what `core.compile_only` compiles the update
         for."""
-        ...
+        raise ConfigError(f"train.compile_only is not offered for {self.name}")
 
 
 @dataclass
@@ -104,9 +107,10 @@ class Run:
 
     def fit(self) -> TrainState:
         """Train to `train.steps` (resuming from `run.run_dir`); then stop what the method started (its
-        `closers`: a teacher actor), however the loop ended."""
+        `closers`: an actor it started), however the loop ended."""
         try:
-            return self.loop.fit()
+            self.loop.fit()
+            return self.loop.state
         finally:
             for close in self.parts.closers:
                 close()
@@ -128,12 +132,11 @@ def build_run(cfg: Config, method: Method) -> Run:
     """Everything `method` trains with, ready to `fit`."""
     from core.checkpoint import initial_model
     from core.data import load_tokenizer
-    from core.distributed import primary_first
     from core.mesh import make_mesh
     from core.metrics import device_memory
     from core.models.summary import parameter_summary
     from core.sources import load_records
-    from core.tokenizer import check_vocab, tokenizer_for_run
+    from core.tokenizer import check_vocab, run_tokenizer
 
     method.check(cfg)
     try:  # fail early, with the sizes, on a bad mesh
@@ -141,34 +144,22 @@ def build_run(cfg: Config, method: Method) -> Run:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     mesh = make_mesh(cfg.mesh)
-    run_dir = Path(cfg.run.run_dir)
     records = load_records(cfg.data)
-    tokenizer_dir = primary_first(  # in a process group one process trains a missing tokenizer, the rest read it
-        lambda: tokenizer_for_run(
-            cfg.data.tokenizer_dir,
-            method.tokenizer_texts(records),
-            run_dir,
-            cfg.model.vocab_size,
-            cfg.checkpoint.init_from,
-        ),
-        "the run's tokenizer",
-    )
+    tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(records))
     model, cfg = initial_model(cfg, mesh)
     if cfg.checkpoint.init_from is not None:
         print(f"initialised from {cfg.checkpoint.init_from}")
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
-    frozen = method.frozen_model(cfg, mesh)
     learner = Learner(
-        model,
+        method.modules(cfg, model, mesh),
         mesh,
         method.loss(cfg),
         cfg.optim,
         total_updates=cfg.train.steps,
         seed=cfg.run.seed,
-        frozen=frozen,
-        companion=method.companion(cfg, mesh, frozen),
+        trainable=method.trainable(cfg),
     )
     tokenizer = load_tokenizer(tokenizer_dir)
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))

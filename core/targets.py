@@ -28,7 +28,7 @@ from core.kernels.logprobs import Layout, logprobs_and_entropy
 @dataclass(frozen=True)
 class TargetStates:
     """A model's final hidden states at the positions that predict a packed batch's real targets, as one flat
-    list, with its output weight: what every head over the targets (log-probs, a teacher's top-k, a divergence
+    list, with its output weight: what every head over the targets (log-probs, another model's top-k, a divergence
     between two models) reads."""
 
     hidden: jax.Array  # [F, D]: F = batch.scored real targets (padded with position 0), or every [B, C] slot
@@ -47,27 +47,34 @@ class TargetStates:
         return x.reshape(b, c, *x.shape[1:])
 
     def over_vocab(self, vocab: int | None) -> TargetStates:
-        """These states with the output weight cut to its first `vocab` tokens (a teacher's padded embedding read
-        over its student's vocabulary); None: as they are."""
+        """These states with the output weight cut to its first `vocab` tokens (a larger model's padded embedding read
+        over a smaller model's vocabulary); None: as they are."""
         if vocab is None:
             return self
         weight = self.weight[:, :vocab] if self.layout == "dv" else self.weight[:vocab]
         return dataclasses.replace(self, weight=weight)
 
     def from_slots(self, x: jax.Array) -> jax.Array:
-        """[B, C, ...] per-slot values (a teacher's stored top-k) -> [F, ...] in this list's order."""
+        """[B, C, ...] per-slot values (another model's stored top-k) -> [F, ...] in this list's order."""
         b, c = self.shape
         flat = x.reshape(b * c, *x.shape[2:])
         return flat if self.real is None else jnp.take(flat, self.real, axis=0, mode="fill", fill_value=0)
 
 
-def target_states(model, batch: PackedBatch, layers: Sequence[int] = ()) -> TargetStates:
+def target_states(model, batch: PackedBatch, layers: Sequence[int] = (), rng: jax.Array | None = None) -> TargetStates:
     """`model`'s hidden states at the positions predicting `batch`'s targets. Only the `batch.scored` real
     targets are listed (when that is fewer than the slots): prompt and padding positions never reach a
     vocabulary-sized matmul. With `layers` (decoder layer numbers, `Decoder.layer_states`), `features` holds
-    the residual stream after each of them at the same positions (a feature-distillation loss's input)."""
+    the residual stream after each of them at the same positions (a feature-distillation loss's input). `rng`: the
+    training pass's key (LoRA's dropout; None: no dropout, as in scoring)."""
     hidden, per_layer = model.layer_states(  # [R, L, D], n x [R, L, D]
-        batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids, compact=batch.compact, layers=layers
+        batch.tokens,
+        batch.positions,
+        batch.segment_ids,
+        batch.branch_ids,
+        compact=batch.compact,
+        layers=layers,
+        rng=rng,
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [R * L, D]
     weight, layout = model.output_weight()
@@ -88,12 +95,12 @@ def target_states(model, batch: PackedBatch, layers: Sequence[int] = ()) -> Targ
 
 
 def target_logprobs(
-    model, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True
+    model, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True, rng: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
     """([B, C] log p(target j | everything before it), [B, C] entropy of that distribution or None when
     `entropy` is False) under `model`, with logits divided by `temperature` (a sampler's temperature, so that
-    its log-probs and these agree)."""
-    states = target_states(model, batch)
+    its log-probs and these agree). `rng`: the training pass's key (LoRA's dropout)."""
+    states = target_states(model, batch, rng=rng)
     logp, ent = states_logprobs(model.cfg, states, temperature, entropy)
     return states.to_slots(logp), None if ent is None else states.to_slots(ent)
 

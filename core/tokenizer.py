@@ -11,8 +11,9 @@ tokenizer_config.json with a ChatML chat template, special tokens) that
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -94,6 +95,20 @@ def tokenizer_for_run(
     return str(out)
 
 
+def run_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]]) -> str:
+    """Every run's tokenizer (offline and on-policy alike, `tokenizer_for_run`'s order: `data.tokenizer_dir`, the
+    initial checkpoint's, else one trained on `texts()` into the run directory); in a process group the first
+    process trains a missing one and the others read it."""
+    from core.distributed import primary_first
+
+    return primary_first(
+        lambda: tokenizer_for_run(
+            cfg.data.tokenizer_dir, texts(), cfg.run.run_dir, cfg.model.vocab_size, cfg.checkpoint.init_from
+        ),
+        "the run's tokenizer",
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="Train an offline byte-level BPE tokenizer.")
     p.add_argument("out_dir")
@@ -116,6 +131,11 @@ def checkpoint_tokenizer(init_from: str) -> str | None:
     path = resolve_model(init_from, "checkpoint.init_from")
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         return str(path)
+    if (path / "adapter_config.json").exists():  # a PEFT adapter without a tokenizer of its own: its base's
+        import json
+
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        return checkpoint_tokenizer(base) if base else None
     if (path / "tokenizer" / "tokenizer.json").exists():
         return str(path / "tokenizer")
     saved = path / "config.yaml"

@@ -1,26 +1,28 @@
-"""One pure, jitted train step, generic over the loss; its state; compile-only lowering.
+"""One pure, jitted train step over a method's module tree, generic over the loss; its state; compile-only lowering.
 
-The loss contract, shared by pretraining, SFT, DPO, GRPO and distillation:
+The contract, shared by pretraining, SFT, DPO, GRPO, distillation and whatever comes next:
 
-    loss_fn(model, batch, rng) -> (loss_sum, metrics)
-    loss_fn(model, batch, rng, frozen) -> (loss_sum, metrics)      # with a frozen model in the step (a teacher)
-    loss_fn(model, batch, rng, frozen, companion) -> ...           # and a module trained beside the model
-                                                                   # (frozen None when there is none)
+    loss_fn(modules, batch, rng) -> LossOutput(total, denominator, sums)
 
-`loss_sum` is a *sum* over the micro-batch (e.g. of per-token NLL) and
-`metrics["loss_denominator"]` the count it is normalised by (e.g. target
-tokens). The step sums both over micro-batches and divides once, so k
-micro-batches give the gradient of one big batch exactly. Every other metric is
-also a sum, reported divided by the same global denominator, except those named
-`max/...`: maxima, combined by max over micro-batches and reported as they are.
+`modules` is the method's module tree, merged from its trainable and its frozen state: a `Decoder` for most
+methods; for others a module holding the trained `Decoder` as `.model` beside modules trained with it and frozen
+models. What trains is a filter over that tree (`trainable`, a Flax NNX filter: `nnx.Param`, or `nnx.LoRAParam`
+for a model with LoRA adapters, or whatever a method composes); the rest (a frozen model, a LoRA base) is frozen
+state the step reads under a stop-gradient and never updates, donates or checkpoints.
+
+`total` is a *sum* over the micro-batch (e.g. of per-token NLL) and `denominator` the count it is normalised by
+(e.g. target tokens, pairs). The step sums both over micro-batches and divides once, so k micro-batches give the
+gradient of one big batch exactly. `sums` is a typed
+record (`core.sums`) whose fields say how they combine over micro-batches (sum or max); the step returns it
+combined, as sums.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -28,73 +30,99 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from core.batch import with_compact, with_scored
+from core.batch import packing_groups, with_compact, with_scored
 from core.distributed import place_rows
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
+from core.sums import NoSums, combine, identity, means
 
-# loss_fn(model, batch, rng[, frozen]) -> (loss_sum, sums): `batch` is the method's typed batch (a pytree of
-# arrays); `frozen` a model that runs in the step without being differentiated (online distillation's teacher).
-LossFn = Callable[..., tuple[jax.Array, dict]]
 T = TypeVar("T")
-MAX_PREFIX = "max/"  # metrics reduced by max, not summed and normalised
+S = TypeVar("S")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LossOutput(Generic[S]):
+    """What a loss returns for one micro-batch: its summed loss, the count it is normalised by, and a typed
+    record of its other sums (`core.sums`)."""
+
+    total: Any  # float32 scalar: the loss summed over the micro-batch's items
+    denominator: Any  # float32 scalar: how many items (target tokens, pairs) the global loss is a mean over
+    sums: Any = field(default_factory=NoSums)  # S: a registered dataclass of `summed` / `maximum` fields
+
+
+# (modules, batch, rng) -> LossOutput: the method's module tree, its batch, the step's key (LoRA's dropout).
+LossFn = Callable[[Any, Any, jax.Array], LossOutput]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Update(Generic[S]):
+    """One optimizer update's outcome: device arrays in the step, floats once `Learner.update` returns it."""
+
+    loss: Any  # the loss, divided by the global denominator
+    grad_norm: Any
+    denominator: Any  # the global denominator (at least 1)
+    finite: Any  # 1 when the loss and the gradient norm are finite (else the update was not applied)
+    empty: Any  # 1 when the denominator was 0: nothing to learn from, no update
+    sums: Any  # S, combined over the micro-batches (sums, not means)
+    learning_rate: Any = None  # at this update (None without a schedule)
+
+    @property
+    def applied(self) -> bool:
+        return bool(self.finite) and not bool(self.empty)
+
+    def metrics(self) -> dict[str, float]:
+        """What the logs show: loss, gradient norm, learning rate and the sums per denominator."""
+        out = {"loss": float(self.loss), "grad_norm": float(self.grad_norm)}
+        if self.learning_rate is not None:
+            out["learning_rate"] = float(self.learning_rate)
+        out.update(means(self.sums, float(self.denominator)))
+        return out
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class TrainState:
-    params: nnx.State
+    params: nnx.State  # the trainable part of the method's module tree
     opt_state: Any
     step: jax.Array  # int32 scalar: train steps taken (skipped non-finite steps included)
     rng: jax.Array  # PRNG key for dropout-like randomness in the loss
-    # Parameters trained with the model's but not part of it (a feature-distillation projection): checkpointed
-    # with the state, never exported, synced or read as the model. None for most methods.
-    companion: nnx.State | None = None
-
-    @property
-    def trainable(self) -> Any:
-        """What the optimizer updates: the model's parameters, or (them, the companion's)."""
-        return self.params if self.companion is None else (self.params, self.companion)
 
 
-def init_train_state(
-    model: nnx.Module, tx: optax.GradientTransformation, seed: int, companion: nnx.State | None = None
-) -> tuple[nnx.GraphDef, TrainState]:
-    """Split the model and create the optimizer state sharded like the parameters it tracks (`tx` takes
-    `TrainState.trainable`: the pair with a `companion`). A model of `jax.ShapeDtypeStruct`s gives an abstract
-    state (shapes and shardings)."""
-    graphdef, params = nnx.split(model)
-    trainable = params if companion is None else (params, companion)
-    shardings = optimizer_state_shardings(tx, trainable)
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainable)):
+def split_modules(modules: nnx.Module, trainable: Any) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, the trainable state, the rest: frozen parameters and any other variables) of a module tree."""
+    graphdef, params, rest = nnx.split(modules, trainable, ...)  # type: ignore[misc]
+    if not jax.tree.leaves(params):
+        raise ValueError(f"the trainable filter {trainable!r} selects no parameter of the {type(modules).__name__}")
+    return graphdef, params, rest
+
+
+def init_train_state(params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """The optimizer state of `params` (the trainable state), sharded like the parameters it tracks. Parameters
+    of `jax.ShapeDtypeStruct`s give an abstract state (shapes and shardings)."""
+    shardings = optimizer_state_shardings(tx, params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
         # An abstract model (`core.models.abstract_sharded_state`): the state's shapes and shardings only, to
         # compile the step without allocating it (`core.compile_only`).
-        abstract = jax.eval_shape(tx.init, trainable)
+        abstract = jax.eval_shape(tx.init, params)
         opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     else:
-        opt_state = jax.jit(tx.init, out_shardings=shardings)(trainable)
+        opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
     replicated = _replicated_like(params)
     step, rng = jax.device_put((jnp.zeros((), jnp.int32), jax.random.key(seed)), replicated)
-    return graphdef, TrainState(params, opt_state, step, rng, companion)
+    return TrainState(params, opt_state, step, rng)
 
 
-def bind_loss(
-    graphdef: nnx.GraphDef,
-    loss_fn: LossFn,
-    frozen_graphdef: nnx.GraphDef | None = None,
-    companion_graphdef: nnx.GraphDef | None = None,
-) -> Callable[..., tuple[jax.Array, dict]]:
-    """`(trainable, batch, rng, frozen_params) -> loss_fn(...)`: the parameters merged into the modules the loss
-    contract names (the model; the frozen model; the companion), for the step and for evaluation alike."""
+def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable[..., LossOutput]:
+    """`(params, rest, batch, rng) -> loss_fn(modules, batch, rng)`: the trainable and the frozen state merged into
+    the method's module tree, for the step and for evaluation alike."""
 
-    def bound(trainable, batch, rng, frozen):
-        params, companion = (trainable, None) if companion_graphdef is None else trainable
-        args = [nnx.merge(graphdef, params), batch, rng]
-        if frozen_graphdef is not None or companion_graphdef is not None:
-            args.append(None if frozen_graphdef is None else nnx.merge(frozen_graphdef, frozen))
-        if companion_graphdef is not None:
-            args.append(nnx.merge(companion_graphdef, companion))
-        return loss_fn(*args)
+    def bound(params, rest, batch, rng) -> LossOutput:
+        out = loss_fn(nnx.merge(graphdef, params, rest), batch, rng)
+        if not isinstance(out, LossOutput):
+            raise TypeError(f"a loss must return core.train.LossOutput, not {type(out).__name__}")
+        return out
 
     return bound
 
@@ -106,11 +134,8 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any) -> 
     so XLA would otherwise replicate them (8x the memory under fsdp=8). A state
     leaf is matched to the parameter whose key path is a suffix of its own.
     """
-    parts = params if isinstance(params, tuple) else (params,)  # (the model's, a companion's): each on its own
     by_path = {
-        _path_key(path): (leaf.shape, leaf.sharding)
-        for part in parts
-        for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]
+        _path_key(path): (leaf.shape, leaf.sharding) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
     }
     replicated = _replicated_like(params)
 
@@ -151,9 +176,17 @@ def batch_shards(mesh: Mesh) -> int:
 
 def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) -> T:
     """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
-    `[k, N / k, ...]`; names the leaf that does not divide. Each `PackedBatch`'s `scored` and `compact` counts
-    are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data shards
-    of `mesh` (the mesh the batch will be placed on; None: one device)."""
+    `[k, N / k, ...]`; names the leaf that does not divide. A batch packed for another number of packing groups
+    than `micro_batches` is refused, naming both (its `target_index` is local to each of its own groups: cut
+    otherwise, a micro-batch's targets would point at other rows). Each `PackedBatch`'s `scored` and `compact`
+    counts are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data
+    shards of `mesh` (the mesh the batch will be placed on; None: one device)."""
+    for where, groups in packing_groups(batch):
+        if groups != micro_batches:
+            raise ValueError(
+                f"batch{where} was packed for {groups} packing group(s) but is split into {micro_batches} "
+                f"micro-batch(es): pack it for the micro-batches it trains in"
+            )
 
     def split(path, x):
         if x.shape[0] % micro_batches:
@@ -161,7 +194,7 @@ def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) 
             raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
         return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
 
-    counted = with_compact(with_scored(batch, micro_batches), micro_batches, None if mesh is None else dict(mesh.shape))
+    counted = with_compact(with_scored(batch), None if mesh is None else dict(mesh.shape))
     return jax.tree_util.tree_map_with_path(split, counted)
 
 
@@ -177,89 +210,85 @@ def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
-    frozen_graphdef: nnx.GraphDef | None = None,
-    companion_graphdef: nnx.GraphDef | None = None,
-) -> Callable[..., tuple[TrainState, dict]]:
-    """The pure step `(state, micro_batched_batch, frozen_params) -> (state, metrics)`, not yet jitted.
-
-    With `frozen_graphdef`, `frozen_params` (its parameters, never updated) are merged into a model the loss
-    receives as its fourth argument, under a stop-gradient; without, they are None and the loss takes three.
-    With `companion_graphdef`, `state.companion` is merged into a module the loss receives fifth, and trained
-    with the model (`bind_loss`).
+) -> Callable[..., tuple[TrainState, Update]]:
+    """The pure step `(state, micro_batched_batch, rest) -> (state, Update)`, not yet jitted: `rest` is the frozen
+    part of the module tree (`split_modules`), read under a stop-gradient.
 
     A step whose loss or gradient norm is not finite leaves the parameters and
-    optimizer state unchanged (`metrics["finite"] == 0`); the loop decides to
-    skip or abort. So does a step with nothing to learn from (a loss
-    denominator of 0, e.g. a mini-batch whose every token is masked,
-    `metrics["empty"] == 1`): an optimizer step on a zero gradient would still
-    move AdamW's moments and apply weight decay.
+    optimizer state unchanged (`finite == 0`); the loop decides to skip or
+    abort. So does a step with nothing to learn from (a denominator of 0, e.g.
+    a mini-batch whose every token is masked, `empty == 1`): an optimizer step
+    on a zero gradient would still move AdamW's moments and apply weight decay.
     """
 
-    bound = bind_loss(graphdef, loss_fn, frozen_graphdef, companion_graphdef)
+    bound = bind_loss(graphdef, loss_fn)
 
-    def grads_of(trainable, micro_batch, rng, frozen):
-        objective = lambda t: bound(t, micro_batch, rng, frozen)
-        (loss_sum, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
-        return loss_sum, metrics, grads
+    def grads_of(params, rest, micro_batch, rng):
+        objective = lambda p: _total(bound(p, rest, micro_batch, rng))
+        (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return out, grads
 
-    def summed(trainable, batch, step_rng, frozen):
-        """Loss, metric and gradient sums over the micro-batches (float32)."""
+    def summed(params, rest, batch, step_rng) -> tuple[LossOutput, Any]:
+        """The loss output and the gradient summed over the micro-batches (float32)."""
         k = jax.tree.leaves(batch)[0].shape[0]
         to_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
         if k == 1:  # no accumulation buffers for the common case
             first = jax.tree.map(lambda x: x[0], batch)
-            return to_f32(grads_of(trainable, first, jax.random.fold_in(step_rng, 0), frozen))
-        shapes = jax.eval_shape(grads_of, trainable, jax.tree.map(lambda x: x[0], batch), step_rng, frozen)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        zeros[1].update({k: jnp.full((), -jnp.inf) for k in zeros[1] if k.startswith(MAX_PREFIX)})
+            return to_f32(grads_of(params, rest, first, jax.random.fold_in(step_rng, 0)))
+        shapes = jax.eval_shape(grads_of, params, rest, jax.tree.map(lambda x: x[0], batch), step_rng)
+        out0, grads0 = shapes
+        zeros: tuple[LossOutput, Any] = (
+            LossOutput(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), identity(out0.sums)),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grads0),
+        )
 
         def accumulate(carry, inputs):
             micro_batch, i = inputs
-            out = to_f32(grads_of(trainable, micro_batch, jax.random.fold_in(step_rng, i), frozen))
-            (loss, metrics, grads), (loss_i, metrics_i, grads_i) = carry, out
-            metrics = {
-                k: (jnp.maximum if k.startswith(MAX_PREFIX) else jnp.add)(v, metrics_i[k]) for k, v in metrics.items()
-            }
-            return (loss + loss_i, metrics, jax.tree.map(jnp.add, grads, grads_i)), None
+            out_i, grads_i = to_f32(grads_of(params, rest, micro_batch, jax.random.fold_in(step_rng, i)))
+            out, grads = carry
+            total, denominator = out.total + out_i.total, out.denominator + out_i.denominator
+            out = LossOutput(total, denominator, combine(out.sums, out_i.sums))
+            return (out, jax.tree.map(jnp.add, grads, grads_i)), None
 
         return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
 
-    def step(state: TrainState, batch: Any, frozen: Any = None) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: Any, rest: Any) -> tuple[TrainState, Update]:
         rng, step_rng = jax.random.split(state.rng)
-        frozen = jax.lax.stop_gradient(frozen)
-        loss_sum, sums, grads = summed(state.trainable, batch, step_rng, frozen)
-        raw_denom = sums.pop("loss_denominator")
-        has_tokens = raw_denom > 0
-        denom = jnp.maximum(raw_denom, 1.0)
+        rest = jax.lax.stop_gradient(rest)
+        out, grads = summed(state.params, rest, batch, step_rng)
+        has_items = out.denominator > 0
+        denom = jnp.maximum(out.denominator, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        loss = loss_sum / denom
+        loss = out.total / denom
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(operands):
-            trainable, opt_state = operands
-            updates, opt_state = tx.update(grads, opt_state, trainable)
-            return optax.apply_updates(trainable, updates), opt_state
+            params, opt_state = operands
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
-        operands = (state.trainable, state.opt_state)
+        operands = (state.params, state.opt_state)
         # Only the taken branch runs: no extra pass over the state.
-        trainable, opt_state = jax.lax.cond(finite & has_tokens, update, lambda ops: ops, operands)
-        params, companion = (trainable, None) if state.companion is None else trainable
+        params, opt_state = jax.lax.cond(finite & has_items, update, lambda ops: ops, operands)
         # The step counter advances even when an update is skipped: it indexes batches.
-        new_state = TrainState(params, opt_state, state.step + 1, rng, companion)
-        metrics = {k: v if k.startswith(MAX_PREFIX) else v / denom for k, v in sums.items()}
-        metrics.update(
+        new_state = TrainState(params, opt_state, state.step + 1, rng)
+        report: Update = Update(
             loss=loss,
             grad_norm=grad_norm,
-            tokens=denom,
+            denominator=denom,
             finite=finite.astype(jnp.float32),
-            empty=(~has_tokens).astype(jnp.float32),
+            empty=(~has_items).astype(jnp.float32),
+            sums=out.sums,
+            learning_rate=None if schedule is None else jnp.asarray(schedule(state.step), jnp.float32),
         )
-        if schedule is not None:
-            metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return new_state, metrics
+        return new_state, report
 
     return step
+
+
+def _total(out: LossOutput) -> tuple[jax.Array, LossOutput]:
+    return out.total, out
 
 
 def jit_train_step(step: Callable, state: TrainState) -> Any:

@@ -1,16 +1,17 @@
 """Models that do not train beside the one that does: a reference (GRPO's KL, DPO) or a teacher (distillation).
 
-    reference = FrozenModel.start_of(learner)           # the learner's starting parameters, held still
+    reference = FrozenModel.start_of(learner)           # where the learner started (its base, with adapters off)
     teacher = FrozenModel.load("Qwen/Qwen2.5-1.5B-Instruct", mesh, "teacher")    # any checkpoint, its own shape
-    logp = reference.logprobs(batch, groups=4)          # [B, C] float32 on the host, one packing group at a time
-    logp = grouped_logprobs(logprob_pass(graphdef, 1.0), params, batch, groups, mesh)   # the same, any parameters
+    logp = reference.logprobs(batch)                    # [B, C] float32 on the host, one packing group at a time
+    logp = grouped_logprobs(logprob_pass(1.0), model, batch, mesh)   # the same, any model
 
-A frozen model is either a copy of the learner's starting parameters (a reference) or read from any checkpoint
-with the shape it was saved with (an HF directory, a Hub id, a Temper run: `core.checkpoint.load_model_from`;
-a teacher larger or smaller than the learner, `cfg` its model config). Log-probs are computed live, per batch,
-by one jitted pass over the packed batch's targets (`core.targets.target_logprobs`), a packing group (one
-micro-batch's rows) at a time so that memory stays that of one micro-batch; `posttrain.token_store` keeps
-values computed once instead.
+A frozen model is either the learner's starting point (a reference: a copy of its starting parameters; for a
+model with LoRA adapters the same model with its adapters off, TRL's reference for a PEFT model, which shares the
+base's arrays and costs no second copy) or read from any checkpoint with the shape it was saved with (an HF
+directory, a Hub id, a Temper run: `core.checkpoint.load_model_from`; a teacher larger or smaller than the
+learner, `cfg` its model config). Log-probs are computed live, per batch, by one jitted pass over the packed
+batch's targets (`core.targets.target_logprobs`), a packing group (one micro-batch's rows) at a time so that
+memory stays that of one micro-batch; `posttrain.token_store` keeps values computed once instead.
 """
 
 from __future__ import annotations
@@ -28,70 +29,70 @@ from core.batch import PackedBatch
 from core.config import ModelConfig
 from core.distributed import CompiledTogether, to_host
 from core.learner import Learner
+from core.models import Decoder
+from core.models.adapters import adapters_off
 from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
 
 
-def logprob_pass(graphdef: nnx.GraphDef, temperature: float, vocab: int | None = None) -> Callable:
-    """A jitted `(params, packed group) -> [B_g, C]` log-probs of the targets (normalised over the first `vocab`
-    tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows)."""
+def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: int | None) -> jax.Array:
+    model = nnx.merge(graphdef, state)
     if vocab is None:
-        return CompiledTogether(
-            jax.jit(
-                lambda params, batch: target_logprobs(nnx.merge(graphdef, params), batch, temperature, entropy=False)[0]
-            ),
-            "a log-prob pass",
-        )
-
-    def over_vocab(params, batch):
-        model = nnx.merge(graphdef, params)
-        states = target_states(model, batch).over_vocab(vocab)
-        return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
-
-    return CompiledTogether(jax.jit(over_vocab), "a log-prob pass")
+        return target_logprobs(model, batch, temperature, entropy=False)[0]
+    states = target_states(model, batch).over_vocab(vocab)
+    return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
 
 
-def grouped_logprobs(fn: Callable, params: nnx.State, batch: PackedBatch, groups: int, mesh: Mesh) -> np.ndarray:
-    """[B, C] float32 host log-probs of every target, computed one packing group at a time."""
-    placed = place_batch(split_micro_batches(batch, groups, mesh), mesh)
+def logprob_pass(temperature: float, vocab: int | None = None) -> Callable[[Decoder, PackedBatch], jax.Array]:
+    """`(model, packed group) -> [B_g, C]` log-probs of the targets, jitted (normalised over the first `vocab`
+    tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows)."""
+    jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4)), "a log-prob pass")
+
+    def run(model: Decoder, batch: PackedBatch) -> jax.Array:
+        graphdef, state = nnx.split(model)
+        return jitted(graphdef, state, batch, temperature, vocab)
+
+    return run
+
+
+def grouped_logprobs(fn: Callable, model: Decoder, batch: PackedBatch, mesh: Mesh) -> np.ndarray:
+    """[B, C] float32 host log-probs of every target, computed one packing group at a time (`batch.groups`)."""
+    placed = place_batch(split_micro_batches(batch, batch.groups, mesh), mesh)
     out = []
     with jax.set_mesh(mesh):
-        for i in range(groups):
+        for i in range(batch.groups):
             part = jax.tree.map(lambda x, i=i: x[i], placed)
-            out.append(to_host(fn(params, part)))  # a collective in a process group
+            out.append(to_host(fn(model, part)))  # a collective in a process group
     return np.concatenate(out).astype(np.float32)
 
 
 @dataclass
 class FrozenModel:
-    """Parameters that never change, on the trainer mesh, and their jitted log-prob pass."""
+    """A model whose parameters never change, on the trainer mesh, and its jitted log-prob pass."""
 
     name: str  # "reference", "teacher": what the method calls it
-    params: nnx.State
+    model: Decoder
     mesh: Mesh
     _pass: Callable
     cfg: ModelConfig | None = None  # its shape (vocabulary, layers, width)
 
     @classmethod
-    def copy_of(
-        cls,
-        graphdef: nnx.GraphDef,
-        params: nnx.State,
-        mesh: Mesh,
-        name: str,
-        temperature: float = 1.0,
-        cfg: ModelConfig | None = None,
-    ) -> FrozenModel:
-        """A frozen copy of `params` (the trainer's next update donates its own buffers)."""
+    def copy_of(cls, model: Decoder, mesh: Mesh, name: str, temperature: float = 1.0) -> FrozenModel:
+        """A frozen copy of `model`'s parameters (a learner's next update donates its own buffers)."""
+        graphdef, state = nnx.split(model)
         with jax.set_mesh(mesh):
-            copied = jax.tree.map(jnp.copy, params)
-        return cls(name, copied, mesh, logprob_pass(graphdef, temperature), cfg)
+            copied = jax.tree.map(jnp.copy, state)
+        return cls(name, nnx.merge(graphdef, copied), mesh, logprob_pass(temperature), model.cfg)
 
     @classmethod
     def start_of(cls, learner: Learner, name: str = "reference", temperature: float = 1.0) -> FrozenModel:
-        """The learner's parameters as they are now (before its first update: where the policy started), frozen:
-        the reference every method that has one uses."""
-        return cls.copy_of(learner.graphdef, learner.params, learner.mesh, name, temperature, learner.model_cfg)
+        """Where the learner started, frozen: the reference every method that has one uses. A full model is copied
+        as it is now (before its first update); a model with LoRA adapters is read with its adapters off (its base:
+        TRL's reference for a PEFT model), sharing the base's frozen arrays."""
+        model = learner.model()
+        if model.cfg.lora is not None:
+            return cls(name, adapters_off(model), learner.mesh, logprob_pass(temperature), model.cfg)
+        return cls.copy_of(model, learner.mesh, name, temperature)
 
     @classmethod
     def load(
@@ -110,9 +111,9 @@ class FrozenModel:
 
         with jax.set_mesh(mesh):
             model = load_model_from(path, mesh, dtype=dtype)
-        graphdef, params = nnx.split(model)
-        return cls(name, params, mesh, logprob_pass(graphdef, temperature, vocab), model.cfg)
+        return cls(name, model, mesh, logprob_pass(temperature, vocab), model.cfg)
 
-    def logprobs(self, batch: PackedBatch, groups: int) -> np.ndarray:
-        """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target."""
-        return grouped_logprobs(self._pass, self.params, batch, groups, self.mesh) * (np.asarray(batch.target_mask) > 0)
+    def logprobs(self, batch: PackedBatch) -> np.ndarray:
+        """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target (one of
+        its packing groups at a time)."""
+        return grouped_logprobs(self._pass, self.model, batch, self.mesh) * (np.asarray(batch.target_mask) > 0)

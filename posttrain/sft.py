@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from core.batch import PackedBatch
 from core.data import Examples, messages_problem, string_fields_problem
 from core.distributed import is_primary
@@ -39,7 +41,7 @@ from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook, TrainLoop
 from core.losses import nll_loss
 from core.pretrain import full_rows_batch, next_token_parts
-from core.run import MethodParts, RunContext, check_rows
+from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
@@ -123,7 +125,7 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
                 JaxSampler(loop.learner.model(), run.tokenizer_dir, mesh=loop.mesh, max_model_len=cfg.data.seq_len * 2)
             )
         # The learner's current parameters, read before its next update donates them.
-        sampler[0].update_weights(loop.learner.params, version=step)
+        sampler[0].update_weights(nnx.state(loop.learner.model()), version=step)
         params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens)
         completions = sampler[0].generate([p for p, _ in chosen], params)  # every process of a group takes part
         if not is_primary():
@@ -140,9 +142,8 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
 # ------------------------------------------------------------------ the method
 
 
-@dataclass(frozen=True)
-class SupervisedFineTuning:
-    name: str = "SFT"
+class SupervisedFineTuning(Method):
+    name = "SFT"
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
@@ -158,12 +159,6 @@ class SupervisedFineTuning:
 
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return nll_loss
-
-    def frozen_model(self, cfg, mesh) -> None:
-        return None  # nothing beside the trained model in the step
-
-    def companion(self, cfg, mesh, frozen) -> None:
-        return None  # the model's parameters are all it trains
 
     def parts(self, run: RunContext) -> MethodParts:
         rows = row_format(run.cfg.data.format, run.cfg.sft.completion_only_loss)

@@ -80,13 +80,18 @@ class LocalTrainer:
     def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
         """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
         `tag` names the update (the same on every process of a group: their pieces make one update)."""
+        from flax import nnx
+
+        from core.models.adapters import merged_model
         from rollout.weight_sync import reshard_to_jax_sampler, sync_to_vllm
 
         chunk = self.cfg.rollout.reshard_chunk_bytes
         version = self.learner.version
+        model = self.learner.model()
         if sampler.remote:  # a vLLM actor: every process sends the pieces its devices hold
-            return sync_to_vllm(self.learner.params, self.cfg.model, sampler, chunk, version=version, tag=tag or None)
-        return reshard_to_jax_sampler(self.learner.params, sampler, chunk, version=version)
+            plain = merged_model(model)
+            return sync_to_vllm(nnx.state(plain), plain.cfg, sampler, chunk, version=version, tag=tag or None)
+        return reshard_to_jax_sampler(nnx.state(model), sampler, chunk, version=version)
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from core.cli import run_recipe
-from core.config_loader import ConfigError, config_from_argv
+from core.config_loader import config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_tiny.yml"
 
@@ -36,17 +36,6 @@ def main(argv: list[str]) -> int:
         request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
         compile_step(cfg)
         return 0
-    if cfg.checkpoint.init_from is None and cfg.data.tokenizer_dir is None:
-        from core.sources import load_records
-        from core.tokenizer import tokenizer_for_run
-
-        if cfg.data.source is None:
-            raise ConfigError("data.source is not set (the prompt dataset)")
-        records = load_records(cfg.data)
-        texts = (f"{r.get('question', '')} {r.get('answer', '')}" for r in records)
-        tok = tokenizer_for_run(None, texts, cfg.run.run_dir, cfg.model.vocab_size)
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer_dir": tok})})
-
     from posttrain.grpo import run_grpo
 
     summary = run_grpo(cfg)

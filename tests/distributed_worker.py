@@ -21,8 +21,9 @@ join(ProcessGroup(f"127.0.0.1:{PORT}", N, PID, timeout_s=120))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from core.config import MeshConfig, ModelConfig, OptimConfig  # noqa: E402
+from core.config import LoraConfig, MeshConfig, ModelConfig, OptimConfig  # noqa: E402
 from core.config_loader import load_config  # noqa: E402
 from core.data import to_data_batch  # noqa: E402
 from core.learner import Learner  # noqa: E402
@@ -31,7 +32,13 @@ from core.models import create_model  # noqa: E402
 from core.pretrain import PRETRAINING  # noqa: E402
 from core.train import batch_shards, place_batch, split_micro_batches  # noqa: E402
 from posttrain.config import DPOConfig, PostTrainConfig  # noqa: E402
-from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective  # noqa: E402
+from posttrain.distill.objective import (  # noqa: E402
+    DistillBatch,
+    DistillModules,
+    DistillSettings,
+    distill_objective,
+    trainable,
+)
 from posttrain.dpo.objective import preference_objective  # noqa: E402
 from posttrain.dpo.pairs import Pair, build_pair_batch  # noqa: E402
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch  # noqa: E402
@@ -101,20 +108,35 @@ def check_placement(name: str, batch, micro: int) -> None:
         np.testing.assert_array_equal(to_host(got), want, err_msg=f"{name}{jax.tree_util.keystr(path)}")
 
 
-def offline_step(name: str, loss_fn, batch, micro: int, frozen=None) -> None:
+def offline_step(name: str, loss_fn, batch, micro: int, tree=None, trainable=None, model_cfg=MODEL) -> None:
+    """One update of `loss_fn` on a fresh model (of `model_cfg`), or on the module tree `tree(model)`."""
     check_placement(name, batch, micro)
     with jax.set_mesh(MESH):
-        model = create_model(MODEL, MESH, seed=0)
-    learner = Learner(model, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), frozen=frozen)
-    metrics = learner.update(batch, micro)
-    assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0, (name, metrics)
-    record(name, metrics["loss"], learner.state.opt_state)
+        model = create_model(model_cfg, MESH, seed=0)
+    modules = model if tree is None else tree(model)
+    learner = Learner(
+        modules, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), trainable=trainable
+    )
+    update = learner.update(batch, micro)
+    assert update.finite == 1.0 and update.empty == 0.0 and update.grad_norm > 0, (name, update)
+    record(name, update.loss, learner.state.opt_state)
 
 
 collectives_known_answers()
 offline_step("pretrain", PRETRAINING.loss(None), to_data_batch(text_rows(0, 0), 2).batch, 2)
 cfg = PostTrainConfig()
 offline_step("sft", SFT.loss(cfg), to_data_batch(text_rows(1, 6), 2).batch, 2)
+# LoRA SFT: the adapters of every projection train (rsLoRA scale, dropout on: its keys are the step's), the base is
+# frozen; the adapters' B starts at zero, so B gets the gradient and A none at the first step: the recorded
+# gradients are both.
+lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1, use_rslora=True)
+offline_step(
+    "sft_lora",
+    SFT.loss(cfg),
+    to_data_batch(text_rows(1, 6), 2).batch,
+    2,
+    model_cfg=MODEL.model_copy(update={"lora": lora}),
+)
 
 rng = np.random.default_rng(4)
 ids = lambda k: tuple(int(x) for x in rng.integers(1, 512, k))
@@ -136,7 +158,14 @@ distill_batch = DistillBatch(
     feature_weight=np.full(rows, 0.5, np.float32),
 )
 settings = DistillSettings(kind="forward", unit_temperature=False, feature_layers=((1, 2),))
-offline_step("distill", distill_objective(settings, MODEL), distill_batch, 2, frozen=teacher)
+offline_step(
+    "distill",
+    distill_objective(settings, MODEL),
+    distill_batch,
+    2,
+    tree=lambda model: DistillModules(model, teacher=teacher),
+    trainable=trainable(nnx.Param),
+)
 
 # GRPO: the policy learner's whole step (its pi_old pass, the clipped objective), one update on 16 completions.
 grpo = load_config("recipes/configs/grpo_tiny.yml", ["train.micro_batches=2"], schema=PostTrainConfig)

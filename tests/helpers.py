@@ -7,6 +7,28 @@ import numpy as np
 import optax
 
 
+def jitted_step(model, loss_fn, tx, trainable=None):
+    """(the jitted `core.train` step, its initial state, the frozen rest) of `model` (or a module tree) trained by
+    `tx` on `loss_fn`: `state, update = step(state, split_micro_batches(batch, k), rest)`."""
+    from flax import nnx
+
+    from core.train import init_train_state, jit_train_step, make_train_step, split_modules
+
+    graphdef, params, rest = split_modules(model, nnx.Param if trainable is None else trainable)
+    state = init_train_state(params, tx, seed=0)
+    return jit_train_step(make_train_step(graphdef, loss_fn, tx), state), state, rest
+
+
+def saved_tensors(step_dir) -> list[str]:
+    """The dotted paths of the tensors a checkpoint step's `params` item holds (read from Orbax's metadata)."""
+    import ast
+    import json
+    from pathlib import Path
+
+    tree = json.loads((Path(step_dir) / "params" / "_METADATA").read_text())["tree_metadata"]
+    return sorted(".".join(map(str, ast.literal_eval(key))) for key in tree)
+
+
 def recording_sgd(learning_rate: float):
     """SGD whose state is the last gradient it was given, so a test can read every update's gradient."""
 

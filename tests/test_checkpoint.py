@@ -11,16 +11,18 @@ from core.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
 from core.mesh import make_mesh
 from core.models import abstract_sharded_state, create_model
 from core.optim import make_optimizer
-from core.train import TrainState, init_train_state
-from tests.helpers import pipeline
+from core.train import TrainState, init_train_state, split_modules
+from tests.helpers import pipeline, saved_tensors
 
 ADAM = OptimConfig(name="adamw", learning_rate=1e-3, schedule="constant")
 
 
-def make_state(model_cfg, mesh=None, seed=0):
+def make_state(model_cfg, mesh=None, seed=0, tree=None, trainable=nnx.Param):
+    """(graphdef, a train state with non-trivial moments) of a model, or of a method's module tree `tree(model)`."""
     model = create_model(model_cfg, mesh, seed=seed)
-    tx = make_optimizer(ADAM, 10, nnx.state(model))
-    graphdef, state = init_train_state(model, tx, seed=seed)
+    graphdef, params, _ = split_modules(model if tree is None else tree(model, seed), trainable)
+    tx = make_optimizer(ADAM, 10, params)
+    state = init_train_state(params, tx, seed=seed)
     # give the optimizer non-trivial moments
     grads = jax.jit(lambda ps: jax.tree.map(lambda p: p * 0.5 + 0.1, ps))(state.params)
     _updates, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.params)
@@ -220,40 +222,41 @@ def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
         assert not marker.exists()
 
 
-def test_a_companion_round_trips_and_a_missing_one_is_named(tmp_path):
-    """Parameters trained beside the model's (a feature projection) are saved and restored exactly with their
-    optimizer moments; a run with a companion does not restore a checkpoint without one, or one of another shape,
-    and says so (the checkpoint is kept)."""
+def test_a_module_tree_checkpoints_what_trains_and_names_what_differs(tmp_path):
+    """A method's module tree (a model, a feature projection trained with it, a frozen teacher): the checkpoint holds
+    the trainable part with its optimizer moments, exactly, and not the teacher; a run whose tree differs (another
+    projection width, no projection) does not restore it and names the tensor (the checkpoint is kept)."""
     from posttrain.distill.features import feature_projections
+    from posttrain.distill.objective import DistillModules, trainable
 
     cfg = Config(model=ModelConfig())
 
-    def with_companion(width, seed):
-        model = create_model(cfg.model, seed=seed)
-        companion = nnx.state(feature_projections([(1, 1)], 64, width, seed=seed))
-        tx = make_optimizer(ADAM, 10, nnx.state(model), companion)
-        _, state = init_train_state(model, tx, seed=seed, companion=companion)
-        grads = jax.tree.map(lambda p: p * 0.5 + 0.1, state.trainable)
-        _, opt_state = jax.jit(tx.update)(grads, state.opt_state, state.trainable)
-        return TrainState(state.params, opt_state, state.step + 7, state.rng, state.companion)
+    def tree(width):
+        def build(model, seed):
+            teacher = create_model(cfg.model, seed=seed + 100)
+            return DistillModules(model, feature_projections([(1, 1)], 64, width, seed=seed), teacher)
 
-    state = with_companion(96, seed=0)
+        return build
+
+    state = make_state(cfg.model, tree=tree(96), trainable=trainable(nnx.Param))[1]
+    assert "teacher" not in state.params and "projections" in state.params
     ckpt = Checkpointer(tmp_path / "ck", async_save=False)
     ckpt.save(state, None, cfg)
-    restored, _ = ckpt.restore(7, with_companion(96, seed=1), None, cfg)
-    leaves_equal(restored.companion, state.companion)
+    restored, _ = ckpt.restore(
+        7, make_state(cfg.model, seed=1, tree=tree(96), trainable=trainable(nnx.Param))[1], None, cfg
+    )
     leaves_equal(restored.opt_state, state.opt_state)
     leaves_equal(restored.params, state.params)
-    assert np.abs(np.asarray(restored.companion["kernels"][0][...])).max() > 0
+    assert np.abs(np.asarray(restored.params["projections"]["kernels"][0][...])).max() > 0
+    saved = saved_tensors(tmp_path / "ck" / "7")
+    assert "projections.kernels.0" in saved and not [p for p in saved if "teacher" in p]
 
     with pytest.raises(
-        CheckpointMismatch, match=r"companion tensor kernels\.0: checkpoint \(64, 96\), this run \(64, 80\)"
+        CheckpointMismatch, match=r"tensor projections\.kernels\.0: checkpoint \(64, 96\), this run \(64, 80\)"
     ):
-        ckpt.restore(7, with_companion(80, seed=1), None, cfg)
+        ckpt.restore(7, make_state(cfg.model, seed=1, tree=tree(80), trainable=trainable(nnx.Param))[1], None, cfg)
     plain = Checkpointer(tmp_path / "plain", async_save=False)
     plain.save(make_state(cfg.model)[1], None, cfg)
-    with pytest.raises(CheckpointMismatch, match="companion: this run trains parameters beside the model's"):
-        plain.restore(7, with_companion(96, seed=1), None, cfg)
-    with pytest.raises(CheckpointMismatch, match="companion: the checkpoint holds parameters beside the model's"):
-        ckpt.restore(7, make_state(cfg.model, seed=1)[1], None, cfg)
+    with pytest.raises(CheckpointMismatch, match=r"tensor projections\.kernels\.0: checkpoint None"):
+        plain.restore(7, make_state(cfg.model, seed=1, tree=tree(96), trainable=trainable(nnx.Param))[1], None, cfg)
     assert ckpt.all_steps() == [7] and plain.all_steps() == [7]

@@ -59,7 +59,7 @@ def test_hidden_states_on_real_tokens_equal_the_rows(scan):
 
 
 def grads(graphdef, params, batch):
-    return jax.grad(lambda p: nll_loss(nnx.merge(graphdef, p), batch, jax.random.key(0))[0])(params)
+    return jax.grad(lambda p: nll_loss(nnx.merge(graphdef, p), batch, jax.random.key(0)).total)(params)
 
 
 def test_gradients_on_real_tokens_equal_the_rows(monkeypatch):
@@ -101,14 +101,14 @@ def test_compact_counts():
     batch = packed(make_batch())  # any batch; its arrays replaced below
     batch = dataclasses.replace(batch, segment_ids=seg, tokens=seg, positions=seg, branch_ids=seg * 0)
     # one part of 8 rows: 1,192 real of 2,048, rounded up to eighths (256)
-    assert with_compact(batch, 1).compact == 1280
+    assert with_compact(dataclasses.replace(batch, groups=1)).compact == 1280
     # two micro-batches of 4 rows: the fuller (rows 4-7: 606 real) of 1,024 positions, in steps of 128
-    assert with_compact(batch, 2).compact == 640
+    assert with_compact(dataclasses.replace(batch, groups=2)).compact == 640
     # one micro-batch on 2 data shards: the same parts
-    assert with_compact(batch, 1, {"data": 2}).compact == 640
+    assert with_compact(dataclasses.replace(batch, groups=1), {"data": 2}).compact == 640
     # two micro-batches on 2 data shards: parts of 2 rows (512 positions) are below COMPACT_MIN_SLOTS
-    assert with_compact(batch, 2, {"data": 2}).compact == 0
+    assert with_compact(dataclasses.replace(batch, groups=2), {"data": 2}).compact == 0
     # more than 7/8 of the positions real: rounding up leaves no gain
     nearly = seg.copy()
     nearly[:, :240] = 1
-    assert with_compact(dataclasses.replace(batch, segment_ids=nearly), 1).compact == 0
+    assert with_compact(dataclasses.replace(batch, segment_ids=nearly, groups=1)).compact == 0

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from core.config import ModelConfig, OptimConfig
 from core.data import to_data_batch
 from core.learner import Learner
 from core.models import create_model
-from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective
+from posttrain.distill.objective import DistillBatch, DistillModules, DistillSettings, distill_objective
 from tests.helpers import assert_same_gradients, recording_sgd
 
 V = 64
@@ -75,10 +76,9 @@ def reference(zs, zt, ids_label, kind, t, alpha, k=None, mode="renormalised", be
 
 
 def objective_value(settings, student, batch, teacher=None, projections=None):
-    loss_fn = distill_objective(settings, student.cfg)
-    args = (student, batch, None) if teacher is None else (student, batch, None, teacher, projections)
-    loss_sum, sums = loss_fn(*args)
-    return float(loss_sum) / float(sums["loss_denominator"]), sums
+    """(the mean loss, the objective's `LossOutput`) of `batch`."""
+    out = distill_objective(settings, student.cfg)(DistillModules(student, projections, teacher), batch, None)
+    return float(out.total) / float(out.denominator), out
 
 
 def make_batch(packed, alpha, t, **extra):
@@ -100,16 +100,16 @@ def test_offline_topk_matches_numpy(kind, mode):
     ids = np.argsort(-zt, -1)[..., :k].astype(np.int32)
     logp = np.take_along_axis(log_softmax(zt / dump_t), ids, -1).astype(np.float32)
     settings = DistillSettings(kind=kind, mode=mode, dump_temperature=dump_t, unit_temperature=False)
-    got, sums = objective_value(settings, student, make_batch(packed, alpha, t, teacher_ids=ids, teacher_logp=logp))
+    got, out = objective_value(settings, student, make_batch(packed, alpha, t, teacher_ids=ids, teacher_logp=logp))
     mask = np.asarray(packed.target_mask) > 0
     want = reference(zs, zt, np.asarray(packed.target_ids), kind, t, alpha, k, mode)[mask].mean()
     assert got == pytest.approx(want, rel=2e-5)
-    assert float(sums["loss_denominator"]) == mask.sum() > 10
+    assert float(out.denominator) == mask.sum() > 10
     # Masses: the teacher's at the dump's temperature, the student's at T = 1.
     mass = np.exp(np.take_along_axis(log_softmax(zt / dump_t), ids, -1)).sum(-1)[mask].mean()
-    assert float(sums["teacher_mass"]) / mask.sum() == pytest.approx(mass, rel=1e-5)
+    assert float(out.sums.teacher_mass) / mask.sum() == pytest.approx(mass, rel=1e-5)
     mass = np.exp(np.take_along_axis(log_softmax(zs), ids, -1)).sum(-1)[mask].mean()
-    assert float(sums["student_mass"]) / mask.sum() == pytest.approx(mass, rel=1e-5)
+    assert float(out.sums.student_mass) / mask.sum() == pytest.approx(mass, rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["forward", "jsd"])  # reverse: the kernel's own tests and online top-k below
@@ -118,12 +118,12 @@ def test_online_full_vocabulary_matches_numpy(kind):
     packed = to_data_batch(rows(seed=1), 1).batch
     zs, zt = full_logits(student, packed), full_logits(teacher, packed)
     settings = DistillSettings(kind=kind, beta=0.3, unit_temperature=False)
-    got, sums = objective_value(settings, student, make_batch(packed, 0.25, 1.5), teacher)
+    got, out = objective_value(settings, student, make_batch(packed, 0.25, 1.5), teacher)
     mask = np.asarray(packed.target_mask) > 0
     want = reference(zs, zt, np.asarray(packed.target_ids), kind, 1.5, 0.25, beta=0.3)[mask].mean()
     assert got == pytest.approx(want, rel=2e-5)
     kl1 = kl(log_softmax(zt), log_softmax(zs))[mask].mean()  # the run-comparable metric: forward KL at T = 1
-    assert float(sums["kl"]) / mask.sum() == pytest.approx(kl1, rel=2e-5)
+    assert float(out.sums.kl) / mask.sum() == pytest.approx(kl1, rel=2e-5)
 
 
 def test_online_topk_matches_numpy():
@@ -179,7 +179,7 @@ def test_feature_loss_through_a_projection_matches_numpy(kind):
     settings = DistillSettings(kind="forward", feature_layers=pairs, feature_kind=kind)
     b = packed.target_ids.shape[0]
     batch = make_batch(packed, alpha, t, feature_weight=np.full(b, weight, np.float32))
-    got, sums = objective_value(settings, student, batch, teacher, projections)
+    got, out = objective_value(settings, student, batch, teacher, projections)
 
     mask = np.asarray(packed.target_mask) > 0
     hs = layer_states_at_targets(student, packed, (1, 1))[mask]  # [N, 2, 32]
@@ -194,7 +194,7 @@ def test_feature_loss_through_a_projection_matches_numpy(kind):
     kd = reference(full_logits(student, packed), full_logits(teacher, packed), np.asarray(packed.target_ids),
                    "forward", t, alpha)[mask]  # fmt: skip
     assert got == pytest.approx((kd + weight * feature).mean(), rel=2e-5)
-    assert float(sums["feature"]) / mask.sum() == pytest.approx(feature.mean(), rel=2e-5)
+    assert float(out.sums.feature) / mask.sum() == pytest.approx(feature.mean(), rel=2e-5)
     assert feature.mean() > 0.05  # a real distance, not a degenerate zero
 
     if kind == "l2":  # d/dP_i of mean_tokens weight * mean_pairs mean_d (h_i P_i - t_i)^2
@@ -202,8 +202,8 @@ def test_feature_loss_through_a_projection_matches_numpy(kind):
         graphdef, state = nnx.split(projections)
 
         def loss_of(p):
-            loss_sum, sums = loss_fn(student, batch, None, teacher, nnx.merge(graphdef, p))
-            return loss_sum / sums["loss_denominator"]
+            out = loss_fn(DistillModules(student, nnx.merge(graphdef, p), teacher), batch, None)
+            return out.total / out.denominator
 
         grads = jax.grad(loss_of)(state)
         n, dt = hs.shape[0], ht.shape[-1]
@@ -217,8 +217,10 @@ def test_feature_loss_through_a_projection_matches_numpy(kind):
 @pytest.mark.parametrize("online", [False, True, "features"])
 def test_micro_batches_give_the_one_batch_gradient(online):
     """Two micro-batches and one give the same gradient, per tensor in float32 ulps, and it is not zero; with
-    feature pairs, the projection (the learner's companion) gets its gradient the same way."""
+    feature pairs, the projection (trained with the student in the method's module tree) gets its gradient the
+    same way."""
     from posttrain.distill.features import feature_projections
+    from posttrain.distill.objective import trainable
 
     data = rows(n=8, seed=4)
     teacher = create_model(TEACHER, None, seed=1)
@@ -235,21 +237,22 @@ def test_micro_batches_give_the_one_batch_gradient(online):
             extra = {"feature_weight": np.full(8, 0.5, np.float32)}
         batch = make_batch(packed, 0.2, 2.0, **extra)
         settings = DistillSettings(kind="jsd", top_k=0 if online else k, unit_temperature=False, feature_layers=pairs)
+        projections = feature_projections(pairs, STUDENT.hidden_size, TEACHER.hidden_size, seed=0)
         learner = Learner(
-            create_model(STUDENT, None, seed=0),
+            DistillModules(create_model(STUDENT, None, seed=0), projections, teacher if online else None),
             _mesh(),
             distill_objective(settings, STUDENT),
             OptimConfig(name="sgd", learning_rate=0.0, schedule="constant", grad_clip_norm=None),
             total_updates=1,
             tx=recording_sgd(0.0),
-            frozen=teacher if online else None,
-            companion=feature_projections(pairs, STUDENT.hidden_size, TEACHER.hidden_size, seed=0),
+            trainable=trainable(nnx.Param),
         )
-        metrics = learner.update(batch, micro)
-        assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0
+        update = learner.update(batch, micro)
+        assert update.finite == 1.0 and update.empty == 0.0 and update.grad_norm > 0
         grads.append(learner.state.opt_state)  # the gradient the update was given
-    if pairs:  # (the model's, the projections'): the second is there, and checked tensor by tensor
-        assert isinstance(grads[0], tuple) and np.abs(np.asarray(grads[0][1]["kernels"][0])).max() > 0
+        assert "teacher" not in learner.state.params  # frozen: no gradient, no moments
+    if pairs:  # the projections' gradient is there, and checked tensor by tensor
+        assert np.abs(np.asarray(grads[0]["projections"]["kernels"][0])).max() > 0
     assert_same_gradients(grads[0], grads[1])
 
 
@@ -264,19 +267,16 @@ def _mesh():
 
 def test_a_padded_teachers_logprobs_are_read_over_the_students_vocabulary():
     """On-policy's teacher pass (`FrozenModel.load(vocab=V)`): log-probs normalised over the first V rows."""
-    from flax import nnx
-
     from posttrain.frozen import logprob_pass
 
     padded = create_model(TEACHER.model_copy(update={"vocab_size": V + 8}), None, seed=1)
     packed = to_data_batch(rows(seed=5), 1).batch
     zt = full_logits(padded, packed)[..., :V]
-    graphdef, params = nnx.split(padded)
-    got = np.asarray(logprob_pass(graphdef, 1.0, vocab=V)(params, packed))
+    got = np.asarray(logprob_pass(1.0, vocab=V)(padded, packed))
     mask = np.asarray(packed.target_mask) > 0
     want = np.take_along_axis(log_softmax(zt), np.asarray(packed.target_ids)[..., None], -1)[..., 0]
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
-    full = np.asarray(logprob_pass(graphdef, 1.0)(params, packed))
+    full = np.asarray(logprob_pass(1.0)(padded, packed))
     assert np.abs(full[mask] - want[mask]).max() > 1e-3  # the padding rows do move the unrestricted values
 
 
@@ -326,11 +326,11 @@ def test_the_store_gathers_each_targets_topk_through_packing_and_micro_batches(t
 
 
 def test_feature_layers_a_model_lacks_are_refused_at_start_naming_the_pair():
-    """`Distillation.companion` (built before any step): each pair's layers against both models' ranges; the
-    projections replicated on the mesh, none when the widths agree."""
+    """`feature_projections_for` (built with the module tree, before any step): each pair's layers against both
+    models' ranges; the projections replicated on the mesh, none when the widths agree."""
     from core.config_loader import ConfigError
     from posttrain.config import PostTrainConfig
-    from posttrain.distill.method import DISTILL
+    from posttrain.distill.method import feature_projections_for
 
     teacher = create_model(TEACHER, None, seed=1)
 
@@ -341,13 +341,13 @@ def test_feature_layers_a_model_lacks_are_refused_at_start_naming_the_pair():
     with pytest.raises(
         ConfigError, match=r"distill.feature_layers\[1\] = \[1, 3\]: the teacher has layers 1..2, not 3"
     ):
-        DISTILL.companion(config([[1, 2], [1, 3]]), _mesh(), teacher)
+        feature_projections_for(config([[1, 2], [1, 3]]), _mesh(), teacher)
     with pytest.raises(
         ConfigError, match=r"distill.feature_layers\[0\] = \[2, 1\]: the student has layers 1..1, not 2"
     ):
-        DISTILL.companion(config([[2, 1]]), _mesh(), teacher)
-    projections = DISTILL.companion(config([[1, 2], [1, 1]]), _mesh(), teacher)
+        feature_projections_for(config([[2, 1]]), _mesh(), teacher)
+    projections = feature_projections_for(config([[1, 2], [1, 1]]), _mesh(), teacher)
     assert [k[...].shape for k in projections.kernels] == [(32, 48), (32, 48)]
     assert projections.kernels[0][...].sharding.is_fully_replicated
     same_width = create_model(TEACHER.model_copy(update={"hidden_size": 32}), None, seed=1)
-    assert DISTILL.companion(config([[1, 1]]), _mesh(), same_width) is None
+    assert feature_projections_for(config([[1, 1]]), _mesh(), same_width) is None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from core.metrics import read_metrics
+from tests.helpers import saved_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +124,9 @@ def test_online_distillation_brings_the_student_closer(tmp_path, arithmetic_toke
     feature = [r["feature"] for r in read_metrics(run_dir) if "feature" in r and "eval/loss" not in r]
     assert len(feature) >= 10 and np.mean(feature[-3:]) < 0.9 * np.mean(feature[:3]), feature
     latest = max((run_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
-    assert (latest / "companion").is_dir()
+    saved = saved_tensors(latest)  # the student and its projections: what trains, not the teacher
+    assert any(p.startswith("projections.") for p in saved) and any(p.startswith("model.") for p in saved)
+    assert not [p for p in saved if p.startswith("teacher")]
     with safe_open(str(next((run_dir / "hf").glob("*.safetensors"))), "np") as f:
         names = list(f.keys())
     assert names and not [n for n in names if "kernels" in n or "projection" in n]

@@ -86,7 +86,8 @@ def test_the_head_scores_real_targets_only_with_the_same_values_and_gradients(ll
     whole = build_pair_batch(pairs, slots=8, row_len=64, groups=groups).packed
     mask = np.asarray(whole.target_mask)
     b, c = mask.shape
-    flat = with_scored(whole, groups)
+    assert whole.groups == groups
+    flat = with_scored(whole)
     per_group = mask.reshape(groups, -1).sum(axis=1)
     assert per_group.max() <= flat.scored < b * c // groups  # the flat path, and no real target left out
     weights = np.random.default_rng(4).normal(size=mask.shape).astype(np.float32) * mask
@@ -130,7 +131,7 @@ def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
     ref_c, ref_r = rng.normal(-60, 5, 8).astype(np.float32), rng.normal(-60, 5, 8).astype(np.float32)
     batch = build_pair_batch(pairs, slots=8, row_len=128).replace(ref_chosen=ref_c, ref_rejected=ref_r)
     dpo = DPOConfig(loss_type=loss_type, beta=0.2)
-    loss_sum, sums = jax.jit(lambda m, b: preference_objective(dpo)(m, b, jax.random.key(0)))(model, batch)
+    out = jax.jit(lambda m, b: preference_objective(dpo)(m, b, jax.random.key(0)))(model, batch)
     pc = np.array([hf_completion_logps(hf, p.prompt, p.chosen).sum() for p in pairs])
     pr = np.array([hf_completion_logps(hf, p.prompt, p.rejected).sum() for p in pairs])
     nc, nr = np.array([len(p.chosen) for p in pairs]), np.array([len(p.rejected) for p in pairs])
@@ -146,34 +147,31 @@ def test_objective_is_dpo_of_transformers_log_probs(llama, loss_type):
         ac, ar = pc / nc, pr / nr
         log_odds = (ac - np.log(-np.expm1(ac))) - (ar - np.log(-np.expm1(ar)))
         want, chosen = -ac - b * log_sigmoid(log_odds), b * ac
-    assert float(sums["loss_denominator"]) == 5.0  # the empty slots do not count
-    assert float(loss_sum) == pytest.approx(want.sum(), rel=1e-5)
-    assert float(sums["rewards/chosen"]) == pytest.approx(chosen.sum(), rel=1e-5, abs=1e-5)
-    assert float(sums["logps/chosen"]) == pytest.approx(pc.sum(), rel=1e-5)
+    assert float(out.denominator) == 5.0  # the empty slots do not count
+    assert float(out.total) == pytest.approx(want.sum(), rel=1e-5)
+    assert float(out.sums.chosen) == pytest.approx(chosen.sum(), rel=1e-5, abs=1e-5)
+    assert float(out.sums.logps_chosen) == pytest.approx(pc.sum(), rel=1e-5)
 
 
 def test_a_live_reference_equal_to_the_policy_gives_zero_margins(llama):
     """With the reference a frozen copy of the policy (and another layout: one pair per row), every implicit
     reward is ~0 and the sigmoid loss is log 2."""
-    from flax import nnx
-
     from core.mesh import single_device_mesh
     from posttrain.dpo.objective import preference_objective, with_reference
     from posttrain.frozen import FrozenModel
 
     _, model, cfg, _ = llama
     pairs = random_pairs(4, cfg.vocab_size, seed=3)
-    graphdef, params = nnx.split(model)
-    reference = FrozenModel.copy_of(graphdef, params, single_device_mesh(), "reference")
-    unpacked = with_reference(build_pair_batch(pairs, slots=4, row_len=64, pack=False), reference, groups=1)
+    reference = FrozenModel.copy_of(model, single_device_mesh(), "reference")
+    unpacked = with_reference(build_pair_batch(pairs, slots=4, row_len=64, pack=False), reference)
     packed = build_pair_batch(pairs, slots=4, row_len=128).replace(
         ref_chosen=unpacked.ref_chosen, ref_rejected=unpacked.ref_rejected
     )
     assert packed.packed.rows < unpacked.packed.rows
     assert (np.asarray(unpacked.ref_chosen) < -1).all()  # real log-probs, not zeros
-    loss_sum, sums = preference_objective(DPOConfig())(model, packed, jax.random.key(0))
-    assert float(loss_sum) / 4 == pytest.approx(math.log(2), abs=1e-5)
-    assert abs(float(sums["rewards/margins"])) < 1e-4
+    out = preference_objective(DPOConfig())(model, packed, jax.random.key(0))
+    assert float(out.total) / 4 == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(float(out.sums.margins)) < 1e-4
 
 
 def test_micro_batches_leave_the_gradient_unchanged(llama):
@@ -196,14 +194,14 @@ def test_micro_batches_leave_the_gradient_unchanged(llama):
             model, _ = load_hf(path, mesh=mesh)
         loss = preference_objective(DPOConfig(loss_type="sigmoid", rpo_alpha=0.5))
         learner = Learner(model, mesh, loss, OptimConfig(), total_updates=1, tx=recording_sgd(1.0))
-        metrics = learner.update(batch, k)
-        results.append((metrics, jax.device_get(learner.state.opt_state)))
+        update = learner.update(batch, k)
+        results.append((update, jax.device_get(learner.state.opt_state)))
     (m1, g1), (m4, g4) = results
     for m in (m1, m4):  # both steps ran, on real pairs: a skipped or empty step would compare zeros with zeros
-        assert m["finite"] == 1.0 and m["empty"] == 0.0 and m["tokens"] == 8.0 and np.isfinite(m["loss"])
+        assert m.finite == 1.0 and m.empty == 0.0 and m.denominator == 8.0 and np.isfinite(m.loss)
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(g1)) > 1e-3
-    assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-6)
-    assert m1["rewards/accuracies"] == pytest.approx(m4["rewards/accuracies"])
+    assert m1.loss == pytest.approx(m4.loss, rel=1e-6)
+    assert m1.metrics()["rewards/accuracies"] == pytest.approx(m4.metrics()["rewards/accuracies"])
     assert_same_gradients(g1, g4)
 
 

@@ -92,8 +92,8 @@ def test_precomputed_reference_equals_live(tmp_path, arithmetic_tokenizer):
     every = data.train + data.eval
     mesh = make_mesh(cfg.mesh)
     model, cfg = initial_model(cfg, mesh)
-    graphdef, params = nnx.split(model)
-    reference = FrozenModel.copy_of(graphdef, params, mesh, "reference")
+    params = nnx.state(model)
+    reference = FrozenModel.copy_of(model, mesh, "reference")
     path = tmp_path / "ref.npz"
     digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every) + weights_digest(params)
     calls = []
@@ -107,7 +107,7 @@ def test_precomputed_reference_equals_live(tmp_path, arithmetic_tokenizer):
     it = iter(pair_pipeline(data.train, batch_size=8, micro_batches=2, layout=PairLayout(128), seed=3))
     for _ in range(3):
         item = next(it)
-        live = with_reference(item.batch, reference, groups=2)
+        live = with_reference(item.batch, reference)
         stored = attach_stored(store, item)
         for a, b in ((live.ref_chosen, stored.ref_chosen), (live.ref_rejected, stored.ref_rejected)):
             a, b = np.asarray(a), np.asarray(b)
@@ -154,7 +154,7 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
     )
     run = build_run(cfg, DPO)
     assert any(note.startswith(f"reference: {reference}") for note in run.parts.notes), run.parts.notes
-    run.loop.logger.log(0, run.loop.evaluate())  # the evaluation at step 0
+    run.loop.logger.log(0, run.loop.held_out())  # the evaluation at step 0
     run.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss" in r]
@@ -181,8 +181,8 @@ def test_reference_free_losses_load_no_reference(tmp_path, arithmetic_tokenizer)
     item = next(run.loop.data_iter)
     batch = run.loop.prepare(item, cfg.train.micro_batches)
     assert batch.ref_chosen is None and batch.ref_rejected is None
-    metrics = run.loop.learner.update(batch, cfg.train.micro_batches)
-    assert metrics["finite"] and np.isfinite(metrics["loss"])
+    update = run.loop.learner.update(batch, cfg.train.micro_batches)
+    assert update.finite and np.isfinite(update.loss)
 
 
 def test_a_changed_checkpoint_behind_the_same_path_recomputes_the_stored_reference(

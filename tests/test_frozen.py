@@ -25,7 +25,7 @@ def test_a_frozen_model_loads_with_its_own_shape_and_scores_like_transformers(ti
     ids = lambda n: tuple(int(x) for x in rng.integers(1, teacher.cfg.vocab_size, n))
     pairs = [Pair(i, ids(5 + i), ids(4), ids(6)) for i in range(4)]
     batch = build_pair_batch(pairs, slots=4, row_len=64, row_multiple=2)
-    logp = teacher.logprobs(batch.packed, groups=1)  # [8, C]
+    logp = teacher.logprobs(batch.packed)  # [8, C]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for i, pair in enumerate(pairs):
         for side, completion in ((0, pair.chosen), (1, pair.rejected)):

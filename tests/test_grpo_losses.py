@@ -378,9 +378,9 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
 def test_micro_batches_give_the_same_gradient(agg, algorithm):
     from core.config import ModelConfig
     from core.models import create_model
-    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+    from core.train import split_micro_batches
     from posttrain.onpolicy.policy_gradient import policy_objective
-    from tests.helpers import assert_same_gradients, recording_sgd
+    from tests.helpers import assert_same_gradients, jitted_step, recording_sgd
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, beta=0.05, tis_cap=2.0, max_tokens=19)
     loss_fn = policy_objective(settings, temperature=0.7)
@@ -390,15 +390,14 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
         batch = _rl_batch(groups=k, pack=pack)
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
         tx = recording_sgd(1.0)  # its state is the gradient the step applied
-        graphdef, state = init_train_state(model, tx, seed=0)
-        step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
-        state, metrics = step(state, split_micro_batches(batch, k))
+        step, state, rest = jitted_step(model, loss_fn, tx)
+        state, metrics = step(state, split_micro_batches(batch, k), rest)
         results.append((jax.device_get(state.opt_state), jax.device_get(metrics)))
     assert len(batch.packed.tokens) < len(batch.advantages)  # the packed batch really shares rows
     (g1, m1), (g4, m4) = results
     for m in (m1, m4):  # both steps ran on real tokens
-        assert float(m["finite"]) == 1.0 and float(m["empty"]) == 0.0 and float(m["grad_norm"]) > 0
-    assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), abs=1e-6)
+        assert float(m.finite) == 1.0 and float(m.empty) == 0.0 and float(m.grad_norm) > 0
+    assert float(m1.loss) == pytest.approx(float(m4.loss), abs=1e-6)
     # every tensor, in float32 steps of its own scale: one sequence per row vs packed rows changes the order of
     # every sum (attention over other row lengths, the embedding's scatter over ~250 tokens): measured 43-58 steps
     assert_same_gradients(g1, g4, steps=96)
@@ -419,10 +418,11 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     micro-batches) match a NumPy reference on the trainer's log-probs."""
     from core.config import ModelConfig
     from core.models import create_model
+    from core.sums import to_host
     from core.targets import target_logprobs
-    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+    from core.train import split_micro_batches
     from posttrain.onpolicy.policy_gradient import PolicyStats, policy_objective
-    from tests.helpers import assert_same_gradients, recording_sgd
+    from tests.helpers import assert_same_gradients, jitted_step, recording_sgd
 
     settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
     loss_fn = policy_objective(settings, temperature=0.7)
@@ -448,14 +448,13 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     for name, k in (("separate", 1), ("fused", 1), ("fused", 4)):
         model = create_model(ModelConfig(family="qwen2", attention_bias=True), seed=0)
         tx = recording_sgd(1.0)  # its state is the gradient the step applied
-        graphdef, state = init_train_state(model, tx, seed=0)
+        step, state, rest = jitted_step(model, loss_fn, tx)
         b = batches[k].replace(old_logp=None, ref_logp=None, sampler_logp=sampler_logp)
         inputs = b.replace(old_logp=trainer_logp.astype(np.float32)) if name == "separate" else b
-        step = jit_train_step(make_train_step(graphdef, loss_fn, tx), state)
-        state, metrics = step(state, split_micro_batches(inputs, k))
-        metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
-        assert metrics["finite"] == 1.0 and metrics["empty"] == 0.0 and metrics["grad_norm"] > 0
-        stats = PolicyStats.summarise([metrics], 1, settings).metrics()
+        state, update = step(state, split_micro_batches(inputs, k), rest)
+        update = to_host(jax.device_get(update))
+        assert update.finite == 1.0 and update.empty == 0.0 and update.grad_norm > 0
+        stats = PolicyStats.summarise([update], 1, settings).metrics()
         results[name, k] = jax.device_get(state.opt_state)
         for key, value in expected.items():
             assert stats[key] == pytest.approx(float(value), rel=1e-4, abs=tolerance[key]), (name, k, key)

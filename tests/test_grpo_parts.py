@@ -345,7 +345,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     params, seen = {}, {}
 
     def record(run, step, metrics):
-        params[step] = jax.tree.map(np.asarray, run.trainer.local().learner.params)
+        params[step] = jax.tree.map(np.asarray, run.trainer.local().learner.learner.params)
         seen[step] = metrics
 
     run = NaNAtStep2(cfg)
@@ -369,7 +369,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     again = GRPORun(cfg)  # the same command resumes past the bad batch
     try:
         assert again.start_step == 2
-        resumed = jax.tree.map(np.asarray, again.trainer.local().learner.params)
+        resumed = jax.tree.map(np.asarray, again.trainer.local().learner.learner.params)
         assert same(resumed, params[1])  # the NaN update was never applied
         again.run()
     finally:
@@ -445,9 +445,9 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
         update = core.update
 
         def recorded(batch, micro_batches, core=core, update=update, updates=updates):
-            metrics = update(batch, micro_batches)
-            updates.append((metrics["loss"], jax.device_get(core.state.opt_state)))
-            return metrics
+            result = update(batch, micro_batches)
+            updates.append((result.loss, jax.device_get(core.state.opt_state)))
+            return result
 
         core.update = recorded
         metrics = learner.train(batch).metrics

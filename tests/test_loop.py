@@ -17,6 +17,7 @@ from core.loop import Evaluation, NonFiniteLoss, TrainLoop
 from core.losses import nll_loss, perplexity
 from core.mesh import make_mesh
 from core.models import create_model
+from core.train import LossOutput
 from tests.helpers import pipeline
 
 RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
@@ -73,8 +74,8 @@ def poisoned(data: DataBatch) -> DataBatch:
 
 def poisoned_loss(model, batch, rng):
     """NaN whenever the batch carries the POISON token."""
-    loss, m = nll_loss(model, batch, rng)
-    return loss * jnp.where((batch.tokens == POISON).any(), jnp.nan, 1.0), m
+    out = nll_loss(model, batch, rng)
+    return LossOutput(out.total * jnp.where((batch.tokens == POISON).any(), jnp.nan, 1.0), out.denominator)
 
 
 def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
@@ -105,7 +106,7 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
 def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
     cfg = config(tmp_path, "checkpoint.every_steps=2")
     t = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True)
-    with pytest.raises(NonFiniteLoss, match="step 3: loss nan"):
+    with pytest.raises(NonFiniteLoss, match="step 3: loss nan.*Checkpoint .*/3 holds the parameters"):
         t.fit()
     # checkpoint 3 holds the state from before the bad update (== checkpoint 2), data positioned after it
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
@@ -117,8 +118,8 @@ def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
 
 def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):
     cfg = config(tmp_path, "train.nan_policy=skip")
-    state = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True).fit()
-    assert int(state.step) == 8
+    loop = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True)
+    assert loop.fit() == 8 and int(loop.state.step) == 8
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # a list of (step, skipped) as logged: a step logged twice, or one missing, is seen
     skipped = [(r["step"], r["skipped_steps"]) for r in rows if "skipped_steps" in r]
@@ -133,10 +134,9 @@ def test_sigterm_saves_and_resumes(tmp_path, arithmetic_tokenizer, capsys):
         if step == 5:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    state = trainer(cfg, arithmetic_tokenizer, on_batch=terminate_at_step_5).fit()
-    assert int(state.step) == 5
+    assert trainer(cfg, arithmetic_tokenizer, on_batch=terminate_at_step_5).fit() == 5
     assert "SIGTERM: checkpoint saved at step 5" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
-    state = trainer(cfg, arithmetic_tokenizer).fit()
-    assert int(state.step) == 8
+    loop = trainer(cfg, arithmetic_tokenizer)
+    assert loop.fit() == 8 and int(loop.state.step) == 8
     assert "resumed from" in capsys.readouterr().out

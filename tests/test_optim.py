@@ -111,33 +111,35 @@ def test_other_optimizers_step(name):
     assert all(np.isfinite(np.asarray(u)).all() and np.asarray(u).any() for u in jax.tree.leaves(updates))
 
 
-def test_a_companion_trains_beside_a_frozen_model_part():
-    """With `trainable_regex` freezing part of the model, the companion (a feature projection) still trains with
-    AdamW; the frozen part does not move."""
+def test_trainable_regex_reads_the_paths_of_a_module_tree():
+    """In a method's module tree (a model and a feature projection trained with it) `trainable_regex` matches each
+    parameter's path in the tree: `mlp\\.|projections` trains the model's MLPs and the projection with AdamW, and
+    the rest of the model does not move; one clip covers the whole tree."""
     from posttrain.distill.features import feature_projections
+    from posttrain.distill.objective import DistillModules, trainable
 
-    _model, params = tiny_params()
-    companion = nnx.state(feature_projections([(1, 1)], 64, 32, seed=0))
-    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.", schedule="constant")
-    tx = make_optimizer(c, 10, params, companion)
-    pair = (params, companion)
-    state = tx.init(pair)
-    grads = jax.tree.map(jnp.ones_like, pair)
-    updates, state = tx.update(grads, state, pair)
-    new_params, new_companion = optax.apply_updates(pair, updates)
-    kernel = np.asarray(companion["kernels"][0][...])
+    model, _ = tiny_params()
+    tree = DistillModules(model, feature_projections([(1, 1)], 64, 32, seed=0))
+    params = nnx.state(tree, trainable(nnx.Param))
+    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.|projections", schedule="constant")
+    tx = make_optimizer(c, 10, params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    kernel = np.asarray(params["projections"]["kernels"][0][...])
     # AdamW's first step moves every entry by lr (sign of the gradient) plus the decay
-    moved = np.asarray(new_companion["kernels"][0][...]) - kernel
+    moved = np.asarray(new["projections"]["kernels"][0][...]) - kernel
     np.testing.assert_allclose(moved, -0.1 - 0.1 * c.weight_decay * kernel, rtol=1e-4, atol=1e-6)
-    frozen = np.asarray(params["embed"]["embedding"][...])
-    np.testing.assert_array_equal(np.asarray(new_params["embed"]["embedding"][...]), frozen)
+    frozen = np.asarray(params["model"]["embed"]["embedding"][...])
+    np.testing.assert_array_equal(np.asarray(new["model"]["embed"]["embedding"][...]), frozen)
     trained = [p for p, _ in nnx.to_flat_state(params) if "mlp" in ".".join(map(str, p))]
-    before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(new_params))
+    before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(new))
     assert trained and all(not np.array_equal(before[p][...], after[p][...]) for p in trained)
 
-    # Its own clip at optim.grad_clip_norm (SGD shows it: AdamW's first step does not depend on the scale).
+    # One clip at optim.grad_clip_norm over every trainable parameter (SGD shows it: AdamW's first step does not
+    # depend on the scale).
     sgd = OptimConfig(name="sgd", learning_rate=0.1, schedule="constant", grad_clip_norm=1.0)
-    tx = make_optimizer(sgd, 10, params, companion)
-    updates, _ = tx.update(grads, tx.init(pair), pair)
-    norm = np.sqrt(kernel.size)  # of the all-ones companion gradient, alone
-    np.testing.assert_allclose(np.asarray(updates[1]["kernels"][0]), -0.1 / norm, rtol=1e-5)
+    tx = make_optimizer(sgd, 10, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    norm = np.sqrt(sum(x.size for x in jax.tree.leaves(params)))  # of the all-ones gradient of the whole tree
+    np.testing.assert_allclose(np.asarray(updates["projections"]["kernels"][0]), -0.1 / norm, rtol=1e-5)

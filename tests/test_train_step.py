@@ -16,12 +16,14 @@ from core.mesh import make_mesh
 from core.models import create_model
 from core.optim import make_optimizer
 from core.train import (
+    LossOutput,
     batch_sharding,
     init_train_state,
     jit_train_step,
     make_train_step,
     place_batch,
     split_micro_batches,
+    split_modules,
 )
 
 SGD = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=None)
@@ -48,10 +50,16 @@ def packed(rows, micro_batches=1) -> PackedBatch:
     return to_data_batch({**rows, "example_ids": np.zeros_like(rows["tokens"])}, micro_batches).batch
 
 
+def start(model, optim=SGD):
+    """(graphdef, train state, frozen rest, tx) of a whole model trained by `optim`."""
+    graphdef, params, rest = split_modules(model, nnx.Param)
+    tx = make_optimizer(optim, 10, params)
+    return graphdef, init_train_state(params, tx, seed=0), rest, tx
+
+
 def run_steps(model_cfg, batches, micro_batches, mesh=None, optim=SGD):
     model = create_model(model_cfg, mesh, seed=0)
-    tx = make_optimizer(optim, 10, nnx.state(model))
-    graphdef, state = init_train_state(model, tx, seed=0)
+    graphdef, state, rest, tx = start(model, optim)
     step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
     metrics = []
     for b in batches:
@@ -59,9 +67,9 @@ def run_steps(model_cfg, batches, micro_batches, mesh=None, optim=SGD):
         if mesh is not None:
             b = place_batch(b, mesh)
             with jax.set_mesh(mesh):
-                state, m = step(state, b)
+                state, m = step(state, b, rest)
         else:
-            state, m = step(state, b)
+            state, m = step(state, b, rest)
         metrics.append(jax.device_get(m))
     return state, metrics
 
@@ -79,11 +87,11 @@ def test_micro_batches_give_the_same_update():
     one, m1 = run_steps(cfg, [batch], 1)
     four, m4 = run_steps(cfg, [batch], 4)
     assert (
-        m1[0]["tokens"]
-        == m4[0]["tokens"]
+        m1[0].denominator
+        == m4[0].denominator
         == (batch["loss_mask"][:, 1:] * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])).sum()
     )
-    assert abs(float(m1[0]["loss"]) - float(m4[0]["loss"])) <= 1e-6
+    assert abs(float(m1[0].loss) - float(m4[0].loss)) <= 1e-6
     # SGD with lr 1: the update is minus the gradient
     assert max_param_diff(one, four) <= 1e-6
 
@@ -99,24 +107,22 @@ class ScaledBatch:
 
 def test_non_finite_step_leaves_state_untouched():
     cfg = ModelConfig()
-    model = create_model(cfg, seed=0)
-    tx = make_optimizer(SGD, 10, nnx.state(model))
-    graphdef, state = init_train_state(model, tx, seed=0)
+    graphdef, state, rest, tx = start(create_model(cfg, seed=0))
 
     def loss_fn(model, batch, rng):
-        loss, m = nll_loss(model, batch.packed, rng)
-        return loss * batch.scale.sum(), m
+        out = nll_loss(model, batch.packed, rng)
+        return LossOutput(out.total * batch.scale.sum(), out.denominator)
 
     step = jax.jit(make_train_step(graphdef, loss_fn, tx))
     before = jax.tree.map(np.asarray, state.params)
     batch = split_micro_batches(ScaledBatch(packed(make_batch()), np.full((8, 1), np.nan, np.float32)), 1)
-    state, m = step(state, batch)
-    assert float(m["finite"]) == 0.0 and int(state.step) == 1
+    state, m = step(state, batch, rest)
+    assert float(m.finite) == 0.0 and int(state.step) == 1
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))
     batch = ScaledBatch(batch.packed, np.ones_like(batch.scale))
-    state, m = step(state, batch)
-    assert float(m["finite"]) == 1.0
+    state, m = step(state, batch, rest)
+    assert float(m.finite) == 1.0
     assert any(
         not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))
     )
@@ -132,20 +138,18 @@ def test_a_batch_without_loss_tokens_takes_no_optimizer_step():
     empty = packed({**make_batch(), "loss_mask": np.zeros_like(make_batch()["loss_mask"])})
     states = []
     for batches in ([empty, batch], [batch]):
-        model = create_model(cfg, seed=0)
-        tx = make_optimizer(adamw, 10, nnx.state(model))
-        graphdef, state = init_train_state(model, tx, seed=0)
+        graphdef, state, rest, tx = start(create_model(cfg, seed=0), adamw)
         step = jax.jit(make_train_step(graphdef, nll_loss, tx))
-        start = jax.tree.map(np.asarray, (state.params, state.opt_state))
+        first = jax.tree.map(np.asarray, (state.params, state.opt_state))
         for _i, b in enumerate(batches):
-            state, m = step(state, split_micro_batches(b, 1))
+            state, m = step(state, split_micro_batches(b, 1), rest)
             if b is empty:
-                assert float(m["empty"]) == 1.0 and float(m["finite"]) == 1.0
+                assert float(m.empty) == 1.0 and float(m.finite) == 1.0
                 after = jax.tree.map(np.asarray, (state.params, state.opt_state))
-                for a, c in zip(jax.tree.leaves(start), jax.tree.leaves(after)):
+                for a, c in zip(jax.tree.leaves(first), jax.tree.leaves(after)):
                     np.testing.assert_array_equal(a, c)
             else:
-                assert float(m["empty"]) == 0.0
+                assert float(m.empty) == 0.0
         states.append(state)
     assert max_param_diff(states[0], states[1]) == 0.0
 
@@ -160,29 +164,31 @@ def test_sharded_training_matches_single_device(mesh_cfg, micro):
     q = sharded.params["layers"]["attn"]["q_proj"]["kernel"][...]
     assert len(q.sharding.device_set) == 8
     for a, b in zip(ms, m1):
-        assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-5
+        assert abs(float(a.loss) - float(b.loss)) <= 1e-5
     assert max_param_diff(sharded, single) <= 1e-5
 
 
-@pytest.mark.parametrize("companion", [False, True])
-def test_optimizer_moments_are_sharded_like_parameters(companion):
-    """Also with a companion (a feature projection trained beside the model): the model's moments keep their
-    parameters' shardings, the companion's are its own (replicated)."""
+@pytest.mark.parametrize("projections", [False, True])
+def test_optimizer_moments_are_sharded_like_parameters(projections):
+    """Also for a method's module tree (a model and a feature projection trained with it, distillation's): every
+    moment keeps its parameter's sharding, the projection's its own (replicated)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from posttrain.distill.features import feature_projections
+    from posttrain.distill.objective import DistillModules, trainable
 
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     model = create_model(ModelConfig(), mesh)
-    extra = None
-    if companion:
-        extra = jax.device_put(
-            nnx.state(feature_projections([(1, 1)], 64, 96, 0)), NamedSharding(mesh, PartitionSpec())
-        )
-    tx = make_optimizer(OptimConfig(name="adamw"), 10, nnx.state(model), extra)
-    _, state = init_train_state(model, tx, seed=0, companion=extra)
-    trained = state.trainable if companion else (state.params,)
-    params = {jax.tree_util.keystr(p): x for part in trained for p, x in jax.tree_util.tree_flatten_with_path(part)[0]}
+    tree, which = model, nnx.Param
+    if projections:
+        extra = feature_projections([(1, 1)], 64, 96, 0)
+        nnx.update(extra, jax.device_put(nnx.state(extra), NamedSharding(mesh, PartitionSpec())))
+        tree, which = DistillModules(model, extra), trainable(nnx.Param)
+    _, trained, _ = split_modules(tree, which)
+    tx = make_optimizer(OptimConfig(name="adamw"), 10, trained)
+    state = init_train_state(trained, tx, seed=0)
+    params = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    assert any("kernels" in p for p in params) == projections
     moments = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
         key = jax.tree_util.keystr(path)
@@ -193,8 +199,19 @@ def test_optimizer_moments_are_sharded_like_parameters(companion):
         else:
             assert leaf.ndim == 0 and leaf.sharding.is_fully_replicated, key
     assert moments == 2 * len(params)  # mu and nu for every parameter
-    q = state.params["layers"]["attn"]["q_proj"]["kernel"][...]
+    q = next(x for p, x in params.items() if "q_proj" in p and "kernel" in p)
     assert not q.sharding.is_fully_replicated  # (so the sharded matches above are not all trivially replicated)
+
+
+def test_a_batch_is_split_into_the_micro_batches_it_was_packed_for():
+    """`target_index` is local to each packing group: a batch packed for 2 groups cut into 1 or 4 micro-batches
+    would point targets at other rows, so the split is refused, naming both counts."""
+    batch = packed(make_batch(), micro_batches=2)
+    assert batch.groups == 2
+    split_micro_batches(batch, 2)
+    for wrong in (1, 4):
+        with pytest.raises(ValueError, match=rf"packed for 2 packing group\(s\) but is split into {wrong} micro"):
+            split_micro_batches(ScaledBatch(batch, np.ones((8, 1), np.float32)), wrong)
 
 
 def test_batch_shards_is_what_batch_sharding_splits_rows_into():
@@ -232,8 +249,9 @@ def test_scored_counts_cover_every_real_target_in_few_sizes(slots):
             target_index=np.zeros((2, slots), np.int32),
             target_ids=np.zeros((2, slots), np.int32),
             target_mask=mask,
+            groups=2,
         )
-        scored = with_scored(batch, 2).scored
+        scored = with_scored(batch).scored
         assert most <= scored <= slots, (most, scored)
         counts.add(scored)
     assert len(counts) <= 16, sorted(counts)

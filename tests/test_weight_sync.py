@@ -168,7 +168,8 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
     from core.data import to_data_batch
     from core.losses import nll_loss
     from core.optim import make_optimizer
-    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+    from core.train import split_micro_batches
+    from tests.helpers import jitted_step
 
     path = rollout_model_dir("llama")
     mesh = make_mesh(MeshConfig(fsdp=2), jax.devices()[:2])
@@ -176,9 +177,8 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
         model, _ = load_hf(path, mesh=mesh)
         placeholder, _ = load_hf(rollout_model_dir("llama", seed=1), mesh=mesh)
         sampler = JaxSampler(placeholder, str(path), mesh=mesh, max_model_len=128)
-        tx = make_optimizer(OptimConfig(name="sgd", learning_rate=0.1, schedule="constant"), 10, nnx.state(model))
-        graphdef, state = init_train_state(model, tx, seed=0)
-        step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
+        sgd = OptimConfig(name="sgd", learning_rate=0.1, schedule="constant")
+        step, state, rest = jitted_step(model, nll_loss, make_optimizer(sgd, 10, nnx.state(model)))
         reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
         reshard_to_jax_sampler(state.params, sampler, chunk_bytes=1 << 20)
         before = jax.tree.map(np.asarray, state.params)
@@ -191,8 +191,8 @@ def test_syncing_twice_to_a_sampler_on_the_trainers_mesh_leaves_the_trainer_aliv
             "example_ids": np.zeros((2, 16), np.int32),
         }
         batch = to_data_batch(rows, 1).batch
-        state, metrics = step(state, split_micro_batches(batch, 1))  # donates the trainer's buffers
-        assert np.isfinite(float(metrics["loss"]))
+        state, update = step(state, split_micro_batches(batch, 1), rest)  # donates the trainer's buffers
+        assert np.isfinite(float(update.loss))
         greedy = SamplingParams(temperature=0.0, max_tokens=6)
         got = sampler.generate([[5, 17, 99, 3]], greedy)  # the sampler still holds the pre-step weights
     fresh_model, _ = load_hf(path)

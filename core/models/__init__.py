@@ -10,6 +10,7 @@ from core.models.build import (
     shard_model,
     state_mismatches,
     state_shardings,
+    trained_model,
 )
 from core.models.decoder import Decoder
 
@@ -24,4 +25,5 @@ __all__ = [
     "shard_model",
     "state_mismatches",
     "state_shardings",
+    "trained_model",
 ]

@@ -57,8 +57,14 @@ def _shardings_of(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def create_model(cfg: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Decoder:
-    """A randomly initialised model whose parameters are created directly in their shards."""
+    """A randomly initialised model whose parameters are created directly in their shards (with `model.lora`: a
+    random base and its adapters, `core.models.adapters.add_adapters`)."""
     mesh = mesh or single_device_mesh()
+    if cfg.lora is not None:
+        from core.models.adapters import add_adapters
+
+        base = create_model(cfg.model_copy(update={"lora": None}), mesh, seed)
+        return add_adapters(base, cfg.lora, mesh, seed)
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     shardings = _shardings_of(abstract_state, mesh)
 
@@ -119,6 +125,20 @@ def state_mismatches(expected: nnx.State, given: nnx.State, check_dtype: bool = 
         if a.shape != b.shape or (check_dtype and a.dtype != b.dtype):
             problems.append(f"{name(k)}: expected {a.shape} {a.dtype}, got {b.shape} {b.dtype}")
     return sorted(problems)
+
+
+def trained_model(modules: nnx.Module) -> Decoder:
+    """The model a method's module tree trains (`core.train`): the tree itself when it is a `Decoder`, else the
+    `Decoder` it holds as `.model` (beside what its loss also reads: modules trained with it, frozen models)."""
+    if isinstance(modules, Decoder):
+        return modules
+    model = getattr(modules, "model", None)
+    if not isinstance(model, Decoder):
+        raise TypeError(
+            f"a method's module tree is a Decoder or holds the Decoder it trains as `.model`; "
+            f"{type(modules).__name__} has {type(model).__name__}"
+        )
+    return model
 
 
 def param_count(model: nnx.Module) -> int:

@@ -20,7 +20,7 @@ from core.kernels.attention import make_mask, window_mask
 from core.mesh import constrain
 from core.models.attention import Attention
 from core.models.compact import Compaction
-from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of
+from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of, fold
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -38,10 +38,15 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array, layout: Compaction | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        layout: Compaction | None = None,
+        rng: jax.Array | None = None,
     ) -> jax.Array:
-        x = x + self.attn(self.input_norm(x), positions, mask, layout)
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + self.attn(self.input_norm(x), positions, mask, layout, fold(rng, 0))
+        x = x + self.mlp(self.post_attn_norm(x), fold(rng, 1))
         return constrain(x, ("batch", "length", "act_embed"))
 
     def with_cache(self, x, positions, cache_k, cache_v, mask):
@@ -137,6 +142,7 @@ class Decoder(nnx.Module):
         """The output projection and its layout: ([D, V], "dv") or the tied embedding ([V, D], "vd")."""
         if self.lm_head is None:
             return self.embed.embedding[...], "vd"
+        assert self.lm_head.kernel is not None  # the head is never stored quantized
         return self.lm_head.kernel[...], "dv"
 
     def hidden_states(self, tokens, positions=None, segment_ids=None, branch_ids=None, compact: int = 0) -> jax.Array:
@@ -148,16 +154,25 @@ class Decoder(nnx.Module):
         return self.layer_states(tokens, positions, segment_ids, branch_ids, compact)[0]
 
     def layer_states(
-        self, tokens, positions=None, segment_ids=None, branch_ids=None, compact: int = 0, layers: Sequence[int] = ()
+        self,
+        tokens,
+        positions=None,
+        segment_ids=None,
+        branch_ids=None,
+        compact: int = 0,
+        layers: Sequence[int] = (),
+        rng: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """(`hidden_states`, the residual stream after each decoder layer numbered in `layers`, [B, T, D] each, in
         the order given). Layer l counts from 1: the output of the l-th decoder layer, before the final norm
         (transformers' `output_hidden_states[l]` for l < num_layers; its last entry has the final norm applied).
         Scanned layers run as one scan per stretch between two requested layers, so no [L, B, T, D] stack of
-        every layer's output is kept."""
+        every layer's output is kept. `rng`: the key of LoRA's dropout (a training pass; None: none)."""
         for layer in layers:
             if not 1 <= layer <= self.cfg.num_layers:
                 raise ValueError(f"layer {layer} is not a decoder layer of this model (1..{self.cfg.num_layers})")
+        if self.cfg.lora is None or self.cfg.lora.dropout == 0:
+            rng = None  # LoRA's dropout is the only randomness of a forward pass
         b, t = tokens.shape
         index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions
@@ -170,16 +185,18 @@ class Decoder(nnx.Module):
         if layout is not None:
             tokens, positions = layout.to_compact(tokens), layout.to_compact(positions)
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
-        x, stops = self._run_layers(x, positions, mask, layout, sorted(set(layers)))
+        x, stops = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng)
         x = self.final_norm(x)
         rows = (lambda h: h) if layout is None else layout.to_rows
         return rows(x), tuple(rows(stops[layer]) for layer in layers)
 
-    def _run_layers(self, x, positions, mask, layout, stops: list[int]) -> tuple[jax.Array, dict[int, jax.Array]]:
+    def _run_layers(
+        self, x, positions, mask, layout, stops: list[int], rng: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[int, jax.Array]]:
         """The residual stream after every layer, and after each layer numbered in `stops` (sorted)."""
 
-        def apply(graphdef, state, x):
-            return nnx.merge(graphdef, state)(x, positions, mask, layout)
+        def apply(graphdef, state, x, key):
+            return nnx.merge(graphdef, state)(x, positions, mask, layout, key)
 
         policy = self.cfg.remat_policy
         if policy != "none":
@@ -187,19 +204,21 @@ class Decoder(nnx.Module):
 
         kept: dict[int, jax.Array] = {}
         n = self.cfg.num_layers
+        keys = None if rng is None else jax.random.split(rng, n)  # one a layer
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             start = 0
             for stop in [*stops, n]:
                 if stop > start:
                     part = state if (start, stop) == (0, n) else jax.tree.map(lambda p, a=start, b=stop: p[a:b], state)
-                    step = lambda h, s: (apply(graphdef, s, h), None)
-                    x, _ = jax.lax.scan(step, x, part, unroll=self.cfg.scan_unroll)
+                    part_keys = None if keys is None else keys[start:stop]
+                    step = lambda h, s: (apply(graphdef, s[0], h, s[1]), None)
+                    x, _ = jax.lax.scan(step, x, (part, part_keys), unroll=self.cfg.scan_unroll)
                 kept[stop] = x
                 start = stop
             return x, kept
         for i, layer in enumerate(self.layers, start=1):
             graphdef, state = nnx.split(layer)
-            x = apply(graphdef, state, x)
+            x = apply(graphdef, state, x, None if keys is None else keys[i - 1])
             kept[i] = x
         return x, kept

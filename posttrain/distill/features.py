@@ -7,7 +7,8 @@ Each pair (student layer, teacher layer) compares the residual stream after thos
 (`core.models.Decoder.layer_states`) at the loss's target positions, with `posttrain.losses.distill.feature_loss`
 (1 - cosine similarity, or the mean squared difference), averaged over the pairs. When the widths differ the
 student's states go through a learned [Ds, Dt] map per pair (Tunix's feature strategies; FitNets' regressor,
-Romero et al., 2015): it is the run's `core.train.TrainState.companion`, trained with the student, checkpointed
+Romero et al., 2015): it is part of the method's module tree (`posttrain.distill.objective.DistillModules`), trained
+with the student, checkpointed
 with it, and never part of the exported model.
 """
 

@@ -10,8 +10,9 @@ between the two regimes is where the teacher's distribution comes from:
 - offline: a dump (`distill.logits_dir`, written once by `python -m recipes.distill_logits`), opened and checked
   against this run's rows at start (`posttrain.distill.topk_store`); `prepare` gathers each batch's [B, C, k]
   ids and log-probs from it. The teacher is never loaded.
-- online: the teacher (`distill.teacher`, any checkpoint with its own shape and the same tokenizer) is a frozen
-  model in the train step (`core.learner.Learner(frozen=...)`): it runs on every micro-batch beside the student,
+- online: the teacher (`distill.teacher`, any checkpoint with its own shape and the same tokenizer) is frozen
+  state of the method's module tree (`posttrain.distill.objective.DistillModules`, outside the trainable filter):
+  it runs on every micro-batch beside the student,
   over the whole vocabulary (`distill.top_k=0`) or its top-k; with feature pairs its layers' states too. With
   `distill.teacher_placement=actor` it runs in a Ray actor of its own instead
   (`posttrain.distill.remote_teacher`), and `prepare` asks it for each batch's top-k: the offline objective on a
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +38,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
 from core.loop import Evaluation
+from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
-from core.run import MethodParts, RunContext, check_rows
+from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn
 from posttrain.config import PostTrainConfig
-from posttrain.distill.features import feature_projections
-from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective, schedules
+from posttrain.distill.features import FeatureProjections, feature_projections
+from posttrain.distill.objective import (
+    DistillBatch,
+    DistillModules,
+    DistillSettings,
+    distill_objective,
+    schedules,
+    trainable,
+)
 from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
 from posttrain.sft import SFT, generation_hooks, row_format
 
@@ -116,9 +124,30 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Distillation:
-    name: str = "distillation"
+def feature_projections_for(cfg: PostTrainConfig, mesh, teacher) -> FeatureProjections | None:
+    """With `distill.feature_layers`: the learned projections from the student's width to the teacher's (None
+    when they agree), replicated on the mesh; the layer numbers are checked against both models here."""
+    pairs = cfg.distill.feature_layers
+    if not pairs:
+        return None
+    for i, (s_layer, t_layer) in enumerate(pairs):
+        for who, layer, n in (
+            ("student", s_layer, cfg.model.num_layers),
+            ("teacher", t_layer, teacher.cfg.num_layers),
+        ):
+            if not 1 <= layer <= n:
+                raise ConfigError(
+                    f"distill.feature_layers[{i}] = {[s_layer, t_layer]}: the {who} has layers 1..{n}, not {layer}"
+                )
+    projections = feature_projections(pairs, cfg.model.hidden_size, teacher.cfg.hidden_size, cfg.run.seed)
+    if projections is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        nnx.update(projections, jax.device_put(nnx.state(projections), replicated))
+    return projections
+
+
+class Distillation(Method):
+    name = "distillation"
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
@@ -129,33 +158,17 @@ class Distillation:
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return distill_objective(settings(cfg), cfg.model)
 
-    def frozen_model(self, cfg: PostTrainConfig, mesh):
-        """Online beside the student: the teacher, read with its own shape onto the run's mesh; otherwise none
-        (offline reads a dump, a teacher actor answers each batch)."""
-        if not teacher_in_step(cfg):
-            return None
-        return load_teacher(cfg, mesh, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
+    def modules(self, cfg: PostTrainConfig, model, mesh) -> DistillModules:
+        """The student; online beside it, the teacher read with its own shape onto the run's mesh (offline reads
+        a dump, a teacher actor answers each batch) and, with `distill.feature_layers`, the projections from the
+        student's width to the teacher's."""
+        teacher = None
+        if teacher_in_step(cfg):
+            teacher = load_teacher(cfg, mesh, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
+        return DistillModules(model, feature_projections_for(cfg, mesh, teacher), teacher)
 
-    def companion(self, cfg: PostTrainConfig, mesh, teacher):
-        """With `distill.feature_layers`: the learned projections from the student's width to the teacher's (None
-        when they agree), replicated on the mesh; the layer numbers are checked against both models here."""
-        pairs = cfg.distill.feature_layers
-        if not pairs:
-            return None
-        for i, (s_layer, t_layer) in enumerate(pairs):
-            for who, layer, n in (
-                ("student", s_layer, cfg.model.num_layers),
-                ("teacher", t_layer, teacher.cfg.num_layers),
-            ):
-                if not 1 <= layer <= n:
-                    raise ConfigError(
-                        f"distill.feature_layers[{i}] = {[s_layer, t_layer]}: the {who} has layers 1..{n}, not {layer}"
-                    )
-        projections = feature_projections(pairs, cfg.model.hidden_size, teacher.cfg.hidden_size, cfg.run.seed)
-        if projections is not None:
-            replicated = NamedSharding(mesh, PartitionSpec())
-            nnx.update(projections, jax.device_put(nnx.state(projections), replicated))
-        return projections
+    def trainable(self, cfg: PostTrainConfig):
+        return trainable(trainable_filter(cfg.model))
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
@@ -186,7 +199,10 @@ class Distillation:
         elif cfg.distill.regime == "online":
             notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
             if cfg.distill.feature_layers:
-                how = "through learned projections" if run.learner.state.companion is not None else "as they are"
+                modules = run.learner.modules()
+                assert isinstance(modules, DistillModules)
+                learned = modules.projections is not None
+                how = "through learned projections" if learned else "as they are"
                 notes.append(
                     f"feature loss ({cfg.distill.feature_loss}) on layers {cfg.distill.feature_layers} "
                     f"(student, teacher), {how}"

@@ -2,7 +2,7 @@
 
     batch = DistillBatch(packed, alpha=a, temperature=t, teacher_ids=ids, teacher_logp=logp)   # offline
     batch = DistillBatch(packed, alpha=a, temperature=t)                                       # online
-    loss_fn = distill_objective(settings, model_cfg)   # (student, batch, rng[, teacher[, projections]]) -> sums
+    loss_fn = distill_objective(settings, model_cfg)   # (DistillModules, batch, rng) -> LossOutput
 
 Per target token, with p the teacher's and q the student's distribution at temperature T:
 
@@ -21,8 +21,10 @@ D is `posttrain.losses.distill`'s divergence (forward KL, reverse KL or JSD(beta
 alpha, T and the feature weight arrive per row (every row the same value: the step's point on its schedule,
 `schedules`), so that a schedule changes no compiled shape: T divides the hidden states (h W / T = (h / T) W),
 not a static argument.
-The loss is a sum over target tokens and `loss_denominator` their count, so micro-batches and packing leave the
-gradient unchanged (`core.train`). Metrics, per target token: `kd` (D at T), `kl` (forward KL at T = 1 over the
+The loss is a sum over target tokens and its denominator their count, so micro-batches and packing leave the
+gradient unchanged (`core.train`). The module tree (`DistillModules`) holds the student (`model`, what trains),
+its feature projections (trained with it) and the online regime's teacher (frozen: the method's trainable filter,
+`trainable`, leaves it out). Metrics, per target token: `kd` (D at T), `kl` (forward KL at T = 1 over the
 same support: comparable across runs whatever T and loss), `nll`, and on a top-k `teacher_mass` / `student_mass`
 (each model's probability on the teacher's top-k at T = 1: a student shrinking its own mass there shows), with
 feature layers `feature` (F, before its weight). Offline,
@@ -38,11 +40,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from core.batch import PackedBatch
 from core.kernels.divergence import Divergence, chunked_divergence, chunked_topk
+from core.models import Decoder
+from core.sums import summed
 from core.targets import TargetStates, states_logprobs, target_states
-from core.train import LossFn
+from core.train import LossFn, LossOutput
 from posttrain.config import SCHEDULED
 from posttrain.distill.features import FeatureProjections, feature_term
 from posttrain.losses.distill import FeatureKind, TopKMode, mix_hard_label, scheduled, topk_divergence, topk_mass
@@ -62,6 +67,37 @@ class DistillBatch:
 
     def replace(self, **changes: Any) -> DistillBatch:
         return dataclasses.replace(self, **changes)
+
+
+class DistillModules(nnx.Module):
+    """What distillation's step reads: the student (trained), its feature projections (trained with it; None when
+    the widths agree or there is no feature loss) and the teacher (frozen; None when its values come with the
+    batch: a dump, a teacher actor)."""
+
+    def __init__(self, model: Decoder, projections: FeatureProjections | None = None, teacher: Decoder | None = None):
+        self.model = model
+        self.projections = nnx.data(projections)
+        self.teacher = nnx.data(teacher)
+
+
+def trainable(model_filter: Any) -> Any:
+    """What trains in `DistillModules`: the student's trainable parameters (`model_filter`: every one, or its LoRA
+    adapters) and the feature projections; never the teacher."""
+    return nnx.Any(nnx.All(nnx.PathContains("model"), model_filter), nnx.PathContains("projections"))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DistillSums:
+    """What the objective sums over a micro-batch's target tokens (means per target token in the logs); the top-k
+    masses only on a top-k support, the feature term only with feature layers."""
+
+    kd: Any = summed()  # D at T
+    kl: Any = summed()  # forward KL at T = 1 over the same support
+    nll: Any = summed()
+    teacher_mass: Any = summed(default=None)
+    student_mass: Any = summed(default=None)
+    feature: Any = summed(default=None)
 
 
 @dataclass(frozen=True)
@@ -121,10 +157,10 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
     student_layers = tuple(s for s, _ in settings.feature_layers)
     teacher_layers = tuple(t for _, t in settings.feature_layers)
 
-    def loss_fn(model, batch: DistillBatch, rng, teacher=None, projections: FeatureProjections | None = None):
-        del rng
+    def loss_fn(modules: DistillModules, batch: DistillBatch, rng) -> LossOutput:
+        model, teacher, projections = modules.model, modules.teacher, modules.projections
         packed = batch.packed
-        student = target_states(model, packed, student_layers)
+        student = target_states(model, packed, student_layers, rng=rng)
         teacher_states = None if teacher is None else target_states(teacher, packed, teacher_layers)
         mask = student.from_slots(packed.target_mask)  # [F]: 0 on the list's padding
         alpha, temperature = batch.alpha[0], batch.temperature[0]
@@ -134,11 +170,11 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             logp_t = logp1
         else:
             logp_t, _ = states_logprobs(model_cfg, dataclasses.replace(student, hidden=h_t))
-        sums = {}
+        sums: dict[str, Any] = {}
         if teacher_states is not None and settings.top_k == 0:
             kd, kl = _full_vocabulary(settings, model_cfg, student, h_t, teacher_states, temperature)
         else:
-            if teacher_states is not None:  # online, top-k: the teacher's at T, found in the step
+            if teacher is not None and teacher_states is not None:  # online, top-k: the teacher's at T, in the step
                 vocab = student.weight.shape[1 if student.layout == "dv" else 0]
                 ids, logp = chunked_topk(
                     teacher_states.hidden / temperature.astype(teacher_states.hidden.dtype),
@@ -177,9 +213,8 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             kd=jnp.sum(jax.lax.stop_gradient(kd) * mask),
             kl=jnp.sum(jax.lax.stop_gradient(kl) * mask),
             nll=jnp.sum(jax.lax.stop_gradient(nll) * mask),
-            loss_denominator=jnp.sum(mask),
         )
-        return jnp.sum(per_token * mask), sums
+        return LossOutput(jnp.sum(per_token * mask), jnp.sum(mask), DistillSums(**sums))
 
     return loss_fn
 

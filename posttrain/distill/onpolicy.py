@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from core.config_loader import ConfigError
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
-from posttrain.distill.objective import DistillBatch, distill_objective, schedules
+from posttrain.distill.objective import DistillBatch, DistillModules, distill_objective, schedules, trainable
 from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher_tokenizer_matches
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
@@ -59,13 +59,6 @@ def check_config(cfg: PostTrainConfig) -> None:
     from core.hub import resolve_model
 
     resolve_model(d.teacher, "distill.teacher")  # a missing path fails here, not in the trainer
-    from core.data import load_tokenizer
-    from posttrain.onpolicy.run import run_tokenizer
-
-    tokenizer_dir = run_tokenizer(cfg)
-    mismatch = teacher_tokenizer_matches(d.teacher, load_tokenizer(tokenizer_dir), tokenizer_dir)
-    if mismatch:
-        raise ConfigError(mismatch)
     if d.reward_weight > 0:
         if not cfg.reward.functions:
             raise ConfigError(f"distill.reward_weight={d.reward_weight} needs reward.functions to score with")
@@ -92,6 +85,13 @@ def check_config(cfg: PostTrainConfig) -> None:
             ) from None
     if d.on_policy_loss == "gkd" and d.reward_weight > 0:
         raise ConfigError("distill.reward_weight mixes a reward into the sampled-token advantage: not with gkd")
+    b = cfg.rl.batch
+    if d.on_policy_loss == "gkd" and (b.mini_batches != 1 or b.num_iterations != 1):
+        raise ConfigError(
+            f"distill.on_policy_loss=gkd makes one update a step (as TRL's GKDTrainer): rl.batch.mini_batches and "
+            f"rl.batch.num_iterations must be 1 (got {b.mini_batches}, {b.num_iterations}); accumulate over "
+            f"train.micro_batches instead"
+        )
     updates = cfg.rl.batch.mini_batches * cfg.train.micro_batches
     if (cfg.rl.batch.prompts_per_step * cfg.rl.batch.num_generations) % updates:
         raise ConfigError(
@@ -123,9 +123,8 @@ class OnPolicyDistillLearner(PolicyGradientLearner):
         check_teacher_vocab(self.teacher.cfg.vocab_size, self.learner.model_cfg.vocab_size, path, _student(cfg))
 
     def train(self, batch: RLBatch) -> TrainStats:
-        rl = self.cfg.rl.batch
         mask = np.asarray(batch.packed.target_mask) > 0
-        teacher = self.teacher.logprobs(batch.packed, rl.mini_batches * self.cfg.train.micro_batches)
+        teacher = self.teacher.logprobs(batch.packed)
         sampler = np.asarray(batch.sampler_logp, np.float32)
         kl_adv = np.asarray(reverse_kl_advantages(jnp.asarray(sampler), jnp.asarray(teacher))) * mask
         stats = super().train(batch.replace(advantages=np.asarray(batch.advantages, np.float32) + kl_adv))
@@ -147,22 +146,31 @@ class GKDLearner(PolicyLearner[DistillBatch]):
         tx: optax.GradientTransformation | None = None,
     ):
         from core.learner import Learner
+        from core.models.lora import trainable_filter
         from posttrain.distill.method import settings
 
         super().__init__(cfg, mesh)
         teacher = load_teacher(cfg, mesh, model.cfg.vocab_size, _student(cfg))
         online = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"regime": "online"})})
         objective = distill_objective(settings(online), model.cfg)
-        self.learner = Learner(model, mesh, objective, cfg.optim, total_steps, cfg.run.seed, tx, frozen=teacher)
+        self.learner = Learner(
+            DistillModules(model, teacher=teacher),
+            mesh,
+            objective,
+            cfg.optim,
+            total_steps,
+            cfg.run.seed,
+            tx,
+            trainable=trainable(trainable_filter(model.cfg)),
+        )
 
     def train(self, batch: DistillBatch) -> TrainStats:
-        metrics = self.learner.update(batch, self.cfg.train.micro_batches)
-        self._applied(metrics, f"step {self.version + 1}")
+        update = self.learner.update(batch, self.cfg.train.micro_batches)
+        self._applied(update, f"step {self.version + 1}")
         self.version += 1
-        keep = ("loss", "grad_norm", "learning_rate", "kd", "kl", "nll", "teacher_mass", "student_mass")
-        out = {k: metrics[k] for k in keep if k in metrics}
+        out = update.metrics()
         out.update(skipped_updates=float(self.skipped_updates), empty_updates=float(self.empty_updates))
-        return TrainStats(out, f"kd {metrics['kd']:.4f} | kl {metrics['kl']:.4f}")
+        return TrainStats(out, f"kd {out['kd']:.4f} | kl {out['kl']:.4f}")
 
 
 def distill_learner(cfg: PostTrainConfig, model, mesh: Mesh, total_steps: int) -> PolicyLearner:
@@ -180,6 +188,15 @@ class OnPolicyDistillRun(OnPolicyRun):
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
+
+    def check_tokenizer(self, tokenizer_dir: str) -> None:
+        from core.data import load_tokenizer
+
+        super().check_tokenizer(tokenizer_dir)
+        teacher = str(self.cfg.distill.teacher)
+        mismatch = teacher_tokenizer_matches(teacher, load_tokenizer(tokenizer_dir), tokenizer_dir)
+        if mismatch:
+            raise ConfigError(mismatch)
 
     def _prepare(self, scored: Scored) -> StepData:
         if not hasattr(self, "_step_index"):
@@ -200,7 +217,7 @@ class OnPolicyDistillRun(OnPolicyRun):
             np.ones(len(scored.completions), bool),
             row_len=self.row_len,
             max_tokens=self.cfg.rollout.max_tokens,
-            groups=rl.batch.mini_batches * self.cfg.train.micro_batches,
+            groups=self.cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
             row_multiple=self.row_multiple,
             share_prompts=rl.batch.share_prompts,
             choose_rows=self.row_counts.pick,

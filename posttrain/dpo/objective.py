@@ -1,7 +1,7 @@
 """The DPO family's objective: a loss over a `PairBatch`, the reference's log-probs beside it, and its metrics.
 
     loss_fn = preference_objective(cfg.dpo)                    # the core.train contract, for a core.learner.Learner
-    batch = with_reference(batch, reference, groups=2)          # + [P] summed reference log-probs (a FrozenModel)
+    batch = with_reference(batch, reference)                    # + [P] summed reference log-probs (a FrozenModel)
     learner.update(batch, micro_batches=2)
 
 The policy's log-probs of both completions come from one pass over the
@@ -17,11 +17,16 @@ of pairs whose chosen reward is higher), logps/chosen, logps/rejected.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core.sums import summed
 from core.targets import target_logprobs
+from core.train import LossOutput
 from posttrain.config import DPOConfig
 from posttrain.dpo.pairs import PairBatch
 from posttrain.frozen import FrozenModel
@@ -38,13 +43,26 @@ def sequence_logps(logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arr
     return (logp * mask).sum(axis=-1), mask.sum(axis=-1)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PreferenceSums:
+    """What the preference objective sums over a micro-batch's pairs (means per pair in the logs)."""
+
+    chosen: Any = summed("rewards/chosen")
+    rejected: Any = summed("rewards/rejected")
+    margins: Any = summed("rewards/margins")
+    accuracies: Any = summed("rewards/accuracies")  # pairs whose chosen completion gets the higher implicit reward
+    logps_chosen: Any = summed("logps/chosen")
+    logps_rejected: Any = summed("logps/rejected")
+
+
 def preference_objective(cfg: DPOConfig):
-    """loss_fn(model, PairBatch, rng) -> (sum of per-pair losses, sums) for `core.train.make_train_step`."""
+    """loss_fn(model, PairBatch, rng) -> LossOutput (the sum of per-pair losses over the pairs) for
+    `core.train.make_train_step`."""
     reference = needs_reference(cfg)
 
-    def loss_fn(model, batch: PairBatch, rng: jax.Array):
-        del rng
-        logp, _ = target_logprobs(model, batch.packed, entropy=False)
+    def loss_fn(model, batch: PairBatch, rng: jax.Array) -> LossOutput:
+        logp, _ = target_logprobs(model, batch.packed, entropy=False, rng=rng)
         seq, n = sequence_logps(logp, batch.packed.target_mask)
         pc, pr, nc, nr = seq[0::2], seq[1::2], n[0::2], n[1::2]
         if reference and (batch.ref_chosen is None or batch.ref_rejected is None):
@@ -64,22 +82,21 @@ def preference_objective(cfg: DPOConfig):
         )
         m = batch.pair_mask.astype(jnp.float32)
         chosen, rejected = jax.lax.stop_gradient(out.chosen_rewards), jax.lax.stop_gradient(out.rejected_rewards)
-        sums = {
-            "loss_denominator": m.sum(),
-            "rewards/chosen": (chosen * m).sum(),
-            "rewards/rejected": (rejected * m).sum(),
-            "rewards/margins": ((chosen - rejected) * m).sum(),
-            "rewards/accuracies": ((chosen > rejected) * m).sum(),
-            "logps/chosen": (jax.lax.stop_gradient(pc) * m).sum(),
-            "logps/rejected": (jax.lax.stop_gradient(pr) * m).sum(),
-        }
-        return (out.losses * m).sum(), sums
+        sums = PreferenceSums(
+            chosen=(chosen * m).sum(),
+            rejected=(rejected * m).sum(),
+            margins=((chosen - rejected) * m).sum(),
+            accuracies=((chosen > rejected) * m).sum(),
+            logps_chosen=(jax.lax.stop_gradient(pc) * m).sum(),
+            logps_rejected=(jax.lax.stop_gradient(pr) * m).sum(),
+        )
+        return LossOutput((out.losses * m).sum(), m.sum(), sums)
 
     return loss_fn
 
 
-def with_reference(batch: PairBatch, reference: FrozenModel, groups: int) -> PairBatch:
+def with_reference(batch: PairBatch, reference: FrozenModel) -> PairBatch:
     """`batch` with the reference's summed log-probs of every chosen and rejected completion."""
-    logp = reference.logprobs(batch.packed, groups)  # [2P, C], 0 where there is no target
+    logp = reference.logprobs(batch.packed)  # [2P, C], 0 where there is no target
     seq = logp.sum(axis=-1).astype(np.float32)
     return batch.replace(ref_chosen=seq[0::2], ref_rejected=seq[1::2])

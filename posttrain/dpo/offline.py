@@ -21,14 +21,15 @@ eval/rewards/margins and the other means the objective sums.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 from core.data import DataBatch
 from core.loop import Evaluation
-from core.run import MethodParts, RunContext, check_rows
+from core.models.adapters import adapters_off
+from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
@@ -51,7 +52,7 @@ def compute_reference_logps(
     """Every target's log-prob under the reference, for both sides of every pair, `batch_size` pairs a pass."""
     out: dict[Key, np.ndarray] = {}
     for n, item in enumerate(eval_batches(pairs, batch_size=batch_size, layout=layout)):
-        logp = reference.logprobs(item.batch.packed, groups=1)  # [2P, C]
+        logp = reference.logprobs(item.batch.packed)  # [2P, C]
         counts = np.asarray(item.batch.packed.target_mask).sum(axis=1).astype(int)
         for k, key in enumerate(pair_keys(item.example_ids)):
             if key is not None:
@@ -69,9 +70,8 @@ def attach_stored(store: TokenStore, data: DataBatch[PairBatch]) -> PairBatch:
     return batch.replace(ref_chosen=seq[0::2].astype(np.float32), ref_rejected=seq[1::2].astype(np.float32))
 
 
-@dataclass(frozen=True)
-class OfflineDPO:
-    name: str = "DPO"
+class OfflineDPO(Method):
+    name = "DPO"
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
@@ -84,12 +84,6 @@ class OfflineDPO:
 
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return preference_objective(cfg.dpo)
-
-    def frozen_model(self, cfg, mesh) -> None:
-        return None  # nothing beside the trained model in the step
-
-    def companion(self, cfg, mesh, frozen) -> None:
-        return None  # the model's parameters are all it trains
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg, learner, mesh = run.cfg, run.learner, run.mesh
@@ -108,7 +102,7 @@ class OfflineDPO:
             # built only when the stored values are missing or stale, and released once they are computed.
             every = data.train + data.eval
             digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every)
-            digest += weights_digest(learner.params)
+            digest += weights_digest(nnx.state(adapters_off(learner.model())))  # the reference's weights
             store = TokenStore.load_or_compute(
                 Path(cfg.run.run_dir) / REFERENCE_FILE,
                 digest,
@@ -120,11 +114,11 @@ class OfflineDPO:
                 ),
             )
             prepare = lambda d, groups: attach_stored(store, d)
-            notes.append(f"reference: precomputed ({REFERENCE_FILE})")
+            notes.append(f"reference: precomputed ({REFERENCE_FILE}, {_reference_kind(cfg)})")
         else:
             reference = FrozenModel.start_of(learner)
-            prepare = lambda d, groups: with_reference(d.batch, reference, groups=groups)
-            notes.append("reference: live (the starting policy, frozen)")
+            prepare = lambda d, groups: with_reference(d.batch, reference)
+            notes.append(f"reference: live ({_reference_kind(cfg)})")
 
         train = pair_pipeline(
             data.train,
@@ -158,6 +152,12 @@ class OfflineDPO:
         )
         zeros = np.zeros(len(pairs), np.float32)
         return batch.replace(ref_chosen=zeros, ref_rejected=zeros) if needs_reference(cfg.dpo) else batch
+
+
+def _reference_kind(cfg: PostTrainConfig) -> str:
+    if cfg.model.lora is not None:
+        return "the policy with its LoRA adapters off"
+    return "the starting policy, frozen"
 
 
 DPO = OfflineDPO()

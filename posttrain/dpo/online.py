@@ -90,18 +90,18 @@ class OnlineDPOLearner(PolicyLearner[PairBatch]):
         micro = self.cfg.train.micro_batches
         start = time.perf_counter()
         if self.reference is not None:
-            batch = with_reference(batch, self.reference, groups=micro)
-        metrics = self.learner.update(batch, micro)
-        self._applied(metrics, f"online DPO step {self.version + 1}")
+            batch = with_reference(batch, self.reference)
+        update = self.learner.update(batch, micro)
+        self._applied(update, f"online DPO step {self.version + 1}")
         self.version += 1
-        out = {k: v for k, v in metrics.items() if k not in ("finite", "empty", "tokens")}
+        out = update.metrics()
         out.update(
             skipped_updates=float(self.skipped_updates),
             empty_updates=float(self.empty_updates),
             **{"time/update_s": time.perf_counter() - start},
         )
         # the share of pairs whose chosen completion gets the higher implicit reward
-        return TrainStats(out, f"pref acc {metrics['rewards/accuracies']:.3f}")
+        return TrainStats(out, f"pref acc {out['rewards/accuracies']:.3f}")
 
 
 class OnlineDPORun(OnPolicyRun):

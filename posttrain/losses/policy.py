@@ -43,6 +43,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from core.sums import summed
 from posttrain.losses.kl import KLEstimator, kl_penalty
 
 LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
@@ -65,13 +66,14 @@ class PolicyLossSettings:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PolicyTerms:
-    """Token sums over a micro-batch that describe the policy term (each 0 where its part is off)."""
+    """Token sums over a micro-batch that describe the policy term (each 0 where its part is off): a
+    `core.sums` record, summed over micro-batches."""
 
-    clipped_tokens: Any  # counted tokens whose clipped term won (the ratio left the trust region)
-    completion_tokens: Any  # tokens whose policy term counts
-    tis_weight: Any  # the truncated importance weights (tis_cap None: 0)
-    kl: Any  # the KL estimator over the KL tokens (beta 0: 0)
-    kl_tokens: Any
+    clipped_tokens: Any = summed()  # counted tokens whose clipped term won (the ratio left the trust region)
+    completion_tokens: Any = summed()  # tokens whose policy term counts
+    tis_weight: Any = summed()  # the truncated importance weights (tis_cap None: 0)
+    kl: Any = summed()  # the KL estimator over the KL tokens (beta 0: 0)
+    kl_tokens: Any = summed()
 
 
 def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from core.batch import TrainBatch
 from core.checkpoint import Checkpointer
 from core.learner import Learner, apply_nan_policy
-from core.train import batch_shards
+from core.train import Update, batch_shards
 from posttrain.config import PostTrainConfig
 
 B = TypeVar("B", bound=TrainBatch)
@@ -52,20 +52,20 @@ class PolicyLearner(Generic[B]):
     def train(self, batch: B) -> TrainStats:  # pragma: no cover - every method has its own
         raise NotImplementedError
 
-    @property
-    def params(self):
-        return self.learner.params
+    def model(self):
+        """The policy as it is now (a `core.models.Decoder`; no copy)."""
+        return self.learner.model()
 
     def batch_shards(self) -> int:
         """The trainer's data-parallel size: packed row counts are made a multiple of it."""
         return batch_shards(self.mesh)
 
-    def _applied(self, metrics: dict[str, float], where: str) -> None:
+    def _applied(self, update: Update, where: str) -> None:
         """Account for one update: under `train.nan_policy=abort` a non-finite one raises (it was not applied:
         `core.train` left parameters and optimizer state as they were), else it is counted as skipped."""
-        if not apply_nan_policy(metrics, self.cfg.train.nan_policy, where):
+        if not apply_nan_policy(update, self.cfg.train.nan_policy, where):
             self.skipped_updates += 1
-        self.empty_updates += int(metrics["empty"])
+        self.empty_updates += int(update.empty)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -80,7 +80,7 @@ class PolicyLearner(Generic[B]):
         return restored
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
-        return self.learner.export_hf(path, tokenizer_dir)
+        return self.learner.export_hf(path, tokenizer_dir, base=self.cfg.checkpoint.init_from)
 
 
 # (cfg, model, mesh, total_steps) -> a method's learner: the subclass itself (PolicyGradientLearner, OnlineDPOLearner)

@@ -37,6 +37,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any
 
 import jax
@@ -45,10 +46,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from core.batch import PackedBatch
+from core.batch import PackedBatch, with_groups
 from core.learner import Learner
 from core.packing import Segment, branch_targets, pack_rows, packed_batch, share_prefixes
+from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
+from core.train import LossOutput, Update
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
@@ -174,34 +177,18 @@ def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class UpdateSums:
-    """What one update's loss sums besides the loss itself (over its micro-batches): the policy terms, the entropy,
-    and the sampler/trainer mismatch (|gap| of the log-probs over the completion tokens, its largest value, and
-    the k1 estimate of KL(sampler || trainer) summed per sequence: tokens were drawn by the sampler)."""
+    """What one update's loss sums besides the loss itself (a `core.sums` record, combined over its micro-batches):
+    the policy terms, the entropy, and the sampler/trainer mismatch (|gap| of the log-probs over the completion
+    tokens, its largest value, and the k1 estimate of KL(sampler || trainer) summed per sequence: tokens were
+    drawn by the sampler)."""
 
     terms: PolicyTerms
-    entropy: Any
-    mismatch_gap: Any
-    mismatch_tokens: Any
-    mismatch_seq_kl: Any
-    mismatch_sequences: Any
-    mismatch_gap_max: Any  # reduced by max across micro-batches
-
-    def to_metrics(self) -> dict[str, Any]:
-        """The `core.train` contract's flat sums (`max/`: reduced by max)."""
-        flat = {**dataclasses.asdict(self.terms), **{f.name: getattr(self, f.name) for f in _OWN}}
-        flat["max/mismatch_gap"] = flat.pop("mismatch_gap_max")
-        return flat
-
-    @classmethod
-    def from_metrics(cls, metrics: dict[str, float]) -> UpdateSums:
-        """Back from a `Learner.update`'s metrics (each sum divided by the update's denominator, `tokens`)."""
-        scale = metrics["tokens"]
-        terms = PolicyTerms(**{f.name: metrics[f.name] * scale for f in dataclasses.fields(PolicyTerms)})
-        own = {f.name: metrics[f.name] * scale for f in _OWN if f.name != "mismatch_gap_max"}
-        return cls(terms, mismatch_gap_max=metrics["max/mismatch_gap"], **own)
-
-
-_OWN = [f for f in dataclasses.fields(UpdateSums) if f.name != "terms"]
+    entropy: Any = summed()
+    mismatch_gap: Any = summed()
+    mismatch_tokens: Any = summed()
+    mismatch_seq_kl: Any = summed()
+    mismatch_sequences: Any = summed()
+    mismatch_gap_max: Any = maximum()
 
 
 def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -217,12 +204,11 @@ def mismatch_sums(trainer_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Ar
 
 
 def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
-    """loss_fn(model, RLBatch, rng) -> (loss_sum, sums) for `core.train.make_train_step`. Log-probs are taken at
-    the sampling temperature, as the sampler drew them."""
+    """loss_fn(model, RLBatch, rng) -> LossOutput for `core.train.make_train_step`. Log-probs are taken at the
+    sampling temperature, as the sampler drew them."""
 
-    def loss_fn(model, batch: RLBatch, rng: jax.Array):
-        del rng
-        logp, entropy = target_logprobs(model, batch.packed, temperature)
+    def loss_fn(model, batch: RLBatch, rng: jax.Array) -> LossOutput:
+        logp, entropy = target_logprobs(model, batch.packed, temperature, rng=rng)
         assert entropy is not None  # asked for (the default)
         mask = batch.loss_mask.astype(jnp.float32)
         # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
@@ -242,7 +228,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
             entropy=(jax.lax.stop_gradient(entropy) * mask).sum(),
             **mismatch_sums(old_logp, batch.sampler_logp, batch.packed.target_mask.astype(jnp.float32)),
         )
-        return loss_sum, {"loss_denominator": denominator, **sums.to_metrics()}
+        return LossOutput(loss_sum, denominator, sums)
 
     return loss_fn
 
@@ -268,29 +254,22 @@ class PolicyStats:
     mismatch_seq_kl: float
 
     @classmethod
-    def summarise(cls, updates: list[dict[str, float]], passes: int, settings: PolicyLossSettings) -> PolicyStats:
-        sums = [UpdateSums.from_metrics(m) for m in updates]
-        first = sums[: len(sums) // passes]
-
-        def total(get, over=sums) -> float:
-            return float(sum(get(s) for s in over))
-
-        tokens = max(total(lambda s: s.terms.completion_tokens), 1e-9)
+    def summarise(cls, updates: list[Update], passes: int, settings: PolicyLossSettings) -> PolicyStats:
+        every = reduce(combine, [u.sums for u in updates])
+        first: UpdateSums = reduce(combine, [u.sums for u in updates[: len(updates) // passes]])
+        ratio = lambda a, b: float(a) / max(float(b), 1e-9)
+        tokens = every.terms.completion_tokens
         return cls(
-            loss=float(np.mean([m["loss"] for m in updates])),
-            grad_norm=float(np.mean([m["grad_norm"] for m in updates])),
-            learning_rate=float(np.mean([m.get("learning_rate", 0.0) for m in updates])),
-            clip_fraction=total(lambda s: s.terms.clipped_tokens) / tokens,
-            entropy=total(lambda s: s.entropy) / tokens,
-            kl=total(lambda s: s.terms.kl) / max(total(lambda s: s.terms.kl_tokens), 1e-9)
-            if settings.beta > 0
-            else None,
-            tis_weight_mean=total(lambda s: s.terms.tis_weight) / tokens if settings.tis_cap is not None else None,
-            mismatch_gap_mean=total(lambda s: s.mismatch_gap, first)
-            / max(total(lambda s: s.mismatch_tokens, first), 1e-9),
-            mismatch_gap_max=max(max(s.mismatch_gap_max for s in first), 0.0),
-            mismatch_seq_kl=total(lambda s: s.mismatch_seq_kl, first)
-            / max(total(lambda s: s.mismatch_sequences, first), 1e-9),
+            loss=float(np.mean([u.loss for u in updates])),
+            grad_norm=float(np.mean([u.grad_norm for u in updates])),
+            learning_rate=float(np.mean([u.learning_rate or 0.0 for u in updates])),
+            clip_fraction=ratio(every.terms.clipped_tokens, tokens),
+            entropy=ratio(every.entropy, tokens),
+            kl=ratio(every.terms.kl, every.terms.kl_tokens) if settings.beta > 0 else None,
+            tis_weight_mean=ratio(every.terms.tis_weight, tokens) if settings.tis_cap is not None else None,
+            mismatch_gap_mean=ratio(first.mismatch_gap, first.mismatch_tokens),
+            mismatch_gap_max=max(float(first.mismatch_gap_max), 0.0),
+            mismatch_seq_kl=ratio(first.mismatch_seq_kl, first.mismatch_sequences),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -314,8 +293,12 @@ class PolicyStats:
 
 def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
     """Mini-batch m: every array's first axis cut in `mini_batches` (rows and completions alike: the batch packs
-    per group)."""
-    return jax.tree.map(lambda x: x[m * (x.shape[0] // mini_batches) : (m + 1) * (x.shape[0] // mini_batches)], batch)
+    per group), holding its share of the batch's packing groups."""
+    groups = batch.packed.groups
+    if groups % mini_batches:
+        raise ValueError(f"a batch of {groups} packing groups cannot be cut into {mini_batches} mini-batches")
+    part = jax.tree.map(lambda x: x[m * (x.shape[0] // mini_batches) : (m + 1) * (x.shape[0] // mini_batches)], batch)
+    return with_groups(part, groups // mini_batches)
 
 
 # ------------------------------------------------------------------ the learner
@@ -361,26 +344,25 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
         self.learner = policy_update_learner(cfg, model, mesh, total_steps, tx)
         # The reference is the starting policy, frozen (beta = 0: none at all).
         self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
-        self._policy_logprobs = logprob_pass(self.learner.graphdef, self.temperature)
+        self._policy_logprobs = logprob_pass(self.temperature)
 
     def train(self, batch: RLBatch) -> TrainStats:
         """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
         rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
-        groups = rl.mini_batches * micro  # the batch's packing groups
         # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
         # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
         targets = np.asarray(batch.packed.target_mask) > 0
         if self.updates_per_step > 1:
-            old = grouped_logprobs(self._policy_logprobs, self.learner.params, batch.packed, groups, self.mesh)
+            old = grouped_logprobs(self._policy_logprobs, self.learner.model(), batch.packed, self.mesh)
             batch = batch.replace(old_logp=old * targets)
         if self.reference is not None:
-            batch = batch.replace(ref_logp=self.reference.logprobs(batch.packed, groups))
-        collected: list[dict] = []
+            batch = batch.replace(ref_logp=self.reference.logprobs(batch.packed))
+        collected: list[Update] = []
         start = time.perf_counter()
         for u in range(self.updates_per_step):
-            metrics = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
-            self._applied(metrics, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
-            collected.append(metrics)
+            update = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
+            self._applied(update, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
+            collected.append(update)
         self.version += 1
         stats = PolicyStats.summarise(collected, rl.num_iterations, self.settings)
         metrics = {

@@ -26,18 +26,22 @@ policy. Async mode (`off_policy_steps = d > 0`, vLLM only) keeps d batches
 in flight: samplers generate the next batches while the trainer trains, so
 a completion is at most d policy versions old (checked every step).
 
-Cadence is hooks (`core.loop.Hook`, as in the offline loop): every step logs (reward mean/std, total and per
-function, accuracy, completion length, truncation rate, the method's metrics: clip fraction, KL, entropy, the
-sampler/trainer mismatch, staleness, a time breakdown); `train.eval_every` evaluates on the held-out prompts;
-`checkpoint.every_steps` and the last step checkpoint (policy, optimizer, step, policy version, prompt-stream
-position, sampling-seed counter and, in async mode, the completions still in flight), from which the run resumes
-exactly where an uninterrupted one would be; the end exports a Hugging Face directory and plots the curves.
+The run is a `core.loop.Loop`, the one loop the offline methods run in too: its hooks, NaN policy, SIGTERM and
+end are that loop's; what is this run's is where batches come from (`train_step`: sample, score, the method's
+batch, the trainer's step, a weight sync). Every step logs (reward mean/std, total and per function, accuracy,
+completion length, truncation rate, the method's metrics: clip fraction, KL, entropy, the sampler/trainer
+mismatch, staleness, a time breakdown); `train.eval_every` evaluates on the held-out prompts;
+`checkpoint.every_steps`, the last step and SIGTERM checkpoint (policy, optimizer, step, policy version,
+prompt-stream position, sampling-seed counter and, in async mode, the completions still in flight), from which the
+run resumes exactly where an uninterrupted one would be; the end exports a Hugging Face directory and plots the
+curves. The tokenizer is the offline methods' (`core.tokenizer.run_tokenizer`: `data.tokenizer_dir`, the initial
+checkpoint's, else one trained on the prompt rows), checked before Ray or an engine starts.
 
 Failures: a reward function that fails on an item drops that item's group
 (`reward/failed_groups`); a sampler that fails is restarted and its share
 redone once (`sampler_restarts`); a dead trainer actor stops the run with
 `TrainerUnavailable`; a non-finite loss follows `train.nan_policy` (skip:
-counted in `skipped_updates`; abort: a checkpoint is written, then
+counted in `skipped_updates`; abort: the loop writes a checkpoint, then
 `NonFiniteLoss`). Each of these is a message, not a traceback, from the recipe.
 """
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,14 +58,14 @@ import numpy as np
 
 from core.batch import TrainBatch
 from core.config_loader import ConfigError, save_config
-from core.learner import NonFiniteLoss
-from core.loop import Hook
-from core.metrics import MetricsLogger, plot_curves, update_run_info
+from core.loop import Hook, Loop, Plot
+from core.metrics import MetricsLogger
 from core.packing import round_rows
 from core.shapes import SizeCache
+from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
-from posttrain.onpolicy.learner import LearnerFactory, TrainStats
+from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
@@ -162,71 +167,91 @@ def check_graded_groups(cfg: PostTrainConfig, why: str) -> None:
         raise ConfigError(f"{why} needs reward.functions (at least one reward function to score completions)")
 
 
-class OnPolicyRun:
+class OnPolicyRun(Loop):
     """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
     method; a method (`posttrain.grpo.GRPORun`, `posttrain.dpo.online.OnlineDPORun`) turns scored completions into
-    its batch (`_prepare`), hosts its learner in the trainer (`learner_class`) and checks its config (`check`)."""
+    its batch (`_prepare`), hosts its learner in the trainer (`learner_class`) and checks its config (`check`).
+    The loop itself (hooks, NaN policy, SIGTERM, the end) is `core.loop.Loop`'s, as the offline methods'."""
 
+    cfg: PostTrainConfig
     learner_class: LearnerFactory
+    plots = (Plot(("reward/mean", "accuracy", "eval/pass@1"), "reward.png", "reward / accuracy"),)
 
     def __init__(self, cfg: PostTrainConfig):
         check_config(cfg)
         self.check(cfg)
-        self.cfg = cfg
-        self.run_dir = Path(cfg.run.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir)
+        run_dir = Path(cfg.run.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        save_config(cfg, run_dir)
         rl, rollout = cfg.rl, cfg.rollout
+        self.cfg = cfg
         self.row_len = self.row_length()
         self.train_rows, self.eval_rows = prompt_rows(cfg)
+        self.tokenizer_dir = run_tokenizer(cfg, lambda: self.tokenizer_texts(self.train_rows))
+        self.check_tokenizer(self.tokenizer_dir)
         self.stream = PromptStream(
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
         self.rewards = RewardRunner(cfg.reward)
-        self.tokenizer_dir = run_tokenizer(cfg)
         self.placement: Placement | None = None
         if rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
 
             ensure_ray()
             self.placement = reserve(cfg)
-        self.trainer = start_trainer(cfg, self.run_dir, self.learner_class, self.placement)
+        self.trainer = start_trainer(cfg, run_dir, self.learner_class, self.placement)
+        check_vocab(self.trainer.model_config()["vocab_size"], self.tokenizer_dir)
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
-        self.start_step = 0
+        start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
-        self._resumed_in_flight: list[InFlight] = []
+        resumed_in_flight: list[InFlight] = []
         restored = self.trainer.restore_latest()
         if restored is not None:
             step, meta = restored
             self.stream.set_state(meta["prompt_stream"])
-            self.start_step = int(meta["rl_step"])
+            start_step = int(meta["rl_step"])
             self._requests = int(meta["requests"])
-            self._resumed_in_flight = [
+            resumed_in_flight = [
                 InFlight(self.stream.batch(f["indices"]), [Completion(**c) for c in f["completions"]])
                 for f in meta.get("in_flight", [])
             ]
             print(
-                f"resumed from {self.run_dir / 'checkpoints' / str(step)} at step {self.start_step} "
+                f"resumed from {run_dir / 'checkpoints' / str(step)} at step {start_step} "
                 f"(policy version {meta['policy_version']})",
                 flush=True,
             )
+        self._saved = start_step if restored is not None else None
         self.samplers = self._start_samplers()
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, resume_step=self.start_step)
-        self.hooks: list[Hook[OnPolicyRun]] = [
-            Hook("log", cfg.train.log_every, OnPolicyRun._log_hook),
-            Hook("eval", cfg.train.eval_every, OnPolicyRun._eval_hook),
-            Hook("checkpoint", cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0, OnPolicyRun._save_hook),
-        ]
+        super().__init__(cfg, run_dir, start_step)
+        self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
-        self._in_flight: deque[InFlight] = deque(self._resumed_in_flight)
+        self._in_flight: deque[InFlight] = deque(resumed_in_flight)
         self._last_line = ""
+        self._last_metrics: dict[str, float] = {}
+        self._hf_dir: Path | None = None
 
     # ---------------------------------------------------------------- the method's
 
     def check(self, cfg: PostTrainConfig) -> None:
         """Raise `ConfigError` for what this method cannot run (before anything starts)."""
+
+    def check_tokenizer(self, tokenizer_dir: str) -> None:
+        """Raise `ConfigError` for a tokenizer this method cannot run with (before Ray or an engine starts)."""
+        if self.cfg.rl.use_chat_template:
+            from core.data import load_tokenizer
+
+            if not getattr(load_tokenizer(tokenizer_dir), "chat_template", None):
+                raise ConfigError(
+                    f"rl.use_chat_template=true, but the tokenizer in {tokenizer_dir} has no chat template: set "
+                    f"rl.use_chat_template=false (prompts are rl.prompt_template as it is) or use a tokenizer with one"
+                )
+
+    def tokenizer_texts(self, rows: list[dict]) -> Iterable[str]:
+        """The text a tokenizer is trained on when the run has none: every string field of the prompt rows."""
+        return (v for r in rows for v in r.values() if isinstance(v, str))
 
     def row_length(self) -> int:
         """Tokens per packed trainer row: `rl.batch.pack_length`, else `rollout.max_model_len` (a prompt and its
@@ -331,22 +356,16 @@ class OnPolicyRun:
 
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
-        cfg = self.cfg
-        step = self.start_step
+        if on_step is not None:
+            self.hooks.append(Hook("on_step", 1, lambda run, step: on_step(run, step, run._last_metrics)))
         try:
-            for step in range(self.start_step + 1, cfg.train.steps + 1):
-                metrics = self._step(step)
-                self.metrics.log(step, metrics, console=False)  # every step's metrics are kept
-                for hook in self.hooks:
-                    if hook.due(step):
-                        hook.fn(self, step)
-                if on_step is not None:
-                    on_step(self, step, metrics)
+            step = self.fit()
         finally:
-            self.metrics.close()
-        return self._finish(step)
+            if on_step is not None:
+                self.hooks.pop()
+        return RunSummary(self.run_dir, step, self.trainer.version(), self.final_eval, self._hf_dir)
 
-    def _step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> None:
         """One step: sample (or collect what is in flight), score, the method's batch, train, sync."""
         rl = self.cfg.rl
         t0 = time.perf_counter()
@@ -361,7 +380,7 @@ class OnPolicyRun:
         batch = data.batch
         reward_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        trained = self._train(step, batch) if batch is not None else None
+        trained = self.trainer.train(batch) if batch is not None else None
         train_s = time.perf_counter() - t2
         sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
         metrics = self._step_metrics(data.scored, staleness)
@@ -389,53 +408,19 @@ class OnPolicyRun:
             metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
         method = " | ".join(part for part in (data.line, trained.line if trained else "") if part)
         self._last_line = self._line(step, metrics, method)
-        return metrics
+        self._last_metrics = metrics
+        self.metrics.log(step, metrics, console=False)  # every step's metrics are kept
 
-    def _log_hook(self, step: int) -> None:
+    def log(self, step: int) -> None:
         """The console line of the step (every `train.log_every` steps; metrics.jsonl holds every step)."""
         print(self._last_line, flush=True)
 
-    def _eval_hook(self, step: int) -> None:
-        self.final_eval = self.evaluate(step)
-
-    def _save_hook(self, step: int) -> None:
-        self._save(step, self._in_flight)
-
-    def _finish(self, step: int) -> RunSummary:
-        """The last checkpoint (unless the hook just wrote it), the Hugging Face export, the curves."""
-        cfg = self.cfg
-        if cfg.checkpoint.enabled and step > self.start_step and step % cfg.checkpoint.every_steps:
-            self._save(step, self._in_flight)
-        hf_dir = None
-        if cfg.checkpoint.export_hf:
-            hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
-        plot_curves(
-            self.run_dir, keys=("reward/mean", "accuracy", "eval/pass@1"), out="reward.png", ylabel="reward / accuracy"
-        )
-        version = self.trainer.version()
-        update_run_info(self.run_dir, steps=step, policy_version=version, final_eval=self.final_eval)
-        return RunSummary(self.run_dir, step, version, self.final_eval, hf_dir)
-
-    def _train(self, step: int, batch: TrainBatch) -> TrainStats:
-        """One trainer step; under `train.nan_policy=abort` a non-finite update stops the run after a checkpoint."""
-        try:
-            return self.trainer.train(batch)
-        except NonFiniteLoss as err:
-            saved = ""
-            if self.cfg.checkpoint.enabled:
-                self._save(step, self._in_flight)
-                saved = (
-                    f" Checkpoint {self.run_dir / 'checkpoints' / str(step)} holds the parameters and optimizer "
-                    f"state without that update (every update applied was finite) and the prompt stream "
-                    f"after this batch: the same command resumes past it."
-                )
-            raise NonFiniteLoss(f"{err}.{saved} Set train.nan_policy=skip to skip such updates.") from None
-
-    def _save(self, step: int, in_flight: deque[InFlight]) -> None:
+    def save(self, step: int) -> None:
         # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
         # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
         stored = [
-            {"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]} for r in in_flight
+            {"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]}
+            for r in self._in_flight
         ]
         self.trainer.save(
             step,
@@ -446,6 +431,20 @@ class OnPolicyRun:
                 "in_flight": stored,
             },
         )
+        self._saved = step
+
+    def saved_step(self) -> int | None:
+        return self._saved
+
+    def export(self) -> Path | None:
+        self._hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
+        return self._hf_dir
+
+    def summary(self, step: int) -> dict:
+        return {"steps": step, "policy_version": self.trainer.version(), "final_eval": self.final_eval}
+
+    def close_logs(self) -> None:
+        self.metrics.close()
 
     def _step_metrics(self, scored: Scored, staleness: int) -> dict:
         completions = scored.completions
@@ -477,10 +476,13 @@ class OnPolicyRun:
     # ------------------------------------------------------------- evaluation
 
     def evaluate(self, step: int | None = None) -> dict:
-        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts, by `rl.accuracy_fn`."""
+        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts, by `rl.accuracy_fn` (with a
+        `step`: logged, and kept as the run's latest evaluation)."""
         rl = self.cfg.rl
         rows = self.eval_rows[: rl.eval_prompts]
         if not rows or rl.accuracy_fn is None:
+            if step is not None:
+                self.final_eval = {}
             return {}
         prompts = [render_prompt(r, rl) for r in rows]
         greedy = self.samplers.collect(
@@ -512,6 +514,7 @@ class OnPolicyRun:
             print(
                 f"eval @ step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()), flush=True
             )
+            self.final_eval = result
         return result
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -543,23 +546,6 @@ class OnPolicyRun:
                 f"of the clean-up to Ray",
                 flush=True,
             )
-
-
-def run_tokenizer(cfg: PostTrainConfig) -> str:
-    """`data.tokenizer_dir` (a directory or a Hub id), else the initial checkpoint's own (an HF directory, a Hub id,
-    a Temper run): `core.tokenizer`, as the offline methods find theirs."""
-    from core.hub import resolve_model
-    from core.tokenizer import checkpoint_tokenizer
-
-    if cfg.data.tokenizer_dir is not None:
-        return str(resolve_model(cfg.data.tokenizer_dir, "data.tokenizer_dir"))
-    found = checkpoint_tokenizer(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
-    if found is None:
-        raise ConfigError(
-            "no tokenizer: set data.tokenizer_dir (or start from a checkpoint.init_from that has one: an HF directory "
-            "or Hub id with a tokenizer, or a Temper run)"
-        )
-    return found
 
 
 def run_to_end(run: OnPolicyRun) -> RunSummary:
