@@ -351,3 +351,56 @@ def test_feature_layers_a_model_lacks_are_refused_at_start_naming_the_pair():
     assert projections.kernels[0][...].sharding.is_fully_replicated
     same_width = create_model(TEACHER.model_copy(update={"hidden_size": 32}), None, seed=1)
     assert feature_projections_for(config([[1, 1]]), _mesh(), same_width) is None
+
+
+def test_a_batch_packed_for_other_micro_batches_reads_other_rows_and_is_refused():
+    """The GKD bug the packing-group count closes: completions packed for `mini_batches * micro_batches` = 2 groups
+    but updated in 1 micro-batch. Forced through (the old path), the second group's targets index the first
+    group's rows and the loss changes; packed for the micro-batches it trains in, 1 or 2 groups give the same loss.
+    The learner now refuses the mismatch, naming both counts."""
+    from core.batch import with_groups
+    from posttrain.distill.onpolicy import check_config as gkd_check
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from rollout.sampler import Completion
+
+    rng = np.random.default_rng(9)
+    prompts = [list(rng.integers(3, V, 5)) for _ in range(4)]
+    comps = [Completion(p, list(rng.integers(3, V, 6)), [0.0] * 6, "stop", "") for p in prompts for _ in range(2)]
+
+    def batch(groups):
+        packed = build_rl_batch(comps, np.zeros(8), np.ones(8, bool), row_len=32, max_tokens=6, groups=groups).packed
+        return make_batch(packed, 0.5, 1.0)
+
+    settings = DistillSettings(kind="forward", top_k=0)
+    from posttrain.distill.objective import trainable
+
+    def loss(b, micro):
+        learner = Learner(
+            DistillModules(create_model(STUDENT, None, seed=0), teacher=create_model(TEACHER, None, seed=1)),
+            _mesh(),
+            distill_objective(settings, STUDENT),
+            OptimConfig(name="sgd", learning_rate=0.0, schedule="constant"),
+            total_updates=1,
+            trainable=trainable(nnx.Param),
+        )
+        update = learner.update(b, micro)
+        assert update.applied and update.denominator == 48  # every target of the 8 completions, counted
+        return update.loss
+
+    right = loss(batch(1), 1)
+    assert loss(batch(2), 2) == pytest.approx(right, rel=1e-6)
+    wrong = loss(with_groups(batch(2), 1), 1)  # what GKD did with rl.batch.mini_batches=2, train.micro_batches=1
+    assert abs(wrong - right) > 1e-2
+    with pytest.raises(ValueError, match=r"packed for 2 packing group\(s\) but is split into 1 micro-batch"):
+        loss(batch(2), 1)
+    # and GKD itself packs for its micro-batches, refusing a mini-batch schedule it does not run
+    from core.config_loader import ConfigError, load_config
+    from posttrain.config import PostTrainConfig
+
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        ["distill.teacher=.", "distill.on_policy_loss=gkd", "rl.batch.mini_batches=2"],
+        schema=PostTrainConfig,
+    )
+    with pytest.raises(ConfigError, match="gkd makes one update a step"):
+        gkd_check(cfg)
