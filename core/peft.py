@@ -72,14 +72,37 @@ def adapter_tensors(model: Decoder) -> dict[str, np.ndarray]:
         raise ValueError("the model has no LoRA adapters")
     tensors: dict[str, np.ndarray] = {}
     r = lora.rank
+    gathered: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # a projection's (A, B), stacked layers once
     for layer, name, core_path in _module_prefixes(model.cfg.num_layers, lora.target_modules):
         a, b, stacked = _adapter_arrays(model, core_path, layer)
-        a_value, b_value = to_host(a[...]), to_host(b[...])
+        key = core_path if stacked else (*core_path, layer)
+        if key not in gathered:
+            gathered[key] = (to_host(a[...]), to_host(b[...]))
+        a_value, b_value = gathered[key]
         if stacked:
             a_value, b_value = a_value[layer], b_value[layer]
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_value.reshape(-1, r).T.astype(np.float32))
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_value.reshape(r, -1).T.astype(np.float32))
     return tensors
+
+
+def adapter_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape of every tensor of the adapters a model of `cfg` (a `ModelConfig` with `lora`) has."""
+    import math
+
+    from core.models.build import abstract_model
+
+    lora = cfg.lora
+    if lora is None:
+        raise ValueError("the model has no LoRA adapters")
+    model = abstract_model(cfg)
+    lead = 1 if cfg.scan_layers else 0
+    shapes = {}
+    for layer, name, core_path in _module_prefixes(cfg.num_layers, lora.target_modules):
+        a, b, _ = _adapter_arrays(model, core_path, layer)
+        shapes[f"{name}.lora_A.weight"] = (lora.rank, math.prod(a.shape[lead:-1]))
+        shapes[f"{name}.lora_B.weight"] = (math.prod(b.shape[lead + 1 :]), lora.rank)
+    return shapes
 
 
 def adapter_config(lora: LoraConfig, base: str | None) -> dict:

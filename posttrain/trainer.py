@@ -83,15 +83,33 @@ class LocalTrainer:
         from flax import nnx
 
         from core.models.adapters import merged_model
-        from rollout.weight_sync import reshard_to_jax_sampler, sync_to_vllm
+        from rollout.weight_sync import reshard_to_jax_sampler, sync_adapters_to_vllm, sync_to_vllm
 
         chunk = self.cfg.rollout.reshard_chunk_bytes
         version = self.learner.version
         model = self.learner.model()
-        if sampler.remote:  # a vLLM actor: every process sends the pieces its devices hold
+        lora = model.cfg.lora is not None
+        if sampler.remote:  # a vLLM actor
+            if lora and self.cfg.rollout.lora_sync == "adapters":
+                return sync_adapters_to_vllm(model, sampler, version, base=self.cfg.checkpoint.init_from)
+            # every process sends the pieces its devices hold (a LoRA policy's merged into its weights)
             plain = merged_model(model)
             return sync_to_vllm(nnx.state(plain), plain.cfg, sampler, chunk, version=version, tag=tag or None)
+        if lora:  # the JAX sampler holds the base since it started (`sampler_start`): the adapters move
+            return reshard_to_jax_sampler(nnx.state(model, nnx.LoRAParam), sampler, chunk, version, partial=True)
         return reshard_to_jax_sampler(nnx.state(model), sampler, chunk, version=version)
+
+    def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
+        """What a vLLM sampler starts from, as a Hugging Face directory at `path`: the policy (merged), or, when
+        it syncs LoRA adapters alone, their base (dequantized, with a QLoRA base)."""
+        from core.hf import save_hf
+        from core.models.adapters import adapters_off
+
+        self.checkpointer.wait()
+        model = self.learner.model()
+        if model.cfg.lora is not None and self.cfg.rollout.lora_sync == "adapters":
+            return str(save_hf(adapters_off(model), model.cfg, path, tokenizer_dir=tokenizer_dir))
+        return str(self.learner.export_hf(path, tokenizer_dir))
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)
@@ -174,6 +192,9 @@ class TrainerHandle:
 
     def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
         return self._call(LocalTrainer.export_hf, path, tokenizer_dir)
+
+    def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
+        return self._call(LocalTrainer.sampler_start, path, tokenizer_dir)
 
     def close(self) -> None:
         self._call(LocalTrainer.close)

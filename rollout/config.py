@@ -23,6 +23,10 @@ class RolloutConfig(Section):
     # Cores for vLLM's OpenMP threads per sampler, e.g. "0" or "0-1"; None lets vLLM choose.
     omp_threads_bind: str | None = None
     reshard_chunk_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    # A policy with LoRA adapters (model.lora): `adapters` serves its base in vLLM with LoRA enabled and sends only
+    # the adapters after each update; `merged` sends the whole model with the adapters merged into its weights
+    # (for an engine without LoRA support, or a target it cannot adapt).
+    lora_sync: Literal["adapters", "merged"] = "adapters"
     rollout_data_parallelism: int = Field(1, gt=0)  # vLLM sampler actors, each with the whole model
     sampler_timeout_s: float = Field(600.0, gt=0.0)  # a sampler call slower than this counts as dead
 

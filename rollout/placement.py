@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import PlacementConfig
+from core.config import LoraConfig, PlacementConfig
 from rollout.config import SamplingJob
 from rollout.vllm_actor import RemoteVLLMSampler
 
@@ -120,8 +120,11 @@ def in_bundle(pg, index: int):
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def start_vllm_sampler(cfg: SamplingJob, hf_dir: str, index: int, placement: Placement | None = None):
-    """Sampler `index` (seeded `run.seed + index`) in its bundle of `placement.samplers` (None: anywhere)."""
+def start_vllm_sampler(
+    cfg: SamplingJob, hf_dir: str, index: int, placement: Placement | None = None, adapter: LoraConfig | None = None
+):
+    """Sampler `index` (seeded `run.seed + index`) in its bundle of `placement.samplers` (None: anywhere); with
+    `adapter`, serving `hf_dir` as the base of the policy's LoRA adapters."""
     pg = placement.samplers if placement is not None else None
     bundle = pg.bundle_specs[index] if pg is not None else {"CPU": 0}  # what `reserve` reserved
     return RemoteVLLMSampler.start(
@@ -131,4 +134,5 @@ def start_vllm_sampler(cfg: SamplingJob, hf_dir: str, index: int, placement: Pla
         num_cpus=bundle["CPU"],
         timeout_s=cfg.rollout.sampler_timeout_s,
         scheduling_strategy=in_bundle(pg, index) if pg is not None else None,
+        adapter=adapter,
     )

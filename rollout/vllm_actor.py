@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 
+from core.config import LoraConfig
 from core.hf_pieces import TensorPiece
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
@@ -46,6 +47,7 @@ class RemoteVLLMSampler:
         num_cpus: float = 0,
         timeout_s: float = 600.0,
         scheduling_strategy=None,
+        adapter: LoraConfig | None = None,
     ) -> RemoteVLLMSampler:
         import ray
 
@@ -62,7 +64,7 @@ class RemoteVLLMSampler:
                 max_concurrency=1,
                 scheduling_strategy=scheduling_strategy,
             )
-            .remote(model_dir, cfg, seed)
+            .remote(model_dir, cfg, seed, adapter)
         )
         client = cls(actor, timeout_s)
         client.node_id = client._get(actor.node_id.remote())  # type: ignore[attr-defined]  # start-up errors here
@@ -109,6 +111,18 @@ class RemoteVLLMSampler:
         self._get(self.handle.commit_weights.remote(tag, version))
         self.policy_version = version
         return {"commit_s": time.perf_counter() - start}
+
+    def load_adapter(self, tensors: dict, config: dict, version: int | None = None) -> dict:
+        """The policy's LoRA adapters into the actor's engine (`VLLMSampler.load_adapter`), through the object
+        store; this client's policy version."""
+        import ray
+
+        start = time.perf_counter()
+        version = self.policy_version + 1 if version is None else version
+        info = self._get(self.handle.load_adapter.remote(ray.put(tensors), config, version))
+        self.policy_version = version
+        self.last_sync = {**info, "seconds": time.perf_counter() - start, "version": version}
+        return self.last_sync
 
     def update_weights(self, chunks: Iterable[Sequence[TensorPiece]], version: int | None = None) -> dict:
         """`send_pieces` then `commit_weights`, from one process."""

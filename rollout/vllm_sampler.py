@@ -18,20 +18,28 @@ of every tensor arrived once before touching the engine, then calls the
 worker's `reload_weights` with Hugging Face names and layouts, re-packs a tied
 `lm_head` (the CPU backend keeps a packed copy of it) and resets the prefix
 cache. A bad update raises and the engine keeps serving the previous weights.
+
+A policy with LoRA adapters (`adapter` set: their rank and targets) is served as its base with vLLM's LoRA enabled;
+`load_adapter` takes the adapters alone (PEFT's tensors, checked against the served model's shapes before
+anything changes), writes them as a PEFT directory the engine loads in place under one adapter id, and resets the
+prefix cache; every generation then runs with that adapter.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from core.config import ModelConfig
+from core.config import LoraConfig, ModelConfig
 from core.hf_config import model_section_from_hf
 from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError
 from rollout.config import RolloutConfig
@@ -45,8 +53,13 @@ def served_model(model_dir: str | Path) -> ModelConfig:
     return ModelConfig(**model_section_from_hf(json.loads((Path(model_dir) / "config.json").read_text())))
 
 
+# The ranks vLLM's `max_lora_rank` accepts.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class VLLMSampler:
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, seed: int = 0):
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, seed: int = 0, adapter: LoraConfig | None = None):
+        """`adapter`: the LoRA adapters the policy will send (`load_adapter`), served on the base in `model_dir`."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: reachable worker
         if cfg.omp_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
@@ -54,6 +67,12 @@ class VLLMSampler:
 
         self.model_dir = str(model_dir)
         self.cfg = cfg
+        lora: dict = {}
+        if adapter is not None:
+            fits = [r for r in VLLM_LORA_RANKS if r >= adapter.rank]
+            if not fits:
+                raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {adapter.rank}")
+            lora = dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         self.llm = LLM(
             model=self.model_dir,
             dtype=cfg.dtype,
@@ -63,6 +82,7 @@ class VLLMSampler:
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
             logprobs_mode="processed_logprobs",
             seed=seed,
+            **lora,
         )
         self.tokenizer = self.llm.get_tokenizer()
         served = served_model(self.model_dir)
@@ -70,6 +90,16 @@ class VLLMSampler:
         self.tied = served.tie_word_embeddings
         self.policy_version = 0
         self.last_sync: dict = {}
+        self.adapter = adapter
+        self.adapter_shapes: dict = {}
+        self.adapter_dir: Path | None = None
+        self.lora_request: Any = None  # set once an adapter is loaded: every generation runs with it
+        if adapter is not None:
+            from core.peft import adapter_shapes
+
+            self.adapter_shapes = adapter_shapes(served.model_copy(update={"lora": adapter}))
+            shm = Path("/dev/shm")
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="temper-adapter-", dir=shm if shm.is_dir() else None))
 
     # ---------------------------------------------------------------- generate
 
@@ -99,7 +129,12 @@ class VLLMSampler:
             requests = [
                 ({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds) for s in row
             ]
-        outputs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)  # type: ignore[arg-type]
+        outputs = self.llm.generate(
+            [r[0] for r in requests],  # type: ignore[arg-type]
+            [r[1] for r in requests],
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
         per_prompt = len(outputs) // len(prompt_ids)
         completions = []
         for k, out in enumerate(outputs):
@@ -167,6 +202,42 @@ class VLLMSampler:
             "commit_s": time.perf_counter() - received,
         }
 
+    def load_adapter(self, tensors: dict[str, np.ndarray], config: dict, version: int | None = None) -> dict:
+        """Serve the policy's LoRA adapters `tensors` (PEFT's keys and layout; `config` its adapter_config.json):
+        every tensor of the served model's adapters, with its shape, or a `WeightUpdateError` naming what is
+        wrong and the engine keeps the previous adapter. They replace the previous ones in place (one adapter id),
+        and the prefix cache is reset."""
+        from vllm.lora.request import LoRARequest
+
+        from core.peft import write_adapter
+
+        if self.adapter is None or self.adapter_dir is None:
+            raise WeightUpdateError("this sampler serves no LoRA adapters (started without one)")
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        problems = [f"missing {k}" for k in sorted(self.adapter_shapes.keys() - got.keys())]
+        problems += [f"unexpected {k}" for k in sorted(got.keys() - self.adapter_shapes.keys())]
+        problems += [
+            f"{k}: expected {self.adapter_shapes[k]}, got {shape}"
+            for k, shape in sorted(got.items())
+            if k in self.adapter_shapes and shape != self.adapter_shapes[k]
+        ]
+        if problems:
+            raise WeightUpdateError(
+                "the adapter update does not fit the served model:\n  " + "\n  ".join(problems[:20])
+            )
+        start = time.perf_counter()
+        staging = self.adapter_dir.with_name(self.adapter_dir.name + ".new")
+        write_adapter(staging, {k: np.asarray(v, np.float32) for k, v in tensors.items()}, config)
+        shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        staging.rename(self.adapter_dir)
+        path = str(self.adapter_dir)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
+        self.lora_request = LoRARequest("policy", 1, path)  # loaded: later requests only activate it
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
+        self.policy_version = self.policy_version + 1 if version is None else version
+        self.last_sync = {"load_seconds": time.perf_counter() - start}
+        return {"bytes": int(sum(v.nbytes for v in tensors.values())), "commit_s": time.perf_counter() - start}
+
     def node_id(self) -> str:
         """The Ray node this sampler runs on (in a Ray actor)."""
         import ray
@@ -174,8 +245,10 @@ class VLLMSampler:
         return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
-        """Stop the engine core (frees its shared memory)."""
+        """Stop the engine core (frees its shared memory) and remove the adapter's files."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     stop = shutdown  # the name `rollout.sampler.Sampler` uses
 

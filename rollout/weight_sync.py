@@ -123,15 +123,22 @@ def reshard_to_jax_sampler(
     max_tensors: int | None = None,
     version: int | None = None,
     measure_memory: bool = False,
+    partial: bool = False,
 ) -> SyncStats:
-    """Copy trainer `params` into a `JaxSampler`'s shardings chunk by chunk, freeing its old buffers.
+    """Copy trainer `params` into a `JaxSampler`'s shardings chunk by chunk, freeing its old buffers; with
+    `partial`, `params` is part of the sampler's state (a policy's LoRA adapters: its base never changes) and the
+    rest stays as it is.
 
     With `measure_memory`, `peak_extra_bytes` is the most memory the sync held on
     the sampler's devices beyond the sampler's own weights (a debugging aid:
     it walks all live arrays after every chunk).
     """
     start = time.perf_counter()
-    problems = state_mismatches(sampler.params, params, check_dtype=False)  # dtypes are cast per tensor
+    expected = sampler.params
+    if partial:  # only the given paths are compared (and replaced)
+        wanted = {path for path, _ in nnx.to_flat_state(params)}
+        expected = nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(sampler.params) if p in wanted])
+    problems = state_mismatches(expected, params, check_dtype=False)  # dtypes are cast per tensor
     if problems:
         raise ValueError("trainer and sampler parameters differ; nothing copied:\n  " + "\n  ".join(problems))
     src: dict[Any, Any] = dict(nnx.to_flat_state(params))
@@ -160,6 +167,26 @@ def reshard_to_jax_sampler(
 
 
 # ------------------------------------------------------------ JAX -> vLLM
+
+
+def sync_adapters_to_vllm(model: Any, sampler: Any, version: int | None = None, base: str | None = None) -> SyncStats:
+    """A LoRA policy's adapters alone to a vLLM sampler serving its base (`VLLMSampler.load_adapter`): gathered to
+    the host (in a trainer process group every process takes part) and sent by the first process, which commits
+    them; the others report no bytes."""
+    from core.peft import adapter_config, adapter_tensors
+
+    start = time.perf_counter()
+    tensors = adapter_tensors(model)  # a collective in a process group
+    nbytes, phases = 0, None
+    if is_primary():
+        info = sampler.load_adapter(tensors, adapter_config(model.cfg.lora, base), version)
+        nbytes = int(sum(v.nbytes for v in tensors.values()))
+        phases = {"commit_s": float(info.get("commit_s", 0.0))}
+    done = version if version is not None else sampler.policy_version
+    stats = SyncStats(done, nbytes, time.perf_counter() - start, 1 if nbytes else 0, phases=phases)
+    if jax.process_count() == 1:
+        print(stats.line() + " (LoRA adapters)", flush=True)
+    return stats
 
 
 def piece_chunks(

@@ -175,3 +175,63 @@ def test_seeds_are_per_sample_and_independent_of_the_split(llama_engine):
         [PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, prompt_offset=2)
     )
     assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]
+
+
+def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cluster, rollout_model_dir, tmp_path):
+    """A LoRA policy (Qwen2 base, every target, rsLoRA): its adapters alone, sent to an engine serving the base
+    with LoRA enabled, change what it answers; a second policy's replace them in place (the prefix cache reset)
+    and give the greedy tokens and log-probs a fresh engine gives on that policy's merged weights; an update
+    missing a tensor is refused naming it and the engine keeps serving the previous adapters; the bytes sent are
+    the adapters'."""
+    import jax
+
+    from core.config import LoraConfig
+    from core.hf import save_hf
+    from core.mesh import single_device_mesh
+    from core.models.adapters import add_adapters, merged_model
+    from core.peft import adapter_config, adapter_tensors
+    from rollout.vllm_actor import RemoteVLLMSampler
+    from rollout.vllm_sampler import WeightUpdateError
+    from rollout.weight_sync import sync_adapters_to_vllm
+
+    base_dir = rollout_model_dir("qwen2", seed=0)
+    lora = LoraConfig(rank=4, alpha=8.0, use_rslora=True)
+    base, _ = load_hf(base_dir)
+    policies = []
+    for seed in (1, 2):  # two "trained" adapters: random A and B
+        model = add_adapters(base, lora, single_device_mesh(), seed)
+        rng = np.random.default_rng(seed)
+        for _, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.LoRAParam):
+                var.set_value(jax.numpy.asarray(rng.normal(0, 0.1, var.shape), var.dtype))
+        policies.append(model)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    # the second policy merged, in a fresh engine of its own: what the sampler must serve after replacing the first
+    merged_dir = save_hf(merged_model(policies[1]), base.cfg, tmp_path / "merged", tokenizer_dir=str(base_dir))
+    fresh = engine(merged_dir)
+    try:
+        want = fresh.generate(PROMPTS, params)
+    finally:
+        fresh.shutdown()
+    sampler = RemoteVLLMSampler.start(str(base_dir), CFG, seed=0, timeout_s=300, adapter=lora)
+    try:
+        plain = sampler.generate(PROMPTS, params)
+        stats = [sync_adapters_to_vllm(policies[0], sampler, version=3)]
+        first = sampler.generate(PROMPTS, params)
+        tensors = adapter_tensors(policies[1])
+        dropped = {k: v for k, v in tensors.items() if "layers.1.self_attn.v_proj.lora_B" not in k}
+        with pytest.raises(WeightUpdateError, match=r"missing base_model.model.model.layers.1.self_attn.v_proj.lora_B"):
+            sampler.load_adapter(dropped, adapter_config(lora, None), 4)
+        assert [c.token_ids for c in sampler.generate(PROMPTS, params)] == [c.token_ids for c in first]
+        stats.append(sync_adapters_to_vllm(policies[1], sampler, version=4))
+        second = sampler.generate(PROMPTS, params)
+    finally:
+        sampler.shutdown()
+    assert [c.token_ids for c in second] == [c.token_ids for c in want]
+    for g, w in zip(second, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+    assert [c.token_ids for c in plain] != [c.token_ids for c in first] != [c.token_ids for c in second]
+    assert all(c.policy_version == 4 for c in second)
+    adapter_bytes = sum(v.nbytes for v in tensors.values())
+    full_bytes = sum(v.nbytes for _, v in hf_tensors(*load_hf(base_dir)))
+    assert all(s.bytes == adapter_bytes for s in stats) and adapter_bytes < full_bytes / 5

@@ -57,6 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from core.batch import TrainBatch
+from core.config import ModelConfig
 from core.config_loader import ConfigError, save_config
 from core.loop import Hook, Loop, Plot
 from core.metrics import MetricsLogger
@@ -268,11 +269,13 @@ class OnPolicyRun(Loop):
         if cfg.rollout.sampler == "jax":
             group = SamplerGroup([self._jax_sampler()])
         else:
-            self.init_hf = Path(self.trainer.export_hf(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
+            self.init_hf = Path(self.trainer.sampler_start(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
+            lora = ModelConfig.model_validate(self.trainer.model_config()).lora
+            adapter = lora if lora is not None and cfg.rollout.lora_sync == "adapters" else None
             k = cfg.rollout.rollout_data_parallelism
             group = SamplerGroup(
-                [start_vllm_sampler(cfg, str(self.init_hf), i, self.placement) for i in range(k)],
-                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.placement),
+                [start_vllm_sampler(cfg, str(self.init_hf), i, self.placement, adapter) for i in range(k)],
+                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.placement, adapter),
             )
         group.sync(self._push)
         return group
@@ -293,9 +296,17 @@ class OnPolicyRun(Loop):
         mesh = make_mesh(MeshConfig(fsdp=1, tensor=-1), sampler_devices) if sampler_devices else local.mesh
         with jax.set_mesh(mesh):
             model = create_model(local.cfg.model, mesh, seed=0)  # placeholder weights, replaced by the first sync
-        return JaxSampler(
+        sampler = JaxSampler(
             model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len, seed=self.cfg.run.seed
         )
+        if local.cfg.model.lora is not None:  # the base, once: later syncs move the adapters alone
+            from flax import nnx
+
+            from rollout.weight_sync import reshard_to_jax_sampler
+
+            policy = local.learner.model()
+            reshard_to_jax_sampler(nnx.state(policy), sampler, self.cfg.rollout.reshard_chunk_bytes)
+        return sampler
 
     def _push(self, sampler: Sampler) -> SyncStats:
         """The trainer's current weights and policy version into one sampler."""
