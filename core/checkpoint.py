@@ -366,8 +366,9 @@ def _model_with_adapters(init_from: str, lora, mesh, seed: int, dtype: str):
 def _check_same_adapters(ours, theirs, where: str) -> None:
     """A PEFT adapter the run starts from must be the adapters `model.lora` asks for."""
     keys = ("rank", "alpha", "target_modules", "use_rslora")
+    shown = lambda v: list(v) if isinstance(v, tuple) else v
     diffs = [
-        f"{k}: adapter {getattr(theirs, k)!r}, model.lora {getattr(ours, k)!r}"
+        f"{k}: adapter {shown(getattr(theirs, k))!r}, model.lora {shown(getattr(ours, k))!r}"
         for k in keys
         if getattr(theirs, k) != getattr(ours, k)
     ]

@@ -64,7 +64,7 @@ class LoraConfig(Section):
     rank: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    target_modules: tuple[str, ...] = LORA_TARGETS  # a tuple: the model's config is hashable (static under jit)
     use_rslora: bool = False
     # A's initialisation (B starts at zero, so the adapted model starts as the base): PEFT's default (Kaiming
     # uniform, bound 1/sqrt(fan_in)) or "gaussian" (normal, std 1/r).
@@ -84,11 +84,11 @@ class LoraConfig(Section):
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
         if unknown or not self.target_modules:
             raise ValueError(
-                f"model.lora.target_modules {self.target_modules}: each must be one of {list(LORA_TARGETS)} "
+                f"model.lora.target_modules {list(self.target_modules)}: each must be one of {list(LORA_TARGETS)} "
                 f"(and at least one){'; unknown: ' + ', '.join(unknown) if unknown else ''}"
             )
         if len(set(self.target_modules)) != len(self.target_modules):
-            raise ValueError(f"model.lora.target_modules {self.target_modules} names a module twice")
+            raise ValueError(f"model.lora.target_modules {list(self.target_modules)} names a module twice")
         return self
 
 

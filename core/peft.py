@@ -193,7 +193,7 @@ def read_adapter(path: str | Path) -> Adapter:
         rank=int(config["r"]),
         alpha=float(config["lora_alpha"]),
         dropout=float(config.get("lora_dropout", 0.0)),
-        target_modules=[t for t in LORA_TARGETS if t in targets],
+        target_modules=tuple(t for t in LORA_TARGETS if t in targets),
         use_rslora=bool(config.get("use_rslora", False)),
         init="gaussian" if init == "gaussian" else "default",
     )
@@ -208,8 +208,8 @@ def load_adapter(model: Decoder, adapter: Adapter, where: str = "the adapter") -
     missing, unexpected or misshapen tensor named."""
     lora = model.cfg.lora
     if lora is None or lora.rank != adapter.lora.rank or lora.target_modules != adapter.lora.target_modules:
-        theirs = f"rank {adapter.lora.rank}, targets {adapter.lora.target_modules}"
-        ours = "none" if lora is None else f"rank {lora.rank}, targets {lora.target_modules}"
+        theirs = f"rank {adapter.lora.rank}, targets {list(adapter.lora.target_modules)}"
+        ours = "none" if lora is None else f"rank {lora.rank}, targets {list(lora.target_modules)}"
         raise CheckpointMismatch(f"{where} has adapters of {theirs}; the model's are {ours}")
     expected = _module_prefixes(model.cfg.num_layers, lora.target_modules)
     wanted = {f"{name}.lora_{ab}.weight" for _, name, _ in expected for ab in "AB"}
