@@ -14,6 +14,7 @@ modules, per-layer ranks, DoRA) is refused, naming the key.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class Adapter:
     tensors: dict[str, np.ndarray]  # PEFT key -> value
 
 
-def _module_prefixes(num_layers: int, targets: list[str]) -> list[tuple[int, str, tuple[str, ...]]]:
+def _module_prefixes(num_layers: int, targets: Sequence[str]) -> list[tuple[int, str, tuple[str, ...]]]:
     """(layer, PEFT module name, core path of the projection inside a layer) of every adapted projection."""
     out = []
     for i in range(num_layers):
