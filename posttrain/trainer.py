@@ -96,7 +96,9 @@ class LocalTrainer:
             plain = merged_model(model)
             return sync_to_vllm(nnx.state(plain), plain.cfg, sampler, chunk, version=version, tag=tag or None)
         if lora:  # the JAX sampler holds the base since it started (`sampler_start`): the adapters move
-            return reshard_to_jax_sampler(nnx.state(model, nnx.LoRAParam), sampler, chunk, version, partial=True)
+            return reshard_to_jax_sampler(
+                nnx.state(model, nnx.LoRAParam), sampler, chunk, version=version, partial=True
+            )
         return reshard_to_jax_sampler(nnx.state(model), sampler, chunk, version=version)
 
     def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:

@@ -216,10 +216,13 @@ def assert_redone_steps_match(before_kill, after, resumed_from):
 
 
 def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path, arithmetic_tokenizer):
-    """Single controller (the JAX sampler in the trainer's process), SIGKILL two steps after checkpoint 4, and
-    the same command again: every step logged once, and steps 5-6 log what they logged before the kill."""
+    """Single controller (the JAX sampler in the trainer's process), a policy of LoRA adapters (the sampler holds
+    the base and takes the adapters after each update: its log-probs stay the trainer's), SIGKILL two steps after
+    checkpoint 4, and the same command again: every step logged once, and steps 5-6 log what they logged before
+    the kill."""
     run_dir = tmp_path / "run"
-    cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", "checkpoint.every_steps=4")
+    lora = ["model.lora.rank=4", "model.lora.alpha=16", "optim.learning_rate=1.0e-2"]
+    cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", "checkpoint.every_steps=4", *lora)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -231,11 +234,15 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
     after, _ = metric_rows(run_dir)
     assert [m["step"] for m in after] == list(range(1, 9))  # each step once, in order: no gap, no repeat
     assert_redone_steps_match(before_kill, after, 4)
+    # the sampler serves the adapted policy (its adapters moved: a sampler left on the base would drift away)
+    assert all(m["mismatch/logp_gap_mean"] < 1e-5 for m in after), [m["mismatch/logp_gap_mean"] for m in after]
+    assert after[-1]["loss"] != after[0]["loss"]
 
 
 @pytest.mark.serial
 def test_async_vllm_survives_a_lost_ray_head_and_resumes_exactly(tmp_path, arithmetic_tokenizer):
-    """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe:
+    """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe, a policy of LoRA adapters (each
+    sync sends the adapters alone: their bytes, a fraction of the model's):
     1. the local Ray cluster's GCS and raylet die one step after checkpoint 2 (the node under the driver going
        down): the driver stops within a minute with exit code 2 and one message (no traceback) saying what
        happened and how to resume;
@@ -246,7 +253,13 @@ def test_async_vllm_survives_a_lost_ray_head_and_resumes_exactly(tmp_path, arith
 
     run_dir = tmp_path / "run"
     cmd = recipe_command(
-        run_dir, arithmetic_tokenizer, "rl.off_policy_steps=1", "checkpoint.every_steps=2", "checkpoint.keep=3"
+        run_dir,
+        arithmetic_tokenizer,
+        "rl.off_policy_steps=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=3",
+        "model.lora.rank=4",
+        "model.lora.target_modules=[q_proj,v_proj]",
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -278,3 +291,8 @@ def test_async_vllm_survives_a_lost_ray_head_and_resumes_exactly(tmp_path, arith
     resumed_from = int(resumed.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert resumed_from == 2, resumed.stdout[-3000:]  # step 4's update takes longer than the kill
     assert_redone_steps_match(before_loss, after, resumed_from)
+    # rank-4 adapters of q ([128 -> 128]) and v ([128 -> 64]) in 2 layers, float32: 14 KiB a sync (the model: ~1 MiB)
+    adapter_bytes = 2 * ((128 + 128) + (128 + 64)) * 4 * 4
+    assert all(m["sync/bytes"] == adapter_bytes for m in after), [m["sync/bytes"] for m in after]
+    # at step 1 sampler and trainer hold version 0; later the sampler is a version behind (async), by design
+    assert after[0]["mismatch/logp_gap_mean"] < 1e-4

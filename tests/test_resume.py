@@ -1,7 +1,8 @@
 """Exact resume: SIGKILL a training process after a checkpoint, restart it on the same run directory.
 
 The worker fine-tunes on chat rows (SFT: assistant-only targets, packed conversations); pretraining runs the
-same loop, learner and pipeline on text rows."""
+same loop, learner and pipeline on text rows. DPO trains LoRA adapters (with dropout: its keys come from the
+checkpointed RNG), distillation a whole student."""
 
 import json
 import os
@@ -37,7 +38,8 @@ OVERRIDES = [
 ]
 
 
-# Offline DPO: the pair pipeline, the precomputed reference log-probs read back on resume.
+# Offline DPO of LoRA adapters: the pair pipeline, the precomputed reference log-probs (the policy with its adapters
+# off) read back on resume, a checkpoint holding the adapters and their optimizer state alone.
 DPO_OVERRIDES = [
     "--dpo",
     "train.steps=24",
@@ -47,6 +49,10 @@ DPO_OVERRIDES = [
     "data.num_examples=400",
     "data.eval_fraction=0",
     "dpo.precompute_ref_logps=true",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "model.lora.dropout=0.1",
+    "optim.learning_rate=1.0e-3",
     *OVERRIDES[9:],  # the model, checkpoint and logging settings above
 ]
 
@@ -152,6 +158,10 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
     if method == "dpo":
         # stored by the killed run, not recomputed: both sides of the 400 pairs
         assert "reference_logps.npz: read 800 sequences' values" in out
+        from tests.helpers import saved_tensors
+
+        saved = saved_tensors(run_dir / "checkpoints" / "24")  # the adapters, not the base
+        assert len(saved) == 14 and all(p.endswith(("lora.a", "lora.b")) for p in saved)
 
     if not against_reference:
         got = losses(run_dir)
