@@ -159,3 +159,44 @@ def test_schedules():
     assert [at("linear", s) for s in (0, 50, 100)] == pytest.approx([1.0, 0.6, 0.2])
     assert [at("cosine", s) for s in (0, 50, 100, 200)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
     assert at("cosine", 25) == pytest.approx(0.2 + 0.8 * 0.5 * (1 + np.cos(np.pi / 4)))
+
+
+def test_the_tail_bucket_comes_from_the_logits_outside_the_topk_when_the_topk_holds_all_but_1e_12():
+    """A student whose top-k holds all but ~1e-12 of its mass (1 - sum_k rounds to 0 in float32) and a teacher
+    that leaves 1% outside: forward KL with a tail bucket should push the student's mass out to the tail (a
+    negative gradient on every logit outside the top-k). With the bucket from the logits outside the top-k
+    (`excluded_logsumexp`, what the objective passes) the gradient is the float64 one; from 1 - sum_k (the floor)
+    that push is gone: what is left is the top-k terms' pull (q_j ~ 1e-12) and rounding, 1e5 times smaller."""
+    from core.kernels.logprobs import excluded_logsumexp
+
+    v, k = 12, 3
+    rng = np.random.default_rng(3)
+    z = np.full((2, v), -14.0) + rng.normal(0, 0.3, (2, v))  # the student's logits
+    z[:, :k] = 14.0 + rng.normal(0, 0.3, (2, k))  # its top-k: all but ~1e-11 of the mass
+    pt = np.full((2, v), 0.01 / (v - k))
+    pt[:, :k] = 0.99 / k  # the teacher: 1% outside the top-k
+    logp = np.log(pt[:, :k])
+    ids = jnp.tile(jnp.arange(k), (2, 1))
+    eye = jnp.eye(v)  # hidden = the logits, the output weight the identity: the kernel sees these logits
+
+    def loss(logits, exact):
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logq = logits[:, :k] - lse[:, None]
+        tail = excluded_logsumexp(logits, eye, ids) - lse if exact else None
+        return distill.topk_divergence(logq, jnp.asarray(logp, jnp.float32), "forward", "tail", student_tail=tail).sum()
+
+    zf = jnp.asarray(z, jnp.float32)
+    assert float(jnp.sum(jnp.exp(jax.nn.log_softmax(zf)[:, :k]), -1).min()) == 1.0  # 1 - sum_k is 0 in float32
+    # float64 reference: d/dz_j of -sum_k p_k log q_k - p_tail log q_tail = q_j - p_j (top-k),
+    # q_j - p_tail * exp(z_j) / sum_{outside} exp(z) (outside)
+    q = np.exp(z - z.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    outside = np.exp(z[:, k:] - z[:, k:].max(-1, keepdims=True))
+    want = q.copy()
+    want[:, :k] -= pt[:, :k]
+    want[:, k:] -= 0.01 * outside / outside.sum(-1, keepdims=True)
+    exact = np.asarray(jax.grad(lambda x: loss(x, True))(zf))
+    floored = np.asarray(jax.grad(lambda x: loss(x, False))(zf))
+    np.testing.assert_allclose(exact, want, rtol=1e-4, atol=1e-7)
+    assert (exact[:, k:] < -1e-4).all()
+    assert np.abs(floored[:, k:]).max() < 1e-3 * np.abs(want[:, k:]).min()  # the floor loses the tail's gradient

@@ -246,3 +246,88 @@ def _saved_bwd(temperature, layout, entropy, res, cotangents):
 
 
 _saved.defvjp(_saved_fwd, _saved_bwd)
+
+
+# ------------------------------------------------------------------ log-sum-exp outside some ids
+
+
+def excluded_logsumexp(
+    hidden: jax.Array,
+    weight: jax.Array,
+    exclude: jax.Array,
+    temperature: float = 1.0,
+    chunk_size: int = 8192,
+    layout: Layout = "dv",
+) -> jax.Array:
+    """[N] log sum_{v not in exclude[i]} exp(h_i W_v / temperature) for hidden [N, D] and `exclude` [N, k]: the
+    log-mass (unnormalised) of everything but k ids, summed from those logits themselves. `1 - sum_k p` loses it
+    to rounding once the k ids hold all but ~1e-7 of the mass in float32; this does not. Vocabulary-tiled like
+    `chunked_logprobs_and_entropy` (a custom VJP recomputes each tile: O(N x chunk) memory); ids repeated in a row
+    are excluded once."""
+    chunk = min(chunk_size, _vocab_size(weight, layout))
+    return _excluded(hidden, weight, exclude.astype(jnp.int32), float(temperature), chunk, layout)
+
+
+def _excluded_mask(exclude, cols, valid):
+    """[N, C] True where a column of this tile is kept (valid, and not one of the row's excluded ids)."""
+    n, c = exclude.shape[0], cols.shape[0]
+    start = cols[0]
+    local = jnp.where((exclude >= start) & (exclude < start + c), exclude - start, c)  # out of this tile: dropped
+    hit = jnp.zeros((n, c), bool).at[jnp.arange(n)[:, None], local].set(True, mode="drop")
+    return valid[None, :] & ~hit
+
+
+def _excluded_forward(h, weight, exclude, temperature, chunk, layout):
+    n = h.shape[0]
+
+    def body(i, carry):
+        m, s = carry
+        logits, cols, valid, _, _ = _chunk_logits(h, weight, i, chunk, temperature, layout)
+        masked = jnp.where(_excluded_mask(exclude, cols, valid), logits, -jnp.inf)
+        m_new = jnp.maximum(m, masked.max(axis=-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a tile with nothing kept yet
+        s = s * jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)) + jnp.exp(masked - safe[:, None]).sum(-1)
+        return m_new, s
+
+    init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
+    m, s = jax.lax.fori_loop(0, _num_chunks(_vocab_size(weight, layout), chunk), body, init)
+    return m + jnp.log(s)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _excluded(h, weight, exclude, temperature, chunk, layout):
+    return _excluded_forward(h, weight, exclude, temperature, chunk, layout)
+
+
+def _excluded_fwd(h, weight, exclude, temperature, chunk, layout):
+    lse = _excluded_forward(h, weight, exclude, temperature, chunk, layout)
+    return lse, (h, weight, exclude, lse)
+
+
+def _excluded_bwd(temperature, chunk, layout, res, g):
+    """d lse / d l_j = softmax over the kept columns (0 on the excluded ones)."""
+    h, weight, exclude, lse = res
+
+    def body(i, carry):
+        dh, dw = carry
+        logits, cols, valid, w, start = _chunk_logits(h, weight, i, chunk, temperature, layout)
+        p = jnp.where(_excluded_mask(exclude, cols, valid), jnp.exp(logits - lse[:, None]), 0.0)
+        dl = g[:, None] * p / temperature  # [N, C]
+        if layout == "dv":
+            dh = dh + jnp.einsum("NC,DC->ND", dl, w, preferred_element_type=jnp.float32)
+            dw_c = jnp.einsum("ND,NC->DC", h, dl, preferred_element_type=jnp.float32)
+            old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=1)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, old + dw_c, start, axis=1)
+        else:
+            dh = dh + jnp.einsum("NC,CD->ND", dl, w, preferred_element_type=jnp.float32)
+            dw_c = jnp.einsum("ND,NC->CD", h, dl, preferred_element_type=jnp.float32)
+            old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, old + dw_c, start, axis=0)
+        return dh, dw
+
+    init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(weight.shape, jnp.float32))
+    dh, dw = jax.lax.fori_loop(0, _num_chunks(_vocab_size(weight, layout), chunk), body, init)
+    return dh.astype(h.dtype), dw.astype(weight.dtype), None
+
+
+_excluded.defvjp(_excluded_fwd, _excluded_bwd)

@@ -44,6 +44,7 @@ from flax import nnx
 
 from core.batch import PackedBatch
 from core.kernels.divergence import Divergence, chunked_divergence, chunked_topk
+from core.kernels.logprobs import excluded_logsumexp
 from core.models import Decoder
 from core.sums import summed
 from core.targets import TargetStates, states_logprobs, target_states
@@ -174,16 +175,22 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
         if teacher_states is not None and settings.top_k == 0:
             kd, kl = _full_vocabulary(settings, model_cfg, student, h_t, teacher_states, temperature)
         else:
+            online_teacher_tail = None
             if teacher is not None and teacher_states is not None:  # online, top-k: the teacher's at T, in the step
                 vocab = student.weight.shape[1 if student.layout == "dv" else 0]
+                teacher_t = teacher_states.hidden / temperature.astype(teacher_states.hidden.dtype)
                 ids, logp = chunked_topk(
-                    teacher_states.hidden / temperature.astype(teacher_states.hidden.dtype),
+                    teacher_t,
                     teacher_states.weight,
                     settings.top_k,
                     teacher.cfg.vocab_chunk_size,
                     teacher_states.layout,
                     vocab,
                 )
+                if settings.mode == "tail":
+                    at_t = dataclasses.replace(teacher_states, hidden=teacher_t).over_vocab(vocab)
+                    z_top = _logits_at(at_t, ids[:, :1])[:, 0]  # the top id's logit at T: lse_T = z - log p
+                    online_teacher_tail = _tail_logmass(teacher.cfg, at_t, ids) - (z_top - logp[:, 0])
                 if settings.unit_temperature:
                     logp1_teacher = logp
                 else:
@@ -197,7 +204,13 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             lse1 = z_label - logp1
             lse_t = z_label / temperature - logp_t
             logq = z / temperature - lse_t[:, None]
-            kd = topk_divergence(logq, logp, settings.kind, settings.mode, settings.beta)
+            student_tail = teacher_tail = None
+            if settings.mode == "tail":  # each bucket from the logits outside the top-k, not from 1 - sum_k
+                student_tail = _tail_logmass(model_cfg, dataclasses.replace(student, hidden=h_t), ids) - lse_t
+                teacher_tail = online_teacher_tail
+            kd = topk_divergence(
+                logq, logp, settings.kind, settings.mode, settings.beta, student_tail, teacher_tail
+            )
             logq1 = jax.lax.stop_gradient(z - lse1[:, None])
             kl = topk_divergence(logq1, logp1_teacher, "forward", settings.mode)
             sums["teacher_mass"] = jnp.sum(topk_mass(logp1_teacher) * mask)
@@ -233,6 +246,14 @@ def _full_vocabulary(settings, model_cfg, student: TargetStates, h_t, teacher: T
         return kd, kd
     sg = jax.lax.stop_gradient
     return kd, divergence(sg(student.hidden), teacher.hidden, "forward", 0.5)
+
+
+def _tail_logmass(model_cfg, states: TargetStates, ids: jax.Array) -> jax.Array:
+    """[F] log sum over the vocabulary outside `ids` [F, k] of exp(the model's logits) (`states.hidden` already at
+    the temperature): subtract the log-sum-exp over everything for the bucket's log-probability."""
+    return excluded_logsumexp(
+        states.hidden, states.weight, ids, chunk_size=model_cfg.vocab_chunk_size, layout=states.layout
+    )
 
 
 def _logprobs_at(model_cfg, states: TargetStates, ids: jax.Array) -> jax.Array:

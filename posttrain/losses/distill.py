@@ -19,10 +19,12 @@ those k ids, `student_logq` the student's at the same ids):
 
     mode "renormalised"   both renormalised over the k ids (MaxText, Tunix, NeMo-RL): the divergence between the
                           two distributions conditioned on the top-k; it cannot see mass the student puts elsewhere
-    mode "tail"           the k ids plus one bucket holding the rest of the mass, 1 - sum_k (TRL's server
-                          distillation, `loss_add_tail`): mass the student moves off the top-k is penalised. Reverse
-                          KL over the top-k alone lets the student shrink its own mass there unseen (verl found it
-                          unstable); the tail bucket closes that hole.
+    mode "tail"           the k ids plus one bucket holding the rest of the mass (TRL's server distillation,
+                          `loss_add_tail`): mass the student moves off the top-k is penalised. Reverse KL over the
+                          top-k alone lets the student shrink its own mass there unseen (verl found it unstable); the
+                          tail bucket closes that hole. The training objective takes the student's bucket (and, in
+                          the step, the teacher's) from the logits outside the top-k, not from 1 - sum_k: that
+                          difference rounds to 0 in float32 once the top-k hold nearly all the mass.
 
 Temperature: both sides at T (top-k: the caller passes log-probs at T; renormalising makes a dump's T = 1 values
 exact at any T, the tail bucket needs values taken at T). `mix_hard_label` multiplies the divergence by T^2 with
@@ -69,10 +71,15 @@ def divergence(
     return divergence_of_logprobs(logq, logp, kind, beta)
 
 
-def _with_tail(logk: jax.Array) -> jax.Array:
-    """[..., k] log-probs -> [..., k + 1]: the k and one bucket with the rest of the mass."""
-    mass = jnp.sum(jnp.exp(logk), axis=-1, keepdims=True)
-    tail = jnp.log(jnp.maximum(1.0 - mass, _TAIL_FLOOR))
+def _with_tail(logk: jax.Array, tail: jax.Array | None = None) -> jax.Array:
+    """[..., k] log-probs -> [..., k + 1]: the k and one bucket with the rest of the mass: `tail` [...] its
+    log-mass when the caller has it from the logits outside the k (`core.kernels.logprobs.excluded_logsumexp`),
+    else log(1 - sum_k), floored (exact only while the k hold less than ~1 - 1e-7 of the mass in float32)."""
+    if tail is None:
+        mass = jnp.sum(jnp.exp(logk), axis=-1, keepdims=True)
+        tail = jnp.log(jnp.maximum(1.0 - mass, _TAIL_FLOOR))
+    else:
+        tail = tail.astype(jnp.float32)[..., None]
     return jnp.concatenate([logk, tail], axis=-1)
 
 
@@ -82,15 +89,20 @@ def topk_divergence(
     kind: Divergence,
     mode: TopKMode = "renormalised",
     beta: float = 0.5,
+    student_tail: jax.Array | None = None,
+    teacher_tail: jax.Array | None = None,
 ) -> jax.Array:
     """[..., k] log-probs of the teacher's top-k ids under each model (over the whole vocabulary, at the loss's
-    temperature) -> [...] divergence on the top-k (module docstring)."""
+    temperature) -> [...] divergence on the top-k (module docstring). In tail mode, `student_tail` /
+    `teacher_tail` [...] are each model's log-mass outside the k, taken from its logits there (the training
+    objective passes the student's: once its top-k mass rounds to 1, 1 - sum_k would come from the floor and turn
+    forward KL's gradient around); without them, 1 - sum_k."""
     logq, logp = student_logq.astype(jnp.float32), teacher_logp.astype(jnp.float32)
     if mode == "renormalised":
         logq = logq - jax.nn.logsumexp(logq, axis=-1, keepdims=True)
         logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
     elif mode == "tail":
-        logq, logp = _with_tail(logq), _with_tail(logp)
+        logq, logp = _with_tail(logq, student_tail), _with_tail(logp, teacher_tail)
     else:
         raise ValueError(f"unknown top-k mode {mode!r}")
     return divergence_of_logprobs(logq, logp, kind, beta)
