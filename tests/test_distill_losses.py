@@ -200,3 +200,13 @@ def test_the_tail_bucket_comes_from_the_logits_outside_the_topk_when_the_topk_ho
     np.testing.assert_allclose(exact, want, rtol=1e-4, atol=1e-7)
     assert (exact[:, k:] < -1e-4).all()
     assert np.abs(floored[:, k:]).max() < 1e-3 * np.abs(want[:, k:]).min()  # the floor loses the tail's gradient
+
+
+def test_jsd_is_trls_generalised_jsd():
+    """`divergence(..., "jsd", T, beta)` per token == TRL's `generalized_jsd_loss` (stored values, see
+    tests/fixtures/make_trl_jsd.py) for beta 0, 0.3, 0.5, 1 at T = 1 and 2."""
+    from tests.test_divergence_kernel import trl_jsd_cases
+
+    for zs, zt, beta, temperature, want in trl_jsd_cases():
+        got = distill.divergence(jnp.asarray(zs), jnp.asarray(zt), "jsd", temperature, beta)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-7)

@@ -67,3 +67,25 @@ def test_the_teacher_gets_no_gradient_and_the_same_model_diverges_by_zero():
     assert float(jnp.abs(same).max()) < 1e-5
     grads = jax.grad(lambda ht: chunked_divergence(h_s, w_s, ht, w_s, "forward", chunk_size=64).sum())(h_s)
     assert not np.asarray(grads).any()
+
+
+def trl_jsd_cases():
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "fixtures" / "trl_jsd.json").read_text())
+    zs = np.asarray(data["student_logits"], np.float32).reshape(-1, 11)
+    zt = np.asarray(data["teacher_logits"], np.float32).reshape(-1, 11)
+    return [(zs, zt, c["beta"], c["temperature"], np.asarray(c["per_token"]).reshape(-1)) for c in data["cases"]]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_the_kernels_jsd_is_trls_generalised_jsd(case):
+    """The chunked kernel's JSD(beta) per token == TRL's `generalized_jsd_loss` (trl 1.16.0, values stored in
+    tests/fixtures/trl_jsd.json: beta 0 and 1 are its forward and reverse KL), at T = 1 and 2; logits given as
+    hidden states through an identity output weight, in chunks that do not divide the vocabulary."""
+    zs, zt, beta, temperature, want = trl_jsd_cases()[case]
+    eye = jnp.eye(11)
+    got = chunked_divergence(jnp.asarray(zs), eye, jnp.asarray(zt), eye, "jsd", temperature, beta, chunk_size=4)
+    assert (want > 1e-3).all()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-7)
