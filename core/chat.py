@@ -17,7 +17,9 @@ assistant turn is located in ONE rendering of the whole conversation (the text t
   turn that opens the conversation, the turn starts at its own content;
 - it ends with the first end-of-turn token after its content: a special token the template writes right after an
   assistant message (found once per template by rendering a probe conversation; `<|im_end|>`, `<|eot_id|>`,
-  `<|end|>` and `<|return|>`, ...), or EOS.
+  `<|end|>` and `<|return|>`, ...), or EOS; and with the EOS right after it where the template closes every
+  assistant turn that way (Cohere2 / Command R7B: `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`, the second being the
+  token its generation stops on).
 
 Everything in between is the model's to produce and becomes a target (the reasoning a template keeps, the empty
 think block Qwen3 writes, gpt-oss's channel headers); system, user and tool turns never do. The text is tokenized
@@ -42,7 +44,7 @@ class ChatTemplateError(UserError, ValueError):
 
 # A probe conversation, rendered once per template to learn which special token closes an assistant turn.
 _PROBE_USER, _PROBE_REPLY = "Probe question 7?", "Probe reply 7."
-_closers_cache: dict[tuple, tuple[str, ...]] = {}
+_closers_cache: dict[tuple, tuple[tuple[str, ...], frozenset[str]]] = {}
 
 
 def _render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:
@@ -69,10 +71,18 @@ def _special_tokens(tokenizer: Any) -> list[str]:
 def end_of_turn_tokens(tokenizer: Any) -> tuple[str, ...]:
     """The tokens that close an assistant turn in this template: EOS, and the first special token the template
     writes after an assistant reply, as the last message and followed by a user turn (cached per template)."""
+    return _closing(tokenizer)[0]
+
+
+def _closing(tokenizer: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(the end-of-turn tokens, those the template follows with EOS after a reply that a user turn follows: the
+    EOS then belongs to the turn too)."""
     specials = _special_tokens(tokenizer)
-    key = (tokenizer.chat_template, tokenizer.eos_token, tuple(specials))
+    eos = tokenizer.eos_token
+    key = (tokenizer.chat_template, eos, tuple(specials))
     if key not in _closers_cache:
-        closers = {tokenizer.eos_token} if tokenizer.eos_token else set()
+        closers = {eos} if eos else set()
+        then_eos: set[str] = set()
         user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
         pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
         for probe in ([user, reply], [user, reply, user]):
@@ -84,7 +94,9 @@ def end_of_turn_tokens(tokenizer: Any) -> tuple[str, ...]:
             found = pattern.search(text, at + len(_PROBE_REPLY)) if pattern is not None and at >= 0 else None
             if found is not None:
                 closers.add(found.group())
-        _closers_cache[key] = tuple(sorted(closers, key=len, reverse=True))
+                if len(probe) == 3 and eos and found.group() != eos and text.startswith(eos, found.end()):
+                    then_eos.add(found.group())
+        _closers_cache[key] = (tuple(sorted(closers, key=len, reverse=True)), frozenset(then_eos))
     return _closers_cache[key]
 
 
@@ -133,7 +145,7 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
         raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
     text = _render(tokenizer, messages, False)
     atomic = _atomic_tokens(tokenizer)
-    closers = end_of_turn_tokens(tokenizer)
+    closers, then_eos = _closing(tokenizer)
     closing = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -182,6 +194,8 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
                 )
         else:
             end = close.end()
+            if close.group() in then_eos and text.startswith(tokenizer.eos_token, end):
+                end += len(tokenizer.eos_token)  # the turn's EOS after its closer (Cohere2's END_OF_TURN_TOKEN)
         spans.append((start, end))
         cursor = end
     return text, spans

@@ -138,6 +138,24 @@ FAMILIES = {
         header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
         closers=("<|END_OF_TURN_TOKEN|>",),
     ),
+    # Command R7B / A (Cohere2): the reply between START_RESPONSE and END_RESPONSE, then END_OF_TURN_TOKEN, the token
+    # its generation stops on: the turn's targets end with both
+    "cohere2": dict(
+        specials=[
+            "<BOS_TOKEN>",
+            "<|END_OF_TURN_TOKEN|>",
+            "<|START_OF_TURN_TOKEN|>",
+            "<|USER_TOKEN|>",
+            "<|CHATBOT_TOKEN|>",
+            "<|SYSTEM_TOKEN|>",
+            "<|START_RESPONSE|>",
+            "<|END_RESPONSE|>",
+        ],
+        bos="<BOS_TOKEN>",
+        eos="<|END_OF_TURN_TOKEN|>",
+        header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        closers=("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",),
+    ),
     # GLM closes a turn with the next turn's role token and the last one with nothing at all
     "glm4moe": dict(
         specials=["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"],
