@@ -28,6 +28,15 @@ from core.run import Method
 from core.train import batch_shards
 
 
+def refuse(cfg: Config, what: str, instead: str) -> None:
+    """`train.compile_only=true` where a recipe does not compile its update (`what` it would run instead, and what to
+    compile `instead`): a `ConfigError` before anything loads, never a real run."""
+    from core.config_loader import ConfigError
+
+    if cfg.train.compile_only:
+        raise ConfigError(f"train.compile_only=true is not offered for {what}: {instead}")
+
+
 def request_devices(cfg: Config) -> None:
     """Fake CPU devices for the configured mesh (before JAX's first device query)."""
     from core.host_devices import request_host_devices

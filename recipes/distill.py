@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from core.cli import run_recipe
+from core.compile_only import refuse
 from core.config_loader import config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "distill_tiny.yml"
@@ -25,6 +26,11 @@ def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
+    refuse(
+        cfg,
+        "distillation (its step reads the teacher, which compile-only does not load)",
+        "compile the student's SFT step (python -m recipes.sft train.compile_only=true) or its GRPO step",
+    )
     if cfg.distill.regime == "on_policy":
         from posttrain.distill.onpolicy import run_onpolicy_distill
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from core.cli import run_recipe
+from core.compile_only import refuse
 from core.config_loader import ConfigError, config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "distill_tiny.yml"
@@ -26,10 +27,12 @@ def main(argv: list[str]) -> int:
     from core.tokenizer import tokenizer_for_run
     from posttrain.config import PostTrainConfig
     from posttrain.distill.dump import dump_topk
+    from posttrain.distill.method import check_top_k
     from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
     from posttrain.sft import SFT, row_format
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
+    refuse(cfg, "the teacher's dump (it trains nothing)", "leave train.compile_only unset")
     d = cfg.distill
     if d.teacher is None or d.logits_dir is None:
         raise ConfigError("the dump needs distill.teacher (the model to run) and distill.logits_dir (where to write)")
@@ -39,6 +42,7 @@ def main(argv: list[str]) -> int:
         cfg.data.tokenizer_dir, SFT.tokenizer_texts(records), cfg.run.run_dir, cfg.model.vocab_size, d.teacher
     )
     tokenizer = load_tokenizer(tokenizer_dir)
+    check_top_k(d.dump_k, "distill.dump_k", tokenizer)  # before the teacher loads
     teacher = load_teacher(cfg, mesh, len(tokenizer), f"the tokenizer {tokenizer_dir}")
     mismatch = teacher_tokenizer_matches(d.teacher, tokenizer, tokenizer_dir)
     if mismatch:

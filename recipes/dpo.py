@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from core.cli import run_recipe
+from core.compile_only import refuse
 from core.config_loader import config_from_argv
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "dpo_tiny.yml"
@@ -28,6 +29,11 @@ def main(argv: list[str]) -> int:
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
     if cfg.dpo.online:
+        refuse(
+            cfg,
+            "online DPO (it starts samplers and a Ray cluster)",
+            "compile its update with dpo.online=false (the same preference objective on pairs of data.seq_len)",
+        )
         from posttrain.dpo.online import run_online_dpo
 
         summary = run_online_dpo(cfg)

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from core.compile_only import refuse
 from core.config_loader import config_from_argv, save_config
 from core.hf import load_hf, save_hf
 from core.mesh import make_mesh
@@ -42,6 +43,7 @@ def main(argv: list[str]) -> int:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     cfg = config_from_argv(argv, DEFAULT_CONFIG, num_devices=jax.device_count())
+    refuse(cfg, "the parity demo (it trains nothing)", "leave train.compile_only unset")
     run_dir = Path(cfg.run.run_dir)
     save_config(cfg, run_dir)
     mesh = make_mesh(cfg.mesh)

@@ -167,6 +167,116 @@ DPO_CASES = {
 }
 
 
+def _no_chat_template(tokenizer_dir: str, out: Path) -> str:
+    """A copy of the tokenizer without its chat template."""
+    import shutil
+
+    shutil.copytree(tokenizer_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return str(out)
+
+
+def _bf16_dump(out: Path) -> str:
+    """A dump directory whose index says its log-probs are bfloat16 (what training reads first)."""
+    out.mkdir()
+    (out / "index.json").write_text(json.dumps({"header": {"dtype": "bfloat16", "temperature": 1.0}, "shards": []}))
+    return str(out)
+
+
+DISTILL_TINY = ROOT / "recipes" / "configs" / "distill_tiny.yml"
+DPO_ONLINE_TINY = ROOT / "recipes" / "configs" / "dpo_online_tiny.yml"
+
+# Refused at start: before a model, a teacher or a Ray cluster loads (the test makes each of those fail loudly).
+START_CASES = {
+    "compile-only distillation": (
+        "recipes.distill",
+        lambda f, t: [str(DISTILL_TINY), "train.compile_only=true"],
+        "train.compile_only=true is not offered for distillation",
+    ),
+    "compile-only on-policy distillation": (
+        "recipes.distill",
+        lambda f, t: [str(DISTILL_TINY), "distill.regime=on_policy", "train.compile_only=true"],
+        "train.compile_only=true is not offered for distillation",
+    ),
+    "compile-only online DPO": (
+        "recipes.dpo",
+        lambda f, t: [str(DPO_ONLINE_TINY), "train.compile_only=true"],
+        "train.compile_only=true is not offered for online DPO",
+    ),
+    "compile-only dump": (
+        "recipes.distill_logits",
+        lambda f, t: [str(DISTILL_TINY), "train.compile_only=true", "distill.teacher=.", f"distill.logits_dir={t}"],
+        "train.compile_only=true is not offered for the teacher's dump",
+    ),
+    "truncated sampling with the sampled-token loss": (
+        "recipes.distill",
+        lambda f, t: [str(GRPO_TINY), "distill.regime=on_policy", "distill.teacher=.", "rollout.top_p=0.9"],
+        "rollout.top_p=0.9 / rollout.top_k=-1 that is the truncated distribution's",
+    ),
+    "chat template asked of a tokenizer without one": (
+        "recipes.grpo",
+        lambda f, t: [
+            str(GRPO_TINY),
+            "rl.use_chat_template=true",
+            f"data.tokenizer_dir={_no_chat_template(f['tok'], t)}",
+        ],
+        "rl.use_chat_template=true, but the tokenizer in",
+    ),
+    "dump_k above the vocabulary": (
+        "recipes.distill_logits",
+        lambda f, t: [
+            str(DISTILL_TINY),
+            f"data.tokenizer_dir={f['tok']}",
+            "distill.teacher=.",
+            f"distill.logits_dir={t}",
+            "distill.dump_k=100000",
+        ],
+        "distill.dump_k=100000 is above the vocabulary the top-k is taken over",
+    ),
+    "gkd top_k above the vocabulary": (
+        "recipes.distill",
+        lambda f, t: [
+            str(GRPO_TINY),
+            f"data.tokenizer_dir={f['tok']}",
+            "distill.regime=on_policy",
+            "distill.teacher=.",
+            "distill.on_policy_loss=gkd",
+            "distill.top_k=100000",
+        ],
+        "distill.top_k=100000 is above the vocabulary the top-k is taken over",
+    ),
+    "tail mode on a bfloat16 dump": (
+        "recipes.distill",
+        lambda f, t: [str(DISTILL_TINY), f"distill.logits_dir={_bf16_dump(t)}", "distill.top_k_mode=tail"],
+        "distill.top_k_mode=tail with the bfloat16 dump",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(START_CASES))
+def test_what_a_run_cannot_do_is_refused_before_anything_loads(case, files, capsys, tmp_path, monkeypatch):
+    """Each of these once started a real run, or failed after Ray and the samplers had started: now one error
+    line, before any model, teacher or cluster loads."""
+    import core.checkpoint
+    import posttrain.distill.teacher
+    import rollout.ray
+
+    def started(*args, **kwargs):
+        raise AssertionError("a model, a teacher or Ray was started before the mistake was reported")
+
+    for module, name in ((core.checkpoint, "initial_model"), (posttrain.distill.teacher, "load_teacher")):
+        monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr(rollout.ray, "ensure_ray", started)
+    module, argv, fragment = START_CASES[case]
+    rc, out, err = _run(module, [*argv(files, tmp_path / "made"), f"run.run_dir={tmp_path / 'run'}"], capsys)
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and err.startswith("error: ")
+    assert fragment in err, err
+
+
 def _run(module, argv, capsys):
     """(exit code, stdout, stderr from the error line on: library progress bars may precede it)."""
     import importlib

@@ -64,6 +64,20 @@ def dump_temperature(cfg: PostTrainConfig) -> float:
     return float(index["header"]["temperature"]) if index else cfg.distill.dump_temperature
 
 
+def dump_dtype(cfg: PostTrainConfig) -> str:
+    """The dtype of the offline dump's log-probs (its index's; the config's before it exists)."""
+    from posttrain.distill.topk_store import read_index
+
+    index = read_index(cfg.distill.logits_dir) if cfg.distill.logits_dir else None
+    return str(index["header"]["dtype"]) if index else cfg.distill.dump_dtype
+
+
+def check_top_k(k: int, key: str, tokenizer) -> None:
+    """A top-k no larger than the vocabulary it is taken over (the tokenizer's), checked before any work."""
+    if k > len(tokenizer):
+        raise ConfigError(f"{key}={k} is above the vocabulary the top-k is taken over ({len(tokenizer)} tokens)")
+
+
 def teacher_in_step(cfg: PostTrainConfig) -> bool:
     """Online with the teacher beside the student (in the train step), not in an actor of its own."""
     return cfg.distill.regime == "online" and cfg.distill.teacher_placement == "beside"
@@ -114,6 +128,14 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
     if d.regime == "online" and d.teacher is None:
         raise ConfigError("distill.regime=online needs distill.teacher (an HF directory, a Hub id or a Temper run)")
+    stored_dtype = dump_dtype(cfg)
+    if d.regime == "offline" and d.top_k_mode == "tail" and stored_dtype != "float32":
+        raise ConfigError(
+            f"distill.top_k_mode=tail with the {stored_dtype} dump in {d.logits_dir}: the teacher's tail bucket is 1 "
+            f"minus its top-k probabilities, which a {stored_dtype} log-prob cannot resolve (bfloat16 keeps 8 bits "
+            f"of mantissa: the bucket comes out 0 or off by ~1e-2); use distill.top_k_mode=renormalised, or dump in "
+            f"float32 (distill.dump_dtype=float32)"
+        )
     t_start, t_end, _ = d.at("temperature")
     stored = stored_temperature(cfg)
     if d.top_k_mode == "tail" and not teacher_in_step(cfg) and not t_start == t_end == stored:
@@ -172,6 +194,7 @@ class Distillation(Method):
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
+        check_top_k(cfg.distill.top_k, "distill.top_k", run.tokenizer)
         rows = row_format(cfg.data.format, cfg.sft.completion_only_loss)
         examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
         notes = []

@@ -83,6 +83,14 @@ def check_config(cfg: PostTrainConfig) -> None:
                 f"distill.completion_template {d.completion_template!r} names {err}, a field the prompt rows do not "
                 f"have (they have {sorted(rows[0])})"
             ) from None
+    r = cfg.rollout
+    if d.on_policy_loss == "sampled" and (r.top_p < 1.0 or r.top_k > 0):
+        raise ConfigError(
+            f"distill.on_policy_loss=sampled takes the sampler's log-prob of each token it drew as log q: with "
+            f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k} that is the truncated distribution's, not the "
+            f"student's, and the reverse-KL advantage would be biased; sample from the whole distribution "
+            f"(rollout.top_p=1, rollout.top_k=-1), or use distill.on_policy_loss=gkd (it reads the student's own)"
+        )
     if d.on_policy_loss == "gkd" and d.reward_weight > 0:
         raise ConfigError("distill.reward_weight mixes a reward into the sampled-token advantage: not with gkd")
     b = cfg.rl.batch
@@ -193,6 +201,10 @@ class OnPolicyDistillRun(OnPolicyRun):
         from core.data import load_tokenizer
 
         super().check_tokenizer(tokenizer_dir)
+        if self.cfg.distill.on_policy_loss == "gkd":
+            from posttrain.distill.method import check_top_k
+
+            check_top_k(self.cfg.distill.top_k, "distill.top_k", load_tokenizer(tokenizer_dir))
         teacher = str(self.cfg.distill.teacher)
         mismatch = teacher_tokenizer_matches(teacher, load_tokenizer(tokenizer_dir), tokenizer_dir)
         if mismatch:
