@@ -47,7 +47,7 @@ def common(tmp_path, tokenizer, teacher, *extra):
     ]
 
 
-def test_the_dump_resumes_and_refuses_other_data(tmp_path, arithmetic_tokenizer, teacher):
+def test_the_dump_resumes_and_refuses_other_data(tmp_path, arithmetic_tokenizer, teacher, capsys):
     from posttrain.distill.topk_store import TopKStoreMismatch, read_index
     from recipes.distill_logits import main as dump
 
@@ -68,8 +68,14 @@ def test_the_dump_resumes_and_refuses_other_data(tmp_path, arithmetic_tokenizer,
     index["shards"] = index["shards"][:2]
     (topk / "index.json").write_text(json.dumps(index))
     (topk / "shard-00003-ids.npy").unlink()
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in topk.glob("shard-0000[01]-*.npy")}
+    capsys.readouterr()
     assert dump(args) == 0
-    assert {p.name: p.read_bytes() for p in topk.glob("*.npy")} == before  # the same shards, rewritten exactly
+    assert "resuming the dump: 2 of 4 shards already written" in capsys.readouterr().out
+    # a resume, not a rewrite: shards 0 and 1 are the very files the killed dump left; 2 and 3 written again
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in topk.glob("shard-0000[01]-*.npy")} == kept
+    assert all((p.stat().st_ino, p.stat().st_mtime_ns) not in kept.values() for p in topk.glob("shard-0000[23]-*"))
+    assert {p.name: p.read_bytes() for p in topk.glob("*.npy")} == before  # the same shards, exactly
 
     # Other targets behind the same directory (every token, not the assistant's): the first shard is named.
     with pytest.raises(TopKStoreMismatch, match=r"shard-00000: written for other data than this run's rows 0\.\.63"):
@@ -331,6 +337,29 @@ def test_on_policy_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmeti
         assert after[old["step"] - 1]["reverse_kl"] == pytest.approx(old["reverse_kl"], abs=1e-6)
 
 
+def _gkd_probe(run):
+    """A GKD batch of the dataset's completions of the first 8 held-out prompts (what `_gkd_batch` builds on a
+    dataset step), packed for one micro-batch, alpha 0 and T = 1."""
+    from core.data import load_tokenizer
+    from posttrain.distill.objective import DistillBatch
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.prompts import render_prompt
+    from posttrain.onpolicy.run import Scored
+    from rollout.sampler import Completion, encode_prompts
+
+    rows = run.eval_rows[:8]
+    tokenizer = load_tokenizer(run.tokenizer_dir)
+    prompts = encode_prompts(tokenizer, [render_prompt(r, run.cfg.rl) for r in rows])
+    fake = Scored(rows, [Completion(list(p), [], [], "stop", "") for p in prompts], None, None)
+    completions = run._dataset_completions(fake)
+    n = len(completions)
+    packed = build_rl_batch(
+        completions, np.zeros(n), np.ones(n, bool), row_len=run.row_len, max_tokens=run.cfg.rollout.max_tokens
+    ).packed
+    rows_n = packed.tokens.shape[0]
+    return DistillBatch(packed, np.zeros(rows_n, np.float32), np.ones(rows_n, np.float32))
+
+
 def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path, arithmetic_tokenizer, teacher):
     """distill.on_policy_loss=gkd with lmbda 0.5 (the JAX sampler): some steps train on the student's samples,
     the others on the dataset's completions of the same prompts, all with the full-vocabulary JSD and the teacher
@@ -356,7 +385,13 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
     run = OnPolicyDistillRun(cfg)
     try:
+        # One fixed probe, measured before and after: the forward KL to the teacher on the dataset's completions of
+        # the held-out prompts (the steps' own KLs mix sampled and dataset batches, which differ in kind).
+        probe = _gkd_probe(run)
+        learner = run.trainer.local().learner.learner
+        before = learner.evaluate(probe)
         run.run()
+        after = learner.evaluate(probe)
     finally:
         run.close()
     rows = [r for r in read_metrics(tmp_path / "run") if "kd" in r]
@@ -366,8 +401,9 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
     dataset = [r for r in rows if r["on_policy"] == 0.0]
     assert all(r["completion_length/mean"] < 8 for r in dataset)  # " N" and EOS, not 16 sampled tokens
     assert all(r["grad_norm"] > 0 and np.isfinite(r["loss"]) for r in rows)
-    kl = [r["kl"] for r in rows]
-    assert np.mean(kl[-3:]) < 0.9 * np.mean(kl[:3]), kl
+    kl_before, kl_after = (out.sums.kl / out.denominator for out in (before, after))
+    print(f"held-out forward KL: {kl_before:.4f} -> {kl_after:.4f}")
+    assert before.denominator > 8 and kl_after < 0.9 * kl_before, (kl_before, kl_after)
 
     bad = load_config(
         "recipes/configs/grpo_tiny.yml",

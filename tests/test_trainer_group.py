@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 
-from tests.test_grpo_e2e import assert_redone_steps_match, metric_rows, tiny_cfg
+from tests.test_grpo_e2e import assert_redone_steps_match, hf_weights, metric_rows, tiny_cfg
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
@@ -108,13 +109,17 @@ def test_grpo_with_a_two_process_trainer_survives_a_lost_sampler_node_and_resume
     run = GRPORun(cfg)
     try:
         assert run.start_step == 2
-        run.run()
+        summary = run.run()
     finally:
         run.close()
+    # the updates were applied: the export after step 4 is not the policy the resumed run started from (step 2's)
+    start, end = hf_weights(run.init_hf), hf_weights(summary.hf_dir)
+    assert start.keys() == end.keys() and any(not np.array_equal(start[k], end[k]) for k in start)
     after, _ = metric_rows(cfg.run.run_dir)
     assert [m["step"] for m in after] == [1, 2, 3, 4]
     assert_redone_steps_match(before_kill, after, 2)
     for m in after:
+        assert m["grad_norm"] > 0 and m["skipped_updates"] == 0 and m["empty_updates"] == 0, m
         assert m["policy_version"] == m["step"]
         assert m["mismatch/logp_gap_max"] < 1e-4, m  # vLLM holds the weights the two processes trained
         assert m["sync/bytes"] > 1e6  # the whole model (1.4 MiB in float32) reached each sampler
