@@ -102,29 +102,65 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
     np.testing.assert_allclose(got, want, rtol=0, atol=64 * float(np.spacing(np.float32(np.abs(want).max()))))
 
 
-def test_dpo_with_a_stored_reference_on_two_processes_writes_it_once_and_resumes(
+def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill_9(
     tmp_path, arithmetic_tokenizer, local_ray
 ):
     """DPO with the reference's log-probs computed once and stored (every process computes them, process 0 writes
-    the store, keyed on a digest made of each process's own shards) on 2 processes x 4 devices: it trains, the
-    store is written once, and a new group resumes from the checkpoint and reads the store back (the digest of
-    the same weights on the same mesh is the same). DPO's step itself equals one process's in
-    tests/test_distributed.py."""
+    the store, keyed on a digest made of each process's own shards) on 2 processes x 4 devices. One process gets
+    SIGKILL after step 3 is logged (checkpoint 2 behind it): the group stops with `TrainerUnavailable`. The same
+    config resumes from checkpoint 2 in a new group, reads the store back (the digest of the same weights on the
+    same mesh is the same), redoes step 3 with the loss it logged before the kill and finishes step 4: every step
+    logged once. DPO's step itself equals one process's in tests/test_distributed.py."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
     from core.metrics import read_metrics
     from posttrain.dpo.offline import DPO
     from posttrain.offline import fit
+    from posttrain.process_group import TrainerUnavailable
     from tests.test_dpo_run import dpo_config
 
     group = ["placement.trainer_processes=2", "placement.cpu_devices_per_process=4"]
     common = ["mesh.fsdp=4", "mesh.tensor=2", "optim.name=sgd", "optim.learning_rate=0.1", "train.log_every=1"]
     common += ["dpo.precompute_ref_logps=true", "checkpoint.every_steps=2", "logging.tensorboard=false"]
-    assert fit(dpo_config(tmp_path / "two", arithmetic_tokenizer, *common, *group, "train.steps=2"), DPO).steps == 2
-    losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "run") if "loss" in r]
-    assert len(losses) == 2 and all(np.isfinite(losses)) and losses[1] < losses[0]
-    store = tmp_path / "two" / "run" / "reference_logps.npz"
+    cfg = dpo_config(tmp_path / "two", arithmetic_tokenizer, *common, *group, "train.steps=4")
+    run_dir = tmp_path / "two" / "run"
+    failure: dict = {}
+
+    def first_run():
+        try:
+            fit(cfg, DPO)
+        except Exception as err:  # the group's loss, seen by the driver
+            failure["error"] = err
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while not (
+        (run_dir / "metrics.jsonl").exists() and any(r.get("step") == 3 for r in read_metrics(run_dir) if "loss" in r)
+    ):
+        assert thread.is_alive() and time.monotonic() < deadline, failure
+        time.sleep(0.05)
+    # the group's processes: Ray actors of posttrain.process_group.GroupProcess (their title names the class)
+    pids = [p.pid for p in psutil.process_iter(["cmdline"]) if "GroupProcess" in " ".join(p.info["cmdline"] or [])]
+    assert len(pids) == 2, pids
+    os.kill(pids[-1], signal.SIGKILL)
+    thread.join(timeout=300)
+    assert isinstance(failure.get("error"), TrainerUnavailable), failure
+    before = [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
+    assert [s for s, _ in before][:3] == [1, 2, 3]
+    store = run_dir / "reference_logps.npz"
     written = store.stat().st_mtime_ns
-    longer = dpo_config(tmp_path / "two", arithmetic_tokenizer, *common, *group, "train.steps=3")
-    assert fit(longer, DPO).steps == 3  # resumed from checkpoint 2 by a new group
+
+    assert fit(cfg, DPO).steps == 4  # a new group, from checkpoint 2
+    after = [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
+    assert [s for s, _ in after] == [1, 2, 3, 4]  # each once: the killed run's step 3 was dropped and redone
+    assert all(np.isfinite(loss) for _, loss in after) and after[1][1] < after[0][1]
+    assert after[2][1] == pytest.approx(before[2][1], abs=1e-6)  # step 3 redone exactly
     assert store.stat().st_mtime_ns == written  # the same weights' digest: the store was read, not recomputed
-    log = (tmp_path / "two" / "run" / "logs" / "trainer-0.log").read_text()
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "reference_logps.npz: read" in log and "resumed from" in log

@@ -208,9 +208,7 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
             if settings.mode == "tail":  # each bucket from the logits outside the top-k, not from 1 - sum_k
                 student_tail = _tail_logmass(model_cfg, dataclasses.replace(student, hidden=h_t), ids) - lse_t
                 teacher_tail = online_teacher_tail
-            kd = topk_divergence(
-                logq, logp, settings.kind, settings.mode, settings.beta, student_tail, teacher_tail
-            )
+            kd = topk_divergence(logq, logp, settings.kind, settings.mode, settings.beta, student_tail, teacher_tail)
             logq1 = jax.lax.stop_gradient(z - lse1[:, None])
             kl = topk_divergence(logq1, logp1_teacher, "forward", settings.mode)
             sums["teacher_mass"] = jnp.sum(topk_mass(logp1_teacher) * mask)
