@@ -205,13 +205,14 @@ def offline_batches(args, work: Path) -> Path:
 def offline(args, work: Path) -> dict:
     import jax
     import numpy as np
+    from flax import nnx
 
     from core.checkpoint import load_model_from
     from core.config import MeshConfig, OptimConfig
     from core.data import to_data_batch
     from core.learner import Learner
     from core.mesh import make_mesh
-    from posttrain.distill.objective import DistillBatch, DistillSettings, distill_objective
+    from posttrain.distill.objective import DistillBatch, DistillModules, DistillSettings, distill_objective, trainable
 
     batches = offline_batches(args, work)
     data = np.load(batches)
@@ -221,7 +222,12 @@ def offline(args, work: Path) -> dict:
         model = load_model_from(str(student), mesh)
     optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0, grad_clip_norm=None)
     learner = Learner(
-        model, mesh, distill_objective(DistillSettings(), model.cfg), optim, total_updates=args.rounds + 1
+        DistillModules(model),
+        mesh,
+        distill_objective(DistillSettings(), model.cfg),
+        optim,
+        total_updates=args.rounds + 1,
+        trainable=trainable(nnx.Param),
     )
 
     def batch(i: int) -> DistillBatch:
@@ -247,8 +253,8 @@ def offline(args, work: Path) -> dict:
         import time
 
         start = time.perf_counter()
-        metrics = learner.update(prepared[i])
-        assert metrics["finite"] == 1.0 and metrics["grad_norm"] > 0
+        update = learner.update(prepared[i])
+        assert update.finite == 1.0 and update.grad_norm > 0
         return time.perf_counter() - start
 
     cmd = [

@@ -81,17 +81,17 @@ def temper(hf: Path, data: Path, tokenizer: str, args, mode: str) -> dict:
     )
     layout = PairLayout(2 * args.seq, pack=mode == "packed")
     learner = hf_learner(hf, preference_objective(DPOConfig(beta=0.1)), total_updates=args.steps + 1)
-    reference = FrozenModel.copy_of(learner.graphdef, learner.params, learner.mesh, "reference")
+    reference = FrozenModel.copy_of(learner.model(), learner.mesh, "reference")
     per_step = 4 * args.batch if mode == "packed" else args.batch  # packed: more pairs in fewer, fuller rows
     times, tokens, pair_counts, rows_used = [], [], [], []
     for step in range(args.steps + 1):
         chunk = pairs[step * per_step : (step + 1) * per_step]
         item = pair_batch(chunk, slots=per_step, micro_batches=1, layout=layout)
-        batch = with_reference(item.batch, reference, groups=1)  # compiles and runs the reference pass once
+        batch = with_reference(item.batch, reference)  # compiles and runs the reference pass once
         compile_and_warm(learner, batch)  # not step time
         start = time.perf_counter()
         if mode != "precomputed":
-            batch = with_reference(item.batch, reference, groups=1)
+            batch = with_reference(item.batch, reference)
         learner.update(batch)
         times.append(time.perf_counter() - start)
         tokens.append(sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in chunk))

@@ -56,7 +56,7 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
     from core.metrics import model_flops_per_token
     from core.models import create_model
     from core.optim import make_optimizer
-    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches
+    from core.train import init_train_state, jit_train_step, make_train_step, split_micro_batches, split_modules
 
     cfg = ModelConfig(
         family="llama",
@@ -67,8 +67,9 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
         **CONFIGS[name],
     )
     model = create_model(cfg, seed=0)
-    tx = make_optimizer(OptimConfig(name="adamw", schedule="constant", learning_rate=1e-4), 100, nnx.state(model))
-    graphdef, state = init_train_state(model, tx, seed=0)
+    graphdef, params, rest = split_modules(model, nnx.Param)
+    tx = make_optimizer(OptimConfig(name="adamw", schedule="constant", learning_rate=1e-4), 100, params)
+    state = init_train_state(params, tx, seed=0)
     step = jit_train_step(make_train_step(graphdef, nll_loss, tx), state)
     rng = np.random.RandomState(0)
     b, t = args.batch, args.seq
@@ -82,13 +83,13 @@ def measure(name: str, scan: bool, remat: bool, args) -> dict:
     batch = split_micro_batches(to_data_batch(rows, 1).batch, 1)
     batch = jax.device_put(batch)
     start = time.perf_counter()
-    state, m = step(state, batch)
+    state, m = step(state, batch, rest)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        state, m = step(state, batch)
+        state, m = step(state, batch, rest)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)

@@ -3,7 +3,7 @@
 
     python -m recipes.distill CONFIG.yml distill.regime=offline distill.logits_dir=runs/kd/topk
     python -m recipes.distill CONFIG.yml distill.regime=online distill.teacher=runs/teacher/hf distill.top_k=0
-    python -m recipes.distill recipes/configs/distill_onpolicy_tiny.yml distill.teacher=runs/teacher/hf
+    python -m recipes.distill recipes/configs/grpo_tiny.yml distill.regime=on_policy distill.teacher=runs/teacher/hf
 
 Offline and online train on SFT's rows (`data.*`); on-policy samples the prompts of `data.*` with the rollout
 machinery GRPO uses (vLLM or JAX samplers on Ray). Losses, regimes, schedules and every config key:

@@ -40,18 +40,6 @@ class PairData:
     skipped: list[str] = field(default_factory=list)  # malformed rows left out (data.skip_malformed)
     dropped: list[str] = field(default_factory=list)  # pairs whose completions are identical once truncated
 
-    @property
-    def all(self) -> list[Pair]:
-        return self.train + self.eval
-
-
-def pair_texts(records: Sequence[dict]) -> Iterator[str]:
-    """The strings of text pair rows (to train a tokenizer on when none is given)."""
-    for r in records:
-        for name in ("prompt", "chosen", "rejected"):
-            if isinstance(r.get(name), str):
-                yield r[name]
-
 
 def load_pairs(cfg: PostTrainConfig, tokenizer: Any, records: Sequence[dict]) -> PairData:
     """Every usable pair of `records`, split into train and eval."""
