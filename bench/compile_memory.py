@@ -1,6 +1,7 @@
 """Per-device memory of each method's real update for a full-size preset over a 64-device mesh, compile-only.
 
     .venv/bin/python bench/compile_memory.py [--preset llama3.1-8b] [--fsdp 16] [--tensor 4] [--micro-batches 4]
+    .venv/bin/python bench/compile_memory.py --fsdp 8 --tensor 1 --methods sft --lora 16   # LoRA r16 and full SFT
 
 Runs `python -m recipes.<method> ... train.compile_only=true` for pretraining, SFT, DPO and GRPO in one process
 each, on as many fake CPU devices as the mesh has (`core.compile_only`: the method's loss in the Learner's jitted
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--remat", default="full")
     p.add_argument("--scan-unroll", default=None, help="model.scan_unroll (default: the preset's; true: unrolled)")
+    p.add_argument("--methods", nargs="+", default=["pretrain", "sft", "dpo", "grpo"])
+    p.add_argument("--lora", type=int, default=0, help="also each method with LoRA adapters of this rank (alpha 2R)")
     args = p.parse_args()
     base = (ROOT / "core" / "configs" / "base.yml").read_text()
     common = [
@@ -54,7 +57,11 @@ def main() -> None:
         f"rl.batch.prompts_per_step={args.batch_size // 8}",
         "rl.batch.num_generations=8",
     ]
-    methods = {"pretrain": [], "sft": [], "dpo": [], "grpo": grpo}
+    every = {"pretrain": [], "sft": [], "dpo": [], "grpo": grpo}
+    methods = {m: every[m] for m in args.methods}
+    if args.lora:  # the same updates of LoRA adapters on every projection (pretraining has no LoRA run: it is SFT's)
+        lora = [f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}"]
+        methods.update({f"{m}+lora{args.lora}": [*every[m], *lora] for m in args.methods if m != "pretrain"})
     devices = args.fsdp * args.tensor
     unroll = args.scan_unroll or "the preset's"
     print(
@@ -69,7 +76,8 @@ def main() -> None:
         env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
         for method, extra in methods.items():
             start = time.perf_counter()
-            cmd = [sys.executable, "-m", f"recipes.{method}", str(cfg), *common, *extra, f"run.run_dir={tmp}/run"]
+            recipe = method.split("+")[0]
+            cmd = [sys.executable, "-m", f"recipes.{recipe}", str(cfg), *common, *extra, f"run.run_dir={tmp}/run"]
             out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             seconds = time.perf_counter() - start
             found = LINE.search(out.stdout)

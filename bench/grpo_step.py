@@ -46,12 +46,15 @@ SIZES = {
 
 def trl_python() -> Path:
     python = ROOT / ".venv-trl" / "bin" / "python"
+    # The CPU build of the torch vLLM pins (pip would otherwise take a CUDA build), the TRL the figures used, and
+    # the PEFT that LoRA's peer side trains with (bench/lora_step.py).
+    packages = ["torch==2.13.0", "trl==1.16.0", "math-verify", "peft==0.21.2"]
     if not python.exists():
         print("creating .venv-trl (pip install trl) ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(ROOT / ".venv-trl")], check=True)
-        # The CPU build of the torch vLLM pins (pip would otherwise take a CUDA build), the TRL the figures used.
-        packages = ["torch==2.13.0", "trl==1.16.0", "math-verify"]
         subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    elif subprocess.run([str(python), "-c", "import peft"], capture_output=True).returncode:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)  # a venv from before peft
     return python
 
 

@@ -13,6 +13,10 @@ forward, cross-entropy, backward, AdamW step. The first step (warm-up) is report
 
 `--serve` (torch only) steps on request, for bench/interleaved.py: each stdin line is a JSON list of row indices
 into `--data`, answered by one stdout line `{"seconds": ...}` once that step is done.
+
+`--lora R` (bench/lora_step.py) trains LoRA adapters of rank R (alpha 2R, no dropout) on the seven projections
+instead of the whole model, with PEFT: TRL's SFTTrainer takes it as `peft_config`, the plain loop wraps the model
+with `peft.get_peft_model` and gives AdamW the adapters alone.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out")
     p.add_argument("--serve", action="store_true", help="torch only: step on the rows each stdin line names")
+    p.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (PEFT) instead")
     args = p.parse_args()
     if args.serve != (args.out is None) or (args.serve and args.mode != "torch"):
         p.error("give --out, or --serve with --mode torch")
@@ -47,9 +52,21 @@ def main() -> None:
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        peft_config = LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+        )
     times: list[float] = []
     if args.mode == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
         model.train()
 
         def step(batch: list[dict]) -> float:
@@ -79,6 +96,7 @@ def main() -> None:
             train_dataset=Dataset.from_list(rows[: args.batch * (args.steps + 1)]),
             processing_class=tok,
             callbacks=[step_timer(times)],
+            peft_config=peft_config,
         )
         trainer.train()
     write_result(args.out, times)

@@ -233,12 +233,24 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
+def _dotted(path) -> str:
+    """A pytree key path as `layers.attn.q_proj.kernel` (dict keys, sequence indices and attributes alike)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
 def _flat_shapes(tree: Any) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {
-        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(getattr(v, "shape", ()))
-        for path, v in flat
-    }
+    return {_dotted(path): tuple(np.shape(v)) for path, v in flat}
 
 
 # ----------------------------------------------------------- params only
@@ -287,7 +299,7 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
     step_dir = directory / str(step)
     saved = saved_config(step_dir)
     model_cfg = ModelConfig.model_validate(saved.get("model", {}))
-    prefix = _saved_meta(step_dir).get(TRAINED_MODEL, [])
+    prefix = list(_saved_meta(step_dir).get(TRAINED_MODEL, []))
     if model_cfg.lora is None:
         from core.models import abstract_sharded_state
 
@@ -302,11 +314,55 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
         )
     model = _model_with_adapters(base_path, model_cfg.lora, mesh, seed=0, dtype=model_cfg.param_dtype)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)  # type: ignore[misc]
+    meta = _saved_meta(step_dir)
+    check_frozen(meta.get(FROZEN), frozen_fingerprint(rest), str(step_dir), "".join(f"{k}." for k in prefix))
     nnx.replace_by_pure_dict(adapters, _restore_subtree(step_dir / "params", prefix, _pure(adapters), mesh))
     return nnx.merge(graphdef, adapters, rest), model.cfg, saved
 
 
 TRAINED_MODEL = "trained_model"  # meta key: where the trained model sits in the checkpoint's trainable tree
+FROZEN = "frozen_fingerprint"  # meta key: what the frozen part of the module tree was (`frozen_fingerprint`)
+
+
+def frozen_fingerprint(state: Any) -> dict[str, list[float]]:
+    """{dotted path: [sum, sum of squares]} of every array of a frozen state (a LoRA base, a teacher), in float32
+    over the whole array whatever its sharding (a collective in a process group): what a checkpoint records of the
+    weights it does not hold, so that a resume or a later load on other weights is refused instead of applying
+    the adapters to another base. Not a cryptographic digest: any other checkpoint differs in these sums."""
+    flat = [(_dotted(path), x) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    if not flat:
+        return {}
+    stats = jax.jit(lambda xs: [jax.numpy.stack([(f := x.astype("float32")).sum(), (f * f).sum()]) for x in xs])
+    values = stats([x for _, x in flat])
+    from core.distributed import to_host
+
+    return {name: [float(v) for v in to_host(value)] for (name, _), value in zip(flat, values)}
+
+
+def check_frozen(saved: dict | None, ours: dict[str, list[float]], where: str, prefix: str = "") -> None:
+    """Refuse frozen weights other than those a checkpoint was trained beside (`saved`, its record), naming the
+    first tensors that differ; `prefix`: where `ours` sits in the checkpoint's tree. Sums agree to float32
+    rounding across meshes (relative 1e-4)."""
+    if saved is None:
+        return
+    diffs = []
+    for name, (total, squares) in ours.items():
+        theirs = saved.get(prefix + name)
+        if theirs is None:
+            diffs.append(f"{prefix + name}: not in the checkpoint's record")
+            continue
+        for mine, recorded in ((total, theirs[0]), (squares, theirs[1])):
+            if abs(mine - recorded) > 1e-4 * max(abs(recorded), 1e-6) + 1e-6:
+                diffs.append(f"{prefix + name}: sum {theirs[0]:.6g} / {theirs[1]:.6g} there, {total:.6g} / "
+                             f"{squares:.6g} here")  # fmt: skip
+                break
+    if diffs:
+        raise CheckpointMismatch(
+            f"checkpoint {where} was trained beside other frozen weights (a LoRA base or a teacher that changed "
+            f"behind its checkpoint.init_from or distill.teacher): "
+            + "; ".join(diffs[:5])
+            + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
+        )
 
 
 def _saved_meta(step_dir: Path) -> dict:
@@ -325,10 +381,15 @@ def _restore_subtree(item: Path, prefix: list[str], target: dict, mesh) -> dict:
     with ocp.StandardCheckpointer() as ckptr:
         if not prefix:
             return ckptr.restore(item, _abstract(target))
-        meta = ckptr.metadata(item)
-        tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)  # the item has no step metadata of its own (the manager's step holds it)
+        try:
+            saved = ckptr.metadata(item).item_metadata.tree  # {path: ArrayMetadata (shape, dtype)}
+        finally:
+            absl.setLevel(level)
         replicated = NamedSharding(mesh, PartitionSpec())
-        full = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), dict(tree))
+        full = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), dict(saved))
         node = full
         for key in prefix[:-1]:
             node = node[key]

@@ -101,6 +101,9 @@ class Learner:
             jax.jit(lambda params, rest, batch: bound(params, rest, batch, jax.random.key(0))), "evaluation"
         )
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
+        # Where the trained model sits in the tree: the tree itself, or its `.model` (what a checkpoint records).
+        self.model_path: list[str] = [] if isinstance(modules, Decoder) else ["model"]
+        self._frozen_record: dict[str, list[float]] | None = None
 
     @property
     def params(self) -> nnx.State:
@@ -167,7 +170,21 @@ class Learner:
         extra: dict | None = None,
         step: int | None = None,
     ) -> int:
-        return checkpointer.save(self.state, data_iterator, cfg, extra, step=step)
+        """A checkpoint of the trainable state (and the data position, `extra`); its meta records where the trained
+        model sits in the tree (`core.checkpoint.TRAINED_MODEL`) and what the frozen part was
+        (`core.checkpoint.FROZEN`: the state it does not hold)."""
+        from core.checkpoint import FROZEN, TRAINED_MODEL
+
+        meta = {**(extra or {}), TRAINED_MODEL: self.model_path, FROZEN: self.frozen_record()}
+        return checkpointer.save(self.state, data_iterator, cfg, meta, step=step)
+
+    def frozen_record(self) -> dict[str, list[float]]:
+        """`core.checkpoint.frozen_fingerprint` of the frozen state, computed once (it never changes)."""
+        from core.checkpoint import frozen_fingerprint
+
+        if self._frozen_record is None:
+            self._frozen_record = frozen_fingerprint(self.rest)
+        return self._frozen_record
 
     def restore_latest(
         self, checkpointer: Checkpointer, cfg: Config, data_iterator: Any | None = None
@@ -177,7 +194,11 @@ class Learner:
             restored = checkpointer.restore_latest(self.state, data_iterator, cfg)
         if restored is None:
             return None
-        self.state, meta, step = restored
+        from core.checkpoint import FROZEN, check_frozen
+
+        state, meta, step = restored
+        check_frozen(meta.get(FROZEN), self.frozen_record(), f"{checkpointer.directory}/{step}")
+        self.state = state
         return step, meta
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None, base: str | None = None) -> Path:

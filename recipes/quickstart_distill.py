@@ -16,7 +16,9 @@ and width, in each regime, next to GRPO on the same student.
 Each stage starts from the fine-tuned student. Prints the held-out greedy accuracy (the quickstart's 200 held-out
 problems, math_verify; greedy decoding with the JAX sampler for every model, so the figures compare) of the
 teacher, the student before, and the student after each regime, with each stage's wall time and the student
-tokens it trained on; the table goes to `quickstart_distill.json`. A finished stage is not redone.
+tokens it trained on; the table goes to `quickstart_distill.json`, a bar chart of it to `quickstart_distill.png`,
+and the on-policy stage plots the reverse KL it minimises (`on_policy/reverse_kl.png`). A finished stage is not
+redone.
 """
 
 from __future__ import annotations
@@ -220,10 +222,32 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, path: Path) -> Path:
+    """A bar chart of the held-out greedy accuracy: the teacher, the student before, and after each stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("teacher", "student", "offline", "online", "on_policy", "grpo") if n in results]
+    values = [100 * results[n]["accuracy"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, values, color=["#555555", "#999999"] + ["#4477aa"] * (len(names) - 2))
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}%", ha="center", va="bottom")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.set_title("distilling the quickstart's GRPO model into a student half its size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(out: Path, teacher_run: Path, seed: int) -> int:
     results = run(out, teacher_run, seed)
     text = report(results)
     print()
     print(text)
     (out / SUMMARY).write_text(json.dumps(results, indent=1))
+    print(f"plot: {plot(results, out / 'quickstart_distill.png')}; on-policy curves: {out / 'on_policy'}/*.png")
     return 0

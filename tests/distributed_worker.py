@@ -176,7 +176,7 @@ for i in range(16):
     tokens = list(rng.integers(3, 512, rng.integers(1, 7)))
     comps.append(Completion(prompts[i // 4], tokens, list(-rng.uniform(4, 7, len(tokens))), "stop", ""))
 adv, keep = rng.normal(size=16), np.ones(16, bool)
-rl_batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=4, pack=True)
+rl_batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=2, pack=True)  # 2 micro-batches
 check_placement("grpo", rl_batch, 2)
 with jax.set_mesh(MESH):
     model = create_model(grpo.model, MESH, seed=0)

@@ -226,6 +226,52 @@ def test_a_lora_checkpoint_holds_the_adapters_and_loads_back_onto_its_base(tmp_p
     x = tokens(7)
     ours = np.asarray(learner.model()(x))
     np.testing.assert_allclose(np.asarray(loaded(x)), ours, rtol=0, atol=32 * np.spacing(np.abs(ours).max()))
+    # the base changed behind the same path: the adapters are not applied to it, the error says so
+    import shutil
+
+    from core.tiny import save_tiny_hf_model
+
+    shutil.rmtree(base_dir)
+    save_tiny_hf_model(base_dir, "llama", seed=5)
+    with pytest.raises(CheckpointMismatch, match="trained beside other frozen weights"):
+        load_model_from(tmp_path)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_distillation_checkpoint_loads_back_as_its_student(tmp_path, tiny_hf_dir, lora):
+    """A distillation run's tree (the student, its feature projections, a teacher) checkpoints the student's
+    trainable part and the projections; `load_model_from` on the run reads the student back (from where the tree
+    held it; with LoRA, onto its base), with its logits."""
+    from core.checkpoint import Checkpointer, initial_model, load_model_from
+    from core.config import CheckpointConfig, Config
+    from core.models.lora import trainable_filter
+    from posttrain.distill.features import feature_projections
+    from posttrain.distill.objective import DistillModules, DistillSettings, distill_objective, trainable
+
+    base_dir = tiny_hf_dir("llama")
+    model_cfg = with_lora() if lora else CFG
+    cfg = Config(model=model_cfg, checkpoint=CheckpointConfig(init_from=str(base_dir)))
+    mesh = single_device_mesh()
+    model, cfg = initial_model(cfg, mesh)
+    if lora:
+        trained_adapters(model)
+    teacher = create_model(cfg.model.model_copy(update={"lora": None, "hidden_size": 96, "head_dim": 24}), seed=3)
+    tree = DistillModules(model, feature_projections([(1, 1)], 64, 96, 0), teacher)
+    learner = Learner(
+        tree,
+        mesh,
+        distill_objective(DistillSettings(), cfg.model),
+        cfg.optim,
+        total_updates=1,
+        trainable=trainable(trainable_filter(cfg.model)),
+    )
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    learner.save(ckpt, cfg)
+    ckpt.close()
+    x = tokens(9)
+    want = np.asarray(learner.model()(x))
+    got = np.asarray(load_model_from(tmp_path)(x))
+    np.testing.assert_allclose(got, want, rtol=0, atol=32 * np.spacing(np.abs(want).max()))
 
 
 # The float base's logits against the quantized base's, |delta| max: measured 0.11 (int8) and 1.3 (NF4, blocks of

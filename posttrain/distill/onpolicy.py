@@ -40,6 +40,7 @@ import optax
 from jax.sharding import Mesh
 
 from core.config_loader import ConfigError
+from core.loop import Plot
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillModules, distill_objective, schedules, trainable
@@ -193,6 +194,15 @@ class OnPolicyDistillRun(OnPolicyRun):
     `DistillBatch` of sampled or dataset completions."""
 
     learner_class = staticmethod(distill_learner)
+
+    @property
+    def plots(self) -> tuple[Plot, ...]:  # type: ignore[override]
+        """What the stage minimises (the reverse KL on its samples; GKD's divergence and forward KL), then accuracy."""
+        if self.cfg.distill.on_policy_loss == "gkd":
+            divergence = Plot(("kd", "kl"), "divergence.png", "divergence to the teacher (per token)")
+        else:
+            divergence = Plot(("reverse_kl",), "reverse_kl.png", "KL(student || teacher) on its samples (per token)")
+        return (divergence, Plot(("accuracy", "eval/pass@1"), "accuracy.png", "accuracy"))
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
