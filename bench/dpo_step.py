@@ -45,6 +45,7 @@ from bench.sft_step import (  # noqa: E402
     steps_for,
     text_pieces,
     with_steps,
+    write_results,
 )
 
 
@@ -175,10 +176,7 @@ def main() -> None:
                 f"precomputing frees {row['reference_bytes'] / 2**20:.0f} MiB of reference parameters",
                 flush=True,
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
-from bench.sft_step import SIZES, build, compile_and_warm, steps_for, temper_side, with_steps  # noqa: E402
+from bench.sft_step import (  # noqa: E402
+    SIZES,
+    build,
+    compile_and_warm,
+    steps_for,
+    temper_side,
+    with_steps,
+    write_results,
+)
 
 MEMORY = re.compile(r"arguments ([\d.]+) GiB, outputs ([\d.]+) GiB, temp ([\d.]+) GiB")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -264,10 +272,7 @@ def main() -> None:
                 row["sync"] = sync(hf, tokenizer, work, args.rank)
                 print(f"   sync: {json.dumps(row['sync'])}", flush=True)
             results[size] = row
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

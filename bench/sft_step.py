@@ -51,6 +51,14 @@ SIZES = {  # Llama-shaped, untied embeddings
 VOCAB = {"tiny": 512, "T2": 32000, "100M": 32000}
 
 
+def write_results(out: str | Path, results: dict) -> None:
+    """A benchmark's results as JSON at `out` (its folder made)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
 def hf_model(size: str, work: Path, tokenizer: str, seq: int) -> tuple[Path, int]:
     """An HF model directory for `size` (Llama-shaped, random init, with the tokenizer) and its parameter count."""
     from core.config import ModelConfig
@@ -316,10 +324,7 @@ def main() -> None:
                 results[size] = interleaved_sides(hf, data, tokenizer, args_at, params)
             else:
                 results[size] = sides_in_turn(hf, data, tokenizer, args_at, work, params)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

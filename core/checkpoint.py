@@ -196,6 +196,14 @@ class Checkpointer:
         ]
         meta = self.manager.item_metadata(step)
         saved = meta["params"] if meta is not None and "params" in meta else None
+        if (where / "companion").exists():
+            # Temper before the one-module-tree contract saved a distillation student and its feature
+            # projections as two items; their optimizer state does not map onto today's one tree.
+            raise CheckpointMismatch(
+                f"checkpoint {where} was written by an earlier Temper (the student and its projections saved "
+                f"apart, in a `companion` item) and cannot be resumed; start a new run from its student with "
+                f"checkpoint.init_from={where}"
+            )
         if saved is not None:  # the trainable state: every tensor with its shape (a LoRA run's: its adapters)
             diffs += _tensor_diffs(_flat_shapes(saved), _flat_shapes(_pure(target.params)), "")
         if diffs:
@@ -312,7 +320,9 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
             f"checkpoint {step_dir} holds LoRA adapters of a randomly initialised base (checkpoint.init_from was "
             f"not set): there is no base to read them onto"
         )
-    model = _model_with_adapters(base_path, model_cfg.lora, mesh, seed=0, dtype=model_cfg.param_dtype)
+    from core.peft import model_with_adapters
+
+    model = model_with_adapters(base_path, model_cfg.lora, mesh, seed=0, dtype=model_cfg.param_dtype)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)  # type: ignore[misc]
     meta = _saved_meta(step_dir)
     check_frozen(meta.get(FROZEN), frozen_fingerprint(rest), str(step_dir), "".join(f"{k}." for k in prefix))
@@ -400,52 +410,13 @@ def _restore_subtree(item: Path, prefix: list[str], target: dict, mesh) -> dict:
     return restored
 
 
-def _model_with_adapters(init_from: str, lora, mesh, seed: int, dtype: str):
-    """A model with the adapters `lora` describes on the base `init_from` names: an HF directory, a Hub id, a Temper
-    run (merged first if it has adapters of its own), or a PEFT adapter directory (its base, and its adapters'
-    values as the starting point; they must be adapters of `lora`'s shape). The base's shape wins over the run's
-    model section."""
-    from core.hub import resolve_model
-    from core.models.adapters import add_adapters, merged_model
-    from core.peft import is_adapter_dir, load_adapter, read_adapter
-
-    where = resolve_model(str(init_from))
-    adapter = None
-    base_path: str | Path = where
-    if is_adapter_dir(where):
-        adapter = read_adapter(where)
-        if adapter.base is None:
-            raise CheckpointMismatch(f"{where}: its adapter_config.json names no base_model_name_or_path")
-        _check_same_adapters(lora, adapter.lora, str(where))
-        base_path = adapter.base
-    model = add_adapters(merged_model(load_model_from(base_path, mesh, dtype=dtype)), lora, mesh, seed)
-    if adapter is not None:
-        load_adapter(model, adapter, str(where))
-    return model
-
-
-def _check_same_adapters(ours, theirs, where: str) -> None:
-    """A PEFT adapter the run starts from must be the adapters `model.lora` asks for."""
-    keys = ("rank", "alpha", "target_modules", "use_rslora")
-    shown = lambda v: list(v) if isinstance(v, tuple) else v
-    diffs = [
-        f"{k}: adapter {shown(getattr(theirs, k))!r}, model.lora {shown(getattr(ours, k))!r}"
-        for k in keys
-        if getattr(theirs, k) != getattr(ours, k)
-    ]
-    if diffs:
-        raise CheckpointMismatch(
-            f"checkpoint.init_from={where} is a PEFT adapter unlike model.lora:\n  " + "\n  ".join(diffs)
-        )
-
-
 def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
     """A model from an HF directory (config.json + safetensors), a Hugging Face Hub model id (`core.hub`: through
     the Hub cache; a local path of that name wins), a Temper run / checkpoint directory (with its adapters, if it
     trained LoRA adapters) or a PEFT adapter directory (its base with the adapters merged in)."""
     from core.hf import load_hf
     from core.hub import resolve_model
-    from core.peft import is_adapter_dir, read_adapter
+    from core.peft import is_adapter_dir, model_with_adapters, read_adapter
 
     p = resolve_model(str(path))
     if (p / "config.json").exists():
@@ -456,7 +427,7 @@ def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
         from core.models.adapters import merged_model
 
         lora = read_adapter(p).lora
-        return merged_model(_model_with_adapters(str(p), lora, mesh or single_device_mesh(), 0, dtype))
+        return merged_model(model_with_adapters(str(p), lora, mesh or single_device_mesh(), 0, dtype))
     if p.exists():
         model, _, _ = load_checkpoint_model(p, mesh=mesh)
         return model
@@ -479,8 +450,10 @@ def initial_model(cfg: C, mesh) -> tuple[Any, C]:
             return create_model(cfg.model, mesh, seed=cfg.run.seed), cfg
         try:
             if lora is not None:
+                from core.peft import model_with_adapters
+
                 init, seed, dtype = cfg.checkpoint.init_from, cfg.run.seed, cfg.model.param_dtype
-                model = _model_with_adapters(init, lora, mesh, seed, dtype)
+                model = model_with_adapters(init, lora, mesh, seed, dtype)
             else:
                 model = merged_model(load_model_from(cfg.checkpoint.init_from, mesh, dtype=cfg.model.param_dtype))
         except MissingPath as e:

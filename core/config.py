@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.errors import MissingPath
 
@@ -79,17 +79,26 @@ class LoraConfig(Section):
     def scale(self) -> float:
         return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
 
-    @model_validator(mode="after")
-    def _check_targets(self) -> LoraConfig:
-        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if unknown or not self.target_modules:
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        """Known modules, each once, in the model's order (so two configs naming the same set compare equal)."""
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
             raise ValueError(
-                f"model.lora.target_modules {list(self.target_modules)}: each must be one of {list(LORA_TARGETS)} "
+                f"model.lora.target_modules {list(targets)}: each must be one of {list(LORA_TARGETS)} "
                 f"(and at least one){'; unknown: ' + ', '.join(unknown) if unknown else ''}"
             )
-        if len(set(self.target_modules)) != len(self.target_modules):
-            raise ValueError(f"model.lora.target_modules {list(self.target_modules)} names a module twice")
-        return self
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"model.lora.target_modules {list(targets)} names a module twice")
+        return tuple(t for t in LORA_TARGETS if t in targets)
+
+    @field_validator("quant_block_size")
+    @classmethod
+    def _check_block(cls, size: int) -> int:
+        if size % 2:
+            raise ValueError(f"model.lora.quant_block_size={size} must be even (NF4 packs two codes a byte)")
+        return size
 
 
 class ModelConfig(Section):

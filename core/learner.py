@@ -98,7 +98,8 @@ class Learner:
         self._executables: dict[Any, Callable] = {}
         bound = bind_loss(self.graphdef, loss_fn)
         self._evaluate = CompiledTogether(
-            jax.jit(lambda params, rest, batch: bound(params, rest, batch, jax.random.key(0))), "evaluation"
+            jax.jit(lambda params, rest, batch: bound(params, rest, batch, None)),
+            "evaluation",  # no dropout
         )
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
         # Where the trained model sits in the tree: the tree itself, or its `.model` (what a checkpoint records).
@@ -201,15 +202,15 @@ class Learner:
         self.state = state
         return step, meta
 
-    def export_hf(self, path: str | Path, tokenizer_dir: str | None, base: str | None = None) -> Path:
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None, init_from: str | None = None) -> Path:
         """The trained model as a Hugging Face directory at `path`; a model with LoRA adapters has them merged into
-        its weights there, and written alone, in PEFT's format, to `path`/adapter (`core.peft`; `base`: the base
-        model it names)."""
+        its weights there, and written alone, in PEFT's format, to `path`/adapter (`core.peft`), naming as its
+        base the model the run started from (`init_from`, or the base of the adapter it names)."""
         from core.hf import save_hf
-        from core.peft import save_adapter
+        from core.peft import adapter_base, save_adapter
 
         model = self.model()
         out = save_hf(model, self.model_cfg, path, tokenizer_dir=tokenizer_dir)
         if self.model_cfg.lora is not None:
-            save_adapter(model, Path(out) / ADAPTER_DIR, base)
+            save_adapter(model, Path(out) / ADAPTER_DIR, adapter_base(init_from))
         return out

@@ -381,7 +381,7 @@ class TrainLoop(Loop):
     def export(self) -> Path | None:
         if self.ckpt:
             self.ckpt.wait()
-        return self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir, base=self.cfg.checkpoint.init_from)
+        return self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir, self.cfg.checkpoint.init_from)
 
     def flush_log(self, step: int) -> None:
         if self._window:

@@ -20,7 +20,7 @@ from core.targets import target_logprobs
 from core.train import LossOutput
 
 
-def nll_loss(model, batch: PackedBatch, rng: jax.Array) -> LossOutput:
+def nll_loss(model, batch: PackedBatch, rng: jax.Array | None) -> LossOutput:
     """The sum of -log p over the targets, over their number."""
     logp, _ = target_logprobs(model, batch, entropy=False, rng=rng)
     mask = batch.target_mask.astype(jnp.float32)

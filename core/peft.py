@@ -236,11 +236,13 @@ def load_adapter(model: Decoder, adapter: Adapter, where: str = "the adapter") -
             entry["layers"][layer] = core
     if problems:
         raise CheckpointMismatch(f"{where} does not fit the model:\n  " + "\n  ".join(problems[:40]))
+    from core.distributed import to_host
+
     for entry in updates.values():
         var = entry["var"]
         current = var.get_value()
         if entry["stacked"]:
-            host = np.array(jax.device_get(current))
+            host = np.array(to_host(current))  # every process gets the whole stack (a collective in a group)
             for layer, value in entry["layers"].items():
                 host[layer] = value
             new = host
@@ -248,3 +250,59 @@ def load_adapter(model: Decoder, adapter: Adapter, where: str = "the adapter") -
             (new,) = entry["layers"].values()
         var.set_value(jax.device_put(np.asarray(new, current.dtype), current.sharding))
     return model
+
+
+def model_with_adapters(init_from: str, lora: LoraConfig, mesh, seed: int, dtype: str) -> Decoder:
+    """A model with the adapters `lora` describes on the base `init_from` names: an HF directory, a Hub id, a Temper
+    run (merged first if it has adapters of its own), or a PEFT adapter directory (its base, and its adapters'
+    values as the starting point; they must be adapters of `lora`'s shape). The base's shape wins over the run's
+    model section."""
+    from core.checkpoint import load_model_from
+    from core.hub import resolve_model
+    from core.models.adapters import add_adapters, merged_model
+
+    where = resolve_model(str(init_from))
+    adapter = None
+    base_path: str | Path = where
+    if is_adapter_dir(where):
+        adapter = read_adapter(where)
+        if adapter.base is None:
+            raise CheckpointMismatch(f"{where}: its adapter_config.json names no base_model_name_or_path")
+        check_same_adapters(lora, adapter.lora, str(where))
+        base_path = adapter.base
+    model = add_adapters(merged_model(load_model_from(base_path, mesh, dtype=dtype)), lora, mesh, seed)
+    if adapter is not None:
+        load_adapter(model, adapter, str(where))
+    return model
+
+
+def check_same_adapters(ours: LoraConfig, theirs: LoraConfig, where: str) -> None:
+    """A PEFT adapter the run starts from must be the adapters `model.lora` asks for."""
+    keys = ("rank", "alpha", "target_modules", "use_rslora")
+    shown = lambda v: list(v) if isinstance(v, tuple) else v
+    diffs = [
+        f"{k}: adapter {shown(getattr(theirs, k))!r}, model.lora {shown(getattr(ours, k))!r}"
+        for k in keys
+        if getattr(theirs, k) != getattr(ours, k)
+    ]
+    if diffs:
+        raise CheckpointMismatch(
+            f"checkpoint.init_from={where} is a PEFT adapter unlike model.lora:\n  " + "\n  ".join(diffs)
+        )
+
+
+def adapter_base(init_from: str | None) -> str | None:
+    """The base model an adapter trained from `checkpoint.init_from` sits on, as its `base_model_name_or_path`:
+    `init_from` itself, or, when that is a PEFT adapter directory, the base that adapter names (so the exported
+    adapter loads onto the model it was trained on, not onto another adapter)."""
+    from core.hub import resolve_model
+
+    if init_from is None:
+        return None
+    try:
+        where = resolve_model(str(init_from))
+    except MissingPath:
+        return init_from
+    if is_adapter_dir(where):
+        return read_adapter(where).base
+    return init_from

@@ -7,9 +7,10 @@
 A method is a `Method` subclass that writes only what is its own: its loss (`loss`, the `core.train` contract),
 its parts given the built run (`parts(RunContext) -> MethodParts`: the training pipeline, the held-out evaluation,
 `prepare` (frozen models' values attached to a batch) and hooks of its own), and where it departs from the
-defaults: the config it checks (`check`, before anything starts), the text a tokenizer would be trained on
-(`tokenizer_texts`), the module tree it trains (`modules`: by default the model, else a module holding it beside
-modules trained with it and frozen models) and what in that tree trains (`trainable`: by default every
+defaults: the config it checks (`check`, before anything starts; `check_tokenizer`, against the run's tokenizer
+before the model loads), the text a tokenizer would be trained on (`tokenizer_texts`), the module tree it trains
+(`modules`: by default the model, else a `core.models.ModuleTree` holding it beside modules trained with it and
+frozen models) and what in that tree trains (`trainable`: by default every
 parameter of the model, or its LoRA adapters with `model.lora`), and the batch compile-only compiles its update
 for (`example_batch`). Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the
 tokenizer (`core.tokenizer.run_tokenizer`); the model from `checkpoint.init_from` (its shape wins over `model.*`;
@@ -72,6 +73,10 @@ class Method:
     def check(self, cfg: Any) -> None:
         """Raise `ConfigError` for a config this method cannot run (before anything is loaded)."""
 
+    def check_tokenizer(self, cfg: Any, tokenizer: Any) -> None:
+        """Raise `ConfigError` for a config the run's tokenizer rules out (a top-k above its vocabulary), before
+        the model loads."""
+
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
         """The text a tokenizer is trained on when the run has none: every string field of the rows."""
         return (v for r in records for v in r.values() if isinstance(v, str))
@@ -80,8 +85,9 @@ class Method:
         raise NotImplementedError(f"{self.name} has no loss")
 
     def modules(self, cfg: Any, model: Any, mesh: Mesh) -> nnx.Module:
-        """The module tree the method trains (`core.train`): the model itself, or a module holding it as `.model`
-        beside what its loss also reads (modules trained with it, frozen models), on `mesh`."""
+        """The module tree the method trains (`core.train`): the model itself, or a `core.models.ModuleTree`
+        holding it as `.model` beside what its loss also reads (modules trained with it, frozen models), on
+        `mesh`."""
         return model
 
     def trainable(self, cfg: Any) -> Any:
@@ -146,6 +152,8 @@ def build_run(cfg: Config, method: Method) -> Run:
     mesh = make_mesh(cfg.mesh)
     records = load_records(cfg.data)
     tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(records))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    method.check_tokenizer(cfg, tokenizer)
     model, cfg = initial_model(cfg, mesh)
     if cfg.checkpoint.init_from is not None:
         print(f"initialised from {cfg.checkpoint.init_from}")
@@ -161,7 +169,6 @@ def build_run(cfg: Config, method: Method) -> Run:
         seed=cfg.run.seed,
         trainable=method.trainable(cfg),
     )
-    tokenizer = load_tokenizer(tokenizer_dir)
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
     if parts.skipped:
         print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")

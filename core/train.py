@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -37,27 +37,27 @@ from core.optim import global_norm
 from core.sums import NoSums, combine, identity, means
 
 T = TypeVar("T")
-S = TypeVar("S")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class LossOutput(Generic[S]):
+class LossOutput:
     """What a loss returns for one micro-batch: its summed loss, the count it is normalised by, and a typed
     record of its other sums (`core.sums`)."""
 
     total: Any  # float32 scalar: the loss summed over the micro-batch's items
     denominator: Any  # float32 scalar: how many items (target tokens, pairs) the global loss is a mean over
-    sums: Any = field(default_factory=NoSums)  # S: a registered dataclass of `summed` / `maximum` fields
+    sums: Any = field(default_factory=NoSums)  # a registered dataclass of `summed` / `maximum` fields (`core.sums`)
 
 
-# (modules, batch, rng) -> LossOutput: the method's module tree, its batch, the step's key (LoRA's dropout).
-LossFn = Callable[[Any, Any, jax.Array], LossOutput]
+# (modules, batch, rng) -> LossOutput: the method's module tree, its batch, and the step's key for LoRA's dropout
+# (None in evaluation: no dropout).
+LossFn = Callable[[Any, Any, jax.Array | None], LossOutput]
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class Update(Generic[S]):
+class Update:
     """One optimizer update's outcome: device arrays in the step, floats once `Learner.update` returns it."""
 
     loss: Any  # the loss, divided by the global denominator

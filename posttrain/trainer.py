@@ -80,26 +80,13 @@ class LocalTrainer:
     def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
         """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
         `tag` names the update (the same on every process of a group: their pieces make one update)."""
-        from flax import nnx
+        from core.peft import adapter_base
+        from rollout.weight_sync import sync_policy
 
-        from core.models.adapters import merged_model
-        from rollout.weight_sync import reshard_to_jax_sampler, sync_adapters_to_vllm, sync_to_vllm
-
-        chunk = self.cfg.rollout.reshard_chunk_bytes
-        version = self.learner.version
+        r = self.cfg.rollout
+        base = adapter_base(self.cfg.checkpoint.init_from)
         model = self.learner.model()
-        lora = model.cfg.lora is not None
-        if sampler.remote:  # a vLLM actor
-            if lora and self.cfg.rollout.lora_sync == "adapters":
-                return sync_adapters_to_vllm(model, sampler, version, base=self.cfg.checkpoint.init_from)
-            # every process sends the pieces its devices hold (a LoRA policy's merged into its weights)
-            plain = merged_model(model)
-            return sync_to_vllm(nnx.state(plain), plain.cfg, sampler, chunk, version=version, tag=tag or None)
-        if lora:  # the JAX sampler holds the base since it started (`sampler_start`): the adapters move
-            return reshard_to_jax_sampler(
-                nnx.state(model, nnx.LoRAParam), sampler, chunk, version=version, partial=True
-            )
-        return reshard_to_jax_sampler(nnx.state(model), sampler, chunk, version=version)
+        return sync_policy(model, sampler, r.reshard_chunk_bytes, self.learner.version, r.lora_sync, base, tag)
 
     def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
         """What a vLLM sampler starts from, as a Hugging Face directory at `path`: the policy (merged), or, when
@@ -111,7 +98,7 @@ class LocalTrainer:
         model = self.learner.model()
         if model.cfg.lora is not None and self.cfg.rollout.lora_sync == "adapters":
             return str(save_hf(adapters_off(model), model.cfg, path, tokenizer_dir=tokenizer_dir))
-        return str(self.learner.export_hf(path, tokenizer_dir))
+        return str(self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from))
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)
@@ -122,7 +109,7 @@ class LocalTrainer:
 
     def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
         self.checkpointer.wait()
-        return str(self.learner.export_hf(path, tokenizer_dir))
+        return str(self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from))
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -226,13 +226,20 @@ class VLLMSampler:
                 "the adapter update does not fit the served model:\n  " + "\n  ".join(problems[:20])
             )
         start = time.perf_counter()
-        staging = self.adapter_dir.with_name(self.adapter_dir.name + ".new")
-        write_adapter(staging, {k: np.asarray(v, np.float32) for k, v in tensors.items()}, config)
-        shutil.rmtree(self.adapter_dir, ignore_errors=True)
-        staging.rename(self.adapter_dir)
-        path = str(self.adapter_dir)
-        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
-        self.lora_request = LoRARequest("policy", 1, path)  # loaded: later requests only activate it
+        # Two directories in turn: the served adapter's files stay until the engine holds the new ones (vLLM may
+        # read an adapter's path again), and a failed load leaves the served adapter and its files as they were.
+        served = Path(self.lora_request.lora_path) if self.lora_request is not None else None
+        new = self.adapter_dir / ("b" if served is not None and served.name == "a" else "a")
+        shutil.rmtree(new, ignore_errors=True)
+        write_adapter(new, {k: np.asarray(v, np.float32) for k, v in tensors.items()}, config)
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, str(new), load_inplace=True))
+        except Exception as err:
+            shutil.rmtree(new, ignore_errors=True)
+            raise WeightUpdateError(f"vLLM refused the adapter update ({type(err).__name__}: {err})") from err
+        self.lora_request = LoRARequest("policy", 1, str(new))  # loaded: later requests only activate it
+        if served is not None:
+            shutil.rmtree(served, ignore_errors=True)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
         self.policy_version = self.policy_version + 1 if version is None else version
         self.last_sync = {"load_seconds": time.perf_counter() - start}

@@ -166,6 +166,36 @@ def reshard_to_jax_sampler(
     return stats
 
 
+# ------------------------------------------------------------ the policy, whichever sampler
+
+
+def sync_policy(
+    model: Any,
+    sampler: Any,
+    chunk_bytes: int,
+    version: int,
+    lora_sync: str = "adapters",
+    base: str | None = None,
+    tag: str | None = None,
+) -> SyncStats:
+    """The trainer's policy `model` (a `Decoder`, maybe with LoRA adapters) to `sampler`, the way its kind and
+    `rollout.lora_sync` ask: to a vLLM sampler, a LoRA policy's adapters alone (`lora_sync="adapters"`: the engine
+    serves its base; `base` names it in their config) or, like a policy without adapters, its weights (merged);
+    to a JAX sampler, which holds the base since it started, the adapters' arrays, else every weight."""
+    from core.models.adapters import merged_model
+
+    lora = model.cfg.lora is not None
+    if sampler.remote:  # a vLLM actor
+        if lora and lora_sync == "adapters":
+            return sync_adapters_to_vllm(model, sampler, version, base=base)
+        plain = merged_model(model)  # every process sends the pieces its devices hold
+        return sync_to_vllm(nnx.state(plain), plain.cfg, sampler, chunk_bytes, version=version, tag=tag or None)
+    if lora:
+        adapters = nnx.state(model, nnx.LoRAParam)
+        return reshard_to_jax_sampler(adapters, sampler, chunk_bytes, version=version, partial=True)
+    return reshard_to_jax_sampler(nnx.state(model), sampler, chunk_bytes, version=version)
+
+
 # ------------------------------------------------------------ JAX -> vLLM
 
 

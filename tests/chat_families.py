@@ -31,6 +31,20 @@ DEEPSEEK = dict(
     header="<｜Assistant｜>",
     closers=("<｜end▁of▁sentence｜>",),
 )
+COHERE = dict(
+    specials=[
+        "<BOS_TOKEN>",
+        "<|END_OF_TURN_TOKEN|>",
+        "<|START_OF_TURN_TOKEN|>",
+        "<|USER_TOKEN|>",
+        "<|CHATBOT_TOKEN|>",
+        "<|SYSTEM_TOKEN|>",
+    ],
+    bos="<BOS_TOKEN>",
+    eos="<|END_OF_TURN_TOKEN|>",
+    header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    closers=("<|END_OF_TURN_TOKEN|>",),
+)
 PHI3 = dict(
     specials=["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     bos="<s>",
@@ -124,38 +138,14 @@ FAMILIES = {
         header="<|im_start|>assistant",
         closers=("<|im_end|>",),
     ),
-    "cohere": dict(
-        specials=[
-            "<BOS_TOKEN>",
-            "<|END_OF_TURN_TOKEN|>",
-            "<|START_OF_TURN_TOKEN|>",
-            "<|USER_TOKEN|>",
-            "<|CHATBOT_TOKEN|>",
-            "<|SYSTEM_TOKEN|>",
-        ],
-        bos="<BOS_TOKEN>",
-        eos="<|END_OF_TURN_TOKEN|>",
-        header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
-        closers=("<|END_OF_TURN_TOKEN|>",),
-    ),
+    "cohere": COHERE,
     # Command R7B / A (Cohere2): the reply between START_RESPONSE and END_RESPONSE, then END_OF_TURN_TOKEN, the token
     # its generation stops on: the turn's targets end with both
-    "cohere2": dict(
-        specials=[
-            "<BOS_TOKEN>",
-            "<|END_OF_TURN_TOKEN|>",
-            "<|START_OF_TURN_TOKEN|>",
-            "<|USER_TOKEN|>",
-            "<|CHATBOT_TOKEN|>",
-            "<|SYSTEM_TOKEN|>",
-            "<|START_RESPONSE|>",
-            "<|END_RESPONSE|>",
-        ],
-        bos="<BOS_TOKEN>",
-        eos="<|END_OF_TURN_TOKEN|>",
-        header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
-        closers=("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",),
-    ),
+    "cohere2": {
+        **COHERE,
+        "specials": [*COHERE["specials"], "<|START_RESPONSE|>", "<|END_RESPONSE|>"],
+        "closers": ("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",),
+    },
     # GLM closes a turn with the next turn's role token and the last one with nothing at all
     "glm4moe": dict(
         specials=["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"],

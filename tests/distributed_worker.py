@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 OUT, N, PID, PORT = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // N}"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core.host_devices import with_host_device_count  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_host_device_count(os.environ.get("XLA_FLAGS", ""), 8 // N)
 
 from core.distributed import ProcessGroup, join, local_indices, to_host  # noqa: E402
 

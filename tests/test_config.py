@@ -191,11 +191,19 @@ def test_gspo_defaults_to_its_papers_clip_range_and_aggregation():
         ),
         (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1, got 0"),
         (["rollout.top_k=-2"], r"rollout.top_k must be -1 \(off\) or >= 1, got -2"),
+        (["model.lora.target_modules=[q_proj,wq]"], r"each must be one of .*; unknown: wq"),
+        (["model.lora.target_modules=[q_proj,q_proj]"], r"names a module twice"),
+        (["model.lora.quant_block_size=33"], r"quant_block_size=33 must be even"),
     ],
 )
 def test_section_checks_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         post(*overrides)
+
+
+def test_lora_targets_are_kept_in_the_models_order():
+    """The same set of targets in any order is one config (a checkpoint's and a run's compare equal)."""
+    assert post("model.lora.target_modules=[v_proj,q_proj]").model.lora.target_modules == ("q_proj", "v_proj")
 
 
 RL_CHECKS = [

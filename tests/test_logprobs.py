@@ -110,3 +110,44 @@ def test_the_budget_picks_the_path_by_the_size_of_the_logits():
 
     assert temp_bytes(n * v * 4) >= n * v * 4
     assert temp_bytes(n * v * 4 - 1) < n * v * 4 / 2
+
+
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("chunk", [64, 100, 300])  # several tiles (100: a ragged last one), one tile
+def test_excluded_logsumexp_matches_float64_and_its_gradients_the_masked_logsumexp(layout, chunk):
+    """log sum over the vocabulary but each row's k ids (a repeated id excluded once) at temperature 0.8: the
+    float64 value, and the gradients of a masked `logsumexp` in both weight layouts, tiled or not."""
+    from core.kernels.logprobs import excluded_logsumexp
+
+    h, w, _ = data(3, b=1, t=6, v=300)
+    h = h[0]
+    n, v = h.shape[0], w.shape[1]
+    rng = np.random.RandomState(4)
+    exclude = np.stack([rng.choice(v, 5, replace=False) for _ in range(n)]).astype(np.int32)
+    exclude[0, 1] = exclude[0, 0]  # a repeat: that id is left out once, the row keeps V - 4 ids
+    exclude[1] = [0, 63, 64, 299, 150]  # tile edges
+    z = (h.astype(np.float64) @ w.astype(np.float64)) / 0.8
+    keep = np.ones((n, v), bool)
+    keep[np.arange(n)[:, None], exclude] = False
+    want = np.array([np.log(np.exp(z[i][keep[i]]).sum()) for i in range(n)])
+    weight = w if layout == "dv" else np.ascontiguousarray(w.T)
+    got = excluded_logsumexp(jnp.asarray(h), jnp.asarray(weight), jnp.asarray(exclude), 0.8, chunk, layout)
+    steps = np.abs(np.asarray(got, np.float64) - want) / np.spacing(np.abs(want).astype(np.float32))
+    assert steps.max() <= 8, steps  # per row, in float32 steps of its value
+    assert np.abs(want - np.log(np.exp(z).sum(-1))).min() > 1e-3  # the excluded ids carry visible mass
+    g = np.random.RandomState(5).randn(n).astype(np.float32)
+
+    def masked(hh, ww):
+        zz = (hh @ ww if layout == "dv" else hh @ ww.T) / 0.8
+        return (jax.nn.logsumexp(jnp.where(jnp.asarray(keep), zz, -jnp.inf), axis=-1) * g).sum()
+
+    def tiled(hh, ww):
+        return (excluded_logsumexp(hh, ww, jnp.asarray(exclude), 0.8, chunk, layout) * g).sum()
+
+    want_grads = jax.grad(masked, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(weight))
+    got_grads = jax.grad(tiled, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(weight))
+    for name, a, b in zip(("hidden", "weight"), got_grads, want_grads):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b).max() > 0, name
+        # per tensor, in float32 steps of its largest entry (sums of a tile's products in another order)
+        np.testing.assert_allclose(a, b, rtol=0, atol=64 * np.spacing(np.abs(b).max()), err_msg=name)

@@ -142,7 +142,7 @@ def test_peft_loads_the_exported_adapter_onto_the_transformers_base_with_the_sam
     assert cfg.model.lora is not None and cfg.model.family == "qwen2"
     trained_adapters(model)
     learner = Learner(model, mesh, nll_loss, cfg.optim, total_updates=1)
-    out = learner.export_hf(tmp_path / "hf", None, base=str(base_dir))
+    out = learner.export_hf(tmp_path / "hf", None, init_from=str(base_dir))
     adapter_dir = out / ADAPTER_DIR
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["use_rslora"] and config["base_model_name_or_path"] == str(base_dir)
@@ -167,7 +167,7 @@ def test_a_run_starts_from_a_peft_adapter_and_refuses_one_of_another_shape(tmp_p
     import torch
     import transformers
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
 
     from core.checkpoint import initial_model
     from core.config import CheckpointConfig, Config
@@ -187,11 +187,20 @@ def test_a_run_starts_from_a_peft_adapter_and_refuses_one_of_another_shape(tmp_p
         cfg = Config(model=with_lora(**lora), checkpoint=CheckpointConfig(init_from=str(tmp_path / "adapter")))
         return initial_model(cfg, single_device_mesh())
 
-    model, _ = start(target_modules=["q_proj", "v_proj", "down_proj"])
+    model, cfg = start(target_modules=["q_proj", "v_proj", "down_proj"])
     x = np.random.default_rng(6).integers(1, 500, (2, 9))
     with torch.no_grad():
         want = peft_model(torch.tensor(x)).logits.numpy()
     assert np.abs(np.asarray(model(jnp.asarray(x, jnp.int32))) - want).max() <= 1e-4
+    # its export names the adapter's base, not the adapter it started from, and loads there with the same logits
+    learner = Learner(model, single_device_mesh(), nll_loss, cfg.optim, total_updates=1)
+    exported = learner.export_hf(tmp_path / "hf", None, init_from=str(tmp_path / "adapter")) / "adapter"
+    assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    reloaded = PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(exported)
+    ).eval()
+    with torch.no_grad():
+        assert np.abs(reloaded(torch.tensor(x)).logits.numpy() - want).max() <= 1e-4
     with pytest.raises(CheckpointMismatch, match=r"target_modules: adapter \['q_proj', 'v_proj', 'down_proj'\]"):
         start(target_modules=["q_proj", "v_proj"])
     with pytest.raises(CheckpointMismatch, match=r"rank: adapter 4, model.lora 8"):
@@ -272,6 +281,12 @@ def test_a_distillation_checkpoint_loads_back_as_its_student(tmp_path, tiny_hf_d
     want = np.asarray(learner.model()(x))
     got = np.asarray(load_model_from(tmp_path)(x))
     np.testing.assert_allclose(got, want, rtol=0, atol=32 * np.spacing(np.abs(want).max()))
+    # a checkpoint of an earlier Temper (student and projections in two items) is refused by name, not resumed
+    (tmp_path / "checkpoints" / "0" / "companion").mkdir()
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    with pytest.raises(CheckpointMismatch, match=r"earlier Temper .* `companion` item"):
+        learner.restore_latest(ckpt, cfg)
+    ckpt.close()
 
 
 # The float base's logits against the quantized base's, |delta| max: measured 0.11 (int8) and 1.3 (NF4, blocks of

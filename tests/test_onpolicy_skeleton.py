@@ -1,9 +1,12 @@
 """The on-policy skeleton carries a method GRPO is not: no reward functions, one sample per prompt, a value per token
-(what on-policy distillation needs), trained with the policy-gradient update the skeleton has."""
+(what on-policy distillation needs), trained with the policy-gradient update the skeleton has; it stops on SIGTERM
+like every run (the step finished and checkpointed) and resumes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from typing import ClassVar
 
 import numpy as np
@@ -21,6 +24,7 @@ class PerTokenRun(OnPolicyRun):
 
     learner_class = PolicyGradientLearner
     batches: ClassVar[list] = []
+    terminate_at: ClassVar[int] = 0
 
     def _prepare(self, scored: Scored) -> StepData:
         assert scored.rewards is None and scored.correct is None  # nothing was scored: there is nothing to score with
@@ -35,11 +39,14 @@ class PerTokenRun(OnPolicyRun):
             row_multiple=self.row_multiple,
         )
         PerTokenRun.batches.append((scored.completions, batch))
+        if len(PerTokenRun.batches) == PerTokenRun.terminate_at:  # the process is told to stop mid-step
+            os.kill(os.getpid(), signal.SIGTERM)
         return StepData(batch, scored, {"advantage/mean": float(np.mean(np.concatenate(advantages)))})
 
 
 @pytest.mark.integration
-def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_path, arithmetic_tokenizer):
+def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_path, arithmetic_tokenizer, capsys):
+    """...that stops on SIGTERM within a step with that step trained and checkpointed, and resumes past it."""
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
         [
@@ -50,21 +57,29 @@ def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_p
             "rl.accuracy_fn=null",
             "rl.batch.num_generations=1",
             "rl.batch.prompts_per_step=4",
-            "train.steps=2",
+            "train.steps=3",
             "train.eval_every=1",
-            "checkpoint.enabled=false",
+            "checkpoint.every_steps=100",
+            "checkpoint.async_save=false",
             "checkpoint.export_hf=false",
         ],
         schema=PostTrainConfig,
     )
-    run = PerTokenRun(cfg)
-    try:
-        summary = run.run()
-    finally:
-        run.close()
-    assert summary.steps == 2 and summary.policy_version == 2  # both steps trained and synced
-    assert summary.final_eval == {}  # no accuracy function: nothing to evaluate with
-    (completions, batch), _ = PerTokenRun.batches
+    PerTokenRun.terminate_at = 2
+    summaries = []
+    for _ in range(2):  # stopped at step 2, then the same command again
+        run = PerTokenRun(cfg)
+        try:
+            summaries.append(run.run())
+        finally:
+            run.close()
+    out = capsys.readouterr().out
+    assert "SIGTERM: checkpoint saved at step 2; exiting" in out and "resumed from" in out
+    assert [(s.steps, s.policy_version) for s in summaries] == [(2, 2), (3, 3)]  # each step trained and synced
+    assert summaries[1].final_eval == {}  # no accuracy function: nothing to evaluate with
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "3"]
+    assert len(PerTokenRun.batches) == 3
+    completions, batch = PerTokenRun.batches[0]
     assert len(completions) == 4  # one sample a prompt
     mask = np.asarray(batch.packed.target_mask) > 0
     for i, c in enumerate(completions):  # the advantages reached the batch token by token
@@ -73,6 +88,6 @@ def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_p
         assert not np.asarray(batch.advantages)[i, n:].any() and mask[i, :n].all()
     assert len({float(v) for v in np.asarray(batch.advantages)[mask]}) > 4  # not one value per sequence
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert not any(k.startswith("reward/") or k == "accuracy" for r in rows for k in r)
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows if "loss" in r)

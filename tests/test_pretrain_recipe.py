@@ -1,5 +1,6 @@
 """The pretraining recipe end to end, its compile-only mode, and bad input."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,12 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.host_devices import with_host_device_count
+
 ROOT = Path(__file__).resolve().parents[1]
+# the suite's other XLA flags (tests/conftest.py), without a device count
+WITHOUT_DEVICE_COUNT = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+)
 
 
 def run_recipe(*args, env_extra=None, timeout=600):
-    import os
-
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "recipes.pretrain", *args],
@@ -32,7 +37,7 @@ def test_pretrain_tiny_learns_and_exports(tmp_path):
         "train.eval_every=30",
         "checkpoint.every_steps=30",
         "data.num_examples=3000",
-        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env_extra={"XLA_FLAGS": with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1)},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     import json
@@ -71,7 +76,7 @@ def test_compile_only_on_fake_devices(tmp_path):
         "data.seq_len=256",
         "train.batch_size=8",
         "train.micro_batches=2",
-        env_extra={"XLA_FLAGS": ""},
+        env_extra={"XLA_FLAGS": WITHOUT_DEVICE_COUNT},  # compile-only asks for the devices its mesh needs
     )
     assert res.returncode == 0, res.stdout + res.stderr
     mesh = "on mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'sequence': 1}, 8 packed rows x 256 tokens in 2 micro-batch"

@@ -248,6 +248,17 @@ START_CASES = {
         ],
         "distill.top_k=100000 is above the vocabulary the top-k is taken over",
     ),
+    "online top_k above the vocabulary": (
+        "recipes.distill",
+        lambda f, t: [
+            str(DISTILL_TINY),
+            f"data.tokenizer_dir={f['tok']}",
+            "distill.regime=online",
+            "distill.teacher=.",
+            "distill.top_k=100000",
+        ],
+        "distill.top_k=100000 is above the vocabulary the top-k is taken over",
+    ),
     "tail mode on a bfloat16 dump": (
         "recipes.distill",
         lambda f, t: [str(DISTILL_TINY), f"distill.logits_dir={_bf16_dump(t)}", "distill.top_k_mode=tail"],

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from core.host_devices import with_host_device_count
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_worker.py"
 OVERRIDES = [
@@ -77,7 +79,7 @@ DISTILL_OVERRIDES = [
 
 
 def start(run_dir: Path, ids: Path, tokenizer: str, overrides: list[str] = OVERRIDES) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1)}
     head = overrides[:1] if overrides[:1] in (["--dpo"], ["--distill"]) else []
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(ids), tokenizer, *head, f"run.run_dir={run_dir}", *overrides[len(head) :]],

@@ -182,7 +182,8 @@ def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cl
     with LoRA enabled, change what it answers; a second policy's replace them in place (the prefix cache reset)
     and give the greedy tokens and log-probs a fresh engine gives on that policy's merged weights; an update
     missing a tensor is refused naming it and the engine keeps serving the previous adapters; the bytes sent are
-    the adapters'."""
+    the adapters'. With `rollout.lora_sync=merged` the first policy's weights, merged, sent to that fresh engine
+    give what its adapters give."""
     import jax
 
     from core.config import LoraConfig
@@ -192,7 +193,7 @@ def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cl
     from core.peft import adapter_config, adapter_tensors
     from rollout.vllm_actor import RemoteVLLMSampler
     from rollout.vllm_sampler import WeightUpdateError
-    from rollout.weight_sync import sync_adapters_to_vllm
+    from rollout.weight_sync import sync_adapters_to_vllm, sync_policy
 
     base_dir = rollout_model_dir("qwen2", seed=0)
     lora = LoraConfig(rank=4, alpha=8.0, use_rslora=True)
@@ -211,12 +212,15 @@ def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cl
     fresh = engine(merged_dir)
     try:
         want = fresh.generate(PROMPTS, params)
+        # rollout.lora_sync=merged: the first policy's weights, its adapters merged in, into that engine
+        merged_stats = sync_policy(policies[0], fresh, 1 << 20, version=3, lora_sync="merged")
+        merged_first = fresh.generate(PROMPTS, params)
     finally:
         fresh.shutdown()
     sampler = RemoteVLLMSampler.start(str(base_dir), CFG, seed=0, timeout_s=300, adapter=lora)
     try:
         plain = sampler.generate(PROMPTS, params)
-        stats = [sync_adapters_to_vllm(policies[0], sampler, version=3)]
+        stats = [sync_policy(policies[0], sampler, 1 << 20, version=3, lora_sync="adapters")]
         first = sampler.generate(PROMPTS, params)
         tensors = adapter_tensors(policies[1])
         dropped = {k: v for k, v in tensors.items() if "layers.1.self_attn.v_proj.lora_B" not in k}
@@ -232,6 +236,11 @@ def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cl
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
     assert [c.token_ids for c in plain] != [c.token_ids for c in first] != [c.token_ids for c in second]
     assert all(c.policy_version == 4 for c in second)
+    # the merged sync serves what the adapters serve, and it changed what that engine answered
+    assert [c.token_ids for c in merged_first] == [c.token_ids for c in first] != [c.token_ids for c in want]
+    for g, w in zip(merged_first, first):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
     adapter_bytes = sum(v.nbytes for v in tensors.values())
     full_bytes = sum(v.nbytes for _, v in hf_tensors(*load_hf(base_dir)))
     assert all(s.bytes == adapter_bytes for s in stats) and adapter_bytes < full_bytes / 5
+    assert merged_stats.bytes >= full_bytes / 2  # every weight travelled (in the sync's dtype)

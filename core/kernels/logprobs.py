@@ -173,21 +173,14 @@ def _chunked_fwd(h, weight, targets, temperature, chunk, layout, entropy):
     return (logp, ent), (h, weight, targets, lse, ent)
 
 
-def _chunked_bwd(temperature, chunk, layout, entropy, res, cotangents):
-    h, weight, targets, lse, ent = res
-    g_lp, g_ent = cotangents  # [N], [N]
-    vocab = _vocab_size(weight, layout)
+def _tiled_backward(h, weight, chunk, temperature, layout, tile_cotangent):
+    """(dh, dw) of a vocabulary-tiled head from the cotangent of each tile's logits: `tile_cotangent(logits, cols,
+    valid)` -> dL/dlogits [N, C] of that tile (zero on invalid columns), recomputed tile by tile."""
 
     def body(i, carry):
         dh, dw = carry
         logits, cols, valid, w, start = _chunk_logits(h, weight, i, chunk, temperature, layout)
-        logp_j = logits - lse[:, None]
-        p = jnp.where(valid[None, :], jnp.exp(logp_j), 0.0)
-        onehot = ((cols[None, :] == targets[:, None]) & valid[None, :]).astype(jnp.float32)
-        dl = g_lp[:, None] * (onehot - p)
-        if entropy:
-            dl = dl - g_ent[:, None] * p * (logp_j + ent[:, None])
-        dl = dl / temperature  # [N, C]; zero on invalid columns
+        dl = tile_cotangent(logits, cols, valid) / temperature  # through the division by the temperature
         if layout == "dv":
             dh = dh + jnp.einsum("NC,DC->ND", dl, w, preferred_element_type=jnp.float32)
             dw_c = jnp.einsum("ND,NC->DC", h, dl, preferred_element_type=jnp.float32)
@@ -201,8 +194,25 @@ def _chunked_bwd(temperature, chunk, layout, entropy, res, cotangents):
         return dh, dw
 
     init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(weight.shape, jnp.float32))
-    dh, dw = jax.lax.fori_loop(0, _num_chunks(vocab, chunk), body, init)
-    return dh.astype(h.dtype), dw.astype(weight.dtype), None
+    dh, dw = jax.lax.fori_loop(0, _num_chunks(_vocab_size(weight, layout), chunk), body, init)
+    return dh.astype(h.dtype), dw.astype(weight.dtype)
+
+
+def _chunked_bwd(temperature, chunk, layout, entropy, res, cotangents):
+    h, weight, targets, lse, ent = res
+    g_lp, g_ent = cotangents  # [N], [N]
+
+    def tile(logits, cols, valid):
+        logp_j = logits - lse[:, None]
+        p = jnp.where(valid[None, :], jnp.exp(logp_j), 0.0)
+        onehot = ((cols[None, :] == targets[:, None]) & valid[None, :]).astype(jnp.float32)
+        dl = g_lp[:, None] * (onehot - p)
+        if entropy:
+            dl = dl - g_ent[:, None] * p * (logp_j + ent[:, None])
+        return dl
+
+    dh, dw = _tiled_backward(h, weight, chunk, temperature, layout, tile)
+    return dh, dw, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -308,26 +318,11 @@ def _excluded_bwd(temperature, chunk, layout, res, g):
     """d lse / d l_j = softmax over the kept columns (0 on the excluded ones)."""
     h, weight, exclude, lse = res
 
-    def body(i, carry):
-        dh, dw = carry
-        logits, cols, valid, w, start = _chunk_logits(h, weight, i, chunk, temperature, layout)
-        p = jnp.where(_excluded_mask(exclude, cols, valid), jnp.exp(logits - lse[:, None]), 0.0)
-        dl = g[:, None] * p / temperature  # [N, C]
-        if layout == "dv":
-            dh = dh + jnp.einsum("NC,DC->ND", dl, w, preferred_element_type=jnp.float32)
-            dw_c = jnp.einsum("ND,NC->DC", h, dl, preferred_element_type=jnp.float32)
-            old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=1)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, old + dw_c, start, axis=1)
-        else:
-            dh = dh + jnp.einsum("NC,CD->ND", dl, w, preferred_element_type=jnp.float32)
-            dw_c = jnp.einsum("ND,NC->CD", h, dl, preferred_element_type=jnp.float32)
-            old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, old + dw_c, start, axis=0)
-        return dh, dw
+    def tile(logits, cols, valid):
+        return g[:, None] * jnp.where(_excluded_mask(exclude, cols, valid), jnp.exp(logits - lse[:, None]), 0.0)
 
-    init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(weight.shape, jnp.float32))
-    dh, dw = jax.lax.fori_loop(0, _num_chunks(_vocab_size(weight, layout), chunk), body, init)
-    return dh.astype(h.dtype), dw.astype(weight.dtype), None
+    dh, dw = _tiled_backward(h, weight, chunk, temperature, layout, tile)
+    return dh, dw, None
 
 
 _excluded.defvjp(_excluded_fwd, _excluded_bwd)

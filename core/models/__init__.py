@@ -1,6 +1,7 @@
 """Flax NNX decoder family (Llama, Qwen2/2.5, Qwen3, Mistral) with logical axis names on every parameter."""
 
 from core.models.build import (
+    ModuleTree,
     abstract_model,
     abstract_sharded_state,
     create_model,
@@ -16,6 +17,7 @@ from core.models.decoder import Decoder
 
 __all__ = [
     "Decoder",
+    "ModuleTree",
     "abstract_model",
     "abstract_sharded_state",
     "create_model",

@@ -127,18 +127,23 @@ def state_mismatches(expected: nnx.State, given: nnx.State, check_dtype: bool = 
     return sorted(problems)
 
 
-def trained_model(modules: nnx.Module) -> Decoder:
-    """The model a method's module tree trains (`core.train`): the tree itself when it is a `Decoder`, else the
-    `Decoder` it holds as `.model` (beside what its loss also reads: modules trained with it, frozen models)."""
+class ModuleTree(nnx.Module):
+    """A method's module tree (`core.train`) that holds the `Decoder` it trains as `.model`, beside what its loss
+    also reads (modules trained with it, frozen models): a subclass adds those."""
+
+    def __init__(self, model: Decoder):
+        self.model = model
+
+
+def trained_model(modules: Decoder | ModuleTree) -> Decoder:
+    """The model a method's module tree trains: the tree itself when it is a `Decoder`, else its `.model`."""
     if isinstance(modules, Decoder):
         return modules
-    model = getattr(modules, "model", None)
-    if not isinstance(model, Decoder):
+    if not isinstance(modules, ModuleTree):
         raise TypeError(
-            f"a method's module tree is a Decoder or holds the Decoder it trains as `.model`; "
-            f"{type(modules).__name__} has {type(model).__name__}"
+            f"a method's module tree is a Decoder or a core.models.ModuleTree holding one; not {type(modules).__name__}"
         )
-    return model
+    return modules.model
 
 
 def param_count(model: nnx.Module) -> int:

@@ -192,9 +192,11 @@ class Distillation(Method):
     def trainable(self, cfg: PostTrainConfig):
         return trainable(trainable_filter(cfg.model))
 
+    def check_tokenizer(self, cfg: PostTrainConfig, tokenizer) -> None:
+        check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
+
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
-        check_top_k(cfg.distill.top_k, "distill.top_k", run.tokenizer)
         rows = row_format(cfg.data.format, cfg.sft.completion_only_loss)
         examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
         notes = []

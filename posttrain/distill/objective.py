@@ -45,7 +45,7 @@ from flax import nnx
 from core.batch import PackedBatch
 from core.kernels.divergence import Divergence, chunked_divergence, chunked_topk
 from core.kernels.logprobs import excluded_logsumexp
-from core.models import Decoder
+from core.models import Decoder, ModuleTree
 from core.sums import summed
 from core.targets import TargetStates, states_logprobs, target_states
 from core.train import LossFn, LossOutput
@@ -70,13 +70,13 @@ class DistillBatch:
         return dataclasses.replace(self, **changes)
 
 
-class DistillModules(nnx.Module):
+class DistillModules(ModuleTree):
     """What distillation's step reads: the student (trained), its feature projections (trained with it; None when
     the widths agree or there is no feature loss) and the teacher (frozen; None when its values come with the
     batch: a dump, a teacher actor)."""
 
     def __init__(self, model: Decoder, projections: FeatureProjections | None = None, teacher: Decoder | None = None):
-        self.model = model
+        super().__init__(model)
         self.projections = nnx.data(projections)
         self.teacher = nnx.data(teacher)
 
@@ -158,7 +158,7 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
     student_layers = tuple(s for s, _ in settings.feature_layers)
     teacher_layers = tuple(t for _, t in settings.feature_layers)
 
-    def loss_fn(modules: DistillModules, batch: DistillBatch, rng) -> LossOutput:
+    def loss_fn(modules: DistillModules, batch: DistillBatch, rng: jax.Array | None) -> LossOutput:
         model, teacher, projections = modules.model, modules.teacher, modules.projections
         packed = batch.packed
         student = target_states(model, packed, student_layers, rng=rng)

@@ -61,7 +61,7 @@ def preference_objective(cfg: DPOConfig):
     `core.train.make_train_step`."""
     reference = needs_reference(cfg)
 
-    def loss_fn(model, batch: PairBatch, rng: jax.Array) -> LossOutput:
+    def loss_fn(model, batch: PairBatch, rng: jax.Array | None) -> LossOutput:
         logp, _ = target_logprobs(model, batch.packed, entropy=False, rng=rng)
         seq, n = sequence_logps(logp, batch.packed.target_mask)
         pc, pr, nc, nr = seq[0::2], seq[1::2], n[0::2], n[1::2]

@@ -80,7 +80,7 @@ class PolicyLearner(Generic[B]):
         return restored
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
-        return self.learner.export_hf(path, tokenizer_dir, base=self.cfg.checkpoint.init_from)
+        return self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from)
 
 
 # (cfg, model, mesh, total_steps) -> a method's learner: the subclass itself (PolicyGradientLearner, OnlineDPOLearner)

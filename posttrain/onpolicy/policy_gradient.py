@@ -207,7 +207,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
     """loss_fn(model, RLBatch, rng) -> LossOutput for `core.train.make_train_step`. Log-probs are taken at the
     sampling temperature, as the sampler drew them."""
 
-    def loss_fn(model, batch: RLBatch, rng: jax.Array) -> LossOutput:
+    def loss_fn(model, batch: RLBatch, rng: jax.Array | None) -> LossOutput:
         logp, entropy = target_logprobs(model, batch.packed, temperature, rng=rng)
         assert entropy is not None  # asked for (the default)
         mask = batch.loss_mask.astype(jnp.float32)

@@ -244,7 +244,7 @@ class OnPolicyRun(Loop):
         if self.cfg.rl.use_chat_template:
             from core.data import load_tokenizer
 
-            if not getattr(load_tokenizer(tokenizer_dir), "chat_template", None):
+            if not load_tokenizer(tokenizer_dir).chat_template:
                 raise ConfigError(
                     f"rl.use_chat_template=true, but the tokenizer in {tokenizer_dir} has no chat template: set "
                     f"rl.use_chat_template=false (prompts are rl.prompt_template as it is) or use a tokenizer with one"
