@@ -33,7 +33,7 @@ from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
 from core.distributed import CompiledTogether, barrier
 from core.errors import TemperError
-from core.models import Decoder, trained_model
+from core.models import Decoder, ModuleTree, trained_model
 from core.models.lora import trainable_filter
 from core.optim import make_optimizer, make_schedule
 from core.sums import to_host
@@ -74,7 +74,7 @@ def apply_nan_policy(update: Update, policy: str, where: str) -> bool:
 class Learner:
     def __init__(
         self,
-        modules: nnx.Module,
+        modules: Decoder | ModuleTree,
         mesh: Mesh,
         loss_fn: LossFn,
         optim: OptimConfig,
@@ -111,7 +111,7 @@ class Learner:
         """The trainable state (what the optimizer updates and a checkpoint holds)."""
         return self.state.params
 
-    def modules(self) -> nnx.Module:
+    def modules(self) -> Decoder | ModuleTree:
         """The method's module tree with the current parameters (no copy: a later update donates the trainable
         arrays)."""
         return nnx.merge(self.graphdef, self.state.params, self.rest)

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from flax import nnx
 from jax.sharding import Mesh
 
 from core.config import Config, resolve_mesh_shape
@@ -34,6 +33,7 @@ from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.learner import Learner
 from core.loop import Evaluation, Hook, Prepare, TrainLoop, _as_is
+from core.models import Decoder, ModuleTree
 from core.models.lora import trainable_filter
 from core.train import LossFn, TrainState
 
@@ -84,7 +84,7 @@ class Method:
     def loss(self, cfg: Any) -> LossFn:
         raise NotImplementedError(f"{self.name} has no loss")
 
-    def modules(self, cfg: Any, model: Any, mesh: Mesh) -> nnx.Module:
+    def modules(self, cfg: Any, model: Any, mesh: Mesh) -> Decoder | ModuleTree:
         """The module tree the method trains (`core.train`): the model itself, or a `core.models.ModuleTree`
         holding it as `.model` beside what its loss also reads (modules trained with it, frozen models), on
         `mesh`."""

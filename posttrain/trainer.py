@@ -98,7 +98,7 @@ class LocalTrainer:
         model = self.learner.model()
         if model.cfg.lora is not None and self.cfg.rollout.lora_sync == "adapters":
             return str(save_hf(adapters_off(model), model.cfg, path, tokenizer_dir=tokenizer_dir))
-        return str(self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from))
+        return str(self.learner.export_hf(path, tokenizer_dir))
 
     def save(self, step: int, extra: dict) -> None:
         self.learner.save(self.checkpointer, step, extra)
@@ -109,7 +109,7 @@ class LocalTrainer:
 
     def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
         self.checkpointer.wait()
-        return str(self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from))
+        return str(self.learner.export_hf(path, tokenizer_dir))
 
     def close(self) -> None:
         self.checkpointer.close()
