@@ -160,7 +160,8 @@ def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill
     after = [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
     assert [s for s, _ in after] == [1, 2, 3, 4]  # each once: the killed run's step 3 was dropped and redone
     assert all(np.isfinite(loss) for _, loss in after) and after[1][1] < after[0][1]
-    assert after[2][1] == pytest.approx(before[2][1], abs=1e-6)  # step 3 redone exactly
+    # step 3 redone exactly: the same loss to a float32 step or two of its value
+    assert abs(after[2][1] - before[2][1]) <= 2 * np.spacing(np.float32(before[2][1]))
     assert store.stat().st_mtime_ns == written  # the same weights' digest: the store was read, not recomputed
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "reference_logps.npz: read" in log and "resumed from" in log
