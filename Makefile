@@ -11,9 +11,9 @@ EXTRAS ?= cpu,dev
 # fault in 2 MiB at a time and are reused, not faulted in again every step (core/host_memory.py HOST_MALLOC,
 # the same list). Not for the tests: their many short processes start slower with it.
 HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
-demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
+demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
-.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill clean
+.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora clean
 
 install: $(STAMP)
 
@@ -25,12 +25,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-# Most tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each, and
-# that includes the end-to-end runs that need no Ray cluster or vLLM engine. The `serial` ones then run one at a
-# time: each starts a Ray cluster and vLLM engines, which use both cores.
+# Most tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each. The
+# `serial` ones (each starts a Ray cluster, vLLM engines) run one at a time beside them: they spend much of their
+# time waiting on their actors, so the three streams share the 2 cores (~22 min, not ~28 one phase after the
+# other). Their output goes to runs/test-serial.log
+# and is printed at the end; both share one JAX compilation cache.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not serial" -n 2 --durations=15
-	$(PY) -m pytest -q -m serial --durations=10
+	@mkdir -p runs; cache=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$cache; \
+	echo "serial tests (Ray, vLLM) run beside the others: tail -f runs/test-serial.log"; \
+	$(PY) -m pytest -q -m serial --durations=10 > runs/test-serial.log 2>&1 & serial=$$!; trap "kill $$serial 2>/dev/null" INT TERM; \
+	$(PY) -m pytest -q -m "not serial" -n 2 --durations=15; rc=$$?; \
+	wait $$serial; src=$$?; rm -rf $$cache; \
+	echo "== the serial tests (runs/test-serial.log):"; cat runs/test-serial.log; \
+	test $$rc -eq 0 && test $$src -eq 0
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" -n 2
@@ -78,6 +85,10 @@ bench-dpo: $(STAMP)
 bench-distill: $(STAMP)
 	$(PY) bench/kd_memory.py
 	$(PY) bench/distill_step.py
+
+bench-lora: $(STAMP)
+	$(PY) bench/lora_step.py
+	$(PY) bench/compile_memory.py --fsdp 8 --tensor 1 --methods sft --lora 16
 
 clean:
 	rm -rf $(VENV) .venv-trl runs .pytest_cache

@@ -15,7 +15,8 @@ dropout) on the seven projections:
 - GRPO: `PolicyGradientLearner.train` (the trainer's whole step: pi_old's pass, the clipped update) on one
   rollout batch (8 prompts x 8 completions, 64 + 128 tokens, advantages with variance), LoRA against full.
 - Memory: XLA's memory analysis of the compiled SFT update (arguments: parameters and optimizer moments; temp),
-  and the trainable, optimizer-state and checkpoint bytes, LoRA against full.
+  and the trainable, optimizer-state and checkpoint bytes, LoRA against full; the frozen base's bytes with QLoRA
+  (int8, NF4: the same step on a quantized base, timed too).
 - Sync: an in-process vLLM engine (CPU) taking the full model (`sync_to_vllm`) and the adapters alone
   (`sync_adapters_to_vllm`, LoRA enabled in the engine), bytes and seconds (`--no-sync` skips it).
 
@@ -53,15 +54,15 @@ MEMORY = re.compile(r"arguments ([\d.]+) GiB, outputs ([\d.]+) GiB, temp ([\d.]+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def lora_cfg(rank: int):
+def lora_cfg(rank: int, quantize: str = "none"):
     from core.config import LoraConfig
 
-    return LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=TARGETS)
+    return LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=TARGETS, quantize_base=quantize)
 
 
-def learner_on(hf: Path, loss_fn, total_updates: int, rank: int):
-    """The HF model on one device (with rank-`rank` adapters when `rank` > 0) in a `core.learner.Learner`, AdamW
-    at 1e-4, constant, no weight decay."""
+def learner_on(hf: Path, loss_fn, total_updates: int, rank: int, quantize: str = "none"):
+    """The HF model on one device (with rank-`rank` adapters when `rank` > 0, on a `quantize`d base) in a
+    `core.learner.Learner`, AdamW at 1e-4, constant, no weight decay."""
     import jax
 
     from core.config import OptimConfig
@@ -74,7 +75,7 @@ def learner_on(hf: Path, loss_fn, total_updates: int, rank: int):
     with jax.set_mesh(mesh):
         model, _ = load_hf(hf, mesh=mesh)
         if rank:
-            model = add_adapters(model, lora_cfg(rank), mesh, seed=0)
+            model = add_adapters(model, lora_cfg(rank, quantize), mesh, seed=0)
     optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
     return Learner(model, mesh, loss_fn, optim, total_updates=total_updates)
 
@@ -85,14 +86,15 @@ def nbytes(tree) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
 
 
-def temper_sft(hf: Path, data: Path, tokenizer: str, args, rank: int) -> dict:
-    """Temper's SFT step on the pipeline's padded batches (full or LoRA), its memory analysis and state bytes."""
+def temper_sft(hf: Path, data: Path, tokenizer: str, args, rank: int, quantize: str = "none") -> dict:
+    """Temper's SFT step on the pipeline's padded batches (full, LoRA or QLoRA), its memory analysis and state
+    bytes."""
     import numpy as np
 
     from core.losses import nll_loss
 
     _, batches = temper_side(hf, data, tokenizer, args, packing=False, padding_free=False)
-    learner = learner_on(hf, nll_loss, args.steps + 1, rank)
+    learner = learner_on(hf, nll_loss, args.steps + 1, rank, quantize)
     times, tokens, memory = [], [], None
     for _ in range(args.steps + 1):
         batch = next(batches).batch
@@ -247,8 +249,10 @@ def main() -> None:
             for mode in args.peers:  # peers first: they need the memory a Temper side would keep
                 row[f"{mode}_lora"] = peer(mode, hf, data, at, work)
                 print(f"   {mode} + PEFT      {row[f'{mode}_lora']['median_step_s']:.3f} s/step", flush=True)
-            for name, rank in (("temper_lora", args.rank), ("temper_full", 0)):
-                row[name] = temper_sft(hf, data, tokenizer, at, rank)
+            sides = (("temper_lora", args.rank, "none"), ("temper_full", 0, "none"))
+            sides += tuple((f"temper_qlora_{q}", args.rank, q) for q in ("int8", "nf4"))
+            for name, rank, quantize in sides:
+                row[name] = temper_sft(hf, data, tokenizer, at, rank, quantize)
                 print(f"   {name:16s} {row[name]['median_step_s']:.3f} s/step", flush=True)
             lora, full = row["temper_lora"], row["temper_full"]
             for mode in args.peers:
@@ -260,6 +264,9 @@ def main() -> None:
                 "optimizer_bytes": [lora["optimizer_bytes"], full["optimizer_bytes"]],
                 "checkpoint_bytes": [lora["trainable_bytes"] + lora["optimizer_bytes"], full["trainable_bytes"]
                                      + full["optimizer_bytes"]],
+                "frozen_bytes": {n: row[f"temper_{n}"]["frozen_bytes"] for n in ("lora", "qlora_int8", "qlora_nf4")},
+                "xla_arguments_gib": {n: row[f"temper_{n}"]["xla_arguments_gib"]
+                                      for n in ("full", "lora", "qlora_int8", "qlora_nf4")},
             }  # fmt: skip
             print("   SFT step: LoRA / " + ", ".join(f"{m}+PEFT {row[f'ratio_vs_{m}_lora']:.2f}x" for m in args.peers))
             print(f"   memory: {json.dumps(row['memory'])}", flush=True)

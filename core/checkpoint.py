@@ -197,11 +197,11 @@ class Checkpointer:
         meta = self.manager.item_metadata(step)
         saved = meta["params"] if meta is not None and "params" in meta else None
         if (where / "companion").exists():
-            # Temper before the one-module-tree contract saved a distillation student and its feature
-            # projections as two items; their optimizer state does not map onto today's one tree.
+            # Temper before the one-module-tree contract saved a second trained module as an item of its own;
+            # its optimizer state does not map onto today's one tree.
             raise CheckpointMismatch(
-                f"checkpoint {where} was written by an earlier Temper (the student and its projections saved "
-                f"apart, in a `companion` item) and cannot be resumed; start a new run from its student with "
+                f"checkpoint {where} was written by an earlier Temper (a second trained module saved apart, in a "
+                f"`companion` item) and cannot be resumed; start a new run from its model with "
                 f"checkpoint.init_from={where}"
             )
         if saved is not None:  # the trainable state: every tensor with its shape (a LoRA run's: its adapters)
@@ -342,7 +342,9 @@ def frozen_fingerprint(state: Any) -> dict[str, list[float]]:
     flat = [(_dotted(path), x) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]]
     if not flat:
         return {}
-    stats = jax.jit(lambda xs: [jax.numpy.stack([(f := x.astype("float32")).sum(), (f * f).sum()]) for x in xs])
+    stats = jax.jit(
+        lambda xs: [jax.numpy.stack([(f := x.astype("float32")).sum(), (f * f).sum(), abs(f).sum()]) for x in xs]
+    )
     values = stats([x for _, x in flat])
     from core.distributed import to_host
 
@@ -351,25 +353,27 @@ def frozen_fingerprint(state: Any) -> dict[str, list[float]]:
 
 def check_frozen(saved: dict | None, ours: dict[str, list[float]], where: str, prefix: str = "") -> None:
     """Refuse frozen weights other than those a checkpoint was trained beside (`saved`, its record), naming the
-    first tensors that differ; `prefix`: where `ours` sits in the checkpoint's tree. Sums agree to float32
-    rounding across meshes (relative 1e-4)."""
+    first tensors that differ; `prefix`: where `ours` sits in the checkpoint's tree. A sum taken in another order
+    (another mesh or process count) differs by float32 rounding of its terms' sizes, not of the sum: the sum of
+    +-weights cancels, so it is compared within 1e-4 of the sum of their absolute values (the record's third
+    number), the sum of squares within 1e-4 of itself."""
     if saved is None:
         return
     diffs = []
-    for name, (total, squares) in ours.items():
+    for name, (total, squares, magnitude) in ours.items():
         theirs = saved.get(prefix + name)
         if theirs is None:
             diffs.append(f"{prefix + name}: not in the checkpoint's record")
             continue
-        for mine, recorded in ((total, theirs[0]), (squares, theirs[1])):
-            if abs(mine - recorded) > 1e-4 * max(abs(recorded), 1e-6) + 1e-6:
+        for mine, recorded, scale in ((total, theirs[0], magnitude), (squares, theirs[1], squares)):
+            if abs(mine - recorded) > 1e-4 * scale + 1e-6:
                 diffs.append(f"{prefix + name}: sum {theirs[0]:.6g} / {theirs[1]:.6g} there, {total:.6g} / "
                              f"{squares:.6g} here")  # fmt: skip
                 break
     if diffs:
         raise CheckpointMismatch(
-            f"checkpoint {where} was trained beside other frozen weights (a LoRA base or a teacher that changed "
-            f"behind its checkpoint.init_from or distill.teacher): "
+            f"checkpoint {where} was trained beside other frozen weights (the module tree's non-trainable part, "
+            f"read from where the run's config points, changed since): "
             + "; ".join(diffs[:5])
             + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
         )

@@ -303,6 +303,6 @@ def adapter_base(init_from: str | None) -> str | None:
         where = resolve_model(str(init_from))
     except MissingPath:
         return init_from
-    if is_adapter_dir(where):
-        return read_adapter(where).base
+    if is_adapter_dir(where):  # its config alone (the run read and checked the whole adapter at its start)
+        return json.loads((Path(where) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or init_from
     return init_from

@@ -53,6 +53,7 @@ class LocalTrainer:
 
         from core.checkpoint import Checkpointer, initial_model
         from core.mesh import make_mesh, split_devices
+        from core.peft import adapter_base
 
         cfg = PostTrainConfig.model_validate(cfg_json)
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
@@ -60,6 +61,7 @@ class LocalTrainer:
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
         model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
         self.learner = learner_class(self.cfg, model, self.mesh, cfg.train.steps)
+        self.adapter_base = adapter_base(cfg.checkpoint.init_from)  # what synced adapters name as their base
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
 
@@ -80,13 +82,13 @@ class LocalTrainer:
     def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
         """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
         `tag` names the update (the same on every process of a group: their pieces make one update)."""
-        from core.peft import adapter_base
         from rollout.weight_sync import sync_policy
 
         r = self.cfg.rollout
-        base = adapter_base(self.cfg.checkpoint.init_from)
         model = self.learner.model()
-        return sync_policy(model, sampler, r.reshard_chunk_bytes, self.learner.version, r.lora_sync, base, tag)
+        return sync_policy(
+            model, sampler, r.reshard_chunk_bytes, self.learner.version, r.lora_sync, self.adapter_base, tag
+        )
 
     def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
         """What a vLLM sampler starts from, as a Hugging Face directory at `path`: the policy (merged), or, when

@@ -260,3 +260,29 @@ def test_a_module_tree_checkpoints_what_trains_and_names_what_differs(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"tensor projections\.kernels\.0: checkpoint None"):
         plain.restore(7, make_state(cfg.model, seed=1, tree=tree(96), trainable=trainable(nnx.Param))[1], None, cfg)
     assert ckpt.all_steps() == [7] and plain.all_steps() == [7]
+
+
+def test_the_frozen_fingerprint_holds_across_meshes_and_tells_other_weights_apart():
+    """A frozen tensor's record on 8 devices is accepted on 1 (and back) though its sum cancels to a small value
+    (each order rounds differently, by float32 steps of its terms, not of the sum); another tensor of the same
+    shape and scale is refused by name."""
+    from jax.sharding import NamedSharding
+
+    from core.checkpoint import check_frozen, frozen_fingerprint
+
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((2048, 512)) * 0.02).astype(np.float32)
+    weights -= weights.mean(dtype=np.float64).astype(np.float32)  # the plain sum cancels to ~0
+    mesh = make_mesh(MeshConfig(fsdp=8), jax.devices()[:8])
+    sharded = {"embed": jax.device_put(weights, NamedSharding(mesh, P("fsdp", None)))}
+    one = {"embed": jax.device_put(weights, jax.devices()[0])}
+    many, single = frozen_fingerprint(sharded), frozen_fingerprint(one)
+    total, squares, magnitude = single["embed"]
+    assert abs(total) < 1e-3 * magnitude and squares > 0  # the case the old relative-to-the-sum bound got wrong
+    check_frozen(many, single, "8 devices")
+    check_frozen(single, many, "1 device")
+    # the float32 error of a sum of 1M terms in another order is up to ~1e-5 of their magnitude: still accepted
+    check_frozen(single, {"embed": [total + 1e-5 * magnitude, squares, magnitude]}, "reordered")
+    other = (rng.standard_normal(weights.shape) * 0.02).astype(np.float32)
+    with pytest.raises(CheckpointMismatch, match=r"embed: sum"):
+        check_frozen(single, frozen_fingerprint({"embed": jax.numpy.asarray(other)}), "other weights")

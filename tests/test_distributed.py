@@ -27,7 +27,6 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
-@pytest.mark.serial
 def test_two_processes_of_four_devices_take_the_one_process_step_of_every_method(tmp_path):
     port = free_port()
     runs = [(tmp_path / "one.npz", 1, 0, 0)] + [(tmp_path / "two.npz", 2, i, port) for i in range(2)]

@@ -319,3 +319,37 @@ def test_a_quantized_base_computes_its_dequantized_weights(kind, tolerance):
     saving = full - stored
     per_weight = 1.0 if kind == "int8" else 0.5
     assert saving > kernels * (1 - per_weight / 4) * 0.9, (saving, kernels)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("bias", "all"),
+        ("use_dora", True),
+        ("fan_in_fan_out", True),
+        ("rank_pattern", {"q_proj": 8}),
+        ("modules_to_save", ["lm_head"]),
+        ("layers_to_transform", [0]),
+        ("target_modules", ["q_proj", "embed_tokens"]),
+    ],
+)
+def test_an_adapter_temper_cannot_hold_is_refused_naming_the_key(tmp_path, key, value):
+    """PEFT adapter settings Temper's adapters cannot represent: refused by `read_adapter`, naming file and key
+    (an accepted config with the same files loads: the refusal is the key's)."""
+    from safetensors.numpy import save_file
+
+    from core.peft import read_adapter
+
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj"],
+        "base_model_name_or_path": "b",
+    }
+    save_file({"x": np.zeros(1, np.float32)}, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    assert read_adapter(tmp_path).lora.rank == 4
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(CheckpointMismatch, match=rf"adapter_config.json: {key}="):
+        read_adapter(tmp_path)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LISTENERS = """
@@ -26,6 +28,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.serial  # starts a local Ray cluster: never beside another test's
 def test_a_local_cluster_listens_on_loopback_only_and_keeps_rays_auth():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = str(ROOT)

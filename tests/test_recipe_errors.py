@@ -216,6 +216,11 @@ START_CASES = {
         lambda f, t: [str(GRPO_TINY), "distill.regime=on_policy", "distill.teacher=.", "rollout.top_p=0.9"],
         "rollout.top_p=0.9 / rollout.top_k=-1 that is the truncated distribution's",
     ),
+    "top-k sampling with the sampled-token loss": (
+        "recipes.distill",
+        lambda f, t: [str(GRPO_TINY), "distill.regime=on_policy", "distill.teacher=.", "rollout.top_k=8"],
+        "rollout.top_p=1.0 / rollout.top_k=8 that is the truncated distribution's",
+    ),
     "chat template asked of a tokenizer without one": (
         "recipes.grpo",
         lambda f, t: [
