@@ -27,14 +27,15 @@ $(STAMP): pyproject.toml
 
 # Most tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each. The
 # `serial` ones (each starts a Ray cluster, vLLM engines) run one at a time beside them: they spend much of their
-# time waiting on their actors, so the three streams share the 2 cores (~22 min, not ~28 one phase after the
-# other). Their output goes to runs/test-serial.log
-# and is printed at the end; both share one JAX compilation cache.
+# time waiting on their actors, so the three streams share the 2 cores. The two workers run at the lowest
+# priority (nice 19): Ray runs its actors at nice 15, and at the shell's priority the workers would starve them
+# (the serial chain, the longest, would wait for the workers to finish). The serial output goes to
+# runs/test-serial.log and is printed at the end; both sessions share one JAX compilation cache.
 test: $(STAMP)
 	@mkdir -p runs; cache=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$cache; \
 	echo "serial tests (Ray, vLLM) run beside the others: tail -f runs/test-serial.log"; \
 	$(PY) -m pytest -q -m serial --durations=10 > runs/test-serial.log 2>&1 & serial=$$!; trap "kill $$serial 2>/dev/null" INT TERM; \
-	$(PY) -m pytest -q -m "not serial" -n 2 --durations=15; rc=$$?; \
+	nice -n 19 $(PY) -m pytest -q -m "not serial" -n 2 --durations=15; rc=$$?; \
 	wait $$serial; src=$$?; rm -rf $$cache; \
 	echo "== the serial tests (runs/test-serial.log):"; cat runs/test-serial.log; \
 	test $$rc -eq 0 && test $$src -eq 0
