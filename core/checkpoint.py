@@ -62,6 +62,9 @@ def saved_config(step_dir: str | Path) -> dict:
         raise CheckpointMismatch(f"checkpoint {step_dir}: its config ({path}) cannot be read: {err}") from None
 
 
+ITEMS = ("params", "opt_state", "meta", "config", "data")  # what a checkpoint step holds (`Checkpointer.save`)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = True):
         self.directory = Path(directory).absolute()
@@ -86,7 +89,7 @@ class Checkpointer:
         """Save as checkpoint `step` (default: `state.step`; async when enabled). Returns the step."""
         step = int(state.step) if step is None else step
         meta = {"step": int(state.step), "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), **(extra or {})}
-        items = dict(
+        items = dict(  # ITEMS
             params=ocp.args.StandardSave(_pure(state.params)),
             opt_state=ocp.args.StandardSave(state.opt_state),
             meta=ocp.args.JsonSave(meta),
@@ -196,13 +199,15 @@ class Checkpointer:
         ]
         meta = self.manager.item_metadata(step)
         saved = meta["params"] if meta is not None and "params" in meta else None
-        if (where / "companion").exists():
-            # Temper before the one-module-tree contract saved a second trained module as an item of its own;
-            # its optimizer state does not map onto today's one tree.
+        unknown = sorted(d.name for d in where.iterdir() if d.is_dir() and d.name not in ITEMS)
+        if unknown:
+            # e.g. Temper before the one-module-tree contract saved a second trained module as an item of its
+            # own (`companion`); such state does not map onto today's one tree.
             raise CheckpointMismatch(
-                f"checkpoint {where} was written by an earlier Temper (a second trained module saved apart, in a "
-                f"`companion` item) and cannot be resumed; start a new run from its model with "
-                f"checkpoint.init_from={where}"
+                f"checkpoint {where} was written by an earlier Temper (it holds "
+                + ", ".join(f"`{name}`" for name in unknown)
+                + f" item(s) this version does not write) and cannot be resumed; start a new run from its model "
+                f"with checkpoint.init_from={where}"
             )
         if saved is not None:  # the trainable state: every tensor with its shape (a LoRA run's: its adapters)
             diffs += _tensor_diffs(_flat_shapes(saved), _flat_shapes(_pure(target.params)), "")

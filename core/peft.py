@@ -155,18 +155,24 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
+def _adapter_config(where: Path) -> dict:
+    """The adapter directory's `adapter_config.json`, parsed; an error naming the file otherwise."""
+    config_file = where / CONFIG_FILE
+    if not config_file.is_file():
+        raise MissingPath(f"{where}: no {CONFIG_FILE} (not a PEFT adapter directory)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointMismatch(f"{config_file}: not valid JSON ({err})") from None
+
+
 def read_adapter(path: str | Path) -> Adapter:
     """The adapter at `path`; an error naming the file and key for what Temper cannot load."""
     from safetensors.numpy import load_file
 
     where = Path(path)
     config_file = where / CONFIG_FILE
-    if not config_file.is_file():
-        raise MissingPath(f"{where}: no {CONFIG_FILE} (not a PEFT adapter directory)")
-    try:
-        config: dict = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointMismatch(f"{config_file}: not valid JSON ({err})") from None
+    config = _adapter_config(where)
     refuse = {
         "peft_type": (config.get("peft_type"), "LORA"),
         "bias": (config.get("bias", "none"), "none"),
@@ -304,5 +310,5 @@ def adapter_base(init_from: str | None) -> str | None:
     except MissingPath:
         return init_from
     if is_adapter_dir(where):  # its config alone (the run read and checked the whole adapter at its start)
-        return json.loads((Path(where) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or init_from
+        return _adapter_config(Path(where)).get("base_model_name_or_path") or init_from
     return init_from
