@@ -4,7 +4,7 @@
 
 Each section is one pydantic model, closed (unknown keys fail with the dotted key that exists) and validated on
 its own. What a method needs of several sections at once is checked by the method when its run is built
-(`posttrain.sft.check_config`, `posttrain.dpo.offline.check_config`, `posttrain.onpolicy.run.check_config`,
+(`posttrain.sft.check_config`, `posttrain.dpo.offline.check_config`, `posttrain.onpolicy.checks.check_config`,
 `posttrain.grpo.check_config`, ...), before any work starts: an SFT job never fails on RL's checks. The values an
 option may take are defined once, by the code that reads them (the loss modules' Literals), and imported here.
 """

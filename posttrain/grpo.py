@@ -21,6 +21,7 @@ import numpy as np
 from core.config_loader import ConfigError
 from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.policy_gradient import (
     PolicyGradientLearner,
     RLBatch,
@@ -29,7 +30,8 @@ from posttrain.onpolicy.policy_gradient import (
     policy_update_learner,
     updates_per_step,
 )
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, check_graded_groups, run_to_end
+from posttrain.onpolicy.run import OnPolicyRun, run_to_end
+from posttrain.onpolicy.step import RunSummary, Scored, StepData
 from rewards.runner import RewardBatch
 from rollout.sampler import Completion
 

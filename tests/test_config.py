@@ -235,12 +235,12 @@ def test_grpos_cross_field_checks_are_grpos(overrides, message):
     """GRPO's checks of several sections at once run when a GRPO run is built (before a Ray cluster or an engine
     starts: they used to surface mid-run), and only then: an SFT or pretraining job with the same values loads."""
     from posttrain import grpo
-    from posttrain.onpolicy import run
+    from posttrain.onpolicy import checks
 
     base = ["data.source=reasoning_gym:basic_arithmetic", "reward.functions=[{fn: math_verify}]"]
     cfg = post(*base, *overrides)  # loads: these are not section checks
     with pytest.raises(ConfigError, match=message):
-        run.check_config(cfg)
+        checks.check_config(cfg)
         grpo.check_config(cfg)
 
 

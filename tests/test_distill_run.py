@@ -344,7 +344,7 @@ def _gkd_probe(run):
     from posttrain.distill.objective import DistillBatch
     from posttrain.onpolicy.policy_gradient import build_rl_batch
     from posttrain.onpolicy.prompts import render_prompt
-    from posttrain.onpolicy.run import Scored
+    from posttrain.onpolicy.step import Scored
     from rollout.sampler import Completion, encode_prompts
 
     rows = run.eval_rows[:8]

@@ -163,7 +163,7 @@ def _kill_tree(pid):
 
 
 def test_staleness_check_refuses_old_completions():
-    from posttrain.onpolicy.run import StalenessError, check_staleness
+    from posttrain.onpolicy.checks import StalenessError, check_staleness
     from rollout.sampler import Completion
 
     batch = [Completion([1], [2], [0.0], "stop", "x", policy_version=v) for v in (3, 4)]

@@ -198,7 +198,7 @@ def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
     from types import SimpleNamespace
 
     from posttrain.dpo.online import OnlineDPORun
-    from posttrain.onpolicy.run import Scored
+    from posttrain.onpolicy.step import Scored
     from rewards.runner import RewardBatch
 
     cfg = load_config(

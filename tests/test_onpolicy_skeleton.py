@@ -15,7 +15,8 @@ import pytest
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun, Scored, StepData
+from posttrain.onpolicy.run import OnPolicyRun
+from posttrain.onpolicy.step import Scored, StepData
 
 
 class PerTokenRun(OnPolicyRun):

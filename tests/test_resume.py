@@ -19,11 +19,11 @@ from core.host_devices import with_host_device_count
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_worker.py"
 OVERRIDES = [
-    "train.steps=32",
+    "train.steps=24",
     "train.log_every=1",
     "train.eval_every=0",
     "train.batch_size=4",
-    "data.num_examples=2000",
+    "data.num_examples=800",
     "data.eval_fraction=0",
     "data.format=chat",
     "data.seq_len=128",
@@ -106,7 +106,7 @@ def id_records(path: Path) -> list[tuple[int, list[int]]]:
 @pytest.mark.parametrize("method", ["sft", "dpo", "distill"])
 def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_model_dir, method):
     overrides, steps, rows = {
-        "sft": (OVERRIDES, 32, 2000),
+        "sft": (OVERRIDES, 24, 800),
         "dpo": (DPO_OVERRIDES, 24, 400),
         "distill": (DISTILL_OVERRIDES, 24, 200),
     }[method]

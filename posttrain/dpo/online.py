@@ -35,8 +35,10 @@ from posttrain.config import PostTrainConfig
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
+from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, Scored, StepData, check_graded_groups, run_to_end
+from posttrain.onpolicy.run import OnPolicyRun, run_to_end
+from posttrain.onpolicy.step import RunSummary, Scored, StepData
 from rollout.sampler import Completion
 
 

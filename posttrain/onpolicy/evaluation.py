@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from math import comb
 
+import numpy as np
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct."""
@@ -31,3 +33,17 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> 
         return False
     top = votes.most_common(1)[0][0]
     return any(ok for a, ok in zip(normalised, correct) if a == top)
+
+
+def eval_metrics(greedy_ok: np.ndarray, sampled_ok: np.ndarray, sampled_answers: Sequence[str | None]) -> dict:
+    """The held-out figures from greedy correctness (one per prompt) and sampled correctness (prompts x k, with the
+    final answers of the samples in that order): pass@1, pass@k, sampled pass@1 and maj@k."""
+    n, k = sampled_ok.shape
+    return {
+        "eval/pass@1": float(greedy_ok.mean()),
+        f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in sampled_ok])),
+        "eval/sampled_pass@1": float(sampled_ok.mean()),
+        f"eval/maj@{k}": float(
+            np.mean([majority_correct(sampled_answers[i * k : (i + 1) * k], sampled_ok[i]) for i in range(n)])
+        ),
+    }

@@ -47,125 +47,34 @@ counted in `skipped_updates`; abort: the loop writes a checkpoint, then
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
-from core.batch import TrainBatch
-from core.config import ModelConfig
-from core.config_loader import ConfigError, save_config
+from core.config_loader import save_config
 from core.loop import Hook, Loop, Plot
 from core.metrics import MetricsLogger
 from core.packing import round_rows
 from core.shapes import SizeCache
 from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.evaluation import majority_correct, pass_at_k
+from posttrain.onpolicy.checks import check_config, check_staleness, check_tokenizer_template
+from posttrain.onpolicy.evaluation import eval_metrics
 from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
+from posttrain.onpolicy.step import InFlight, RunSummary, Scored, StepData, StepTimes, scored_metrics, step_line
+from posttrain.onpolicy.workers import release, start_samplers
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
-from rewards.runner import RewardBatch, RewardRunner
-from rollout.group import Pending, SamplerGroup
-from rollout.placement import Placement, reserve, start_vllm_sampler
+from rewards.runner import RewardRunner
+from rollout.group import Pending
+from rollout.placement import Placement, reserve
 from rollout.sampler import Completion, Sampler, SamplingParams, sample_seed
 from rollout.weight_sync import SyncStats
 
-
-@dataclass
-class RunSummary:
-    run_dir: Path
-    steps: int
-    policy_version: int
-    final_eval: dict | None
-    hf_dir: Path | None
-
-
-class StalenessError(RuntimeError):
-    """A completion older than `rl.off_policy_steps` policy versions reached the trainer."""
-
-
-def check_staleness(completions: list[Completion], trainer_version: int, bound: int) -> int:
-    """The largest staleness in the batch; raises if it exceeds `bound`."""
-    worst = max(trainer_version - c.policy_version for c in completions)
-    if worst > bound:
-        raise StalenessError(
-            f"a completion from policy version {trainer_version - worst} reached the trainer at "
-            f"version {trainer_version}: {worst} > rl.off_policy_steps={bound}"
-        )
-    return worst
-
-
-@dataclass
-class InFlight:
-    """A generation request: its prompts, and the completions (once collected) or the pending handle."""
-
-    prompts: PromptBatch
-    result: Pending | list[Completion]
-
-
-@dataclass
-class Scored:
-    """A step's completions and what was made of them: rewards (None when the method has no reward functions) and
-    correctness by `rl.accuracy_fn` (None without one)."""
-
-    rows: list[dict]
-    completions: list[Completion]
-    rewards: RewardBatch | None
-    correct: np.ndarray | None
-
-
-@dataclass
-class StepData:
-    """What a method made of one step's scored completions: the trainer's batch, the completions and rewards the
-    step's metrics describe, and the method's own metrics."""
-
-    batch: TrainBatch | None  # None: nothing to learn from this step (no update)
-    scored: Scored
-    metrics: dict[str, float]
-    line: str = ""  # the method's part of the step's console line
-
-
-def check_config(cfg: PostTrainConfig) -> None:
-    """What every on-policy method needs of several sections at once, checked before a Ray cluster or an engine
-    starts."""
-    rl, rollout, batch = cfg.rl, cfg.rollout, cfg.rl.batch
-    if rollout.max_tokens >= rollout.max_model_len:
-        raise ConfigError(
-            f"rollout.max_tokens ({rollout.max_tokens}) must be < rollout.max_model_len "
-            f"({rollout.max_model_len}): a prompt needs at least one token of the model length"
-        )
-    if rl.off_policy_steps and rollout.sampler != "vllm":
-        raise ConfigError(
-            f"rl.off_policy_steps={rl.off_policy_steps} (async) needs rollout.sampler=vllm: "
-            f"the JAX sampler shares the trainer's process"
-        )
-    if cfg.placement.trainer_processes > 1 and rollout.sampler != "vllm":
-        raise ConfigError(
-            f"placement.trainer_processes={cfg.placement.trainer_processes} (a trainer process group on Ray) needs "
-            f"rollout.sampler=vllm: the JAX sampler shares a single trainer process's devices"
-        )
-    if batch.pack_length and batch.pack_length < rollout.max_model_len:
-        raise ConfigError(
-            f"rl.batch.pack_length ({batch.pack_length}) < rollout.max_model_len "
-            f"({rollout.max_model_len}): a full-length sequence would not fit in a row"
-        )
-    if cfg.data.source is None:
-        raise ConfigError("data.source is not set: an on-policy method needs prompts")
-
-
-def check_graded_groups(cfg: PostTrainConfig, why: str) -> None:
-    """What a method that grades groups of samples needs (GRPO, online DPO): reward functions, and at least two
-    samples a prompt (`why` says what the method does with them and ends with its subject, "it")."""
-    if cfg.rl.batch.num_generations < 2:
-        raise ConfigError(f"{why} needs rl.batch.num_generations >= 2, not {cfg.rl.batch.num_generations}")
-    if not cfg.reward.functions:
-        raise ConfigError(f"{why} needs reward.functions (at least one reward function to score completions)")
+__all__ = ["OnPolicyRun", "RunSummary", "Scored", "StepData", "run_to_end"]
 
 
 class OnPolicyRun(Loop):
@@ -225,7 +134,8 @@ class OnPolicyRun(Loop):
                 flush=True,
             )
         self._saved = start_step if restored is not None else None
-        self.samplers = self._start_samplers()
+        self.init_hf = run_dir / "rollout_init_hf"  # what vLLM engines start from
+        self.samplers = start_samplers(cfg, self.trainer, self.placement, self.init_hf, self.tokenizer_dir, self._push)
         super().__init__(cfg, run_dir, start_step)
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
@@ -241,14 +151,7 @@ class OnPolicyRun(Loop):
 
     def check_tokenizer(self, tokenizer_dir: str) -> None:
         """Raise `ConfigError` for a tokenizer this method cannot run with (before Ray or an engine starts)."""
-        if self.cfg.rl.use_chat_template:
-            from core.data import load_tokenizer
-
-            if not load_tokenizer(tokenizer_dir).chat_template:
-                raise ConfigError(
-                    f"rl.use_chat_template=true, but the tokenizer in {tokenizer_dir} has no chat template: set "
-                    f"rl.use_chat_template=false (prompts are rl.prompt_template as it is) or use a tokenizer with one"
-                )
+        check_tokenizer_template(tokenizer_dir, self.cfg.rl.use_chat_template)
 
     def tokenizer_texts(self, rows: list[dict]) -> Iterable[str]:
         """The text a tokenizer is trained on when the run has none: every string field of the prompt rows."""
@@ -262,51 +165,7 @@ class OnPolicyRun(Loop):
     def _prepare(self, scored: Scored) -> StepData:
         raise NotImplementedError  # each method's
 
-    # ---------------------------------------------------------------- set-up
-
-    def _start_samplers(self) -> SamplerGroup:
-        cfg = self.cfg
-        if cfg.rollout.sampler == "jax":
-            group = SamplerGroup([self._jax_sampler()])
-        else:
-            self.init_hf = Path(self.trainer.sampler_start(str(self.run_dir / "rollout_init_hf"), self.tokenizer_dir))
-            lora = ModelConfig.model_validate(self.trainer.model_config()).lora
-            adapter = lora if lora is not None and cfg.rollout.lora_sync == "adapters" else None
-            k = cfg.rollout.rollout_data_parallelism
-            group = SamplerGroup(
-                [start_vllm_sampler(cfg, str(self.init_hf), i, self.placement, adapter) for i in range(k)],
-                restart=lambda i: start_vllm_sampler(cfg, str(self.init_hf), i, self.placement, adapter),
-            )
-        group.sync(self._push)
-        return group
-
-    def _jax_sampler(self):
-        import jax
-
-        from core.config import MeshConfig
-        from core.mesh import make_mesh, split_devices
-        from core.models import create_model
-        from rollout.jax_sampler import JaxSampler
-
-        local = self.trainer.local()  # single controller: the trainer lives in this process
-        mesh_cfg = self.cfg.mesh
-        _, sampler_devices = split_devices(
-            jax.devices(), mesh_cfg.trainer_devices_fraction, mesh_cfg.sampler_devices_fraction
-        )
-        mesh = make_mesh(MeshConfig(fsdp=1, tensor=-1), sampler_devices) if sampler_devices else local.mesh
-        with jax.set_mesh(mesh):
-            model = create_model(local.cfg.model, mesh, seed=0)  # placeholder weights, replaced by the first sync
-        sampler = JaxSampler(
-            model, self.tokenizer_dir, mesh=mesh, max_model_len=self.cfg.rollout.max_model_len, seed=self.cfg.run.seed
-        )
-        if local.cfg.model.lora is not None:  # the base, once: later syncs move the adapters alone
-            from flax import nnx
-
-            from rollout.weight_sync import reshard_to_jax_sampler
-
-            policy = local.learner.model()
-            reshard_to_jax_sampler(nnx.state(policy), sampler, self.cfg.rollout.reshard_chunk_bytes)
-        return sampler
+    # ---------------------------------------------------------------- weights
 
     def _push(self, sampler: Sampler) -> SyncStats:
         """The trainer's current weights and policy version into one sampler."""
@@ -394,22 +253,14 @@ class OnPolicyRun(Loop):
         trained = self.trainer.train(batch) if batch is not None else None
         train_s = time.perf_counter() - t2
         sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
-        metrics = self._step_metrics(data.scored, staleness)
+        times = StepTimes(gen_s, reward_s, train_s, sync_s, sync_bytes, step_s=time.perf_counter() - t0)
+        metrics = scored_metrics(data.scored, staleness)
         metrics.update(data.metrics)
         if trained is not None:
             metrics.update(trained.metrics)
-        step_s = time.perf_counter() - t0
-        tokens = sum(len(c.token_ids) for c in data.scored.completions)
+        metrics.update(times.metrics(tokens=sum(len(c.token_ids) for c in data.scored.completions)))
         metrics.update(
             {
-                "time/generate_s": gen_s,
-                "time/reward_s": reward_s,
-                "time/train_s": train_s,
-                "time/sync_s": sync_s,
-                "sync/bytes": float(sync_bytes),
-                "time/step_s": step_s,
-                "generate_tokens_per_s": tokens / max(gen_s, 1e-9),
-                "tokens_per_s": tokens / max(step_s, 1e-9),
                 "policy_version": float(self.samplers.policy_versions[0]),
                 "sampler_restarts": float(self.samplers.restarts),
                 "sampler_redone_prompts": float(self.samplers.redone_prompts),
@@ -418,7 +269,7 @@ class OnPolicyRun(Loop):
         if batch is not None:
             metrics.update({"pack/rows": float(batch.packed.rows), "pack/fill": batch.packed.fill()})
         method = " | ".join(part for part in (data.line, trained.line if trained else "") if part)
-        self._last_line = self._line(step, metrics, method)
+        self._last_line = step_line(step, metrics, method)
         self._last_metrics = metrics
         self.metrics.log(step, metrics, console=False)  # every step's metrics are kept
 
@@ -457,33 +308,6 @@ class OnPolicyRun(Loop):
     def close_logs(self) -> None:
         self.metrics.close()
 
-    def _step_metrics(self, scored: Scored, staleness: int) -> dict:
-        completions = scored.completions
-        lengths = np.array([len(c.token_ids) for c in completions], float)
-        out = scored.rewards.metrics() if scored.rewards is not None else {}
-        if scored.correct is not None:
-            out["accuracy"] = float(np.nan_to_num(scored.correct > 0).mean())
-        out.update(
-            {
-                "completion_length/mean": float(lengths.mean()),
-                "completion_length/max": float(lengths.max()),
-                "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-                "staleness_max": float(staleness),
-            }
-        )
-        return out
-
-    def _line(self, step: int, m: dict, method: str) -> str:
-        failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
-        reward = f"reward {m['reward/mean']:.3f} | " if "reward/mean" in m else ""
-        accuracy = f"acc {m['accuracy']:.3f} | " if "accuracy" in m else ""
-        return (
-            f"step {step} | {reward}{accuracy}"
-            f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-            f"{method}{failed} | "
-            f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
-        )
-
     # ------------------------------------------------------------- evaluation
 
     def evaluate(self, step: int | None = None) -> dict:
@@ -511,15 +335,7 @@ class OnPolicyRun(Loop):
             )
             > 0
         ).reshape(-1, k)
-        answers = [final_answer(c.text) for c in sampled]
-        result = {
-            "eval/pass@1": float(ok_greedy.mean()),
-            f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in ok_sampled])),
-            "eval/sampled_pass@1": float(ok_sampled.mean()),
-            f"eval/maj@{k}": float(
-                np.mean([majority_correct(answers[i * k : (i + 1) * k], ok_sampled[i]) for i in range(len(rows))])
-            ),
-        }
+        result = eval_metrics(ok_greedy, ok_sampled, [final_answer(c.text) for c in sampled])
         if step is not None:
             self.metrics.log(step, result, console=False)
             print(
@@ -541,22 +357,7 @@ class OnPolicyRun(Loop):
             steps.append(("placement groups", self.placement.remove))
             steps.append(("trainer actors", self.trainer.kill))
 
-        def release():
-            for what, action in steps:
-                try:
-                    action()
-                except Exception as e:
-                    print(f"closing {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
-
-        worker = threading.Thread(target=release, name="temper-close", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            print(
-                f"closing: Ray did not answer within {timeout_s:.0f} s (is the cluster gone?); leaving the rest "
-                f"of the clean-up to Ray",
-                flush=True,
-            )
+        release(steps, timeout_s)
 
 
 def run_to_end(run: OnPolicyRun) -> RunSummary:

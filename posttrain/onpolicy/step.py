@@ -1,0 +1,110 @@
+"""What one on-policy step carries and what it reports: the request in flight, the scored completions, the method's
+batch, the step's timings, its metrics and its console line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.batch import TrainBatch
+from posttrain.onpolicy.prompts import PromptBatch
+from rewards.runner import RewardBatch
+from rollout.group import Pending
+from rollout.sampler import Completion
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int
+    policy_version: int
+    final_eval: dict | None
+    hf_dir: Path | None
+
+
+@dataclass
+class InFlight:
+    """A generation request: its prompts, and the completions (once collected) or the pending handle."""
+
+    prompts: PromptBatch
+    result: Pending | list[Completion]
+
+
+@dataclass
+class Scored:
+    """A step's completions and what was made of them: rewards (None when the method has no reward functions) and
+    correctness by `rl.accuracy_fn` (None without one)."""
+
+    rows: list[dict]
+    completions: list[Completion]
+    rewards: RewardBatch | None
+    correct: np.ndarray | None
+
+
+@dataclass
+class StepData:
+    """What a method made of one step's scored completions: the trainer's batch, the completions and rewards the
+    step's metrics describe, and the method's own metrics."""
+
+    batch: TrainBatch | None  # None: nothing to learn from this step (no update)
+    scored: Scored
+    metrics: dict[str, float]
+    line: str = ""  # the method's part of the step's console line
+
+
+@dataclass
+class StepTimes:
+    """Where one step's time went (seconds) and what its weight sync sent."""
+
+    generate_s: float
+    reward_s: float
+    train_s: float
+    sync_s: float
+    sync_bytes: int
+    step_s: float
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        """The step's times, the bytes synced, and the generated `tokens` per second of generation and of step."""
+        return {
+            "time/generate_s": self.generate_s,
+            "time/reward_s": self.reward_s,
+            "time/train_s": self.train_s,
+            "time/sync_s": self.sync_s,
+            "sync/bytes": float(self.sync_bytes),
+            "time/step_s": self.step_s,
+            "generate_tokens_per_s": tokens / max(self.generate_s, 1e-9),
+            "tokens_per_s": tokens / max(self.step_s, 1e-9),
+        }
+
+
+def scored_metrics(scored: Scored, staleness: int) -> dict[str, float]:
+    """Rewards (mean, std, per function, failed groups), accuracy, completion lengths, truncation and staleness."""
+    completions = scored.completions
+    lengths = np.array([len(c.token_ids) for c in completions], float)
+    out = scored.rewards.metrics() if scored.rewards is not None else {}
+    if scored.correct is not None:
+        out["accuracy"] = float(np.nan_to_num(scored.correct > 0).mean())
+    out.update(
+        {
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
+            "staleness_max": float(staleness),
+        }
+    )
+    return out
+
+
+def step_line(step: int, m: dict[str, float], method: str) -> str:
+    """The step's console line from its metrics `m` and the method's part of it."""
+    failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
+    reward = f"reward {m['reward/mean']:.3f} | " if "reward/mean" in m else ""
+    accuracy = f"acc {m['accuracy']:.3f} | " if "accuracy" in m else ""
+    return (
+        f"step {step} | {reward}{accuracy}"
+        f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
+        f"{method}{failed} | "
+        f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
+    )
