@@ -47,9 +47,16 @@ _PROBE_USER, _PROBE_REPLY = "Probe question 7?", "Probe reply 7."
 _closers_cache: dict[tuple, tuple[tuple[str, ...], frozenset[str]]] = {}
 
 
-def _render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any, messages: Sequence[dict], generation_prompt: bool, tools: Sequence[dict] | None = None
+) -> str:
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
     except Exception as err:  # jinja's TemplateError, the template's raise_exception(...), an undefined field
         reason = str(err).splitlines()[0] if str(err) else ""
         raise ChatTemplateError(f"the chat template cannot render it ({type(err).__name__}: {reason})") from None
@@ -225,10 +232,41 @@ def render_chat(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], li
     return ids, targets
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """The conversation rendered with a generation prompt, tokenized as a sampler does: what the model is given
-    to continue with an assistant turn."""
-    return _encode(tokenizer, _render(tokenizer, messages, True))[0]
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    """The conversation rendered with a generation prompt (and the JSON schemas of the `tools` it offers, as the
+    template renders them), tokenized as a sampler does: what the model is given to continue with an assistant
+    turn."""
+    return _encode(tokenizer, _render(tokenizer, messages, True, tools))[0]
+
+
+def continuation_ids(
+    tokenizer: Any, messages: Sequence[dict], stop_token: str, tools: Sequence[dict] | None = None
+) -> list[int]:
+    """The tokens the template puts after an assistant turn that ended on `stop_token` (the token the sampler
+    stopped on, which the trajectory already holds) when `messages` (tool results, an environment's user turn)
+    follow it, through the generation prompt of the next assistant turn.
+
+    Token-in / token-out: a multi-turn trajectory is extended by these tokens and never rendered again, so the
+    model's own tokens are never decoded and re-encoded, and templates that rewrite the history (Qwen3 drops
+    earlier think blocks) do not change what was sampled. They come from a probe conversation rendered without
+    and with `messages`: what follows the probe reply's `stop_token` in the second rendering. A template that
+    does not close an assistant turn with `stop_token`, or cannot render the messages, is a `ChatTemplateError`
+    naming it."""
+    user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
+    roles = ", ".join(repr(m.get("role")) for m in messages)
+    try:
+        after = _render(tokenizer, [user, reply, *messages], True, tools)
+    except ChatTemplateError as err:
+        raise ChatTemplateError(f"messages ({roles}) after an assistant turn: {err}") from None
+    at = after.find(_PROBE_REPLY)
+    close = after.find(stop_token, at + len(_PROBE_REPLY)) if at >= 0 else -1
+    if close < 0:
+        raise ChatTemplateError(
+            f"the chat template does not close an assistant turn with {stop_token!r} (the token generation stopped "
+            f"on), so what follows that turn cannot be appended to it; set the tokenizer's EOS to the token the "
+            f"template ends an assistant turn with"
+        )
+    return _encode(tokenizer, after[close + len(stop_token) :])[0]
 
 
 def split_last_turn(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], list[int]]:

@@ -11,7 +11,7 @@ option may take are defined once, by the code that reads them (the loss modules'
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -76,6 +76,23 @@ class AdvantageConfig(Section):
     std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
 
 
+class AgentConfig(Section):
+    """`rl.agent`: multi-turn rollouts, the model taking turns with an environment (docs/agents.md).
+
+    The trajectory's budget is `rollout.max_model_len` (prompt and every turn), a turn's `rollout.max_tokens`."""
+
+    # The environment plugin: `tools` (built-in: the model calls `environment_kwargs.tools`), package.module:Class,
+    # path/to/file.py:Class, or an entry point of `temper.environments`.
+    environment: str = "tools"
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tool_parser: str = "hermes"  # vLLM's parser for the family's tool calls (hermes: Qwen2.5 / Qwen3)
+    max_turns: int = Field(4, gt=0)  # assistant turns a trajectory may take
+    env_timeout_s: float = Field(30.0, gt=0.0)  # the longest one reset or step may take
+    # Per-turn rewards from the environment, summed with this discount (1: a plain sum) and added to the reward
+    # functions' score of the final answer.
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+
+
 class RLConfig(Section):
     """The on-policy methods (GRPO / GSPO and their variants, online DPO): `rl.batch`, `rl.loss`, `rl.advantage`,
     and the prompts, async bound and evaluation here (docs/grpo.md).
@@ -96,6 +113,7 @@ class RLConfig(Section):
     accuracy_fn: str | None = "math_verify"
     eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
     eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
+    agent: AgentConfig | None = None  # multi-turn rollouts with an environment; None: one completion per sample
 
     @model_validator(mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from posttrain.onpolicy.policy_gradient import (
     PolicyGradientLearner,
     RLBatch,
     build_rl_batch,
+    completion_tokens,
     mini_batch,
     policy_update_learner,
     updates_per_step,
@@ -89,8 +90,7 @@ class GRPORun(OnPolicyRun):
         picks = [(0, i) for i in range(len(scored.rows)) if first[i]]  # (batch, group) in training order
         rounds = 1
         while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
-            request = self._submit(next(self.stream))
-            more = self._score(request.prompts.rows, self._collect(request))
+            more = self._score(self._submit(next(self.stream)))
             assert more.rewards is not None
             batches.append(more)
             ok = self._advantages(more.rewards).keep.reshape(-1, g)[:, 0]
@@ -103,11 +103,15 @@ class GRPORun(OnPolicyRun):
         correct = None
         if scored.correct is not None:
             correct = np.concatenate([src.correct[idx] for src, idx in items])  # type: ignore[index]
+        episodes = None
+        if scored.episodes is not None:  # multi-turn rollouts: the picked groups' episodes
+            episodes = [src.episodes[j] for src, idx in items for j in idx]  # type: ignore[index]
         kept = Scored(
             [batches[b].rows[i] for b, i in picks],
             [src.completions[j] for src, idx in items for j in idx],
             rewards,
             correct,
+            episodes,
         )
         return kept, self._advantages(rewards), rounds
 
@@ -131,7 +135,7 @@ def rl_batch(
         adv.values,
         adv.keep,
         row_len=row_len,
-        max_tokens=cfg.rollout.max_tokens,
+        max_tokens=completion_tokens(cfg),
         groups=rl.batch.mini_batches * cfg.train.micro_batches,
         row_multiple=row_multiple,
         pack=rl.batch.pack_sequences,

@@ -1,8 +1,14 @@
-"""A pool of reward worker processes that survives the reward functions it runs.
+"""A pool of worker processes that survives the user code it runs: reward functions, environments, tools.
 
     pool = WorkerPool(num_procs=2)
     values, errors = pool.run("math_verify", kwargs, prompts, completions, columns, timeout=10.0)
+    results = pool.call([Call("environment", "tools", {...}, "step", (state, turn)), ...], timeout=10.0)
     pool.close()
+
+`call` runs independent calls of a plugin's method (an environment's `reset` or `step`, built once per worker
+from its spec and keyword arguments) spread over the workers, each with its own deadline: a call that raises,
+overruns it (its worker is killed and replaced) or kills its worker comes back as a `CallResult` with an error
+message, the others with their values.
 
 The batch is cut into one contiguous shard per worker. A shard whose function
 raises, returns something other than one number per completion, overruns the
@@ -21,6 +27,7 @@ import multiprocessing as mp
 import signal
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -51,10 +58,31 @@ def _as_numbers(out: Any, n: int) -> tuple[list[float | None], str | None]:
     return values, first
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call of `method(*args)` on the plugin `spec` of `kind` (`rewards.registry.KINDS`), built as
+    `resolve(spec)(**kwargs)` once per worker."""
+
+    kind: str
+    spec: str
+    kwargs: Mapping[str, Any]
+    method: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class CallResult:
+    value: Any = None
+    error: str | None = None  # why there is no value: the call raised, timed out or killed its worker
+
+
 def _worker_main(conn) -> None:
+    import json
+
     from rewards.registry import resolve
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    built: dict[tuple, Any] = {}  # the plugins this worker built, by (kind, spec, kwargs)
     while True:
         try:
             task = conn.recv()
@@ -62,6 +90,19 @@ def _worker_main(conn) -> None:
             return
         if task is None:
             return
+        if isinstance(task, Call):
+            try:
+                key = (task.kind, task.spec, json.dumps(task.kwargs, sort_keys=True, default=repr))
+                if key not in built:
+                    built[key] = resolve(task.spec, task.kind)(**task.kwargs)
+                reply: tuple = ("ok", getattr(built[key], task.method)(*task.args), None)
+            except BaseException as e:
+                reply = ("error", None, f"{type(e).__name__}: {e}")
+            try:
+                conn.send(reply)
+            except Exception as e:  # a value that does not pickle
+                conn.send(("error", None, f"{task.method} returned what cannot be sent back: {type(e).__name__}: {e}"))
+            continue
         spec, kwargs, prompts, completions, columns = task
         try:
             out = resolve(spec)(prompts, completions, **{**columns, **kwargs})
@@ -147,6 +188,51 @@ class WorkerPool:
                 if message is not None:
                     errors.append(f"items {lo}-{hi - 1}: {message}")
         return values, errors
+
+    def call(self, calls: Sequence[Call], timeout: float) -> list[CallResult]:
+        """Each call's result, in order; calls run on the workers as they come free, each with `timeout` seconds
+        from when it starts."""
+        results: list[CallResult | None] = [None] * len(calls)
+        queue = list(range(len(calls)))[::-1]
+        idle = list(self._workers)
+        running: dict[Any, tuple[_Worker, int, float]] = {}  # conn -> (worker, call index, deadline)
+        while queue or running:
+            while queue and idle:
+                worker, i = idle.pop(), queue.pop()
+                try:
+                    worker.conn.send(calls[i])
+                    running[worker.conn] = (worker, i, time.monotonic() + timeout)
+                except (BrokenPipeError, OSError):  # died between calls: replaced, the call goes back in line
+                    idle.append(self._fresh(worker))
+                    queue.append(i)
+            if not running:
+                continue
+            first_deadline = min(d for _, _, d in running.values())
+            ready = wait(list(running), timeout=max(0.0, first_deadline - time.monotonic()))
+            for conn in ready:
+                worker, i, _ = running.pop(conn)
+                try:
+                    status, value, message = worker.conn.recv()
+                    results[i] = CallResult(value if status == "ok" else None, message)
+                    idle.append(worker)
+                except (EOFError, OSError):
+                    worker.process.join(timeout=5)
+                    code = worker.process.exitcode
+                    results[i] = CallResult(error=f"its worker died (exit code {code})")
+                    idle.append(self._fresh(worker))
+            now = time.monotonic()
+            for conn, (worker, i, deadline) in list(running.items()):
+                if deadline <= now:
+                    del running[conn]
+                    results[i] = CallResult(error=f"timed out after {timeout:g} s")
+                    idle.append(self._fresh(worker))
+        return [r if r is not None else CallResult(error="not run") for r in results]
+
+    def _fresh(self, worker: _Worker) -> _Worker:
+        """A new worker in `worker`'s place (killed first)."""
+        at = self._workers.index(worker)
+        self._replace(worker, "")
+        return self._workers[at]
 
     def _replace(self, worker: _Worker, message: str) -> str:
         worker.kill()

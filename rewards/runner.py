@@ -72,6 +72,22 @@ class RewardBatch:
             errors,
         )
 
+    def plus(self, name: str, values: np.ndarray, failed: np.ndarray, errors: Sequence[str] = ()) -> RewardBatch:
+        """This batch with another named reward added to the total (an environment's, per item); an item it
+        failed on is NaN, as a failed function's (no value stands in for a failure)."""
+        values = np.where(failed, np.float32(np.nan), np.asarray(values, np.float32))
+        return RewardBatch(
+            self.total + values,
+            {**self.values, name: values},
+            {**self.failed, name: np.asarray(failed, bool)},
+            {**self.errors, **({name: list(errors)} if len(errors) else {})},
+        )
+
+    @staticmethod
+    def empty(n: int) -> RewardBatch:
+        """A batch of `n` items and no functions (total 0), for rewards to be added with `plus`."""
+        return RewardBatch(np.zeros(n, np.float32), {}, {})
+
     def metrics(self) -> dict[str, float]:
         """Means and stds over the items that were scored (failed ones excluded), failure rates over all."""
         out = {

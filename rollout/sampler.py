@@ -65,6 +65,9 @@ class Completion:
     text: str
     policy_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per token of token_ids: sampled by the model (True) or written by an environment (False: context, no loss);
+    # None: every token was sampled (a single-turn completion).
+    sampled: list[bool] | None = None
 
 
 def sample_seed(*keys: int) -> int:

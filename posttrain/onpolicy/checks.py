@@ -43,7 +43,7 @@ def check_graded_groups(cfg: PostTrainConfig, why: str) -> None:
     samples a prompt (`why` says what the method does with them and ends with its subject, "it")."""
     if cfg.rl.batch.num_generations < 2:
         raise ConfigError(f"{why} needs rl.batch.num_generations >= 2, not {cfg.rl.batch.num_generations}")
-    if not cfg.reward.functions:
+    if not cfg.reward.functions and cfg.rl.agent is None:  # an environment's rewards are rewards too
         raise ConfigError(f"{why} needs reward.functions (at least one reward function to score completions)")
 
 

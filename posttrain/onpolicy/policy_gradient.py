@@ -12,7 +12,8 @@ completions per prompt, so this trains on each prompt token once instead of once
 the prompt's hidden states do not depend on what follows). Per completion token `[B, C]`:
 
     packed.target_*   the completion's tokens, and where each is predicted
-    loss_mask         1 where token j's policy term counts (its group has signal; DAPO's mask_truncated)
+    loss_mask         1 where token j's policy term counts: the model sampled it (not an environment), its group
+                      has signal (DAPO's mask_truncated)
     kl_mask           1 where token j's KL term counts (`kl_keep`)
     sampler_logp      the sampler's log-prob of token j
     advantages        token j's advantage: a completion's one value broadcast over its tokens (GRPO), or a value
@@ -134,6 +135,14 @@ def build_rl_batch(
             for branch, i in enumerate(members, start=1):
                 targets[i] = branch_targets(rows, g, s, branch)
     packed = packed_batch(rows, targets, max_tokens)
+    # An environment's tokens in a multi-turn trajectory (`Completion.sampled`) are context: not targets at all, so
+    # the head never scores them and no loss, KL, entropy or mismatch figure reads them.
+    mask = np.asarray(packed.target_mask)
+    for i, c in enumerate(completions):
+        if c.sampled is not None:
+            if len(c.sampled) != len(c.token_ids):
+                raise ValueError(f"completion {i}: {len(c.sampled)} sampled flags for its {len(c.token_ids)} tokens")
+            mask[i, : len(c.sampled)] *= np.asarray(c.sampled, mask.dtype)
     loss_mask = np.zeros((b, max_tokens), np.float32)
     kl_mask = np.zeros((b, max_tokens), np.float32)
     sampler_logp = np.zeros((b, max_tokens), np.float32)
@@ -150,13 +159,20 @@ def build_rl_batch(
             token_adv[i, :n] = values
         if c.logprobs is not None:
             sampler_logp[i, :n] = c.logprobs
+        own = mask[i, :n]  # the model's own tokens (an environment's are context)
         if bool(keep[i]) and not (mask_truncated and c.finish_reason == "length"):
-            loss_mask[i, :n] = 1.0
-        kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i]))
+            loss_mask[i, :n] = own
+        kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i])) * own
     return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
 
 
 # ------------------------------------------------------------------ the objective
+
+
+def completion_tokens(cfg: PostTrainConfig) -> int:
+    """The most tokens a completion holds: `rollout.max_tokens`; in multi-turn rollouts (`rl.agent`) every token
+    after the prompt, the model's and the environment's (`rollout.max_model_len` bounds them)."""
+    return cfg.rollout.max_model_len if cfg.rl.agent is not None else cfg.rollout.max_tokens
 
 
 def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
@@ -170,7 +186,7 @@ def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
         beta=loss.beta,
         kl_estimator=loss.kl_estimator,
         loss_agg=loss.loss_agg,
-        max_tokens=cfg.rollout.max_tokens,
+        max_tokens=completion_tokens(cfg),
     )
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -60,6 +60,7 @@ from core.packing import round_rows
 from core.shapes import SizeCache
 from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_config, check_staleness, check_tokenizer_template
 from posttrain.onpolicy.evaluation import eval_metrics
 from posttrain.onpolicy.learner import LearnerFactory
@@ -71,7 +72,7 @@ from rewards.extract import final_answer
 from rewards.runner import RewardRunner
 from rollout.group import Pending
 from rollout.placement import Placement, reserve
-from rollout.sampler import Completion, Sampler, SamplingParams, sample_seed
+from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
 from rollout.weight_sync import SyncStats
 
 __all__ = ["OnPolicyRun", "RunSummary", "Scored", "StepData", "run_to_end"]
@@ -104,6 +105,8 @@ class OnPolicyRun(Loop):
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
         self.rewards = RewardRunner(cfg.reward)
+        # Multi-turn rollouts: the environment, tool parser and template are checked here, before Ray starts.
+        self.agent = AgentRollouts(cfg, self.tokenizer_dir, self.rewards.pool) if rl.agent is not None else None
         self.placement: Placement | None = None
         if rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
@@ -198,10 +201,15 @@ class OnPolicyRun(Loop):
         # sampler derives one per prompt and sample from it): a restarted run draws what an uninterrupted one would.
         self._requests += 1
         seed = sample_seed(self.cfg.run.seed, self._requests)
+        params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
+        if self.agent is not None:  # episodes run to their end here (sync mode)
+            completions, episodes = self.agent.run(prompts.rows, params, self._generate)
+            return InFlight(prompts, completions, episodes)
         rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
-        return InFlight(
-            prompts, self.samplers.submit(rendered, self.sampling_params(self.cfg.rl.batch.num_generations, seed))
-        )
+        return InFlight(prompts, self.samplers.submit(rendered, params))
+
+    def _generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self.samplers.collect(self.samplers.submit(prompts, params), self._push)
 
     def _collect(self, request: InFlight) -> list[Completion]:
         if not isinstance(request.result, Pending):
@@ -209,9 +217,10 @@ class OnPolicyRun(Loop):
         request.result = self.samplers.collect(request.result, self._push)
         return request.result
 
-    def _score(self, rows: list[dict], completions: list[Completion]) -> Scored:
-        """The completions' rewards (none without reward functions) and correctness (none without an accuracy
-        function)."""
+    def _score(self, request: InFlight) -> Scored:
+        """A collected request's rewards (none without reward functions or an environment's) and correctness
+        (none without an accuracy function)."""
+        rows, completions = request.prompts.rows, self._collect(request)
         g = self.cfg.rl.batch.num_generations
         prompts = [prompt_text(r, self.cfg.rl) for r in rows for _ in range(g)]
         texts = [c.text for c in completions]
@@ -222,7 +231,9 @@ class OnPolicyRun(Loop):
         correct = None
         if self.cfg.rl.accuracy_fn is not None:
             correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=rewards)
-        return Scored(rows, completions, rewards, correct)
+        if request.episodes is not None and self.agent is not None:
+            rewards = self.agent.rewards(request.episodes, rewards)
+        return Scored(rows, completions, rewards, correct, request.episodes)
 
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
@@ -242,11 +253,11 @@ class OnPolicyRun(Loop):
         while len(self._in_flight) < 1 + rl.off_policy_steps:
             self._in_flight.append(self._submit(next(self.stream)))
         request = self._in_flight.popleft()
-        rows, completions = request.prompts.rows, self._collect(request)
+        completions = self._collect(request)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
-        data = self._prepare(self._score(rows, completions))
+        data = self._prepare(self._score(request))
         batch = data.batch
         reward_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -319,14 +330,15 @@ class OnPolicyRun(Loop):
             if step is not None:
                 self.final_eval = {}
             return {}
-        prompts = [render_prompt(r, rl) for r in rows]
-        greedy = self.samplers.collect(
-            self.samplers.submit(prompts, self.sampling_params(1, 0, temperature=0.0)), self._push
-        )
         k = rl.eval_samples
-        sampled = self.samplers.collect(
-            self.samplers.submit(prompts, self.sampling_params(k, self.cfg.run.seed)), self._push
-        )
+        greedy_params = self.sampling_params(1, 0, temperature=0.0)
+        sampled_params = self.sampling_params(k, self.cfg.run.seed)
+        if self.agent is not None:  # whole episodes, scored on their final answers
+            greedy = self.agent.run(rows, greedy_params, self._generate)[0]
+            sampled = self.agent.run(rows, sampled_params, self._generate)[0]
+        else:
+            prompts = [render_prompt(r, rl) for r in rows]
+            greedy, sampled = self._generate(prompts, greedy_params), self._generate(prompts, sampled_params)
         texts = [prompt_text(r, rl) for r in rows]
         ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
         ok_sampled = (

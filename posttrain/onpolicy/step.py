@@ -11,6 +11,7 @@ import numpy as np
 from core.batch import TrainBatch
 from posttrain.onpolicy.prompts import PromptBatch
 from rewards.runner import RewardBatch
+from rollout.episodes import Episode
 from rollout.group import Pending
 from rollout.sampler import Completion
 
@@ -30,6 +31,7 @@ class InFlight:
 
     prompts: PromptBatch
     result: Pending | list[Completion]
+    episodes: list[Episode] | None = None  # multi-turn rollouts (`rl.agent`): the episodes the completions are
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Scored:
     completions: list[Completion]
     rewards: RewardBatch | None
     correct: np.ndarray | None
+    episodes: list[Episode] | None = None  # multi-turn rollouts: one per completion
 
 
 @dataclass
@@ -86,6 +89,10 @@ def scored_metrics(scored: Scored, staleness: int) -> dict[str, float]:
     out = scored.rewards.metrics() if scored.rewards is not None else {}
     if scored.correct is not None:
         out["accuracy"] = float(np.nan_to_num(scored.correct > 0).mean())
+    if scored.episodes is not None:
+        from posttrain.onpolicy.agent import episode_metrics
+
+        out.update(episode_metrics(scored.episodes))
     out.update(
         {
             "completion_length/mean": float(lengths.mean()),

@@ -1,0 +1,102 @@
+"""Multi-turn rollouts in the on-policy run (`rl.agent`): episodes in place of single completions, for any method.
+
+    agent = AgentRollouts(cfg, tokenizer_dir, pool)       # checks the environment, parser and template at start
+    completions, episodes = agent.run(rows, params, generate)
+    rewards = agent.rewards(episodes, rewards)            # the environment's rewards added to the functions'
+
+Each row is `rl.batch.num_generations` episodes (`rollout.episodes.run_episodes`), each a `Completion` whose
+environment tokens are not sampled (`Completion.sampled`), so every method's batch trains on the model's tokens
+only. The row the environment gets carries the formatted `rl.prompt_template` as `prompt`.
+
+Rewards: an episode's reward is the reward functions' score of its final answer (when `reward.functions` are
+set) plus the environment's per-turn rewards, summed with `rl.agent.discount` (as the `environment` reward in
+the metrics); an episode whose environment failed counts as a failed reward (its group is dropped).
+
+Checked at start, before Ray or an engine starts: the environment imports and builds, vLLM has the tool parser,
+and the chat template renders a tool reply after an assistant turn (a family whose template cannot is named).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from core.chat import ChatTemplateError, continuation_ids
+from core.config_loader import ConfigError
+from core.data import load_tokenizer
+from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.prompts import prompt_text
+from rewards.pool import WorkerPool
+from rewards.runner import RewardBatch
+from rollout.environment import EnvironmentRunner
+from rollout.episodes import Episode, EpisodeLimits, Generate, run_episodes
+from rollout.sampler import Completion, SamplingParams
+from rollout.tool_parsing import ToolCallParser
+
+
+class AgentRollouts:
+    def __init__(self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool):
+        agent = cfg.rl.agent
+        assert agent is not None
+        self.cfg, self.agent = cfg, agent
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.env = EnvironmentRunner(agent.environment, agent.environment_kwargs, pool, agent.env_timeout_s)
+        self.limits = EpisodeLimits(agent.max_turns, cfg.rollout.max_tokens, cfg.rollout.max_model_len)
+        self.check()
+
+    def check(self) -> None:
+        where = f"rl.agent.environment={self.agent.environment!r}"
+        try:
+            self.env.check()
+        except Exception as err:
+            raise ConfigError(f"{where} cannot be built: {type(err).__name__}: {err}") from None
+        try:
+            ToolCallParser(self.agent.tool_parser, self.tokenizer)
+        except ValueError as err:
+            raise ConfigError(f"rl.agent.tool_parser: {err}") from None
+        if self.cfg.rl.off_policy_steps:
+            raise ConfigError("rl.agent with rl.off_policy_steps > 0 (async multi-turn rollouts) is not built yet")
+        eos = self.tokenizer.eos_token
+        try:
+            continuation_ids(self.tokenizer, [{"role": "tool", "name": "probe", "content": "42"}], eos or "")
+        except ChatTemplateError as err:
+            template = getattr(self.tokenizer, "name_or_path", "the tokenizer")
+            raise ConfigError(
+                f"rl.agent: the chat template of {template} cannot continue with a tool reply: {err}"
+            ) from None
+
+    def run(
+        self, rows: Sequence[dict], params: SamplingParams, generate: Generate
+    ) -> tuple[list[Completion], list[Episode]]:
+        """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt)."""
+        starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
+        episodes = run_episodes(generate, self.env, self.tokenizer, starts, self.limits, params, self.agent.tool_parser)
+        return [e.completion() for e in episodes], episodes
+
+    def rewards(self, episodes: Sequence[Episode], scored: RewardBatch | None) -> RewardBatch:
+        """The environment's discounted per-turn rewards added to the functions' scores (or alone)."""
+        gamma = self.agent.discount
+        values = np.array([sum(r * gamma**t for t, r in enumerate(e.rewards)) for e in episodes], np.float32)
+        failed = np.array([e.finish == "failed" for e in episodes])
+        errors = [e.error for e in episodes if e.error]
+        base = scored if scored is not None else RewardBatch.empty(len(episodes))
+        return base.plus("environment", values, failed, errors[:1])
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Turns, tool calls and errors per trajectory, truncated and failed shares, environment time, and the tokens
+    each source wrote (the model's, the environment's) per trajectory."""
+    n = max(1, len(episodes))
+    model = sum(sum(e.sampled) for e in episodes)
+    tokens = sum(len(e.sampled) for e in episodes)
+    return {
+        "agent/turns": sum(e.turns for e in episodes) / n,
+        "agent/tool_calls": sum(e.tool_calls for e in episodes) / n,
+        "agent/tool_errors": sum(e.tool_errors for e in episodes) / n,
+        "agent/truncated": sum(e.finish in ("length", "turns") for e in episodes) / n,
+        "agent/failed": sum(e.finish == "failed" for e in episodes) / n,
+        "agent/env_s": sum(e.env_seconds for e in episodes),
+        "agent/model_tokens": model / n,
+        "agent/env_tokens": (tokens - model) / n,
+    }

@@ -1,0 +1,301 @@
+"""Multi-turn rollouts, part by part: tools and their schemas, vLLM's tool parsers, the worker pool's calls, the
+environment runner's checks, the tokens a template appends after a turn, episodes' limits and the batch's mask."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from core.chat import ChatTemplateError, chat_prompt_ids, continuation_ids
+from rewards.pool import Call, WorkerPool
+from rollout.calculator import calculator
+from rollout.environment import EnvFailure, Environment, EnvironmentRunner, EnvReply, EnvStart
+from rollout.episodes import EpisodeLimits, run_episodes
+from rollout.sampler import Completion, SamplingParams
+from rollout.tool_parsing import ParsedTurn, ToolCallParser
+from rollout.tools import ToolCall, call_tool, check_arguments, tool_schema
+from tests.test_chat import make_tokenizer
+
+# ---------------------------------------------------------------------------------------------------- tools
+
+
+def power(base: int, exponent: int = 2, note: str = "") -> int:
+    """Raise a number to a power.
+
+    Args:
+        base: The number.
+        exponent: The power.
+        note: Ignored.
+    """
+    return base**exponent
+
+
+def test_a_tools_schema_is_transformers_own_and_calls_are_checked_against_it():
+    schema = tool_schema(power)
+    from transformers.utils import get_json_schema
+
+    assert schema == get_json_schema(power) and schema["function"]["parameters"]["required"] == ["base"]
+    assert check_arguments(schema, '{"base": 3}') == {"base": 3}
+    bad = {
+        '{"exponent": 2}': "missing required argument",
+        '{"base": 3, "root": 2}': "unknown argument.*root",
+        '{"base": "3"}': "'base' must be integer",
+        '{"base": true}': "'base' must be integer",
+        '{"base": 3.5}': "'base' must be integer",
+        "[3]": "must be a JSON object",
+        '{"base": 3': "not valid JSON",
+    }
+    for arguments, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_arguments(schema, arguments)
+
+
+def slow(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def odd() -> object:
+    """Return something that is not JSON."""
+    return object()
+
+
+def test_every_failure_of_a_call_is_a_reply_the_model_reads():
+    cases = [
+        (None, ToolCall("nope", "{}"), "unknown_tool", "no tool named 'nope'"),
+        (power, ToolCall("power", '{"base": "x"}'), "bad_arguments", "bad call to power"),
+        (power, ToolCall("power", '{"base": 10, "exponent": 100000000}'), None, None),
+        (slow, ToolCall("slow", '{"seconds": 5}'), "timeout", "did not finish within 0.2 s"),
+        (odd, ToolCall("odd", "{}"), "bad_result", "not text or JSON"),
+        (calculator, ToolCall("calculator", '{"expression": "__import__(\\"os\\")"}'), "raised", "unsupported"),
+    ]
+    for fn, call, error, message in cases[:2] + cases[3:]:
+        reply = call_tool(fn, None if fn is None else tool_schema(fn), call, timeout_s=0.2)
+        assert reply.error == error and message in reply.content, (call, reply)
+    t0 = time.monotonic()
+    reply = call_tool(slow, tool_schema(slow), ToolCall("slow", '{"seconds": 5}'), timeout_s=0.2)
+    assert reply.error == "timeout" and time.monotonic() - t0 < 2
+    assert call_tool(power, tool_schema(power), ToolCall("power", '{"base": 3}')).content == "9"
+
+
+def test_the_calculator_computes_and_refuses_what_is_not_arithmetic():
+    assert calculator("(12 + 7) * 3") == "57" and calculator("7 / 2") == "3.5" and calculator("2 ** 10") == "1024"
+    for expression in ("os.system('x')", "[1] * 9", "2 ** 99999", "a + 1"):
+        with pytest.raises(ValueError):
+            calculator(expression)
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("family,parser", [("qwen2_5", "hermes"), ("llama3_1", "llama3_json")])
+def test_vllms_parsers_read_calls_and_a_malformed_call_is_named(tmp_path_factory, family, parser):
+    tok = make_tokenizer(tmp_path_factory, family)
+    tools = [tool_schema(calculator)]
+    p = ToolCallParser(parser, tok, tools)
+    args = {"expression": "2 + 2"}
+    if parser == "hermes":
+        good = (
+            'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+        )
+        broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + </tool_call>'
+    else:
+        good = '{"name": "calculator", "parameters": ' + json.dumps(args) + "}"
+        broken = '<|python_tag|>{"name": "calculator", "parameters": {"expression"'
+    turn = p.parse(good)
+    assert [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [("calculator", args)], turn
+    assert turn.malformed is None
+    bad = p.parse(broken)
+    assert bad.tool_calls == [] and bad.malformed is not None and "could not be read" in bad.malformed, bad
+    plain = p.parse("The answer is 4.")
+    assert plain.tool_calls == [] and plain.malformed is None and plain.content == "The answer is 4."
+
+
+def test_an_unknown_parser_is_refused_with_the_list(tmp_path_factory):
+    with pytest.raises(ValueError, match="unknown tool parser 'hermez'.*hermes"):
+        ToolCallParser("hermez", make_tokenizer(tmp_path_factory, "qwen2_5"))
+
+
+# ------------------------------------------------------------------------------------------- token in / out
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3", "llama3_1"])
+def test_the_tokens_after_a_turn_are_what_the_template_writes_there(tmp_path_factory, family):
+    """A trajectory extended by `continuation_ids` (prompt, the turn's own tokens, the template's tokens for the
+    tool reply) equals the template's rendering of the whole conversation where the template does not rewrite
+    the history (Qwen2.5, Llama 3.1); on Qwen3, which rewrites the last turn's think block, the appended tokens
+    are the rendering's tokens after the turn's end, and the history stays as sampled."""
+    tok = make_tokenizer(tmp_path_factory, family)
+    tools = [tool_schema(calculator)]
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = {"role": "tool", "name": "calculator", "content": "5"}
+    prompt = chat_prompt_ids(tok, user, tools)
+    eos = tok.eos_token
+    turn = [*tok.encode("2 + 3 = 5.", add_special_tokens=False), tok.convert_tokens_to_ids(eos)]
+    more = continuation_ids(tok, [reply], eos, tools)
+    whole = chat_prompt_ids(tok, [*user, {"role": "assistant", "content": "2 + 3 = 5."}, reply], tools)
+    text = tok.decode(more, skip_special_tokens=False)
+    assert ("5" in text and eos not in text.split("5")[0]) or family == "qwen3", text
+    if family == "qwen3":
+        assert whole[-len(more) :] == more  # the same tail: what follows the turn's end
+    else:
+        assert prompt + turn + more == whole
+    assert (
+        tok.decode(more, skip_special_tokens=False)
+        .rstrip()
+        .endswith(
+            {"qwen2_5": "<|im_start|>assistant", "qwen3": "<|im_start|>assistant", "llama3_1": "<|end_header_id|>"}[
+                family
+            ]
+        )
+    )
+
+
+def test_a_template_that_does_not_close_a_turn_on_the_stop_token_is_refused(tmp_path_factory):
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    with pytest.raises(ChatTemplateError, match="does not close an assistant turn with '<\\|eot_id\\|>'"):
+        continuation_ids(tok, [{"role": "tool", "content": "5"}], "<|eot_id|>")
+
+
+# ------------------------------------------------------------------------------------------------- the pool
+
+
+class Flaky(Environment):
+    def __init__(self, mode: str = "ok"):
+        self.mode = mode
+
+    def reset(self, row):
+        how = row.get("how", self.mode)
+        if how == "raise":
+            raise RuntimeError("reset broke")
+        if how == "hang":
+            time.sleep(60)
+        if how == "die":
+            os._exit(3)
+        if how == "garbage":
+            return {"messages": []}
+        if how == "bad_messages":
+            return EnvStart([{"content": "no role"}])
+        if how == "unpicklable":
+            return EnvStart([{"role": "user", "content": "x"}], state=lambda: 0)
+        return EnvStart([{"role": "user", "content": str(row["prompt"])}], state=0)
+
+    def step(self, state, turn):
+        if turn.content == "nan":
+            return EnvReply(reward=float("nan"), done=True, state=state)
+        return EnvReply(
+            [{"role": "user", "content": f"again {state + 1}"}], reward=1.0, done=state >= 1, state=state + 1
+        )
+
+
+def test_the_pool_runs_calls_and_a_call_that_raises_hangs_or_kills_fails_alone():
+    pool = WorkerPool(2)
+    try:
+        spec = f"{__file__}:Flaky"
+        runner = EnvironmentRunner(spec, {}, pool, timeout_s=3.0)
+        runner.check()
+        kinds = ["ok", "raise", "hang", "die", "garbage", "bad_messages", "unpicklable", "ok"]
+        t0 = time.monotonic()
+        out = runner.reset([{"prompt": f"p{i}", "how": k} for i, k in enumerate(kinds)])
+        assert time.monotonic() - t0 < 20
+        assert isinstance(out[0], EnvStart) and isinstance(out[-1], EnvStart) and out[-1].messages[0]["content"] == "p7"
+        why = {k: o.message for k, o in zip(kinds, out) if isinstance(o, EnvFailure)}
+        assert set(why) == set(kinds) - {"ok"}, why
+        assert "reset broke" in why["raise"] and "timed out after 3 s" in why["hang"] and "died" in why["die"]
+        assert "not a EnvStart" in why["garbage"] and "no role" in why["bad_messages"]
+        assert "cannot be sent back" in why["unpicklable"]
+        steps = runner.step([0, 0], [ParsedTurn("x", "x"), ParsedTurn("nan", "nan")])
+        assert isinstance(steps[0], EnvReply) and steps[0].state == 1
+        assert isinstance(steps[1], EnvFailure) and "not finite" in steps[1].message
+        assert pool.call([Call("environment", spec, {}, "reset", ({"prompt": "z"},))], 3.0)[0].error is None
+    finally:
+        pool.close()
+
+
+def test_an_environment_that_cannot_be_imported_is_named():
+    from rewards.registry import UnknownReward
+
+    with pytest.raises(UnknownReward, match="unknown environment 'no_such_env'"):
+        EnvironmentRunner("no_such_env", {}, None, 1.0).check()  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------- episodes
+
+
+class Scripted:
+    """A stand-in sampler for the episode loop's bookkeeping (the real samplers run in tests/test_agent_run.py):
+    each request's i-th prompt gets the next reply of its script, as token ids ending with the stop token."""
+
+    def __init__(self, tok, replies: list[str]):
+        self.tok, self.replies, self.requests = tok, replies, []
+
+    def __call__(self, prompts, params):
+        self.requests.append((prompts, params))
+        out = []
+        for p in prompts:
+            text = self.replies[min(len(self.requests) - 1, len(self.replies) - 1)]
+            ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
+            cut = ids[: params.max_tokens]
+            out.append(Completion(list(p), cut, [-0.5] * len(cut), "stop" if len(cut) == len(ids) else "length", text))
+        return out
+
+
+def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and_honours_its_limits(
+    tmp_path_factory,
+):
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    pool = WorkerPool(1)
+    try:
+        env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=10.0)
+        call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+        wrong = '<tool_call>\n{"name": "abacus", "arguments": {}}\n</tool_call>'
+        sampler = Scripted(tok, [call, wrong, "It is 84."])
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=200, seed=3)
+        rows = [{"prompt": "What is 12 * 7?"}]
+        [episode] = run_episodes(sampler, env, tok, rows, EpisodeLimits(4, 200, 3000), params, "hermes")
+        assert episode.finish == "done" and episode.turns == 3, episode
+        assert episode.tool_calls == 2 and episode.tool_errors == 1 and episode.final_text == "It is 84."
+        c = episode.completion()
+        model = [t for t, s in zip(c.token_ids, c.sampled) if s]
+        env_text = tok.decode([t for t, s in zip(c.token_ids, c.sampled) if not s], skip_special_tokens=False)
+        assert tok.decode(model, skip_special_tokens=False) == f"{call}<|im_end|>{wrong}<|im_end|>It is 84.<|im_end|>"
+        assert "84" in env_text and "no tool named 'abacus'" in env_text and "<tool_response>" in env_text
+        assert c.logprobs[: len(model)].count(-0.5) >= 1 and sum(c.sampled) == len(model)
+        # Each turn continued from the whole trajectory so far (token in), and no two turns shared a seed.
+        prompts = [r[0][0] for r in sampler.requests]
+        assert prompts[1][: len(prompts[0])] == prompts[0] and prompts[2][: len(prompts[1])] == prompts[1]
+        assert len({r[1].seed for r in sampler.requests}) == 3
+        # Out of turns: never answered, handled as truncated; out of tokens likewise.
+        [short] = run_episodes(Scripted(tok, [call]), env, tok, rows, EpisodeLimits(2, 200, 3000), params, "hermes")
+        assert short.finish == "turns" and short.completion().finish_reason == "length"
+        room = len(episode.prompt_ids) + 30
+        [cut] = run_episodes(Scripted(tok, [call]), env, tok, rows, EpisodeLimits(4, 200, room), params, "hermes")
+        assert cut.finish == "length" and cut.length <= room, cut
+    finally:
+        pool.close()
+
+
+def test_the_trainers_batch_trains_on_the_models_tokens_only():
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+
+    sampled = [True, True, False, False, False, True, True]
+    c = Completion([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [-1.0] * 7, "stop", "", sampled=sampled)
+    plain = Completion([1, 2, 3], [4, 5, 6], [-1.0] * 3, "stop", "")
+    batch = build_rl_batch([c, plain], np.array([1.0, -1.0]), np.ones(2, bool), row_len=16, max_tokens=8)
+    want = np.array([*sampled, False], np.float32)
+    np.testing.assert_array_equal(batch.packed.target_mask[0], want)
+    np.testing.assert_array_equal(batch.loss_mask[0], want)
+    np.testing.assert_array_equal(batch.kl_mask[0], want)
+    np.testing.assert_array_equal(batch.loss_mask[1], [1, 1, 1, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="6 sampled flags for its 7 tokens"):
+        bad = Completion([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], None, "stop", "", sampled=sampled[:-1])
+        build_rl_batch([bad, plain], np.zeros(2), np.ones(2, bool), row_len=16, max_tokens=8)

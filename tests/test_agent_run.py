@@ -1,0 +1,176 @@
+"""Multi-turn rollouts with a real sampler: token in / token out on shipped chat templates, and GRPO trained on
+whole trajectories with the calculator tool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout.environment import Environment, EnvReply
+
+# ------------------------------------------------------------------------------------------- token in / out
+
+
+class Chatter(Environment):
+    """Answers every turn with a user message until the third turn: multi-turn trajectories whatever the model says."""
+
+    def reset(self, row):
+        start = super().reset(row)
+        start.state = 0
+        return start
+
+    def step(self, state, turn):
+        if state >= 2:
+            return EnvReply(reward=1.0, done=True, state=state)
+        return EnvReply([{"role": "user", "content": f"Go on, step {state + 1}."}], reward=0.5, state=state + 1)
+
+
+def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
+    """A tiny random `arch` model for `tokenizer` whose sampled turns end: its output row for EOS points along the
+    mean of its final hidden states, scaled so that EOS has probability `share` on average (at temperature 1),
+    so turns stop after a few tokens and the environment takes its turn."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model(path, arch, hidden_size=128, head_dim=32, max_position_embeddings=512, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(3, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(0))
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        h = out.hidden_states[-1].reshape(-1, model.config.hidden_size)
+        logits = out.logits.reshape(h.shape[0], -1)
+        rest = torch.logsumexp(torch.cat([logits[:, :eos], logits[:, eos + 1 :]], 1), -1)
+        along = h @ h.mean(0)
+        lo, hi = 0.0, 100.0
+        for _ in range(50):  # the scale at which the mean probability of EOS is `share`
+            alpha = (lo + hi) / 2
+            p = torch.sigmoid(alpha * along - rest).mean()
+            lo, hi = (alpha, hi) if p < share else (lo, alpha)
+        model.lm_head.weight[eos] = alpha * h.mean(0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_5", "qwen2"), ("qwen3", "qwen3"), ("llama3_1", "llama")])
+def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory, tmp_path, family, arch):
+    """Episodes of three turns with the JAX sampler (temperature 1, float32) on the family's shipped template:
+    the trainer's log-prob of every token the model produced, read from the trajectory as the trainer's batch
+    holds it (prompt, turns and the template's tokens for the environment's messages in between), equals the
+    sampler's own; the environment's tokens are not trained."""
+    from core.hf import load_hf
+    from core.targets import target_logprobs
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from rewards.pool import WorkerPool
+    from rollout.environment import EnvironmentRunner
+    from rollout.episodes import EpisodeLimits, run_episodes
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, family)
+    model, _ = load_hf(stopping_model(tmp_path / "model", tok, arch))
+    sampler = JaxSampler(model, tok.name_or_path, max_model_len=512, seed=0)
+    pool = WorkerPool(1)
+    try:
+        env = EnvironmentRunner(f"{__file__}:Chatter", {}, pool, timeout_s=30.0)
+        rows = [{"prompt": q} for q in ("What is 2 + 3?", "Add 10 and 7.", "Say hello.", "Count to three.")]
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
+        episodes = run_episodes(sampler.generate, env, tok, rows, EpisodeLimits(3, 24, 512), params, "hermes")
+    finally:
+        pool.close()
+    multi = [e for e in episodes if e.turns >= 2]
+    assert multi and all(not all(e.sampled) for e in multi), [(e.turns, e.finish) for e in episodes]
+    completions = [e.completion() for e in episodes]
+    longest = max(len(c.token_ids) for c in completions)
+    batch = build_rl_batch(
+        completions, np.zeros(len(completions)), np.ones(len(completions), bool), row_len=512, max_tokens=longest
+    )
+    trainer, _ = target_logprobs(model, batch.packed, temperature=1.0, entropy=False)
+    trainer = np.asarray(trainer)
+    gaps = []
+    for i, c in enumerate(completions):
+        own = np.asarray(c.sampled)
+        got = trainer[i, : len(own)][own]
+        want = np.asarray(c.logprobs)[own]
+        assert np.all(np.asarray(batch.loss_mask)[i, : len(own)][~own] == 0)
+        gaps.append(np.abs(got - want).max())
+    # float32, the same weights, other summation orders (the sampler's decode steps, the trainer's packed rows).
+    assert max(gaps) < 1e-4, gaps
+
+
+# ------------------------------------------------------------------------------------------------- GRPO
+
+
+@pytest.mark.integration
+def test_grpo_trains_on_whole_trajectories_with_the_jax_sampler(tmp_path, tmp_path_factory):
+    """GRPO with `rl.agent` (an environment that talks back for three turns) in one process: each step's
+    trajectories take several turns with the environment's tokens between them, the environment's rewards reach
+    the advantages, only the model's tokens train (the sampler / trainer log-prob gap over them stays at float32
+    noise), and the run checkpoints and exports as any GRPO run."""
+    from core.config_loader import load_config
+    from core.metrics import read_metrics
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import GRPORun
+    from posttrain.onpolicy.run import run_to_end
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    model_dir = stopping_model(tmp_path / "model", tok, "qwen2")
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"checkpoint.init_from={model_dir}",
+            f"data.tokenizer_dir={tok.name_or_path}",
+            "rollout.sampler=jax",
+            "rollout.max_tokens=12",
+            "rollout.max_model_len=256",
+            "rollout.temperature=0.7",
+            "train.steps=2",
+            "rl.batch.prompts_per_step=2",
+            f"rl.agent={{environment: '{__file__}:Chatter', max_turns: 3}}",
+        ],
+        schema=PostTrainConfig,
+    )
+    summary = run_to_end(GRPORun(cfg))
+    assert summary.steps == 2 and summary.hf_dir is not None
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    assert max(r["agent/turns"] for r in rows) > 1.5 and min(r["agent/env_tokens"] for r in rows) > 0, rows
+    assert all(r["reward/environment/mean"] > 0 for r in rows)
+    assert all(r["mismatch/logp_gap_mean"] < 1e-4 for r in rows), [r["mismatch/logp_gap_mean"] for r in rows]
+
+
+def test_a_bad_agent_config_is_refused_before_anything_starts(tmp_path, tmp_path_factory):
+    from core.config_loader import ConfigError, load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import GRPORun
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    base = [f"run.run_dir={tmp_path}", f"data.tokenizer_dir={tok.name_or_path}", "rollout.sampler=jax"]
+    cases = {
+        "rl.agent={environment: no_such_env}": "rl.agent.environment='no_such_env' cannot be built",
+        f"rl.agent={{environment: '{__file__}:Chatter', tool_parser: hermez}}": "unknown tool parser 'hermez'",
+        "rl.agent={environment: tools}": "needs at least one tool",
+    }
+    for override, message in cases.items():
+        cfg = load_config("recipes/configs/grpo_tiny.yml", [*base, override], schema=PostTrainConfig)
+        with pytest.raises(ConfigError, match=message):
+            GRPORun(cfg)
+    gemma = make_tokenizer(tmp_path_factory, "gemma")
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path}",
+            f"data.tokenizer_dir={gemma.name_or_path}",
+            "rollout.sampler=jax",
+            "rl.agent={environment: tools, environment_kwargs: {tools: [calculator]}}",
+        ],
+        schema=PostTrainConfig,
+    )
+    with pytest.raises(ConfigError, match="cannot continue with a tool reply"):
+        GRPORun(cfg)
