@@ -35,7 +35,7 @@ test: $(STAMP)
 	@mkdir -p runs; cache=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$cache; \
 	echo "serial tests (Ray, vLLM) run beside the others: tail -f runs/test-serial.log"; \
 	$(PY) -m pytest -q -m serial --durations=10 > runs/test-serial.log 2>&1 & serial=$$!; trap "kill $$serial 2>/dev/null" INT TERM; \
-	nice -n 19 $(PY) -m pytest -q -m "not serial" -n 2 --durations=15; rc=$$?; \
+	nice -n 19 $(PY) -m pytest -q -m "not serial" -n 3 --durations=15; rc=$$?; \
 	wait $$serial; src=$$?; rm -rf $$cache; \
 	echo "== the serial tests (runs/test-serial.log):"; cat runs/test-serial.log; \
 	test $$rc -eq 0 && test $$src -eq 0

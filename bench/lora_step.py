@@ -107,8 +107,18 @@ def temper_sft(hf: Path, data: Path, tokenizer: str, args, rank: int, quantize: 
         tokens.append(int((np.asarray(batch.segment_ids) > 0).sum()))
         assert update.applied and update.grad_norm > 0
     steady = times[1:]
+    # The forward pass alone (the loss, no gradient) on the same batches: the step's floor is about twice it, since
+    # the backward pass through a frozen weight (the input's gradient) costs the matmuls of its forward.
+    forward = []
+    for _ in range(args.steps + 1):
+        batch = next(batches).batch
+        learner.evaluate(batch)  # compiled for this shape untimed
+        start = time.perf_counter()
+        learner.evaluate(batch)
+        forward.append(time.perf_counter() - start)
     return {
         "median_step_s": statistics.median(steady),
+        "median_forward_s": statistics.median(forward),
         "tokens_per_s": sum(tokens[1:]) / sum(steady),
         "xla_arguments_gib": memory[0],
         "xla_temp_gib": memory[2],
@@ -228,6 +238,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--no-sync", action="store_true")
+    p.add_argument("--only-lora", action="store_true", help="the LoRA SFT step and its forward pass alone")
     p.add_argument("--peers", nargs="*", default=["trl", "trl_no_ckpt", "torch"])
     p.add_argument("--out", default="runs/bench_lora.json")
     args = p.parse_args()
@@ -252,8 +263,14 @@ def main() -> None:
             sides = (("temper_lora", args.rank, "none"), ("temper_full", 0, "none"))
             sides += tuple((f"temper_qlora_{q}", args.rank, q) for q in ("int8", "nf4"))
             for name, rank, quantize in sides:
+                if args.only_lora and name != "temper_lora":
+                    continue
                 row[name] = temper_sft(hf, data, tokenizer, at, rank, quantize)
-                print(f"   {name:16s} {row[name]['median_step_s']:.3f} s/step", flush=True)
+                print(f"   {name:16s} {row[name]['median_step_s']:.3f} s/step "
+                      f"(forward alone {row[name]['median_forward_s']:.3f} s)", flush=True)  # fmt: skip
+            if args.only_lora:
+                results[size] = row
+                continue
             lora, full = row["temper_lora"], row["temper_full"]
             for mode in args.peers:
                 row[f"ratio_vs_{mode}_lora"] = lora["median_step_s"] / row[f"{mode}_lora"]["median_step_s"]

@@ -40,6 +40,9 @@ def _platforms() -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The end-to-end tests first: xdist hands tests to its workers in this order, so the short ones fill the gaps
+    # at the end, not one long test running alone while the other worker idles (longest first, roughly).
+    items.sort(key=lambda item: "integration" not in item.keywords)
     platforms = _platforms()
     for item in items:
         if "gpu_only" in item.keywords and "gpu" not in platforms:
