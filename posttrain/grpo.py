@@ -31,8 +31,8 @@ from posttrain.onpolicy.policy_gradient import (
     policy_update_learner,
     updates_per_step,
 )
-from posttrain.onpolicy.run import OnPolicyRun, run_to_end
-from posttrain.onpolicy.step import RunSummary, Scored, StepData
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
+from posttrain.onpolicy.step import Scored, StepData
 from rewards.runner import RewardBatch
 from rollout.sampler import Completion
 

@@ -128,18 +128,7 @@ def run_episodes(
         if not active:
             return episodes
         room = [min(limits.turn_tokens, limits.total_tokens - e.length) for e in active]
-        # One request a turn: its episodes' token ids as prompts; each turn of each episode its own seed.
-        turn_params = SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=max(room),
-            stop_token_ids=params.stop_token_ids,
-            seed=None if params.seed is None else sample_seed(params.seed, turn),
-            logprobs=True,
-        )
-        outs = generate([e.prompt_ids + e.token_ids for e in active], turn_params)
+        outs = _sample(generate, active, room, params, turn)
         turn += 1
         stepping: list[tuple[Episode, ParsedTurn]] = []
         for episode, out, limit in zip(active, outs, room, strict=True):
@@ -165,6 +154,31 @@ def run_episodes(
         _share([e for e, _ in stepping], time.perf_counter() - t1)
         for (episode, parsed), reply in zip(stepping, replies, strict=True):
             _take(episode, parsed, reply, tokenizer, limits)
+
+
+def _sample(
+    generate: Generate, active: list[Episode], room: list[int], params: SamplingParams, turn: int
+) -> list[Completion]:
+    """Each active episode's next turn, at most its `room` tokens: one request per distinct room (a sampler refuses
+    a prompt whose length plus `max_tokens` exceeds the model length, and episodes near the budget have less), its
+    seed mixed from the run's, the turn and the room, so that no two turns or episodes share a random stream."""
+    outs: list[Completion | None] = [None] * len(active)
+    for limit in sorted(set(room)):
+        members = [i for i, r in enumerate(room) if r == limit]
+        turn_params = SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=limit,
+            stop_token_ids=params.stop_token_ids,
+            seed=None if params.seed is None else sample_seed(params.seed, turn, limit),
+            logprobs=True,
+        )
+        got = generate([active[i].prompt_ids + active[i].token_ids for i in members], turn_params)
+        for i, out in zip(members, got, strict=True):
+            outs[i] = out
+    return [o for o in outs if o is not None]
 
 
 def _take(episode: Episode, parsed: ParsedTurn, reply: EnvReply | EnvFailure, tokenizer, limits: EpisodeLimits):

@@ -235,13 +235,14 @@ class Scripted:
     """A stand-in sampler for the episode loop's bookkeeping (the real samplers run in tests/test_agent_run.py):
     each request's i-th prompt gets the next reply of its script, as token ids ending with the stop token."""
 
-    def __init__(self, tok, replies: list[str]):
-        self.tok, self.replies, self.requests = tok, replies, []
+    def __init__(self, tok, replies: list[str], max_model_len: int = 10**6):
+        self.tok, self.replies, self.requests, self.max_model_len = tok, replies, [], max_model_len
 
     def __call__(self, prompts, params):
         self.requests.append((prompts, params))
         out = []
-        for p in prompts:
+        for p in prompts:  # as the real samplers refuse it
+            assert len(p) + params.max_tokens <= self.max_model_len, (len(p), params.max_tokens)
             text = self.replies[min(len(self.requests) - 1, len(self.replies) - 1)]
             ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
             cut = ids[: params.max_tokens]
@@ -277,9 +278,17 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
         # Out of turns: never answered, handled as truncated; out of tokens likewise.
         [short] = run_episodes(Scripted(tok, [call]), env, tok, rows, EpisodeLimits(2, 200, 3000), params, "hermes")
         assert short.finish == "turns" and short.completion().finish_reason == "length"
+        # Near the budget a turn gets less room: a row with a longer prompt has less, and gets its own request
+        # (a sampler refuses prompt + max_tokens beyond the model length), cut where its room ends.
         room = len(episode.prompt_ids) + 30
-        [cut] = run_episodes(Scripted(tok, [call]), env, tok, rows, EpisodeLimits(4, 200, room), params, "hermes")
-        assert cut.finish == "length" and cut.length <= room, cut
+        long_row = {"prompt": "What is 12 * 7? " + "Think hard. " * 2}
+        scripted = Scripted(tok, [call], max_model_len=room)
+        cut, cut_long = run_episodes(
+            scripted, env, tok, [*rows, long_row], EpisodeLimits(4, 200, room), params, "hermes"
+        )
+        assert cut.finish == cut_long.finish == "length" and cut.length == cut_long.length == room, (cut, cut_long)
+        assert len(scripted.requests) == 2 and len({r[1].max_tokens for r in scripted.requests}) == 2
+        assert len({r[1].seed for r in scripted.requests}) == 2
     finally:
         pool.close()
 

@@ -36,7 +36,7 @@ def test_pretrain_tiny_learns_and_exports(tmp_path):
         "train.steps=20",
         "train.eval_every=10",
         "checkpoint.every_steps=10",
-        "data.num_examples=3000",
+        "data.num_examples=1000",
         env_extra={"XLA_FLAGS": with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1)},
     )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -49,8 +49,8 @@ from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
 from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun, run_to_end
-from posttrain.onpolicy.step import RunSummary, Scored, StepData
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
+from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
 
 

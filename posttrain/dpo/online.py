@@ -37,8 +37,8 @@ from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
-from posttrain.onpolicy.run import OnPolicyRun, run_to_end
-from posttrain.onpolicy.step import RunSummary, Scored, StepData
+from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
+from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion
 
 

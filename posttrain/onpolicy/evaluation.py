@@ -35,13 +35,18 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> 
     return any(ok for a, ok in zip(normalised, correct) if a == top)
 
 
-def eval_metrics(greedy_ok: np.ndarray, sampled_ok: np.ndarray, sampled_answers: Sequence[str | None]) -> dict:
+def eval_metrics(
+    greedy_ok: np.ndarray, sampled_ok: np.ndarray, sampled_answers: Sequence[str | None]
+) -> dict[str, float]:
     """The held-out figures from greedy correctness (one per prompt) and sampled correctness (prompts x k, with the
-    final answers of the samples in that order): pass@1, pass@k, sampled pass@1 and maj@k."""
+    final answers of the samples in that order): pass@1 (greedy), pass@k (k > 1: with one sample it is the sampled
+    pass@1, and its name would be the greedy one's), sampled pass@1 and maj@k."""
     n, k = sampled_ok.shape
+    out = {"eval/pass@1": float(greedy_ok.mean())}
+    if k > 1:
+        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(k, int(r.sum()), k) for r in sampled_ok]))
     return {
-        "eval/pass@1": float(greedy_ok.mean()),
-        f"eval/pass@{k}": float(np.mean([pass_at_k(k, int(r.sum()), k) for r in sampled_ok])),
+        **out,
         "eval/sampled_pass@1": float(sampled_ok.mean()),
         f"eval/maj@{k}": float(
             np.mean([majority_correct(sampled_answers[i * k : (i + 1) * k], sampled_ok[i]) for i in range(n)])

@@ -50,7 +50,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.config_loader import save_config
@@ -65,7 +65,7 @@ from posttrain.onpolicy.checks import check_config, check_staleness, check_token
 from posttrain.onpolicy.evaluation import eval_metrics
 from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
-from posttrain.onpolicy.step import InFlight, RunSummary, Scored, StepData, StepTimes, scored_metrics, step_line
+from posttrain.onpolicy.step import InFlight, Scored, StepData, StepTimes, scored_metrics, step_line
 from posttrain.onpolicy.workers import release, start_samplers
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
@@ -75,7 +75,17 @@ from rollout.placement import Placement, reserve
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
 from rollout.weight_sync import SyncStats
 
-__all__ = ["OnPolicyRun", "RunSummary", "Scored", "StepData", "run_to_end"]
+
+@dataclass
+class RunSummary:
+    """What a finished run reports: its directory, the steps taken, the policy version, the last held-out
+    evaluation and the Hugging Face export."""
+
+    run_dir: Path
+    steps: int
+    policy_version: int
+    final_eval: dict | None
+    hf_dir: Path | None
 
 
 class OnPolicyRun(Loop):
@@ -137,8 +147,10 @@ class OnPolicyRun(Loop):
                 flush=True,
             )
         self._saved = start_step if restored is not None else None
-        self.init_hf = run_dir / "rollout_init_hf"  # what vLLM engines start from
-        self.samplers = start_samplers(cfg, self.trainer, self.placement, self.init_hf, self.tokenizer_dir, self._push)
+        # init_hf: the Hugging Face directory vLLM engines started from (None with the JAX sampler)
+        self.samplers, self.init_hf = start_samplers(
+            cfg, self.trainer, self.placement, run_dir / "rollout_init_hf", self.tokenizer_dir, self._push
+        )
         super().__init__(cfg, run_dir, start_step)
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None

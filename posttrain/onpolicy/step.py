@@ -4,7 +4,6 @@ batch, the step's timings, its metrics and its console line."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -14,15 +13,6 @@ from rewards.runner import RewardBatch
 from rollout.episodes import Episode
 from rollout.group import Pending
 from rollout.sampler import Completion
-
-
-@dataclass
-class RunSummary:
-    run_dir: Path
-    steps: int
-    policy_version: int
-    final_eval: dict | None
-    hf_dir: Path | None
 
 
 @dataclass

@@ -29,9 +29,10 @@ def start_samplers(
     init_hf: Path,
     tokenizer_dir: str,
     push: Callable[[Sampler], SyncStats],
-) -> SamplerGroup:
-    """The run's samplers, each sent the trainer's current weights by `push`. vLLM engines start from the trainer's
-    weights written to `init_hf`."""
+) -> tuple[SamplerGroup, Path | None]:
+    """The run's samplers, each sent the trainer's current weights by `push`, and the Hugging Face directory vLLM
+    engines started from (the trainer's weights written at `init_hf`; None with the JAX sampler)."""
+    start_dir: str | None = None
     if cfg.rollout.sampler == "jax":
         group = SamplerGroup([jax_sampler(cfg, trainer, tokenizer_dir)])
     else:
@@ -40,11 +41,12 @@ def start_samplers(
         adapter = lora if lora is not None and cfg.rollout.lora_sync == "adapters" else None
 
         def start(i: int) -> Sampler:
+            assert start_dir is not None
             return start_vllm_sampler(cfg, start_dir, i, placement, adapter)
 
         group = SamplerGroup([start(i) for i in range(cfg.rollout.rollout_data_parallelism)], restart=start)
     group.sync(push)
-    return group
+    return group, None if start_dir is None else Path(start_dir)
 
 
 def jax_sampler(cfg: PostTrainConfig, trainer: TrainerHandle, tokenizer_dir: str) -> Sampler:
