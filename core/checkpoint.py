@@ -202,7 +202,7 @@ class Checkpointer:
         unknown = sorted(d.name for d in where.iterdir() if d.is_dir() and d.name not in ITEMS)
         if unknown:
             # e.g. Temper before the one-module-tree contract saved a second trained module as an item of its
-            # own (`companion`); such state does not map onto today's one tree.
+            # own; such state does not map onto today's one tree.
             raise CheckpointMismatch(
                 f"checkpoint {where} was written by an earlier Temper (it holds "
                 + ", ".join(f"`{name}`" for name in unknown)
