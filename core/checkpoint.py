@@ -340,10 +340,11 @@ FROZEN = "frozen_fingerprint"  # meta key: what the frozen part of the module tr
 
 
 def frozen_fingerprint(state: Any) -> dict[str, list[float]]:
-    """{dotted path: [sum, sum of squares]} of every array of a frozen state (a LoRA base, a teacher), in float32
-    over the whole array whatever its sharding (a collective in a process group): what a checkpoint records of the
-    weights it does not hold, so that a resume or a later load on other weights is refused instead of applying
-    the adapters to another base. Not a cryptographic digest: any other checkpoint differs in these sums."""
+    """{dotted path: [sum, sum of squares, sum of absolute values]} of every array of a frozen state (the module
+    tree's non-trainable part), in float32 over the whole array whatever its sharding (a collective in a process
+    group): what a checkpoint records of the weights it does not hold, so that a resume or a later load on other
+    weights is refused instead of training on top of other frozen weights. Not a cryptographic digest: any other
+    checkpoint differs in these sums."""
     flat = [(_dotted(path), x) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]]
     if not flat:
         return {}
