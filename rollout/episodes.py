@@ -1,6 +1,6 @@
 """Multi-turn episodes, token in / token out: the model and an environment take turns until the episode ends.
 
-    episodes = run_episodes(samplers.generate, env, tokenizer, rows, limits, params, parser_name="hermes")
+    episodes = run_episodes(samplers.generate, env, tokenizer, rows, limits, params, ToolParsers("hermes", tokenizer))
     completions = [e.completion() for e in episodes]   # what the trainer's batch is built from
 
 Each episode starts from the environment's `reset(row)`: its messages and tools, rendered once by the chat
@@ -23,6 +23,7 @@ Active episodes advance together, one sampler request a turn, each as far as its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, Literal
 from core.chat import ChatTemplateError, chat_prompt_ids, continuation_ids
 from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply
 from rollout.sampler import Completion, SamplingParams, sample_seed
-from rollout.tool_parsing import ParsedTurn, ToolCallParser
+from rollout.tool_parsing import ParsedTurn, ToolParsers
 
 Finish = Literal["done", "length", "turns", "failed"]
 Generate = Callable[[list[list[int]], SamplingParams], list[Completion]]
@@ -99,7 +100,7 @@ def run_episodes(
     rows: Sequence[dict],
     limits: EpisodeLimits,
     params: SamplingParams,
-    parser_name: str,
+    parsers: ToolParsers,
 ) -> list[Episode]:
     """Run one episode per row to its end (`params`: the per-turn sampling, n = 1; its seed is mixed with each
     turn's index so that no two turns share a random stream)."""
@@ -121,7 +122,6 @@ def run_episodes(
                 (f"the prompt takes {episode.length} tokens of rollout.max_model_len={limits.total_tokens}"),
             )
     _share(episodes, time.perf_counter() - t0)
-    parsers: dict[tuple, ToolCallParser] = {}
     turn = 0
     while True:
         active = [e for e in episodes if not e.done]
@@ -143,10 +143,7 @@ def run_episodes(
             if not stopped:
                 episode.finish = "length"
                 continue
-            key = tuple(t["function"]["name"] for t in episode.tools)
-            if key not in parsers:
-                parsers[key] = ToolCallParser(parser_name, tokenizer, episode.tools)
-            stepping.append((episode, parsers[key].parse(text)))
+            stepping.append((episode, parsers.for_tools(episode.tools).parse(text)))
         if not stepping:
             continue
         t1 = time.perf_counter()
@@ -165,16 +162,8 @@ def _sample(
     outs: list[Completion | None] = [None] * len(active)
     for limit in sorted(set(room)):
         members = [i for i, r in enumerate(room) if r == limit]
-        turn_params = SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=limit,
-            stop_token_ids=params.stop_token_ids,
-            seed=None if params.seed is None else sample_seed(params.seed, turn, limit),
-            logprobs=True,
-        )
+        seed = None if params.seed is None else sample_seed(params.seed, turn, limit)
+        turn_params = dataclasses.replace(params, n=1, max_tokens=limit, seed=seed, logprobs=True)
         got = generate([active[i].prompt_ids + active[i].token_ids for i in members], turn_params)
         for i, out in zip(members, got, strict=True):
             outs[i] = out

@@ -1,6 +1,7 @@
 """Tool calls read from an assistant turn with vLLM's own tool parsers, for either sampler.
 
     parser = ToolCallParser("hermes", tokenizer, tools=[tool_schema(calculator)])
+    parsers = ToolParsers("hermes", tokenizer)                     # a run's: one parser per set of tools, built once
     turn = parser.parse('<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>')
     turn.tool_calls       # [ToolCall("calculator", '{"expression": "2+2"}')]
     turn.malformed        # None; a message when the turn opens a call the parser cannot read
@@ -75,3 +76,17 @@ class ToolCallParser:
         if opened is not None:
             return ParsedTurn(text, text, [], f"it opens a tool call ({opened}) that could not be read as one")
         return ParsedTurn(text, content)
+
+
+class ToolParsers:
+    """vLLM's parser `name` for each set of tools an episode is offered, built once for the run (not per step)."""
+
+    def __init__(self, name: str, tokenizer: Any):
+        self.name, self.tokenizer = name, tokenizer
+        self._built: dict[tuple[str, ...], ToolCallParser] = {}
+
+    def for_tools(self, tools: Sequence[dict]) -> ToolCallParser:
+        key = tuple(t["function"]["name"] for t in tools)
+        if key not in self._built:
+            self._built[key] = ToolCallParser(self.name, self.tokenizer, tools)
+        return self._built[key]

@@ -16,7 +16,7 @@ from rollout.calculator import calculator
 from rollout.environment import EnvFailure, Environment, EnvironmentRunner, EnvReply, EnvStart
 from rollout.episodes import EpisodeLimits, run_episodes
 from rollout.sampler import Completion, SamplingParams
-from rollout.tool_parsing import ParsedTurn, ToolCallParser
+from rollout.tool_parsing import ParsedTurn, ToolCallParser, ToolParsers
 from rollout.tools import ToolCall, call_tool, check_arguments, tool_schema
 from tests.test_chat import make_tokenizer
 
@@ -262,7 +262,9 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
         sampler = Scripted(tok, [call, wrong, "It is 84."])
         params = SamplingParams(n=1, temperature=1.0, max_tokens=200, seed=3)
         rows = [{"prompt": "What is 12 * 7?"}]
-        [episode] = run_episodes(sampler, env, tok, rows, EpisodeLimits(4, 200, 3000), params, "hermes")
+        [episode] = run_episodes(
+            sampler, env, tok, rows, EpisodeLimits(4, 200, 3000), params, ToolParsers("hermes", tok)
+        )
         assert episode.finish == "done" and episode.turns == 3, episode
         assert episode.tool_calls == 2 and episode.tool_errors == 1 and episode.final_text == "It is 84."
         c = episode.completion()
@@ -276,7 +278,9 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
         assert prompts[1][: len(prompts[0])] == prompts[0] and prompts[2][: len(prompts[1])] == prompts[1]
         assert len({r[1].seed for r in sampler.requests}) == 3
         # Out of turns: never answered, handled as truncated; out of tokens likewise.
-        [short] = run_episodes(Scripted(tok, [call]), env, tok, rows, EpisodeLimits(2, 200, 3000), params, "hermes")
+        [short] = run_episodes(
+            Scripted(tok, [call]), env, tok, rows, EpisodeLimits(2, 200, 3000), params, ToolParsers("hermes", tok)
+        )
         assert short.finish == "turns" and short.completion().finish_reason == "length"
         # Near the budget a turn gets less room: a row with a longer prompt has less, and gets its own request
         # (a sampler refuses prompt + max_tokens beyond the model length), cut where its room ends.
@@ -284,7 +288,7 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
         long_row = {"prompt": "What is 12 * 7? " + "Think hard. " * 2}
         scripted = Scripted(tok, [call], max_model_len=room)
         cut, cut_long = run_episodes(
-            scripted, env, tok, [*rows, long_row], EpisodeLimits(4, 200, room), params, "hermes"
+            scripted, env, tok, [*rows, long_row], EpisodeLimits(4, 200, room), params, ToolParsers("hermes", tok)
         )
         assert cut.finish == cut_long.finish == "length" and cut.length == cut_long.length == room, (cut, cut_long)
         assert len(scripted.requests) == 2 and len({r[1].max_tokens for r in scripted.requests}) == 2

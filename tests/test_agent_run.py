@@ -68,6 +68,7 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
     from rollout.episodes import EpisodeLimits, run_episodes
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
+    from rollout.tool_parsing import ToolParsers
     from tests.test_chat import make_tokenizer
 
     tok = make_tokenizer(tmp_path_factory, family)
@@ -78,7 +79,9 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
         env = EnvironmentRunner(f"{__file__}:Chatter", {}, pool, timeout_s=30.0)
         rows = [{"prompt": q} for q in ("What is 2 + 3?", "Add 10 and 7.", "Say hello.", "Count to three.")]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
-        episodes = run_episodes(sampler.generate, env, tok, rows, EpisodeLimits(3, 24, 512), params, "hermes")
+        episodes = run_episodes(
+            sampler.generate, env, tok, rows, EpisodeLimits(3, 24, 512), params, ToolParsers("hermes", tok)
+        )
     finally:
         pool.close()
     multi = [e for e in episodes if e.turns >= 2]

@@ -32,7 +32,7 @@ from rewards.runner import RewardBatch
 from rollout.environment import EnvironmentRunner
 from rollout.episodes import Episode, EpisodeLimits, Generate, run_episodes
 from rollout.sampler import Completion, SamplingParams
-from rollout.tool_parsing import ToolCallParser
+from rollout.tool_parsing import ToolParsers
 
 
 class AgentRollouts:
@@ -43,6 +43,7 @@ class AgentRollouts:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.env = EnvironmentRunner(agent.environment, agent.environment_kwargs, pool, agent.env_timeout_s)
         self.limits = EpisodeLimits(agent.max_turns, cfg.rollout.max_tokens, cfg.rollout.max_model_len)
+        self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
         self.check()
 
     def check(self) -> None:
@@ -52,7 +53,7 @@ class AgentRollouts:
         except Exception as err:
             raise ConfigError(f"{where} cannot be built: {type(err).__name__}: {err}") from None
         try:
-            ToolCallParser(self.agent.tool_parser, self.tokenizer)
+            self.parsers.for_tools([])
         except ValueError as err:
             raise ConfigError(f"rl.agent.tool_parser: {err}") from None
         if self.cfg.rl.off_policy_steps:
@@ -71,7 +72,7 @@ class AgentRollouts:
     ) -> tuple[list[Completion], list[Episode]]:
         """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt)."""
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
-        episodes = run_episodes(generate, self.env, self.tokenizer, starts, self.limits, params, self.agent.tool_parser)
+        episodes = run_episodes(generate, self.env, self.tokenizer, starts, self.limits, params, self.parsers)
         return [e.completion() for e in episodes], episodes
 
     def rewards(self, episodes: Sequence[Episode], scored: RewardBatch | None) -> RewardBatch:
