@@ -166,13 +166,15 @@ class WorkerPool:
                 worker.conn.send(task)
                 pending[worker.conn] = (worker, lo, hi)
             except (BrokenPipeError, OSError):  # died between batches
-                errors.append(self._replace(worker, f"items {lo}-{hi - 1}: worker was dead"))
+                self._replace(worker)
+                errors.append(f"items {lo}-{hi - 1}: worker was dead")
         deadline = time.monotonic() + timeout
         while pending:
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 for worker, lo, hi in pending.values():
-                    errors.append(self._replace(worker, f"items {lo}-{hi - 1}: timed out after {timeout:g} s"))
+                    self._replace(worker)
+                    errors.append(f"items {lo}-{hi - 1}: timed out after {timeout:g} s")
                 break
             for conn in ready:
                 worker, lo, hi = pending.pop(conn)
@@ -181,7 +183,8 @@ class WorkerPool:
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)
                     code = worker.process.exitcode
-                    errors.append(self._replace(worker, f"items {lo}-{hi - 1}: worker died (exit code {code})"))
+                    self._replace(worker)
+                    errors.append(f"items {lo}-{hi - 1}: worker died (exit code {code})")
                     continue
                 if status == "ok":
                     values[lo:hi] = shard_values
@@ -203,7 +206,7 @@ class WorkerPool:
                     worker.conn.send(calls[i])
                     running[worker.conn] = (worker, i, time.monotonic() + timeout)
                 except (BrokenPipeError, OSError):  # died between calls: replaced, the call goes back in line
-                    idle.append(self._fresh(worker))
+                    idle.append(self._replace(worker))
                     queue.append(i)
             if not running:
                 continue
@@ -219,26 +222,22 @@ class WorkerPool:
                     worker.process.join(timeout=5)
                     code = worker.process.exitcode
                     results[i] = CallResult(error=f"its worker died (exit code {code})")
-                    idle.append(self._fresh(worker))
+                    idle.append(self._replace(worker))
             now = time.monotonic()
             for conn, (worker, i, deadline) in list(running.items()):
                 if deadline <= now:
                     del running[conn]
                     results[i] = CallResult(error=f"timed out after {timeout:g} s")
-                    idle.append(self._fresh(worker))
+                    idle.append(self._replace(worker))
         return [r if r is not None else CallResult(error="not run") for r in results]
 
-    def _fresh(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker) -> _Worker:
         """A new worker in `worker`'s place (killed first)."""
-        at = self._workers.index(worker)
-        self._replace(worker, "")
-        return self._workers[at]
-
-    def _replace(self, worker: _Worker, message: str) -> str:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx)
+        at = self._workers.index(worker)
+        self._workers[at] = _Worker(self._ctx)
         self.restarts += 1
-        return message
+        return self._workers[at]
 
     def close(self) -> None:
         for worker in self._workers:
