@@ -217,23 +217,24 @@ def assert_redone_steps_match(before_kill, after, resumed_from):
 
 def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path, arithmetic_tokenizer):
     """Single controller (the JAX sampler in the trainer's process), a policy of LoRA adapters (the sampler holds
-    the base and takes the adapters after each update: its log-probs stay the trainer's), SIGKILL two steps after
-    checkpoint 4, and the same command again: every step logged once, and steps 5-6 log what they logged before
-    the kill."""
+    the base and takes the adapters after each update: its log-probs stay the trainer's), SIGKILL one step after
+    checkpoint 2, and the same command again: every step logged once, and step 3 logs what it logged before the
+    kill."""
     run_dir = tmp_path / "run"
     lora = ["model.lora.rank=4", "model.lora.alpha=16", "optim.learning_rate=1.0e-2"]
-    cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", "checkpoint.every_steps=4", *lora)
+    short = ["train.steps=4", "checkpoint.every_steps=2"]
+    cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", *short, *lora)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = run_until(cmd, env, run_dir, checkpoint=4, step=6)
+    proc = run_until(cmd, env, run_dir, checkpoint=2, step=3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before_kill, _ = metric_rows(run_dir)
     resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "at step 4" in resumed.stdout
+    assert "at step 2" in resumed.stdout
     after, _ = metric_rows(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 9))  # each step once, in order: no gap, no repeat
-    assert_redone_steps_match(before_kill, after, 4)
+    assert [m["step"] for m in after] == list(range(1, 5))  # each step once, in order: no gap, no repeat
+    assert_redone_steps_match(before_kill, after, 2)
     # the sampler serves the adapted policy (its adapters moved: a sampler left on the base would drift away)
     assert all(m["mismatch/logp_gap_mean"] < 1e-5 for m in after), [m["mismatch/logp_gap_mean"] for m in after]
     assert after[-1]["loss"] != after[0]["loss"]
