@@ -91,6 +91,9 @@ class AgentConfig(Section):
     # Per-turn rewards from the environment, summed with this discount (1: a plain sum) and added to the reward
     # functions' score of the final answer.
     discount: float = Field(1.0, ge=0.0, le=1.0)
+    # Episodes running at once (None: every episode of the step). With vLLM each runs on its own: its next turn is a
+    # new request as soon as the environment answered, beside the other episodes' turns (continuous batching).
+    max_concurrency: int | None = Field(None, gt=0)
 
 
 class RLConfig(Section):

@@ -25,6 +25,7 @@ import contextlib
 import math
 import multiprocessing as mp
 import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ class WorkerPool:
         self._ctx.set_forkserver_preload(_PRELOAD)
         self._workers = [_Worker(self._ctx) for _ in range(num_procs)]
         self.restarts = 0
+        # One batch at a time: an async run scores one request while the environment steps another's episodes.
+        self._lock = threading.Lock()
 
     @property
     def num_procs(self) -> int:
@@ -149,6 +152,10 @@ class WorkerPool:
         timeout: float,
     ) -> tuple[list[float | None], list[str]]:
         """Score a batch; returns per-item values (None = failed) and one message per failed shard."""
+        with self._lock:
+            return self._run(spec, kwargs, prompts, completions, columns, timeout)
+
+    def _run(self, spec, kwargs, prompts, completions, columns, timeout) -> tuple[list[float | None], list[str]]:
         n = len(completions)
         bounds = _shards(n, self.num_procs)
         values: list[float | None] = [None] * n
@@ -195,6 +202,10 @@ class WorkerPool:
     def call(self, calls: Sequence[Call], timeout: float) -> list[CallResult]:
         """Each call's result, in order; calls run on the workers as they come free, each with `timeout` seconds
         from when it starts."""
+        with self._lock:
+            return self._call(calls, timeout)
+
+    def _call(self, calls: Sequence[Call], timeout: float) -> list[CallResult]:
         results: list[CallResult | None] = [None] * len(calls)
         queue = list(range(len(calls)))[::-1]
         idle = list(self._workers)

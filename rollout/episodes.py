@@ -1,6 +1,7 @@
 """Multi-turn episodes, token in / token out: the model and an environment take turns until the episode ends.
 
-    episodes = run_episodes(samplers.generate, env, tokenizer, rows, limits, params, ToolParsers("hermes", tokenizer))
+    turns = LockstepTurns(sampler.generate)   # or EngineTurns(group, push): each turn its own vLLM request
+    episodes = run_episodes(turns, env, tokenizer, rows, limits, params, ToolParsers("hermes", tokenizer))
     completions = [e.completion() for e in episodes]   # what the trainer's batch is built from
 
 Each episode starts from the environment's `reset(row)`: its messages and tools, rendered once by the chat
@@ -18,24 +19,28 @@ no room for the environment's answer or another turn) ends truncated (`finish_re
 overlong completion is: `rl.loss.mask_truncated`); one that runs out of turns (`finish="turns"`) never answered and
 is handled the same way. An
 environment that fails (`rollout.environment.EnvFailure`) ends its episode as `failed`: it trains on nothing.
-Active episodes advance together, one sampler request a turn, each as far as its own limits allow.
+
+At most `concurrency` episodes run at once (`rl.agent.max_concurrency`); the others start as running ones end.
+How their turns meet the sampler is `turns`' business (`rollout.turns`): all together a round (`LockstepTurns`),
+or each episode on its own, its next turn sent as soon as the environment answered (`EngineTurns`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.chat import ChatTemplateError, chat_prompt_ids, continuation_ids
 from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply
-from rollout.sampler import Completion, SamplingParams, sample_seed
+from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolParsers
+from rollout.turns import TurnRequest, Turns, turn_seed
 
 Finish = Literal["done", "length", "turns", "failed"]
-Generate = Callable[[list[list[int]], SamplingParams], list[Completion]]
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ class Episode:
             sampled=list(self.sampled),
         )
 
+    def record(self) -> dict:
+        """What a checkpoint keeps of a finished episode (`Episode(**record)` rebuilds it): everything but the
+        environment's state, which ends with the episode."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "state"}
+
     def _append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
         self.token_ids.extend(int(t) for t in ids)
         self.sampled.extend([sampled] * len(ids))
@@ -94,16 +104,18 @@ class Episode:
 
 
 def run_episodes(
-    generate: Generate,
+    turns: Turns,
     env: EnvironmentRunner,
     tokenizer: Any,
     rows: Sequence[dict],
     limits: EpisodeLimits,
     params: SamplingParams,
     parsers: ToolParsers,
+    concurrency: int | None = None,
 ) -> list[Episode]:
-    """Run one episode per row to its end (`params`: the per-turn sampling, n = 1; its seed is mixed with each
-    turn's index so that no two turns share a random stream)."""
+    """Run one episode per row to its end, at most `concurrency` of them at a time (None: all). `turns` samples the
+    turns (`rollout.turns`); `params` is the per-turn sampling, its seed mixed with each episode's index and turn
+    so that no two turns share a random stream."""
     episodes = [Episode(dict(r)) for r in rows]
     t0 = time.perf_counter()
     for episode, start in zip(episodes, env.reset(rows), strict=True):
@@ -122,16 +134,25 @@ def run_episodes(
                 (f"the prompt takes {episode.length} tokens of rollout.max_model_len={limits.total_tokens}"),
             )
     _share(episodes, time.perf_counter() - t0)
-    turn = 0
-    while True:
-        active = [e for e in episodes if not e.done]
-        if not active:
-            return episodes
-        room = [min(limits.turn_tokens, limits.total_tokens - e.length) for e in active]
-        outs = _sample(generate, active, room, params, turn)
-        turn += 1
-        stepping: list[tuple[Episode, ParsedTurn]] = []
-        for episode, out, limit in zip(active, outs, room, strict=True):
+    waiting = deque(i for i, e in enumerate(episodes) if not e.done)
+    running: set[int] = set()
+
+    def next_turn(i: int) -> TurnRequest:
+        e = episodes[i]
+        room = min(limits.turn_tokens, limits.total_tokens - e.length)
+        turn = dataclasses.replace(params, n=1, max_tokens=room, seed=turn_seed(params.seed, i, e.turns), logprobs=True)
+        return TurnRequest(i, e.prompt_ids + e.token_ids, turn)
+
+    while waiting or running:
+        while waiting and (concurrency is None or len(running) < concurrency):
+            running.add(i := waiting.popleft())
+            turns.put([next_turn(i)])
+        stepping: list[tuple[int, ParsedTurn]] = []
+        taken = turns.take()
+        if not taken:  # every running episode has a turn in flight: one must come back
+            raise RuntimeError(f"the turns of {len(running)} running episodes were lost")
+        for i, out in taken:
+            episode, limit = episodes[i], min(limits.turn_tokens, limits.total_tokens - episodes[i].length)
             ids, logps = list(out.token_ids[:limit]), list((out.logprobs or [0.0] * len(out.token_ids))[:limit])
             if episode.turns == 0:
                 episode.policy_version = out.policy_version
@@ -142,32 +163,21 @@ def run_episodes(
             episode.final_text = tokenizer.decode(ids, skip_special_tokens=True)
             if not stopped:
                 episode.finish = "length"
+                running.discard(i)
                 continue
-            stepping.append((episode, parsers.for_tools(episode.tools).parse(text)))
+            stepping.append((i, parsers.for_tools(episode.tools).parse(text)))
         if not stepping:
             continue
         t1 = time.perf_counter()
-        replies = env.step([e.state for e, _ in stepping], [p for _, p in stepping])
-        _share([e for e, _ in stepping], time.perf_counter() - t1)
-        for (episode, parsed), reply in zip(stepping, replies, strict=True):
-            _take(episode, parsed, reply, tokenizer, limits)
-
-
-def _sample(
-    generate: Generate, active: list[Episode], room: list[int], params: SamplingParams, turn: int
-) -> list[Completion]:
-    """Each active episode's next turn, at most its `room` tokens: one request per distinct room (a sampler refuses
-    a prompt whose length plus `max_tokens` exceeds the model length, and episodes near the budget have less), its
-    seed mixed from the run's, the turn and the room, so that no two turns or episodes share a random stream."""
-    outs: list[Completion | None] = [None] * len(active)
-    for limit in sorted(set(room)):
-        members = [i for i, r in enumerate(room) if r == limit]
-        seed = None if params.seed is None else sample_seed(params.seed, turn, limit)
-        turn_params = dataclasses.replace(params, n=1, max_tokens=limit, seed=seed, logprobs=True)
-        got = generate([active[i].prompt_ids + active[i].token_ids for i in members], turn_params)
-        for i, out in zip(members, got, strict=True):
-            outs[i] = out
-    return [o for o in outs if o is not None]
+        replies = env.step([episodes[i].state for i, _ in stepping], [p for _, p in stepping])
+        _share([episodes[i] for i, _ in stepping], time.perf_counter() - t1)
+        for (i, parsed), reply in zip(stepping, replies, strict=True):
+            _take(episodes[i], parsed, reply, tokenizer, limits)
+            if episodes[i].done:
+                running.discard(i)
+            else:
+                turns.put([next_turn(i)])
+    return episodes
 
 
 def _take(episode: Episode, parsed: ParsedTurn, reply: EnvReply | EnvFailure, tokenizer, limits: EpisodeLimits):

@@ -103,15 +103,22 @@ class SamplerGroup:
             try:
                 out.extend(part.sampler.result(part.ref))
             except Exception as e:
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, ValueError):
-                    raise SamplerInputError(f"sampler {part.index} refused its prompts: {cause}") from None
-                if not is_sampler_failure(e) or self._restart is None:
-                    raise
-                sampler = self._take_over(part.sampler, e, push)
+                sampler = self.take_over(part.sampler, e, push)
                 self.redone_prompts += len(part.prompts)
                 out.extend(self._once(part.index, partial(sampler.generate, part.prompts, part.params)))
         return out
+
+    def take_over(self, failed: Sampler, error: Exception, push: Callable[[Any], Any]) -> Sampler:
+        """The sampler that does the work `failed` raised `error` on (a replacement, loaded with `push`, or a
+        survivor when its node left); bad input (a ValueError inside the sampler) is raised as
+        `SamplerInputError`, and what is not a sampler failure as it is."""
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, ValueError):
+            slot = self.slots[self.samplers.index(failed)] if failed in self.samplers else "?"
+            raise SamplerInputError(f"sampler {slot} refused its prompts: {cause}") from None
+        if not is_sampler_failure(error) or self._restart is None:
+            raise error
+        return self._take_over(failed, error, push)
 
     def sync(self, push: Callable[[Any], Any]) -> list[Any]:
         """`push(sampler)` for every sampler (the trainer's weights into it); a sampler that fails meanwhile

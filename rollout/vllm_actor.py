@@ -4,6 +4,7 @@
     completions = sampler.generate(prompts, SamplingParams(...))
     sampler.update_weights(chunks)        # iterable of chunks of core.hf_pieces.TensorPiece, via the object store
     sampler.send_pieces(chunks, tag); sampler.commit_weights(tag, version)   # the same from several senders
+    ref = sampler.submit_turns(turns, slice_s); progress = sampler.result(ref)   # episodes' turns (rollout/turns.py)
     sampler.shutdown()
 
 vLLM keeps process-global state (its distributed groups), so each engine gets
@@ -20,11 +21,13 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from core.config import LoraConfig
 from core.hf_pieces import TensorPiece
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
+from rollout.turns import TurnRequest
 
 
 class RemoteVLLMSampler:
@@ -82,8 +85,13 @@ class RemoteVLLMSampler:
         """Start generating; `result(ref)` waits for the completions (calls run in submission order)."""
         return self.handle.generate.remote(list(prompts), params)
 
-    def result(self, ref) -> list[Completion]:
+    def result(self, ref) -> Any:
+        """What a `submit` (its completions) or `submit_turns` (a `TurnProgress`) call returned."""
         return self._get(ref)
+
+    def submit_turns(self, requests: Sequence[TurnRequest], slice_s: float):
+        """Start `VLLMSampler.advance`: add turn requests to those the engine runs and decode until some finish."""
+        return self.handle.advance.remote(list(requests), slice_s)
 
     def send_pieces(self, chunks: Iterable[Sequence[TensorPiece]], tag: str) -> dict:
         """Stream chunks of tensor pieces (`core.hf_pieces`) into the actor's receive buffers for update `tag`, one

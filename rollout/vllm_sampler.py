@@ -2,6 +2,7 @@
 
     sampler = VLLMSampler("runs/x/hf", cfg.rollout)          # an HF directory from core.hf.save_hf
     completions = sampler.generate(prompts, SamplingParams(n=4, max_tokens=64))
+    progress = sampler.advance(turns, slice_s)                # episodes' turns, each its own request (rollout/turns.py)
     sampler.receive_pieces(pieces, tag) ... sampler.commit_weights(tag, version)   # see rollout/weight_sync.py
     sampler.shutdown()
 
@@ -44,6 +45,7 @@ from core.hf_config import model_section_from_hf
 from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
+from rollout.turns import TurnProgress, TurnRequest
 
 __all__ = ["VLLMSampler", "WeightUpdateError"]
 
@@ -94,6 +96,7 @@ class VLLMSampler:
         self.adapter_shapes: dict = {}
         self.adapter_dir: Path | None = None
         self.lora_request: Any = None  # set once an adapter is loaded: every generation runs with it
+        self._turns: dict[int, TurnRequest] = {}  # the turn requests the engine runs (`advance`), by key
         if adapter is not None:
             from core.peft import adapter_shapes
 
@@ -104,30 +107,16 @@ class VLLMSampler:
     # ---------------------------------------------------------------- generate
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        from vllm import SamplingParams as VLLMParams
-
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths(prompt_ids, params.max_tokens, self.cfg.max_model_len)
-
-        def vllm_params(n: int, seed: int | None) -> VLLMParams:
-            return VLLMParams(
-                n=n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                max_tokens=params.max_tokens,
-                stop=list(params.stop) or None,
-                stop_token_ids=list(params.stop_token_ids) or None,
-                seed=seed,
-                logprobs=0 if params.logprobs else None,
-            )
-
         seeds = sample_seeds(params, len(prompt_ids))
         if seeds is None:  # unseeded: one request per prompt, vLLM fans out its n samples
-            requests = [({"prompt_token_ids": ids}, vllm_params(params.n, None)) for ids in prompt_ids]
+            requests = [({"prompt_token_ids": ids}, _vllm_params(params, params.n, None)) for ids in prompt_ids]
         else:  # one request per sample with its own seed (vLLM would seed a prompt's n samples seed + j)
             requests = [
-                ({"prompt_token_ids": ids}, vllm_params(1, s)) for ids, row in zip(prompt_ids, seeds) for s in row
+                ({"prompt_token_ids": ids}, _vllm_params(params, 1, s))
+                for ids, row in zip(prompt_ids, seeds)
+                for s in row
             ]
         outputs = self.llm.generate(
             [r[0] for r in requests],  # type: ignore[arg-type]
@@ -136,25 +125,51 @@ class VLLMSampler:
             lora_request=self.lora_request,
         )
         per_prompt = len(outputs) // len(prompt_ids)
-        completions = []
-        for k, out in enumerate(outputs):
-            ids = prompt_ids[k // per_prompt]
-            for c in out.outputs:
-                logprobs = None
-                if params.logprobs:
-                    steps = c.logprobs or []  # requested: one {token: Logprob} per generated token
-                    logprobs = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps)]  # type: ignore[index]
-                completions.append(
-                    Completion(
-                        prompt_ids=list(ids),
-                        token_ids=list(c.token_ids),
-                        logprobs=logprobs,
-                        finish_reason="stop" if c.finish_reason == "stop" else "length",
-                        text=c.text,
-                        policy_version=self.policy_version,
-                    )
-                )
-        return completions
+        return [
+            self._completion(prompt_ids[k // per_prompt], c, params.logprobs)
+            for k, out in enumerate(outputs)
+            for c in out.outputs
+        ]
+
+    def advance(self, requests: Sequence[TurnRequest], slice_s: float) -> TurnProgress:
+        """Add `requests` (each its own sequence, keyed) to the requests the engine runs, and decode until one or more
+        finish, or for `slice_s` seconds: the finished ones, and how many still run (`rollout.turns.EngineTurns`)."""
+        for i, r in enumerate(requests):
+            check_prompt_lengths([r.token_ids], r.params.max_tokens, self.cfg.max_model_len)
+            if r.params.n != 1:
+                raise ValueError(f"turn request {i} asks for n={r.params.n} samples; a turn is one")
+        engine = self.llm.llm_engine
+        for r in requests:
+            engine.add_request(
+                str(r.key),
+                {"prompt_token_ids": list(r.token_ids)},  # type: ignore[arg-type]
+                _vllm_params(r.params, 1, r.params.seed),
+                lora_request=self.lora_request,
+            )
+            self._turns[r.key] = r
+        finished: list[tuple[int, Completion]] = []
+        deadline = time.perf_counter() + slice_s
+        while engine.has_unfinished_requests() and not finished and time.perf_counter() < deadline:
+            for out in engine.step():
+                if out.finished:
+                    r = self._turns.pop(int(out.request_id))
+                    finished.append((r.key, self._completion(r.token_ids, out.outputs[0], r.params.logprobs)))
+        return TurnProgress(finished, engine.get_num_unfinished_requests())
+
+    def _completion(self, prompt_ids: Sequence[int], c: Any, logprobs: bool) -> Completion:
+        """A vLLM `CompletionOutput` as a `Completion` (its sampled log-probs, when asked for)."""
+        values = None
+        if logprobs:
+            steps = c.logprobs or []  # requested: one {token: Logprob} per generated token
+            values = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps)]
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            token_ids=list(c.token_ids),
+            logprobs=values,
+            finish_reason="stop" if c.finish_reason == "stop" else "length",
+            text=c.text,
+            policy_version=self.policy_version,
+        )
 
     # ----------------------------------------------------------------- weights
 
@@ -258,6 +273,25 @@ class VLLMSampler:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     stop = shutdown  # the name `rollout.sampler.Sampler` uses
+
+
+def _vllm_params(params: SamplingParams, n: int, seed: int | None):
+    """vLLM's sampling parameters for `params` (n samples from `seed`), final outputs only."""
+    from vllm import SamplingParams as VLLMParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        seed=seed,
+        logprobs=0 if params.logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def _to_torch(array: np.ndarray):

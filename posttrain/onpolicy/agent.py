@@ -1,7 +1,7 @@
 """Multi-turn rollouts in the on-policy run (`rl.agent`): episodes in place of single completions, for any method.
 
     agent = AgentRollouts(cfg, tokenizer_dir, pool)       # checks the environment, parser and template at start
-    completions, episodes = agent.run(rows, params, generate)
+    completions, episodes = agent.run(rows, params, turns)  # turns: rollout.turns (EngineTurns with vLLM)
     rewards = agent.rewards(episodes, rewards)            # the environment's rewards added to the functions'
 
 Each row is `rl.batch.num_generations` episodes (`rollout.episodes.run_episodes`), each a `Completion` whose
@@ -30,9 +30,10 @@ from posttrain.onpolicy.prompts import prompt_text
 from rewards.pool import WorkerPool
 from rewards.runner import RewardBatch
 from rollout.environment import EnvironmentRunner
-from rollout.episodes import Episode, EpisodeLimits, Generate, run_episodes
+from rollout.episodes import Episode, EpisodeLimits, run_episodes
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ToolParsers
+from rollout.turns import Turns
 
 
 class AgentRollouts:
@@ -56,8 +57,6 @@ class AgentRollouts:
             self.parsers.for_tools([])
         except ValueError as err:
             raise ConfigError(f"rl.agent.tool_parser: {err}") from None
-        if self.cfg.rl.off_policy_steps:
-            raise ConfigError("rl.agent with rl.off_policy_steps > 0 (async multi-turn rollouts) is not built yet")
         eos = self.tokenizer.eos_token
         try:
             continuation_ids(self.tokenizer, [{"role": "tool", "name": "probe", "content": "42"}], eos or "")
@@ -67,12 +66,13 @@ class AgentRollouts:
                 f"rl.agent: the chat template of {template} cannot continue with a tool reply: {err}"
             ) from None
 
-    def run(
-        self, rows: Sequence[dict], params: SamplingParams, generate: Generate
-    ) -> tuple[list[Completion], list[Episode]]:
-        """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt)."""
+    def run(self, rows: Sequence[dict], params: SamplingParams, turns: Turns) -> tuple[list[Completion], list[Episode]]:
+        """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt), their turns sampled
+        by `turns`, at most `rl.agent.max_concurrency` at a time."""
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
-        episodes = run_episodes(generate, self.env, self.tokenizer, starts, self.limits, params, self.parsers)
+        episodes = run_episodes(
+            turns, self.env, self.tokenizer, starts, self.limits, params, self.parsers, self.agent.max_concurrency
+        )
         return [e.completion() for e in episodes], episodes
 
     def rewards(self, episodes: Sequence[Episode], scored: RewardBatch | None) -> RewardBatch:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,9 +71,11 @@ from posttrain.onpolicy.workers import release, start_samplers
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
 from rewards.runner import RewardRunner
+from rollout.episodes import Episode
 from rollout.group import Pending
 from rollout.placement import Placement, reserve
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
+from rollout.turns import EngineTurns, LockstepTurns, Turns
 from rollout.weight_sync import SyncStats
 
 
@@ -138,7 +141,11 @@ class OnPolicyRun(Loop):
             start_step = int(meta["rl_step"])
             self._requests = int(meta["requests"])
             resumed_in_flight = [
-                InFlight(self.stream.batch(f["indices"]), [Completion(**c) for c in f["completions"]])
+                InFlight(
+                    self.stream.batch(f["indices"]),
+                    [Completion(**c) for c in f["completions"]],
+                    None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
+                )
                 for f in meta.get("in_flight", [])
             ]
             print(
@@ -155,6 +162,10 @@ class OnPolicyRun(Loop):
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
         self._in_flight: deque[InFlight] = deque(resumed_in_flight)
+        # Async multi-turn rollouts: episodes run in this thread, one request's at a time, while the trainer trains.
+        self._background = (
+            ThreadPoolExecutor(1, thread_name_prefix="episodes") if self.agent and rl.off_policy_steps else None
+        )
         self._last_line = ""
         self._last_metrics: dict[str, float] = {}
         self._hf_dir: Path | None = None
@@ -191,8 +202,17 @@ class OnPolicyRun(Loop):
     def _sync(self) -> tuple[float, int]:
         """(seconds, bytes sent to all samplers) of one weight sync."""
         start = time.perf_counter()
+        self._settle()
         stats = self.samplers.sync(self._push)
         return time.perf_counter() - start, sum(s.bytes for s in stats)
+
+    def _settle(self) -> None:
+        """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
+        on the weights they started on, as a request's completions do (an engine takes a weight update only
+        between requests), so that a run, and a resumed one, samples the same trajectories whatever the timing."""
+        for request in self._in_flight:
+            if isinstance(request.result, Future):
+                self._collect(request)
 
     # ------------------------------------------------------------------ steps
 
@@ -214,8 +234,10 @@ class OnPolicyRun(Loop):
         self._requests += 1
         seed = sample_seed(self.cfg.run.seed, self._requests)
         params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
+        if self.agent is not None and self._background is not None:  # async: they run while the trainer trains
+            return InFlight(prompts, self._background.submit(self.agent.run, prompts.rows, params, self._turns()))
         if self.agent is not None:  # episodes run to their end here (sync mode)
-            completions, episodes = self.agent.run(prompts.rows, params, self._generate)
+            completions, episodes = self.agent.run(prompts.rows, params, self._turns())
             return InFlight(prompts, completions, episodes)
         rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
         return InFlight(prompts, self.samplers.submit(rendered, params))
@@ -223,7 +245,16 @@ class OnPolicyRun(Loop):
     def _generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self.samplers.collect(self.samplers.submit(prompts, params), self._push)
 
+    def _turns(self) -> Turns:
+        """How episodes' turns reach the samplers: each its own request on the vLLM engines, or a batch a round
+        (the JAX sampler)."""
+        if self.cfg.rollout.sampler == "vllm":
+            return EngineTurns(self.samplers, self._push)
+        return LockstepTurns(self._generate)
+
     def _collect(self, request: InFlight) -> list[Completion]:
+        if isinstance(request.result, Future):
+            request.result, request.episodes = request.result.result()
         if not isinstance(request.result, Pending):
             return request.result
         request.result = self.samplers.collect(request.result, self._push)
@@ -304,7 +335,11 @@ class OnPolicyRun(Loop):
         # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
         # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
         stored = [
-            {"indices": r.prompts.indices, "completions": [asdict(c) for c in self._collect(r)]}
+            {
+                "indices": r.prompts.indices,
+                "completions": [asdict(c) for c in self._collect(r)],
+                "episodes": None if r.episodes is None else [e.record() for e in r.episodes],
+            }
             for r in self._in_flight
         ]
         self.trainer.save(
@@ -343,11 +378,12 @@ class OnPolicyRun(Loop):
                 self.final_eval = {}
             return {}
         k = rl.eval_samples
+        self._settle()  # the engines serve one set of episodes at a time
         greedy_params = self.sampling_params(1, 0, temperature=0.0)
         sampled_params = self.sampling_params(k, self.cfg.run.seed)
         if self.agent is not None:  # whole episodes, scored on their final answers
-            greedy = self.agent.run(rows, greedy_params, self._generate)[0]
-            sampled = self.agent.run(rows, sampled_params, self._generate)[0]
+            greedy = self.agent.run(rows, greedy_params, self._turns())[0]
+            sampled = self.agent.run(rows, sampled_params, self._turns())[0]
         else:
             prompts = [render_prompt(r, rl) for r in rows]
             greedy, sampled = self._generate(prompts, greedy_params), self._generate(prompts, sampled_params)
@@ -374,6 +410,8 @@ class OnPolicyRun(Loop):
         the Ray steps get `timeout_s` in all (30 s; 10 s once the trainer was found gone, when the cluster may be
         gone too), so a cluster that went away cannot keep the run from ending."""
         timeout_s = timeout_s if timeout_s is not None else (10.0 if self.trainer.lost else 30.0)
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         self.rewards.close()
         steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers)]
         steps.append(("trainer", self.trainer.close))

@@ -3,6 +3,7 @@ batch, the step's timings, its metrics and its console line."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,9 @@ class InFlight:
     """A generation request: its prompts, and the completions (once collected) or the pending handle."""
 
     prompts: PromptBatch
-    result: Pending | list[Completion]
+    # The completions, once collected; the samplers' pending handle; or, for episodes run in the background (async
+    # `rl.agent`), the future of (completions, episodes).
+    result: Pending | list[Completion] | Future
     episodes: list[Episode] | None = None  # multi-turn rollouts (`rl.agent`): the episodes the completions are
 
 
