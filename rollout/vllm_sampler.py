@@ -142,7 +142,7 @@ class VLLMSampler:
         for r in requests:
             engine.add_request(
                 str(r.key),
-                {"prompt_token_ids": list(r.token_ids)},  # type: ignore[arg-type]
+                {"prompt_token_ids": list(r.token_ids)},
                 _vllm_params(r.params, 1, r.params.seed),
                 lora_request=self.lora_request,
             )
@@ -153,7 +153,8 @@ class VLLMSampler:
             for out in engine.step():
                 if out.finished:
                     r = self._turns.pop(int(out.request_id))
-                    finished.append((r.key, self._completion(r.token_ids, out.outputs[0], r.params.logprobs)))
+                    first = out.outputs[0]  # type: ignore[index]  # a generation's, not a pooling output
+                    finished.append((r.key, self._completion(r.token_ids, first, r.params.logprobs)))
         return TurnProgress(finished, engine.get_num_unfinished_requests())
 
     def _completion(self, prompt_ids: Sequence[int], c: Any, logprobs: bool) -> Completion:

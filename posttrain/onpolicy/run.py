@@ -255,8 +255,9 @@ class OnPolicyRun(Loop):
     def _collect(self, request: InFlight) -> list[Completion]:
         if isinstance(request.result, Future):
             request.result, request.episodes = request.result.result()
-        if not isinstance(request.result, Pending):
+        if isinstance(request.result, list):
             return request.result
+        assert isinstance(request.result, Pending)
         request.result = self.samplers.collect(request.result, self._push)
         return request.result
 
