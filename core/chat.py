@@ -31,6 +31,7 @@ rendering, is a `ChatTemplateError` naming the message and why.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -125,11 +126,13 @@ def _token_boundary(text: str, at: int, atomic: Sequence[str]) -> int:
     return at
 
 
-def _turn_start(tokenizer: Any, messages: Sequence[dict], i: int, text: str, cursor: int, atomic) -> int | None:
+def _turn_start(
+    tokenizer: Any, messages: Sequence[dict], i: int, text: str, cursor: int, atomic, tools: Sequence[dict] | None
+) -> int | None:
     """Where assistant message i begins in `text` (see the module docstring), or None when the rendering of the
     conversation before it is not part of `text`."""
-    prompt = _render(tokenizer, messages[:i], True)
-    bare = _render(tokenizer, messages[:i], False) if i else ""
+    prompt = _render(tokenizer, messages[:i], True, tools)
+    bare = _render(tokenizer, messages[:i], False, tools) if i else ""
     generation = _token_boundary(prompt, _common_prefix(prompt, bare), atomic)  # where the generation prompt begins
     agree = _token_boundary(prompt, _common_prefix(prompt, text), atomic)
     return agree if agree >= generation and agree >= cursor else None
@@ -146,11 +149,38 @@ def _find_content(text: str, content: str, start: int) -> tuple[int, int] | None
     return None
 
 
-def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, [start, end) character spans of every assistant turn)."""
+def _past_tool_calls(text: str, message: dict, at: int, limit: int) -> int:
+    """Where the tool calls of an assistant message end in `text[at:limit]` (`limit`: the first end-of-turn token
+    after the turn's content): past each call's name and its arguments' values as JSON writes them (what every
+    template renders of a call), so that a tool result that repeats one of them (`{"expression": "84"}` -> `84`)
+    is not taken for the next message."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {}
+        # Each value as JSON writes it, or a string as it is (Qwen3.5's and Nemotron's XML-style parameters).
+        forms = [[v] for v in [function.get("name")]] + [[json.dumps(v), v] for v in (arguments or {}).values()]
+        for candidates in forms:
+            for piece in candidates:
+                found = text.find(piece, at, limit) if isinstance(piece, str) and piece else -1
+                if found >= 0:
+                    at = found + len(piece)
+                    break
+    return at
+
+
+def assistant_char_spans(
+    tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, [start, end) character spans of every assistant turn); `tools`: the JSON schemas
+    the conversation offers, rendered as the template renders them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
-    text = _render(tokenizer, messages, False)
+    text = _render(tokenizer, messages, False, tools)
     atomic = _atomic_tokens(tokenizer)
     closers, then_eos = _closing(tokenizer)
     closing = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
@@ -160,7 +190,7 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
         if message["role"] != "assistant":
             continue
         try:  # a turn that opens the conversation has no prompt to render: it starts at its content
-            start = _turn_start(tokenizer, messages, i, text, cursor, atomic) if i else None
+            start = _turn_start(tokenizer, messages, i, text, cursor, atomic, tools) if i else None
         except ChatTemplateError as err:
             raise ChatTemplateError(f"message {i}: the conversation before it: {err}") from None
         content = message.get("content") or ""
@@ -188,9 +218,11 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
             content_end = where[1]
         else:
             content_end = start
-        close = closing.search(text, content_end) if closing is not None else None
+        first = closing.search(text, content_end) if closing is not None else None
+        calls_end = _past_tool_calls(text, message, content_end, first.start() if first else len(text))
+        close = closing.search(text, calls_end) if closing is not None else None
         following = next((m for m in messages[i + 1 :] if m["role"] != "assistant"), None)
-        boundary = _find_content(text, following.get("content") or "", content_end) if following else None
+        boundary = _find_content(text, following.get("content") or "", calls_end) if following else None
         if close is None or (boundary is not None and boundary[0] < close.start()):
             if following is None and not text[content_end:].strip():
                 end = content_end  # the template closes no final turn (nothing follows its content)
@@ -203,6 +235,12 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict]) -> tuple[str,
             end = close.end()
             if close.group() in then_eos and text.startswith(tokenizer.eos_token, end):
                 end += len(tokenizer.eos_token)  # the turn's EOS after its closer (Cohere2's END_OF_TURN_TOKEN)
+        names = [c.get("function", c).get("name") for c in message.get("tool_calls") or []]
+        if names and names[0] not in text[start:end]:
+            raise ChatTemplateError(
+                f"message {i}: the chat template does not write this assistant turn's tool calls (no "
+                f"{names[0]!r} in its rendering), so they cannot be trained on"
+            )
         spans.append((start, end))
         cursor = end
     return text, spans
@@ -223,9 +261,14 @@ def _span_tokens(offsets: Sequence[tuple[int, int]], span: tuple[int, int], mess
     return tokens
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
-    """(token ids of the rendered conversation, positions of its assistant tokens)."""
-    text, spans = assistant_char_spans(tokenizer, messages)
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None
+) -> tuple[list[int], list[int]]:
+    """(token ids of the rendered conversation, positions of its assistant tokens). Assistant turns may carry
+    `tool_calls` (Hugging Face's structure: `{"type": "function", "function": {"name", "arguments"}}`), rendered by
+    the template as the model writes them, and are targets with them; `tool` messages are context; `tools` are the
+    JSON schemas the conversation offers (`transformers.utils.get_json_schema`)."""
+    text, spans = assistant_char_spans(tokenizer, messages, tools)
     ids, offsets = _encode(tokenizer, text)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     targets = [k for span, i in zip(spans, turns) for k in _span_tokens(offsets, span, i)]

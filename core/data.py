@@ -82,7 +82,9 @@ def string_fields_problem(row: Any, fields: Sequence[str]) -> tuple[str, str] | 
 
 def messages_problem(row: Any, field: str = "messages") -> tuple[str, str] | None:
     """What is wrong with a chat field: a non-empty list of {role: str, content: str} (other string fields such as
-    `reasoning_content` or `thinking` ride along to the template)."""
+    `reasoning_content` or `thinking` ride along to the template). An assistant message may carry `tool_calls`
+    instead of (or with) its content: a non-empty list of {function: {name: str, arguments: object or JSON
+    string}}; the row may offer `tools`: a list of JSON schemas."""
     if not isinstance(row, dict):
         return "<row>", f"expected a mapping, got {type(row).__name__}"
     msgs = row.get(field)
@@ -91,8 +93,23 @@ def messages_problem(row: Any, field: str = "messages") -> tuple[str, str] | Non
     if not isinstance(msgs, list) or not msgs:
         return field, f"expected a non-empty list, got {type(msgs).__name__}"
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f"{field}[{j}]", "expected {role: str, content: str}"
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant":
+                return f"{field}[{j}].tool_calls", f"only an assistant message calls tools, not a {m['role']!r} one"
+            for k, call in enumerate(calls if isinstance(calls, list) and calls else [None]):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    return f"{field}[{j}].tool_calls[{k}]", "expected {function: {name: str, arguments: ...}}"
+                if not isinstance(function.get("arguments", {}), (dict, str)):
+                    return f"{field}[{j}].tool_calls[{k}].function.arguments", "expected an object or a JSON string"
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            return f"{field}[{j}]", "expected {role: str, content: str}"
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "tools", "expected a list of JSON schemas (objects)"
     return None
 
 

@@ -77,7 +77,7 @@ class ChatRows:
     def tokenize(self, row: dict, tokenizer: Any) -> tuple[list[int], list[int]]:
         from core.chat import render_chat
 
-        ids, targets = render_chat(tokenizer, row["messages"])
+        ids, targets = render_chat(tokenizer, row["messages"], row.get("tools"))
         return ids, targets if self.completion_only else list(range(1, len(ids)))
 
 

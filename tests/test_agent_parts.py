@@ -438,3 +438,24 @@ def test_the_trainers_batch_trains_on_the_models_tokens_only():
     with pytest.raises(ValueError, match="6 sampled flags for its 7 tokens"):
         bad = Completion([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], None, "stop", "", sampled=sampled[:-1])
         build_rl_batch([bad, plain], np.zeros(2), np.ones(2, bool), row_len=16, max_tokens=8)
+
+
+def test_online_dpo_pairs_of_trajectories_train_on_the_models_tokens_only():
+    """Online DPO over whole trajectories: the chosen and rejected episodes keep every token in the rows (the
+    environment's as context), and only the model's are targets of the sequences' log-prob sums."""
+    from posttrain.dpo.online import best_worst_pairs
+    from posttrain.dpo.pairs import build_pair_batch
+
+    a = Completion([1, 2, 3], [4, 5, 6, 7, 8], [-1.0] * 5, "stop", "", sampled=[True, True, False, False, True])
+    b = Completion([1, 2, 3], [9, 10, 11], [-1.0] * 3, "stop", "", sampled=[True, False, True])
+    pairs, _ = best_worst_pairs([b, a], np.array([0.0, 1.0]), 2)
+    assert pairs[0].chosen == (4, 5, 6, 7, 8) and pairs[0].rejected_trained == (True, False, True)
+    packed = build_pair_batch(pairs, slots=1, row_len=32).packed
+    mask = np.asarray(packed.target_mask)
+    np.testing.assert_array_equal(mask[0, :5], [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(mask[1, :3], [1, 0, 1])
+    assert mask[0, 5:].sum() == 0 and mask[1, 3:].sum() == 0
+    np.testing.assert_array_equal(np.asarray(packed.target_ids)[0, :5], [4, 5, 6, 7, 8])
+    assert {4, 5, 6, 7, 8, 9, 10, 11} <= set(np.asarray(packed.tokens).ravel().tolist())
+    plain = build_pair_batch([pairs[0].__class__(0, (1, 2, 3), (4, 5), (9,))], slots=1, row_len=32).packed
+    np.testing.assert_array_equal(np.asarray(plain.target_mask)[:, :2], [[1, 1], [1, 0]])  # single-turn: all

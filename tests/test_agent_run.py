@@ -25,6 +25,16 @@ class Chatter(Environment):
         return EnvReply([{"role": "user", "content": f"Go on, step {state + 1}."}], reward=0.5, state=state + 1)
 
 
+class Scorer(Chatter):
+    """Chatter whose per-turn reward depends on what the model wrote (its length modulo 5): episodes of one row
+    differ, so that a method that compares them (online DPO's best and worst) has pairs."""
+
+    def step(self, state, turn):
+        reply = super().step(state, turn)
+        reply.reward = float(len(turn.content) % 5)
+        return reply
+
+
 def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
     """A tiny random `arch` model for `tokenizer` whose sampled turns end: its output row for EOS points along the
     mean of its final hidden states, scaled so that EOS has probability `share` on average (at temperature 1),
@@ -115,43 +125,55 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
 
 
 @pytest.mark.integration
-def test_grpo_trains_on_whole_trajectories_with_the_jax_sampler(tmp_path, tmp_path_factory):
-    """GRPO with `rl.agent` (an environment that talks back for three turns) in one process: each step's
-    trajectories take several turns with the environment's tokens between them, the environment's rewards reach
-    the advantages, only the model's tokens train (the sampler / trainer log-prob gap over them stays at float32
-    noise), and the run checkpoints and exports as any GRPO run."""
+@pytest.mark.parametrize("method", ["online_dpo", "on_policy_distill"])
+def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_path, tmp_path_factory, method):
+    """Online DPO (a row's best and worst episode as the pair) and on-policy distillation (the teacher scores the
+    model's tokens) with `rl.agent` and the JAX sampler in one process (the waiting turns sampled a batch a round,
+    each continuing its episode's tokens): multi-turn episodes with the environment's tokens between the turns, a
+    finite loss, and only the model's tokens as targets (distillation: the sampler / trainer log-prob gap over the
+    targets is float32 noise, which the environment's tokens, with no sampler log-prob, would break)."""
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import GRPORun
+    from posttrain.distill.onpolicy import OnPolicyDistillRun
+    from posttrain.dpo.online import OnlineDPORun
     from posttrain.onpolicy.run import run_to_end
     from tests.test_chat import make_tokenizer
 
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
-    model_dir = stopping_model(tmp_path / "model", tok, "qwen2")
-    cfg = load_config(
-        "recipes/configs/grpo_tiny.yml",
-        [
-            f"run.run_dir={tmp_path / 'run'}",
-            f"checkpoint.init_from={model_dir}",
-            f"data.tokenizer_dir={tok.name_or_path}",
-            "rollout.sampler=jax",
-            "rollout.max_tokens=12",
-            "rollout.max_model_len=256",
-            "rollout.temperature=0.7",
-            "train.steps=2",
-            "rl.batch.prompts_per_step=2",
-            f"rl.agent={{environment: '{__file__}:Chatter', max_turns: 3}}",
-        ],
-        schema=PostTrainConfig,
-    )
-    summary = run_to_end(GRPORun(cfg))
-    assert summary.steps == 2 and summary.hf_dir is not None
-    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
-    assert max(r["agent/turns"] for r in rows) > 1.5 and min(r["agent/env_tokens"] for r in rows) > 0, rows
-    assert all(r["reward/environment/mean"] > 0 for r in rows)
-    assert all(r["mismatch/logp_gap_mean"] < 1e-4 for r in rows), [r["mismatch/logp_gap_mean"] for r in rows]
+    common = [
+        f"run.run_dir={tmp_path / 'run'}",
+        f"checkpoint.init_from={stopping_model(tmp_path / 'model', tok, 'qwen2')}",
+        f"data.tokenizer_dir={tok.name_or_path}",
+        "rollout.sampler=jax",
+        "rollout.max_tokens=12",
+        "rollout.max_model_len=256",
+        "rollout.temperature=0.7",
+        "train.steps=2",
+        "rl.batch.prompts_per_step=2",
+        "reward.functions=[]",
+        "checkpoint.export_hf=false",
+    ]
+    if method == "online_dpo":
+        agent = f"rl.agent={{environment: '{__file__}:Scorer', max_turns: 3}}"
+        cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*common, agent], schema=PostTrainConfig)
+        run_to_end(OnlineDPORun(cfg))
+    else:
+        teacher = stopping_model(tmp_path / "teacher", tok, "llama")
+        agent = f"rl.agent={{environment: '{__file__}:Chatter', max_turns: 3}}"
+        on_policy = ["distill.regime=on_policy", f"distill.teacher={teacher}", "rl.batch.num_generations=2"]
+        cfg = load_config("recipes/configs/grpo_tiny.yml", [*common, *on_policy, agent], schema=PostTrainConfig)
+        run_to_end(OnPolicyDistillRun(cfg))
+    rows = [r for r in read_metrics(tmp_path / "run") if "agent/turns" in r]
+    assert len(rows) == 2 and max(r["agent/turns"] for r in rows) > 1.5, rows
+    assert min(r["agent/env_tokens"] for r in rows) > 0 and all(r["agent/failed"] == 0 for r in rows)
+    trained = [r for r in rows if "loss" in r]
+    assert trained and all(np.isfinite(r["loss"]) for r in trained), rows
+    if method == "online_dpo":
+        assert sum(r["pairs"] for r in rows) > 0
+    else:
+        assert all(np.isfinite(r["reverse_kl"]) for r in rows)
+        assert all(r["mismatch/logp_gap_mean"] < 1e-4 for r in rows), [r["mismatch/logp_gap_mean"] for r in rows]
 
 
 @pytest.mark.integration

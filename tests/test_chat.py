@@ -132,6 +132,57 @@ def test_a_tool_turn_is_never_a_target(tmp_path_factory, name):
     assert (TOOL in text) == (name not in LEAVES_OUT_A_TOOL_TURN), name  # rendered, or left out
 
 
+# The families whose shipped template cannot train a structured tool call, with the reason it is refused: the
+# template cannot render it, closes the call with a token Temper does not know as an end of turn (gpt-oss's
+# `<|call|>`, GLM's `<|observation|>`), or leaves the call out of the text. The others write it.
+REFUSES_TOOL_CALLS = {
+    "cohere": "Conversation roles must alternate",
+    "cohere2": "Conversation roles must alternate",
+    "gemma": "Conversation roles must alternate",
+    "gemma3": "Conversation roles must alternate",
+    "deepseek_r1_distill": "does not write this assistant turn's tool calls",
+    "deepseekv3": "can only concatenate str",  # DeepSeek's templates take the arguments as a JSON string
+    "glm4moe": "no end-of-turn token",
+    "gptoss": "no end-of-turn token",
+    "lfm2": "does not write this assistant turn's tool calls",
+    "llama3": "does not write this assistant turn's tool calls",
+    "phi3": "does not write this assistant turn's tool calls",
+    "phi3_5": "does not write this assistant turn's tool calls",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_an_assistant_turn_that_calls_a_tool_is_trained_with_its_call(tmp_path_factory, name):
+    """A structured tool call (`tool_calls`, with the tool's schema offered), the tool's result, the answer: the
+    call's turn is a target as the template writes the call (the tool's name and arguments, through the family's
+    end-of-turn token), the tool's result never is, and the ids are the template's own. A template that cannot
+    render or close such a turn, or leaves the call out, refuses the conversation with its reason."""
+    from rollout.calculator import calculator
+    from rollout.tools import tool_schema
+
+    tok = make_tokenizer(tmp_path_factory, name)
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "10 + 7"}}}
+    messages = [
+        {"role": "user", "content": Q1},
+        {"role": "assistant", "content": A1},
+        {"role": "user", "content": Q2},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": TOOL},
+        {"role": "assistant", "content": A2},
+    ]
+    tools = [tool_schema(calculator)]
+    if name in REFUSES_TOOL_CALLS:
+        with pytest.raises(ChatTemplateError, match=REFUSES_TOOL_CALLS[name]):
+            render_chat(tok, messages, tools)
+        return
+    ids, targets = render_chat(tok, messages, tools)
+    assert ids == list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"])
+    runs = target_runs(tok, ids, targets)
+    assert len(runs) == 3 and A1 in runs[0] and A2 in runs[2], runs
+    assert "calculator" in runs[1] and "10 + 7" in runs[1] and runs[1].endswith(FAMILIES[name]["closers"]), runs
+    assert not [run for run in runs if "says" in run or Q2 in run], runs  # the tool's result, the question: context
+
+
 # TRL's training templates for these change the text (they keep every turn's reasoning, or require both think tags):
 # their masks are not of the shipped rendering, so they cannot serve as its reference.
 RENDERS_OTHERWISE = {

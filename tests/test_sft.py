@@ -34,13 +34,61 @@ def chats(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def tool_chats(n: int, seed: int = 0) -> list[dict]:
+    """Conversations in which the assistant calls the calculator (a structured `tool_calls` turn), reads its result
+    (a `tool` message) and answers; the row offers the tool's schema (`tools`)."""
+    from rollout.calculator import calculator
+    from rollout.tools import tool_schema
+
+    rng, schema = np.random.default_rng(seed), tool_schema(calculator)
+    rows = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(100, 1000, 2))
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+        messages = [
+            {"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": str(a * b)},
+            {"role": "assistant", "content": f"{a} * {b} = {a * b}."},
+        ]
+        rows.append({"messages": messages, "tools": [schema]})
+    return rows
+
+
+def test_sft_rows_train_on_tool_calls_and_name_a_malformed_one(qwen_chat):
+    """A chat row with a structured tool call: the call's turn and the answer are targets, the tool's result is
+    context (the template's rendering with the row's `tools`); a malformed call is named where it is."""
+    from core.data import load_tokenizer
+    from posttrain.sft import row_format
+
+    tok = load_tokenizer(qwen_chat[0])
+    rows = row_format("chat", completion_only=True)
+    row = tool_chats(1, seed=3)[0]
+    assert rows.problem(row) is None
+    ids, targets = rows.tokenize(row, tok)
+    assert ids == list(tok.apply_chat_template(row["messages"], tools=row["tools"], return_dict=True)["input_ids"])
+    trained = tok.decode([ids[k] for k in targets], skip_special_tokens=False)
+    product = row["messages"][2]["content"]
+    assert trained.startswith('<tool_call>\n{"name": "calculator"') and trained.count(product) == 1, trained
+    assert trained.endswith(f"= {product}.<|im_end|>") and "calculator" in tok.decode(ids)  # the schema, rendered
+    bad = json.loads(json.dumps(row))
+    bad["messages"][1]["tool_calls"][0]["function"].pop("name")
+    assert rows.problem(bad) == ("messages[1].tool_calls[0]", "expected {function: {name: str, arguments: ...}}")
+    bad["messages"][1]["tool_calls"] = [{"function": {"name": "calculator", "arguments": 7}}]
+    assert rows.problem(bad)[0] == "messages[1].tool_calls[0].function.arguments"
+    bad["messages"][2]["tool_calls"] = row["messages"][1]["tool_calls"]
+    bad["messages"][1] = row["messages"][1]
+    assert rows.problem(bad) == ("messages[2].tool_calls", "only an assistant message calls tools, not a 'tool' one")
+    assert rows.problem({**row, "tools": "calculator"}) == ("tools", "expected a list of JSON schemas (objects)")
+
+
 @pytest.fixture(scope="module")
 def qwen_chat(tmp_path_factory):
     """A Qwen2.5-style tokenizer directory (ChatML, no generation markers) and a tiny random Qwen2 HF model."""
     from core.tiny import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("sft")
-    corpus = [m["content"] for row in chats(50) for m in row["messages"]]
+    corpus = [m["content"] for row in chats(50) + tool_chats(20) for m in row["messages"]]
     chat_tokenizer(root / "qwen2.5", "qwen2_5", corpus=corpus)
     return str(root / "qwen2.5"), str(save_tiny_hf_model(root / "model", "qwen2", max_position_embeddings=512))
 
@@ -211,8 +259,9 @@ def test_padding_free_needs_packing_off():
 
 @pytest.mark.integration
 def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
-    """`python -m recipes.sft` on multi-turn chats from a local jsonl: the held-out loss goes down, greedy
-    generations are logged, and the HF export loads in transformers with the checkpoint's logits."""
+    """`python -m recipes.sft` on multi-turn chats from a local jsonl, a third of them calling a tool (structured
+    `tool_calls`, `tool` results, the rows' `tools`): the held-out loss goes down, greedy generations are logged,
+    and the HF export loads in transformers with the checkpoint's logits."""
     import torch
     import transformers
 
@@ -222,7 +271,9 @@ def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
 
     tokenizer_dir, _ = qwen_chat
     source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in chats(400, seed=2)))
+    plain, calling = iter(chats(267, seed=2)), iter(tool_chats(133, seed=2))
+    mixed = [next(calling) if i % 3 == 2 else next(plain) for i in range(400)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in mixed))
     run_dir = tmp_path / "run"
     assert (
         main(

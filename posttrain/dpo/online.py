@@ -37,6 +37,7 @@ from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
+from posttrain.onpolicy.policy_gradient import completion_tokens
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion
@@ -67,7 +68,16 @@ def best_worst_pairs(
         if list(chosen.token_ids) == list(rejected.token_ids):
             left_out["identical"] += 1
             continue
-        pairs.append(Pair(i, tuple(chosen.prompt_ids), tuple(chosen.token_ids), tuple(rejected.token_ids)))
+        pairs.append(
+            Pair(
+                i,
+                tuple(chosen.prompt_ids),
+                tuple(chosen.token_ids),
+                tuple(rejected.token_ids),
+                None if chosen.sampled is None else tuple(chosen.sampled),
+                None if rejected.sampled is None else tuple(rejected.sampled),
+            )
+        )
     return pairs, left_out
 
 
@@ -140,8 +150,8 @@ class OnlineDPORun(OnPolicyRun):
 
 def pair_length(cfg: PostTrainConfig) -> int:
     """The most tokens a sampled pair holds: a prompt and one completion (<= rollout.max_model_len, vLLM's bound)
-    and a second completion (<= rollout.max_tokens)."""
-    return cfg.rollout.max_model_len + cfg.rollout.max_tokens
+    and a second completion (<= rollout.max_tokens; a whole trajectory's with `rl.agent`)."""
+    return cfg.rollout.max_model_len + completion_tokens(cfg)
 
 
 def check_config(cfg: PostTrainConfig) -> None:
@@ -161,7 +171,7 @@ def check_config(cfg: PostTrainConfig) -> None:
         raise ConfigError(
             f"rl.batch.pack_length ({b.pack_length}) cannot hold a sampled pair: a prompt and its completion take up "
             f"to rollout.max_model_len ({cfg.rollout.max_model_len}) and the second completion up to "
-            f"rollout.max_tokens ({cfg.rollout.max_tokens}); set it to at least {pair_length(cfg)} or 0"
+            f"{completion_tokens(cfg)} tokens; set it to at least {pair_length(cfg)} or 0"
         )
 
 

@@ -49,6 +49,10 @@ class Pair:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
+    # Per token of chosen / rejected: the model's (True, a target) or an environment's (False: context, in a
+    # multi-turn trajectory); None: every token is the model's.
+    chosen_trained: tuple[bool, ...] | None = None
+    rejected_trained: tuple[bool, ...] | None = None
 
     @property
     def length(self) -> int:
@@ -217,4 +221,11 @@ def build_pair_batch(
             targets[2 * slot + 1] = branch_targets(rows, g, s, 2)
             mask[slot] = 1.0
     longest = max((max(len(p.chosen), len(p.rejected)) for p in pairs), default=1)
-    return PairBatch(packed_batch(rows, targets, bucketed_width(longest, row_len)), mask)
+    packed = packed_batch(rows, targets, bucketed_width(longest, row_len))
+    for g, group in enumerate(members):  # an environment's tokens in a trajectory: context, not targets
+        for s, p in enumerate(group):
+            slot = g * per_group + s
+            for side, trained in ((0, p.chosen_trained), (1, p.rejected_trained)):
+                if trained is not None:
+                    packed.target_mask[2 * slot + side, : len(trained)] *= np.asarray(trained, np.float32)
+    return PairBatch(packed, mask)
