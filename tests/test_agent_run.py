@@ -37,8 +37,9 @@ class Scorer(Chatter):
 
 def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
     """A tiny random `arch` model for `tokenizer` whose sampled turns end: its output row for EOS points along the
-    mean of its final hidden states, scaled so that EOS has probability `share` on average (at temperature 1),
-    so turns stop after a few tokens and the environment takes its turn."""
+    mean of its final hidden states after a chat prompt, scaled so that at half of those positions or more EOS
+    has probability `share` or more (at temperature 1), so turns stop after a few tokens and the environment takes
+    its turn."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -46,18 +47,21 @@ def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
 
     save_tiny_hf_model(path, arch, hidden_size=128, head_dim=32, max_position_embeddings=512, vocab_size=len(tokenizer))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.randint(3, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(0))
+    from core.chat import chat_prompt_ids
+
+    prompt = torch.tensor([chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is 2 + 3?"}])] * 8)
+    ids = torch.cat([prompt, torch.randint(3, len(tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))], 1)
     eos = tokenizer.eos_token_id
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
-        h = out.hidden_states[-1].reshape(-1, model.config.hidden_size)
-        logits = out.logits.reshape(h.shape[0], -1)
+        h = out.hidden_states[-1][:, prompt.shape[1] - 1 :].reshape(-1, model.config.hidden_size)
+        logits = out.logits[:, prompt.shape[1] - 1 :].reshape(h.shape[0], -1)
         rest = torch.logsumexp(torch.cat([logits[:, :eos], logits[:, eos + 1 :]], 1), -1)
         along = h @ h.mean(0)
         lo, hi = 0.0, 100.0
-        for _ in range(50):  # the scale at which the mean probability of EOS is `share`
+        for _ in range(50):  # the scale at which the median probability of EOS is `share`
             alpha = (lo + hi) / 2
-            p = torch.sigmoid(alpha * along - rest).mean()
+            p = torch.sigmoid(alpha * along - rest).median()
             lo, hi = (alpha, hi) if p < share else (lo, alpha)
         model.lm_head.weight[eos] = alpha * h.mean(0)
     model.save_pretrained(path)

@@ -34,9 +34,10 @@ def chats(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def tool_chats(n: int, seed: int = 0) -> list[dict]:
+def tool_chats(n: int, seed: int = 0, offer: bool = True) -> list[dict]:
     """Conversations in which the assistant calls the calculator (a structured `tool_calls` turn), reads its result
-    (a `tool` message) and answers; the row offers the tool's schema (`tools`)."""
+    (a `tool` message) and answers; with `offer`, the row offers the tool's schema (`tools`, rendered into the
+    system turn: a few hundred tokens)."""
     from rollout.calculator import calculator
     from rollout.tools import tool_schema
 
@@ -46,12 +47,13 @@ def tool_chats(n: int, seed: int = 0) -> list[dict]:
         a, b = (int(x) for x in rng.integers(100, 1000, 2))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
         messages = [
+            {"role": "system", "content": "You multiply numbers."},
             {"role": "user", "content": f"What is {a} * {b}?"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "calculator", "content": str(a * b)},
             {"role": "assistant", "content": f"{a} * {b} = {a * b}."},
         ]
-        rows.append({"messages": messages, "tools": [schema]})
+        rows.append({"messages": messages, "tools": [schema]} if offer else {"messages": messages})
     return rows
 
 
@@ -68,17 +70,17 @@ def test_sft_rows_train_on_tool_calls_and_name_a_malformed_one(qwen_chat):
     ids, targets = rows.tokenize(row, tok)
     assert ids == list(tok.apply_chat_template(row["messages"], tools=row["tools"], return_dict=True)["input_ids"])
     trained = tok.decode([ids[k] for k in targets], skip_special_tokens=False)
-    product = row["messages"][2]["content"]
+    product = row["messages"][3]["content"]
     assert trained.startswith('<tool_call>\n{"name": "calculator"') and trained.count(product) == 1, trained
     assert trained.endswith(f"= {product}.<|im_end|>") and "calculator" in tok.decode(ids)  # the schema, rendered
     bad = json.loads(json.dumps(row))
-    bad["messages"][1]["tool_calls"][0]["function"].pop("name")
-    assert rows.problem(bad) == ("messages[1].tool_calls[0]", "expected {function: {name: str, arguments: ...}}")
-    bad["messages"][1]["tool_calls"] = [{"function": {"name": "calculator", "arguments": 7}}]
-    assert rows.problem(bad)[0] == "messages[1].tool_calls[0].function.arguments"
-    bad["messages"][2]["tool_calls"] = row["messages"][1]["tool_calls"]
-    bad["messages"][1] = row["messages"][1]
-    assert rows.problem(bad) == ("messages[2].tool_calls", "only an assistant message calls tools, not a 'tool' one")
+    bad["messages"][2]["tool_calls"][0]["function"].pop("name")
+    assert rows.problem(bad) == ("messages[2].tool_calls[0]", "expected {function: {name: str, arguments: ...}}")
+    bad["messages"][2]["tool_calls"] = [{"function": {"name": "calculator", "arguments": 7}}]
+    assert rows.problem(bad)[0] == "messages[2].tool_calls[0].function.arguments"
+    bad["messages"][3]["tool_calls"] = row["messages"][2]["tool_calls"]
+    bad["messages"][2] = row["messages"][2]
+    assert rows.problem(bad) == ("messages[3].tool_calls", "only an assistant message calls tools, not a 'tool' one")
     assert rows.problem({**row, "tools": "calculator"}) == ("tools", "expected a list of JSON schemas (objects)")
 
 
@@ -89,6 +91,7 @@ def qwen_chat(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sft")
     corpus = [m["content"] for row in chats(50) + tool_chats(20) for m in row["messages"]]
+    corpus += ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'] * 20
     chat_tokenizer(root / "qwen2.5", "qwen2_5", corpus=corpus)
     return str(root / "qwen2.5"), str(save_tiny_hf_model(root / "model", "qwen2", max_position_embeddings=512))
 
@@ -271,7 +274,7 @@ def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
 
     tokenizer_dir, _ = qwen_chat
     source = tmp_path / "chats.jsonl"
-    plain, calling = iter(chats(267, seed=2)), iter(tool_chats(133, seed=2))
+    plain, calling = iter(chats(267, seed=2)), iter(tool_chats(133, seed=2, offer=False))
     mixed = [next(calling) if i % 3 == 2 else next(plain) for i in range(400)]
     source.write_text("".join(json.dumps(r) + "\n" for r in mixed))
     run_dir = tmp_path / "run"
@@ -298,7 +301,7 @@ def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
     assert len(evals) == 2 and evals[1] < evals[0] - 0.2, evals  # measured: 2.36 -> 1.95
     generations = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in generations] == [15] * 4 + [30] * 4
-    assert generations[0]["prompt"][-1]["role"] == "user" and isinstance(generations[0]["output"], str)
+    assert generations[0]["prompt"][-1]["role"] in ("user", "tool") and isinstance(generations[0]["output"], str)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     model, _, _ = load_checkpoint_model(run_dir / "checkpoints")

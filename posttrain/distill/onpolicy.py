@@ -48,7 +48,7 @@ from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch, completion_tokens
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
@@ -239,7 +239,7 @@ class OnPolicyDistillRun(OnPolicyRun):
             np.zeros(len(scored.completions), np.float32),
             np.ones(len(scored.completions), bool),
             row_len=self.row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
+            max_tokens=completion_tokens(self.cfg),
             groups=self.cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
             row_multiple=self.row_multiple,
             share_prompts=rl.batch.share_prompts,
@@ -282,7 +282,7 @@ class OnPolicyDistillRun(OnPolicyRun):
             advantages,
             np.ones(len(completions), bool),
             row_len=self.row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
+            max_tokens=completion_tokens(self.cfg),
             groups=self.cfg.rl.batch.mini_batches * self.cfg.train.micro_batches,
             row_multiple=self.row_multiple,
             share_prompts=self.cfg.rl.batch.share_prompts,
