@@ -39,13 +39,13 @@ def test_quickstart_runs_every_stage(tmp_path):
         "--run-dir",
         str(out),
         "--pretrain-steps",
-        "20",
-        "--sft-steps",
         "10",
+        "--sft-steps",
+        "6",
         "--grpo-steps",
         "2",
         "--eval-prompts",
-        "16",
+        "8",
     ]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -105,12 +105,13 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
 def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill_9(
     tmp_path, arithmetic_tokenizer, local_ray
 ):
-    """DPO with the reference's log-probs computed once and stored (every process computes them, process 0 writes
-    the store, keyed on a digest made of each process's own shards) on 2 processes x 4 devices. One process gets
-    SIGKILL after step 3 is logged (checkpoint 2 behind it): the group stops with `TrainerUnavailable`. The same
-    config resumes from checkpoint 2 in a new group, reads the store back (the digest of the same weights on the
-    same mesh is the same), redoes step 3 with the loss it logged before the kill and finishes step 4: every step
-    logged once. DPO's step itself equals one process's in tests/test_distributed.py."""
+    """DPO of LoRA adapters (with dropout: its keys come from the checkpointed RNG) with the reference (the policy
+    with its adapters off) computed once and stored (every process computes them, process 0 writes the store,
+    keyed on a digest made of each process's own shards) on 2 processes x 4 devices. One process gets SIGKILL after
+    step 3 is logged (checkpoint 2 behind it): the group stops with `TrainerUnavailable`. The same config resumes
+    from checkpoint 2 in a new group, reads the store back (the digest of the same weights on the same mesh is the
+    same), redoes step 3 with the loss it logged before the kill and finishes step 4: every step logged once. The
+    checkpoints hold the adapters alone. DPO's step itself equals one process's in tests/test_distributed.py."""
     import os
     import signal
     import threading
@@ -127,6 +128,7 @@ def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill
     group = ["placement.trainer_processes=2", "placement.cpu_devices_per_process=4"]
     common = ["mesh.fsdp=4", "mesh.tensor=2", "optim.name=sgd", "optim.learning_rate=0.1", "train.log_every=1"]
     common += ["dpo.precompute_ref_logps=true", "checkpoint.every_steps=2", "logging.tensorboard=false"]
+    common += ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.1"]
     cfg = dpo_config(tmp_path / "two", arithmetic_tokenizer, *common, *group, "train.steps=4")
     run_dir = tmp_path / "two" / "run"
     failure: dict = {}
@@ -163,5 +165,9 @@ def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill
     # step 3 redone exactly: the same loss to a float32 step or two of its value
     assert abs(after[2][1] - before[2][1]) <= 2 * np.spacing(np.float32(before[2][1]))
     assert store.stat().st_mtime_ns == written  # the same weights' digest: the store was read, not recomputed
+    from tests.helpers import saved_tensors
+
+    saved = saved_tensors(run_dir / "checkpoints" / "4")  # the adapters, not the base
+    assert saved and all(p.endswith(("lora.a", "lora.b")) for p in saved), saved
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "reference_logps.npz: read" in log and "resumed from" in log

@@ -1,8 +1,9 @@
 """Exact resume: SIGKILL a training process after a checkpoint, restart it on the same run directory.
 
 The worker fine-tunes on chat rows (SFT: assistant-only targets, packed conversations); pretraining runs the
-same loop, learner and pipeline on text rows. DPO trains LoRA adapters (with dropout: its keys come from the
-checkpointed RNG), distillation a whole student."""
+same loop, learner and pipeline on text rows; distillation trains a whole student from a teacher's dump. (DPO's
+exact resume, of LoRA adapters with dropout and a stored reference, runs on a process group in
+tests/test_offline_group.py.)"""
 
 import json
 import os
@@ -40,25 +41,6 @@ OVERRIDES = [
 ]
 
 
-# Offline DPO of LoRA adapters: the pair pipeline, the precomputed reference log-probs (the policy with its adapters
-# off) read back on resume, a checkpoint holding the adapters and their optimizer state alone.
-DPO_OVERRIDES = [
-    "--dpo",
-    "train.steps=24",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.batch_size=4",
-    "data.num_examples=400",
-    "data.eval_fraction=0",
-    "dpo.precompute_ref_logps=true",
-    "model.lora.rank=4",
-    "model.lora.alpha=8",
-    "model.lora.dropout=0.1",
-    "optim.learning_rate=1.0e-3",
-    *OVERRIDES[9:],  # the model, checkpoint and logging settings above
-]
-
-
 # Offline distillation: the student reads a teacher's top-k dump (written by the test first) batch by batch.
 DISTILL_OVERRIDES = [
     "--distill",
@@ -80,7 +62,7 @@ DISTILL_OVERRIDES = [
 
 def start(run_dir: Path, ids: Path, tokenizer: str, overrides: list[str] = OVERRIDES) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1)}
-    head = overrides[:1] if overrides[:1] in (["--dpo"], ["--distill"]) else []
+    head = overrides[:1] if overrides[:1] == ["--distill"] else []
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(ids), tokenizer, *head, f"run.run_dir={run_dir}", *overrides[len(head) :]],
         cwd=ROOT,
@@ -103,13 +85,9 @@ def id_records(path: Path) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["sft", "dpo", "distill"])
+@pytest.mark.parametrize("method", ["sft", "distill"])
 def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_model_dir, method):
-    overrides, steps, rows = {
-        "sft": (OVERRIDES, 24, 800),
-        "dpo": (DPO_OVERRIDES, 24, 400),
-        "distill": (DISTILL_OVERRIDES, 24, 200),
-    }[method]
+    overrides, steps, rows = {"sft": (OVERRIDES, 24, 800), "distill": (DISTILL_OVERRIDES, 24, 200)}[method]
     if method == "distill":  # the teacher's top-k, dumped once for both runs (the dump is a recipe of its own)
         from recipes.distill_logits import main as dump
 
@@ -148,14 +126,6 @@ def test_sigkill_then_resume_is_exact(tmp_path, arithmetic_tokenizer, rollout_mo
     assert resumed.returncode == 0, out
     resumed_from = int(out.split("resumed from ")[1].split()[0].rsplit("/", 1)[1])
     assert 16 <= resumed_from < killed_at
-    if method == "dpo":
-        # stored by the killed run, not recomputed: both sides of the 400 pairs
-        assert "reference_logps.npz: read 800 sequences' values" in out
-        from tests.helpers import saved_tensors
-
-        saved = saved_tensors(run_dir / "checkpoints" / "24")  # the adapters, not the base
-        assert len(saved) == 14 and all(p.endswith(("lora.a", "lora.b")) for p in saved)
-
     # The redone steps are checked against the killed run's own log (the same batches, the same losses): a step
     # redone from the checkpoint equals the step run before the kill only if the parameters, the optimizer state, the
     # RNG and the data position all came back. The steps after it follow from that state as an uninterrupted run's.

@@ -1,7 +1,7 @@
-"""A training process for the resume tests: pretraining or SFT (by `data.format`), offline DPO with `--dpo`, or
-offline distillation with `--distill` (`core.run.build_run`), plus a log of example ids (source rows) per step.
+"""A training process for the resume tests: pretraining or SFT (by `data.format`), or offline distillation with
+`--distill` (`core.run.build_run`), plus a log of example ids (source rows) per step.
 
-python tests/train_worker.py IDS_FILE TOKENIZER_DIR [--dpo | --distill] [key=value ...]
+python tests/train_worker.py IDS_FILE TOKENIZER_DIR [--distill] [key=value ...]
 """
 
 import json
@@ -16,10 +16,8 @@ from core.run import build_run
 
 
 def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
-    flag = overrides[0] if overrides[:1] in (["--dpo"], ["--distill"]) else None
-    base = {"--dpo": "recipes/configs/dpo_tiny.yml", "--distill": "recipes/configs/distill_tiny.yml"}.get(
-        flag or "", "recipes/configs/pretrain_tiny.yml"
-    )
+    flag = overrides[0] if overrides[:1] == ["--distill"] else None
+    base = "recipes/configs/distill_tiny.yml" if flag else "recipes/configs/pretrain_tiny.yml"
     argv = [*overrides[flag is not None :], f"data.tokenizer_dir={tokenizer_dir}"]
 
     def record_ids(step, data):
@@ -32,12 +30,11 @@ def main(ids_file: str, tokenizer_dir: str, overrides: list[str]) -> None:
     from core.pretrain import PRETRAINING
     from posttrain.config import PostTrainConfig
     from posttrain.distill.method import DISTILL
-    from posttrain.dpo.offline import DPO
     from posttrain.sft import SFT
 
     cfg = config_from_argv(argv, base, schema=PostTrainConfig)
-    method = {"--dpo": DPO, "--distill": DISTILL}.get(flag or "")
-    run = build_run(cfg, method or (PRETRAINING if cfg.data.format == "text" else SFT))
+    method = DISTILL if flag else (PRETRAINING if cfg.data.format == "text" else SFT)
+    run = build_run(cfg, method)
     run.loop.on_batch = record_ids
     run.fit()
 
