@@ -67,17 +67,14 @@ LEARNABLE = [
 
 
 @pytest.mark.serial
-def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_trainer(
-    ray_cluster, tmp_path, arithmetic_tokenizer
-):
+def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler(ray_cluster, tmp_path, arithmetic_tokenizer):
     """Real Ray, real vLLM. After step 2 the sampler actor is killed: the next step restarts it, loads the
-    current weights and redoes its prompts. After step 4 (a checkpoint) the trainer actor is killed: the run
-    stops with TrainerUnavailable, and the same config resumes from checkpoint 4. The reward (share of digits,
-    which a random tiny model can learn) goes up over the 8 steps."""
+    current weights and redoes its prompts. The reward (share of digits, which a random tiny model can learn) goes
+    up over the 8 steps. (A trainer that dies, and the resume after it: tests/test_trainer_group.py and the async
+    test below.)"""
     import ray
 
     from posttrain.grpo import GRPORun
-    from posttrain.trainer import TrainerUnavailable
 
     cfg = tiny_cfg(
         tmp_path / "run",
@@ -87,39 +84,25 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
         "train.eval_every=8",
         "rl.eval_prompts=4",
         "rl.eval_samples=2",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep=3",
+        "checkpoint.every_steps=4",
     )
     killed = {}
 
-    def kill_sampler_then_trainer(run, step, metrics):
+    def kill_sampler(run, step, metrics):
         if step == 2:
             killed["sampler"] = run.samplers.samplers[0].handle
             ray.kill(killed["sampler"])
-        if step == 4:
-            ray.kill(run.trainer.actors[0])
 
     run = GRPORun(cfg)
     try:
-        with pytest.raises(
-            TrainerUnavailable,
-            match=r"the trainer actor is unavailable during version\(\).*"
-            r"run the same command again to resume",
-        ):
-            run.run(on_step=kill_sampler_then_trainer)
+        summary = run.run(on_step=kill_sampler)
         assert run.samplers.samplers[0].handle != killed["sampler"]
-    finally:
-        run.close()
-    run = GRPORun(cfg)
-    try:
-        assert run.start_step == 4
-        summary = run.run()
         assert run.samplers.samplers[0].policy_version == run.trainer.version() == 8
     finally:
         run.close()
 
     steps, evals = metric_rows(summary.run_dir)
-    assert [m["step"] for m in steps] == list(range(1, 9))  # each step once, in order, across the restart
+    assert [m["step"] for m in steps] == list(range(1, 9))  # each step once, in order
     for m in steps:
         assert m["policy_version"] == m["step"]  # the sampler follows the trainer after every sync
         assert m["staleness_max"] == 0 and m["reward/failed_groups"] == 0
@@ -140,8 +123,8 @@ def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler_and_a_dead_tra
             "tokens_per_s",
         ):
             assert np.isfinite(m[key]), key
-    assert [m["sampler_restarts"] for m in steps] == [0, 0, 1, 1, 0, 0, 0, 0]  # the second run starts afresh
-    assert [m["sampler_redone_prompts"] for m in steps][:4] == [0, 0, 4, 4]
+    assert [m["sampler_restarts"] for m in steps] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert [m["sampler_redone_prompts"] for m in steps] == [0, 0, 4, 4, 4, 4, 4, 4]
     first, last = np.mean([m["reward/mean"] for m in steps[:2]]), np.mean([m["reward/mean"] for m in steps[-2:]])
     print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}")
     assert last > first + 0.5  # measured on 4 seeds (JAX sampler, same task): +0.92 or more by step 8
