@@ -173,6 +173,27 @@ def _past_tool_calls(text: str, message: dict, at: int, limit: int) -> int:
     return at
 
 
+def _with_argument_objects(messages: Sequence[dict]) -> list[dict]:
+    """The messages with every tool call's `arguments` an object: OpenAI's JSON strings parsed (the templates
+    write `arguments | tojson`, which would write a string's quotes and escapes into the call)."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls and any(isinstance(c.get("function", {}).get("arguments"), str) for c in calls):
+            try:
+                calls = [
+                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                    if isinstance(c.get("function", {}).get("arguments"), str)
+                    else c
+                    for c in calls
+                ]
+            except ValueError as err:
+                raise ChatTemplateError(f"message {i}: a tool call's arguments are not JSON ({err})") from None
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
 def assistant_char_spans(
     tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -180,6 +201,7 @@ def assistant_char_spans(
     the conversation offers, rendered as the template renders them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
+    messages = _with_argument_objects(messages)
     text = _render(tokenizer, messages, False, tools)
     atomic = _atomic_tokens(tokenizer)
     closers, then_eos = _closing(tokenizer)

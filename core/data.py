@@ -27,6 +27,7 @@ gradient as padded rows, in fewer rows. The iterator's state (`get_state` / `set
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -103,7 +104,13 @@ def messages_problem(row: Any, field: str = "messages") -> tuple[str, str] | Non
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     return f"{field}[{j}].tool_calls[{k}]", "expected {function: {name: str, arguments: ...}}"
-                if not isinstance(function.get("arguments", {}), (dict, str)):
+                arguments = function.get("arguments", {})
+                if isinstance(arguments, str):  # OpenAI's form: a JSON string of the object
+                    try:
+                        arguments = json.loads(arguments)
+                    except ValueError:
+                        arguments = None
+                if not isinstance(arguments, dict):
                     return f"{field}[{j}].tool_calls[{k}].function.arguments", "expected an object or a JSON string"
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             return f"{field}[{j}]", "expected {role: str, content: str}"

@@ -153,6 +153,7 @@ class WorkerPool:
     ) -> tuple[list[float | None], list[str]]:
         """Score a batch; returns per-item values (None = failed) and one message per failed shard."""
         with self._lock:
+            self._check_open()
             return self._run(spec, kwargs, prompts, completions, columns, timeout)
 
     def _run(self, spec, kwargs, prompts, completions, columns, timeout) -> tuple[list[float | None], list[str]]:
@@ -203,7 +204,12 @@ class WorkerPool:
         """Each call's result, in order; calls run on the workers as they come free, each with `timeout` seconds
         from when it starts."""
         with self._lock:
+            self._check_open()
             return self._call(calls, timeout)
+
+    def _check_open(self) -> None:
+        if not self._workers:
+            raise RuntimeError("the worker pool is closed")
 
     def _call(self, calls: Sequence[Call], timeout: float) -> list[CallResult]:
         results: list[CallResult | None] = [None] * len(calls)
@@ -251,6 +257,11 @@ class WorkerPool:
         return self._workers[at]
 
     def close(self) -> None:
+        """Stop the workers (after the batch in progress in another thread, if any)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for worker in self._workers:
             with contextlib.suppress(BrokenPipeError, OSError):
                 worker.conn.send(None)

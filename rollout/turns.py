@@ -20,10 +20,12 @@ episode only once it comes back whole, so sampling it again changes nothing the 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rollout.background import Cancelled
 from rollout.sampler import Completion, SamplingParams, sample_seed
 
 
@@ -82,11 +84,19 @@ class EngineTurns:
     so it decodes while the environment answers. `slice_s`: the longest an engine decodes before it returns with
     nothing finished (so that turns queued meanwhile join the batch it runs)."""
 
-    def __init__(self, group: Any, push: Callable[[Any], Any], slice_s: float = 0.05, wait: Callable | None = None):
+    def __init__(
+        self,
+        group: Any,
+        push: Callable[[Any], Any],
+        slice_s: float = 0.05,
+        wait: Callable | None = None,
+        cancelled: threading.Event | None = None,
+    ):
         """`wait(refs, timeout)`: the refs among `refs` that are ready, at least one unless `timeout` passed
-        (default: `ray.wait`'s)."""
+        (default: `ray.wait`'s); `cancelled`: set when the run stops (`take` then raises `Cancelled`)."""
         self.group, self.push, self.slice_s = group, push, slice_s
         self.wait = wait or _ray_wait
+        self.cancelled = cancelled
         self.home: dict[int, Any] = {}  # episode key -> the sampler serving its turns
         self.queued: dict[int, list[TurnRequest]] = {}  # id(sampler) -> turns not yet sent to it
         self.held: dict[int, dict[int, TurnRequest]] = {}  # id(sampler) -> turns its engine runs
@@ -108,6 +118,8 @@ class EngineTurns:
     def take(self) -> list[tuple[int, Completion]]:
         out: list[tuple[int, Completion]] = []
         while not out:
+            if self.cancelled is not None and self.cancelled.is_set():
+                raise Cancelled("the run is stopping: the episodes in flight are dropped")
             for sampler in list(self.group.samplers):
                 self._send(sampler)
             if not self.calls:

@@ -139,9 +139,12 @@ class VLLMSampler:
             if r.params.n != 1:
                 raise ValueError(f"turn request {i} asks for n={r.params.n} samples; a turn is one")
         engine = self.llm.llm_engine
+        stale = [f"turn-{r.key}" for r in requests if r.key in self._turns]  # left by a scheduler that stopped
+        if stale:
+            engine.abort_request(stale)
         for r in requests:
             engine.add_request(
-                str(r.key),
+                f"turn-{r.key}",  # not LLM.generate's numbered ids
                 {"prompt_token_ids": list(r.token_ids)},
                 _vllm_params(r.params, 1, r.params.seed),
                 lora_request=self.lora_request,
@@ -152,7 +155,7 @@ class VLLMSampler:
         while engine.has_unfinished_requests() and not finished and time.perf_counter() < deadline:
             for out in engine.step():
                 if out.finished:
-                    r = self._turns.pop(int(out.request_id))
+                    r = self._turns.pop(int(out.request_id.removeprefix("turn-")))
                     first = out.outputs[0]  # type: ignore[index]  # a generation's, not a pooling output
                     finished.append((r.key, self._completion(r.token_ids, first, r.params.logprobs)))
         return TurnProgress(finished, engine.get_num_unfinished_requests())

@@ -459,3 +459,36 @@ def test_online_dpo_pairs_of_trajectories_train_on_the_models_tokens_only():
     assert {4, 5, 6, 7, 8, 9, 10, 11} <= set(np.asarray(packed.tokens).ravel().tolist())
     plain = build_pair_batch([pairs[0].__class__(0, (1, 2, 3), (4, 5), (9,))], slots=1, row_len=32).packed
     np.testing.assert_array_equal(np.asarray(plain.target_mask)[:, :2], [[1, 1], [1, 0]])  # single-turn: all
+
+
+def test_background_episodes_run_in_order_and_stop_when_the_run_closes(tmp_path_factory):
+    """Async episodes run one request's at a time in a daemon thread; a run that stops (an error, Ctrl-C) closes
+    it: the engine turns in flight stop at their next engine call (`Cancelled`), queued jobs never start, and the
+    close returns (the pool and engines are released after it)."""
+    import threading
+
+    from rollout.background import Background, Cancelled
+
+    jobs = Background("episodes")
+    order: list[int] = []
+    first, second = jobs.submit(order.append, 1), jobs.submit(order.append, 2)
+    assert first.result(5) is None and second.result(5) is None and order == [1, 2]
+
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    pool = WorkerPool(1)
+    try:
+        endless = FakeEngine(tok, steps=lambda key: 10**9)  # its turns never end
+        group = SamplerGroup([endless])
+        turns = EngineTurns(group, lambda s: None, wait=lambda refs, timeout: refs[:1], cancelled=jobs.cancelled)
+        env = EnvironmentRunner(CHATTER, {}, pool, timeout_s=10.0)
+        params = SamplingParams(n=1, max_tokens=16, seed=1)
+        args = (turns, env, tok, [{"prompt": "x"}], EpisodeLimits(3, 16, 4000), params, ToolParsers("hermes", tok))
+        running, queued = jobs.submit(run_episodes, *args), jobs.submit(order.append, 3)
+        while endless.calls < 3:  # the episode's first turn is decoding
+            threading.Event().wait(0.01)
+        jobs.close(timeout_s=10)
+        with pytest.raises(Cancelled, match="the run is stopping"):
+            running.result(5)
+        assert queued.cancelled() and order == [1, 2]
+    finally:
+        pool.close()

@@ -73,6 +73,12 @@ def test_sft_rows_train_on_tool_calls_and_name_a_malformed_one(qwen_chat):
     product = row["messages"][3]["content"]
     assert trained.startswith('<tool_call>\n{"name": "calculator"') and trained.count(product) == 1, trained
     assert trained.endswith(f"= {product}.<|im_end|>") and "calculator" in tok.decode(ids)  # the schema, rendered
+    as_string = json.loads(json.dumps(row))  # OpenAI's form of the arguments: a JSON string, read as the object
+    call = as_string["messages"][2]["tool_calls"][0]["function"]
+    call["arguments"] = json.dumps(call["arguments"])
+    assert rows.problem(as_string) is None and rows.tokenize(as_string, tok) == (ids, targets)
+    call["arguments"] = "expression: 12 * 7"
+    assert rows.problem(as_string)[0] == "messages[2].tool_calls[0].function.arguments"
     bad = json.loads(json.dumps(row))
     bad["messages"][2]["tool_calls"][0]["function"].pop("name")
     assert rows.problem(bad) == ("messages[2].tool_calls[0]", "expected {function: {name: str, arguments: ...}}")

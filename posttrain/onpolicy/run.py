@@ -47,10 +47,11 @@ counted in `skipped_updates`; abort: the loop writes a checkpoint, then
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,6 +72,7 @@ from posttrain.onpolicy.workers import release, start_samplers
 from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
 from rewards.runner import RewardRunner
+from rollout.background import Background
 from rollout.episodes import Episode
 from rollout.group import Pending
 from rollout.placement import Placement, reserve
@@ -163,9 +165,10 @@ class OnPolicyRun(Loop):
         self.final_eval: dict | None = None
         self._in_flight: deque[InFlight] = deque(resumed_in_flight)
         # Async multi-turn rollouts: episodes run in this thread, one request's at a time, while the trainer trains.
-        self._background = (
-            ThreadPoolExecutor(1, thread_name_prefix="episodes") if self.agent and rl.off_policy_steps else None
-        )
+        self._background = Background("episodes") if self.agent and rl.off_policy_steps else None
+        # The trainer's calls from both threads (a sampler restarted in the episode thread is loaded with the
+        # trainer's weights): one at a time, so that the processes of a trainer group see them in one order.
+        self._trainer_lock = threading.Lock()
         self._last_line = ""
         self._last_metrics: dict[str, float] = {}
         self._hf_dir: Path | None = None
@@ -195,14 +198,15 @@ class OnPolicyRun(Loop):
 
     def _push(self, sampler: Sampler) -> SyncStats:
         """The trainer's current weights and policy version into one sampler."""
-        stats = self.trainer.sync(sampler)
+        with self._trainer_lock:
+            stats = self.trainer.sync(sampler)
         sampler.policy_version = stats.version
         return stats
 
     def _sync(self) -> tuple[float, int]:
         """(seconds, bytes sent to all samplers) of one weight sync."""
+        self._settle()  # not timed here: the wait for episodes still running is generation's
         start = time.perf_counter()
-        self._settle()
         stats = self.samplers.sync(self._push)
         return time.perf_counter() - start, sum(s.bytes for s in stats)
 
@@ -249,7 +253,8 @@ class OnPolicyRun(Loop):
         """How episodes' turns reach the samplers: each its own request on the vLLM engines, or a batch a round
         (the JAX sampler)."""
         if self.cfg.rollout.sampler == "vllm":
-            return EngineTurns(self.samplers, self._push)
+            stop = self._background.cancelled if self._background is not None else None
+            return EngineTurns(self.samplers, self._push, cancelled=stop)
         return LockstepTurns(self._generate)
 
     def _collect(self, request: InFlight) -> list[Completion]:
@@ -300,12 +305,15 @@ class OnPolicyRun(Loop):
         completions = self._collect(request)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        staleness = check_staleness(completions, self.trainer.version(), rl.off_policy_steps)
+        with self._trainer_lock:
+            version = self.trainer.version()
+        staleness = check_staleness(completions, version, rl.off_policy_steps)
         data = self._prepare(self._score(request))
         batch = data.batch
         reward_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        trained = self.trainer.train(batch) if batch is not None else None
+        with self._trainer_lock:
+            trained = self.trainer.train(batch) if batch is not None else None
         train_s = time.perf_counter() - t2
         sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
         times = StepTimes(gen_s, reward_s, train_s, sync_s, sync_bytes, step_s=time.perf_counter() - t0)
@@ -411,8 +419,8 @@ class OnPolicyRun(Loop):
         the Ray steps get `timeout_s` in all (30 s; 10 s once the trainer was found gone, when the cluster may be
         gone too), so a cluster that went away cannot keep the run from ending."""
         timeout_s = timeout_s if timeout_s is not None else (10.0 if self.trainer.lost else 30.0)
-        if self._background is not None:
-            self._background.shutdown(wait=False, cancel_futures=True)
+        if self._background is not None:  # before the pool and samplers it uses go
+            self._background.close(timeout_s)
         self.rewards.close()
         steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers)]
         steps.append(("trainer", self.trainer.close))
