@@ -104,6 +104,10 @@ class OnPolicyRun(Loop):
     plots = (Plot(("reward/mean", "accuracy", "eval/pass@1"), "reward.png", "reward / accuracy"),)
 
     def __init__(self, cfg: PostTrainConfig):
+        # The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread
+        # is loaded with the trainer's weights): one at a time, so that a trainer group's processes see one order.
+        self._trainer_lock = threading.Lock()
+        self._background: Background | None = None
         check_config(cfg)
         self.check(cfg)
         run_dir = Path(cfg.run.run_dir)
@@ -166,9 +170,7 @@ class OnPolicyRun(Loop):
         self._in_flight: deque[InFlight] = deque(resumed_in_flight)
         # Async multi-turn rollouts: episodes run in this thread, one request's at a time, while the trainer trains.
         self._background = Background("episodes") if self.agent and rl.off_policy_steps else None
-        # The trainer's calls from both threads (a sampler restarted in the episode thread is loaded with the
-        # trainer's weights): one at a time, so that the processes of a trainer group see them in one order.
-        self._trainer_lock = threading.Lock()
+
         self._last_line = ""
         self._last_metrics: dict[str, float] = {}
         self._hf_dir: Path | None = None
