@@ -110,10 +110,10 @@ def ray_cluster():
 
 @pytest.mark.integration
 @pytest.mark.serial
-def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, tmp_path, arithmetic_tokenizer):
+def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, arithmetic_tokenizer):
     """Real Ray, real vLLM, a reward a random tiny model can learn (share of digits): pairs of its own best and
-    worst samples raise the reward over 8 steps; the weights reach the sampler after every update; a second run
-    on the same directory resumes at the last checkpoint."""
+    worst samples raise the reward over 8 steps; the weights reach the sampler after every update. (Resuming is
+    the on-policy run's, tested with GRPO and on-policy distillation.)"""
     from posttrain.dpo.online import OnlineDPORun
 
     cfg = load_config(
@@ -154,12 +154,6 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward_and_resumes(ray_cluster, 
     print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}")
     assert last > first + 0.3
     assert (tmp_path / "run" / "hf").exists() and (tmp_path / "run" / "reward.png").exists()
-
-    again = OnlineDPORun(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 9})}))
-    try:
-        assert again.start_step == 8 and again.trainer.version() == 8
-    finally:
-        again.close()
 
 
 @pytest.mark.integration
