@@ -153,15 +153,10 @@ def _past_tool_calls(text: str, message: dict, at: int, limit: int) -> int:
     """Where the tool calls of an assistant message end in `text[at:limit]` (`limit`: the first end-of-turn token
     after the turn's content): past each call's name and its arguments' values as JSON writes them (what every
     template renders of a call), so that a tool result that repeats one of them (`{"expression": "84"}` -> `84`)
-    is not taken for the next message."""
+    is not taken for the next message. The arguments are objects (`_with_argument_objects`)."""
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)
         arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = {}
         # Each value as JSON writes it, or a string as it is (Qwen3.5's and Nemotron's XML-style parameters).
         forms = [[v] for v in [function.get("name")]] + [[json.dumps(v), v] for v in (arguments or {}).values()]
         for candidates in forms:

@@ -137,10 +137,14 @@ def run_episodes(
     waiting = deque(i for i, e in enumerate(episodes) if not e.done)
     running: set[int] = set()
 
+    def room(e: Episode) -> int:  # the tokens its next turn may take (unchanged while the turn is in flight)
+        return min(limits.turn_tokens, limits.total_tokens - e.length)
+
     def next_turn(i: int) -> TurnRequest:
         e = episodes[i]
-        room = min(limits.turn_tokens, limits.total_tokens - e.length)
-        turn = dataclasses.replace(params, n=1, max_tokens=room, seed=turn_seed(params.seed, i, e.turns), logprobs=True)
+        turn = dataclasses.replace(
+            params, n=1, max_tokens=room(e), seed=turn_seed(params.seed, i, e.turns), logprobs=True
+        )
         return TurnRequest(i, e.prompt_ids + e.token_ids, turn)
 
     while waiting or running:
@@ -152,7 +156,8 @@ def run_episodes(
         if not taken:  # every running episode has a turn in flight: one must come back
             raise RuntimeError(f"the turns of {len(running)} running episodes were lost")
         for i, out in taken:
-            episode, limit = episodes[i], min(limits.turn_tokens, limits.total_tokens - episodes[i].length)
+            episode = episodes[i]
+            limit = room(episode)
             ids, logps = list(out.token_ids[:limit]), list((out.logprobs or [0.0] * len(out.token_ids))[:limit])
             if episode.turns == 0:
                 episode.policy_version = out.policy_version

@@ -100,9 +100,7 @@ class EngineTurns:
         self.home: dict[int, Any] = {}  # episode key -> the sampler serving its turns
         self.queued: dict[int, list[TurnRequest]] = {}  # id(sampler) -> turns not yet sent to it
         self.held: dict[int, dict[int, TurnRequest]] = {}  # id(sampler) -> turns its engine runs
-        self.calls: dict[Any, Any] = {}  # object ref -> the sampler of an `advance` call in flight
-        self.busy: set[int] = set()  # id(sampler) with a call in flight
-        self.requests = 0  # turns sent, counting any sampled again after a failure
+        self.calls: dict[Any, Any] = {}  # object ref -> the sampler of an `advance` call in flight (one a sampler)
 
     def put(self, requests: Sequence[TurnRequest]) -> None:
         for r in requests:
@@ -134,7 +132,6 @@ class EngineTurns:
                 continue
             for ref in ready:
                 sampler = self.calls.pop(ref)
-                self.busy.discard(id(sampler))
                 try:
                     progress: TurnProgress = sampler.result(ref)
                 except Exception as err:
@@ -149,22 +146,19 @@ class EngineTurns:
 
     def _send(self, sampler: Any) -> None:
         """An `advance` call to `sampler` when it has none in flight and has turns to take or to run."""
-        if id(sampler) in self.busy:
+        if any(s is sampler for s in self.calls.values()):
             return
         new = self.queued.pop(id(sampler), [])
         held = self.held.setdefault(id(sampler), {})
         if not new and not held:
             return
         held.update((r.key, r) for r in new)
-        self.requests += len(new)
         self.calls[sampler.submit_turns(new, self.slice_s)] = sampler
-        self.busy.add(id(sampler))
 
     def _fail(self, failed: Any, err: Exception) -> None:
         """`failed`'s turns (queued or running) to the sampler that takes over from it."""
         for ref in [r for r, s in self.calls.items() if s is failed]:
             del self.calls[ref]
-        self.busy.discard(id(failed))
         lost = list(self.held.pop(id(failed), {}).values()) + self.queued.pop(id(failed), [])
         successor = self.group.take_over(failed, err, self.push)
         self.group.redone_prompts += len(lost)

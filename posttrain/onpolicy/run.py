@@ -215,7 +215,7 @@ class OnPolicyRun(Loop):
     def _settle(self) -> None:
         """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
         on the weights they started on, as a request's completions do (an engine takes a weight update only
-        between requests), so that a run, and a resumed one, samples the same trajectories whatever the timing."""
+        between requests), whatever the timing."""
         for request in self._in_flight:
             if isinstance(request.result, Future):
                 self._collect(request)
