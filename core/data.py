@@ -144,14 +144,13 @@ class Example:
 
 def load_tokenizer(tokenizer_dir: str):
     """A Hugging Face tokenizer from a directory (or a Hub model id, `core.hub`)."""
-    from transformers import AutoTokenizer
-
     from core.hub import resolve_model
+    from core.tokenizer import open_tokenizer
 
     path = resolve_model(tokenizer_dir, "data.tokenizer_dir")
     if not path.is_dir():
         raise MissingPath(f"data.tokenizer_dir {tokenizer_dir!r}: no such directory")
-    return AutoTokenizer.from_pretrained(str(path))
+    return open_tokenizer(path)
 
 
 def truncate(ids: list[int], targets: list[int], length: int, side: str) -> tuple[list[int], list[int]]:

@@ -223,8 +223,8 @@ def _copy_tokenizer(src: Path, dst: Path) -> dict[str, Any]:
     for f in src.iterdir():
         if f.is_file() and f.name not in _TOKENIZER_SKIP and f.suffix != ".safetensors":
             shutil.copy2(f, dst / f.name)
-    from transformers import AutoTokenizer  # local: transformers is slow to import
+    from core.tokenizer import open_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(src))
+    tok = open_tokenizer(src)
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     return {k: v for k, v in ids.items() if v is not None}

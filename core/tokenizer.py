@@ -34,6 +34,24 @@ CHAT_TEMPLATE = (
 )
 
 
+def open_tokenizer(path: str | Path) -> Any:
+    """The Hugging Face tokenizer saved in directory `path`. The class the directory names is built directly when it
+    is the plain fast tokenizer (`PreTrainedTokenizerFast`, `TokenizersBackend` in transformers 5: Temper's own
+    tokenizers, and many others): `AutoTokenizer` would build the same object, after importing torch and
+    transformers' model registry (~3 s of a process's start)."""
+    import json
+
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> Path:
     """Train byte-level BPE on `corpus` and save a Hugging Face tokenizer directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -150,11 +168,9 @@ def checkpoint_tokenizer(init_from: str) -> str | None:
 
 def check_vocab(vocab_size: int, tokenizer_dir: str) -> None:
     """The model's embedding must cover every token id of the tokenizer (a larger, padded embedding is fine)."""
-    from transformers import AutoTokenizer
-
     from core.config_loader import ConfigError
 
-    n = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    n = len(open_tokenizer(tokenizer_dir))
     if n > vocab_size:
         raise ConfigError(
             f"model.vocab_size ({vocab_size}) is smaller than the tokenizer in {tokenizer_dir} ({n} tokens)"

@@ -147,13 +147,13 @@ class JaxSampler:
         max_model_len: int = 1024,
         seed: int = 0,
     ):
-        from transformers import AutoTokenizer
+        from core.tokenizer import open_tokenizer
 
         self.graphdef, self.params = nnx.split(model)
         self.model_cfg = model.cfg
         self.mesh = mesh
         self.max_model_len = max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer = open_tokenizer(tokenizer_dir)
         self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id} - {None}))
         self.policy_version = 0
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
@@ -47,102 +46,12 @@ def hf_weights(path):
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from rollout.ray import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 LEARNABLE = [
     "reward.functions=[{fn: tests.reward_plugins:digit_share}]",
     "rl.accuracy_fn=tests.reward_plugins:digit_share",
     "optim.learning_rate=1.0e-2",
     "rollout.max_tokens=8",
 ]
-
-
-@pytest.mark.serial
-def test_grpo_on_ray_with_vllm_learns_and_survives_a_dead_sampler(ray_cluster, tmp_path, arithmetic_tokenizer):
-    """Real Ray, real vLLM. After step 2 the sampler actor is killed: the next step restarts it, loads the
-    current weights and redoes its prompts. The reward (share of digits, which a random tiny model can learn) goes
-    up over the 8 steps. (A trainer that dies, and the resume after it: tests/test_trainer_group.py and the async
-    test below.)"""
-    import ray
-
-    from posttrain.grpo import GRPORun
-
-    cfg = tiny_cfg(
-        tmp_path / "run",
-        arithmetic_tokenizer,
-        *LEARNABLE,
-        "train.steps=8",
-        "train.eval_every=8",
-        "rl.eval_prompts=4",
-        "rl.eval_samples=2",
-        "checkpoint.every_steps=4",
-    )
-    killed = {}
-
-    def kill_sampler(run, step, metrics):
-        if step == 2:
-            killed["sampler"] = run.samplers.samplers[0].handle
-            ray.kill(killed["sampler"])
-
-    run = GRPORun(cfg)
-    try:
-        summary = run.run(on_step=kill_sampler)
-        assert run.samplers.samplers[0].handle != killed["sampler"]
-        assert run.samplers.samplers[0].policy_version == run.trainer.version() == 8
-    finally:
-        run.close()
-
-    steps, evals = metric_rows(summary.run_dir)
-    assert [m["step"] for m in steps] == list(range(1, 9))  # each step once, in order
-    for m in steps:
-        assert m["policy_version"] == m["step"]  # the sampler follows the trainer after every sync
-        assert m["staleness_max"] == 0 and m["reward/failed_groups"] == 0
-        assert 0 <= m["mismatch/logp_gap_mean"] < 1e-4 and m["mismatch/logp_gap_max"] < 1e-3  # float32 vLLM vs JAX
-        for key in (
-            "reward/std",
-            "reward/digit_share/mean",
-            "accuracy",
-            "completion_length/mean",
-            "truncation_rate",
-            "clip_fraction",
-            "entropy",
-            "zero_variance_groups",
-            "time/generate_s",
-            "time/reward_s",
-            "time/train_s",
-            "time/sync_s",
-            "tokens_per_s",
-        ):
-            assert np.isfinite(m[key]), key
-    assert [m["sampler_restarts"] for m in steps] == [0, 0, 1, 1, 1, 1, 1, 1]
-    assert [m["sampler_redone_prompts"] for m in steps] == [0, 0, 4, 4, 4, 4, 4, 4]
-    first, last = np.mean([m["reward/mean"] for m in steps[:2]]), np.mean([m["reward/mean"] for m in steps[-2:]])
-    print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}")
-    assert last > first + 0.5  # measured on 4 seeds (JAX sampler, same task): +0.92 or more by step 8
-    assert evals and {"eval/pass@1", "eval/pass@2", "eval/maj@2"} <= set(evals[-1])
-    before, after = hf_weights(run.init_hf), hf_weights(summary.hf_dir)
-    assert before.keys() == after.keys()  # the export round-trips every tensor
-    assert (summary.run_dir / "reward.png").exists()
-
-
-def _kill_tree(pid):
-    """SIGKILL a process and everything it started (a node going down: Ray's daemons and actors included)."""
-    import psutil
-
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
 
 
 def test_staleness_check_refuses_old_completions():
@@ -223,40 +132,100 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
     assert after[-1]["loss"] != after[0]["loss"]
 
 
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def authenticated_ray_head():
+    """A Ray cluster started with `ray start --head` and token auth, as its owner would: yields (its dashboard
+    address, the env a client of it uses: its auth mode and token)."""
+    import secrets
+    import shutil
+    import tempfile
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    gcs, dashboard = _free_port(), _free_port()
+    owner = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    owner.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 characters
+    head = [RAY, "start", "--head", "--num-cpus", "2", "--port", str(gcs), "--dashboard-port", str(dashboard)]
+    head += ["--include-dashboard", "true", "--disable-usage-stats", "--temp-dir", temp]
+    started = subprocess.run(head, env=owner, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    try:
+        yield f"http://127.0.0.1:{dashboard}", owner
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=owner, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 @pytest.mark.serial
-def test_async_vllm_survives_a_lost_ray_head_and_resumes_exactly(tmp_path, arithmetic_tokenizer):
-    """Async mode (off_policy_steps=1) with real vLLM on Ray, run by the recipe, a policy of LoRA adapters (each
-    sync sends the adapters alone: their bytes, a fraction of the model's):
-    1. the local Ray cluster's GCS and raylet die one step after checkpoint 2 (the node under the driver going
-       down): the driver stops within a minute with exit code 2 and one message (no traceback) saying what
-       happened and how to resume;
-    2. the same command resumes from checkpoint 2: the steps after it log the losses and rewards the stopped run
-       logged for them (the completions in flight are stored with the checkpoint), every step is logged once,
-       and staleness stays within the bound."""
+def test_async_agents_survive_a_lost_ray_head_and_resume_exactly_as_a_ray_job(tmp_path, tmp_path_factory):
+    """The recipe, async GRPO (`rl.off_policy_steps=1`) with `rl.agent` on a vLLM engine: 8 episodes a step, at most
+    3 at once (`max_concurrency`), each turn its own request over the episode's tokens, with the environment's
+    tokens between the turns; the policy is LoRA adapters, and each sync sends the adapters alone.
+    1. The local Ray cluster's GCS and raylet get SIGKILL one step after checkpoint 2 (the node under the driver
+       going down, with the next step's episodes in flight): the driver stops within a minute with exit code 2
+       and one message (no traceback) saying what happened and how to resume.
+    2. The same command, submitted with `ray job submit` (the documented command) to a token-authenticated
+       cluster, attaches to it and resumes from checkpoint 2: step 3 trains on the episodes checkpoint 2 stored
+       and logs what the stopped run logged, every step is logged once, and staleness stays within the bound.
+    Step 1's episodes were sampled on the weights the trainer holds: the trainer's log-probs of the engine's tokens
+    equal the engine's own (float32), so the trajectory it reads is the engine's tokens, never re-encoded."""
+    import shlex
+
     import psutil
 
+    from tests.test_agent_run import stopping_model
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    model_dir = stopping_model(tmp_path / "model", tok, "qwen2")
     run_dir = tmp_path / "run"
-    cmd = recipe_command(
-        run_dir,
-        arithmetic_tokenizer,
-        "rl.off_policy_steps=1",
+    chatter = ROOT / "tests" / "test_agent_run.py"
+    agent = f"rl.agent={{environment: '{chatter}:Chatter', max_turns: 3, max_concurrency: 3}}"
+    args = [
+        "-m",
+        "recipes.grpo",
+        str(TINY),
+        f"run.run_dir={run_dir}",
+        f"checkpoint.init_from={model_dir}",
+        f"data.tokenizer_dir={tok.name_or_path}",
+        "rollout.max_tokens=12",
+        "rollout.max_model_len=256",
+        "rollout.temperature=0.7",
+        "train.steps=4",
         "checkpoint.every_steps=2",
         "checkpoint.keep=3",
+        "checkpoint.export_hf=false",
+        "rl.off_policy_steps=1",
+        "rl.batch.prompts_per_step=2",
+        agent,
         "model.lora.rank=4",
         "model.lora.target_modules=[q_proj,v_proj]",
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    proc = run_until(cmd, env, run_dir, checkpoint=2, step=3)
-    head = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))
     ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = run_until([sys.executable, *args], env, run_dir, checkpoint=2, step=3)
+    node = psutil.Process(proc.pid).children(recursive=True)
+    head = [p for p in node if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))]
     assert len(head) == 2
     for p in head:
         p.kill()
     _, err = proc.communicate(timeout=120)
+    for p in node:  # the rest of the node goes down too (its dashboard agent would hold the next head's port)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, err[-3000:]
@@ -265,18 +234,41 @@ def test_async_vllm_survives_a_lost_ray_head_and_resumes_exactly(tmp_path, arith
     # Temper's own message when a Ray call fails first; when the driver touches the object store first, Ray's
     # core ends it with _exit(1) and the recipe's parent process (core.supervise) quotes Ray's log instead.
     assert "the trainer actor is unavailable" in message or "Ray's driver log last said: " in message, message
+    before_kill, _ = metric_rows(run_dir)
 
-    before_loss, _ = metric_rows(run_dir)
-    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    with authenticated_ray_head() as (address, client_env):
+        stranger = {**client_env, "RAY_AUTH_TOKEN": "not-the-token"}
+        refused = subprocess.run([RAY, "job", "list", "--address", address], env=stranger, capture_output=True)
+        assert refused.returncode != 0  # the cluster really is authenticated
+        # The documented command (docs/grpo.md) without --working-dir: the cluster shares this machine's
+        # checkout, so the entrypoint starts in it instead of uploading it.
+        entrypoint = f"cd {ROOT} && {shlex.join([sys.executable, *args])}"
+        runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
+        submit = [RAY, "job", "submit", "--address", address, "--runtime-env-json", runtime_env, "--"]
+        for _ in range(10):  # a head just started may have no job agent yet: Ray says to try again later
+            job = subprocess.run(
+                [*submit, "bash", "-c", entrypoint], env=client_env, capture_output=True, text=True, timeout=600
+            )
+            if "No available agent to submit job" not in job.stdout + job.stderr:
+                break
+            time.sleep(2)
+    logs = job.stdout + job.stderr
+    assert job.returncode == 0 and "succeeded" in logs, logs[-3000:]
+    assert "Connected to Ray cluster" in logs or "Connecting to existing Ray cluster" in logs  # attached, not local
+    assert "resumed from " in logs and " at step 2" in logs, logs[-3000:]  # step 4's update outlasts the kill
+
     after, _ = metric_rows(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 9))
-    assert [m["staleness_max"] for m in after] == [0] + [1] * 7  # one version behind, never more
-    resumed_from = int(resumed.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
-    assert resumed_from == 2, resumed.stdout[-3000:]  # step 4's update takes longer than the kill
-    assert_redone_steps_match(before_loss, after, resumed_from)
-    # rank-4 adapters of q ([128 -> 128]) and v ([128 -> 64]) in 2 layers, float32: 14 KiB a sync (the model: ~1 MiB)
-    adapter_bytes = 2 * ((128 + 128) + (128 + 64)) * 4 * 4
+    assert [m["step"] for m in after] == [1, 2, 3, 4]
+    assert [m["staleness_max"] for m in after] == [0, 1, 1, 1]  # one version behind, never more
+    assert_redone_steps_match(before_kill, after, 2)
+    for key in ("agent/turns", "agent/env_tokens", "agent/model_tokens"):
+        assert after[2][key] == pytest.approx(before_kill[2][key], abs=1e-6), key  # the stored episodes
+    assert max(m["agent/turns"] for m in after) > 1.5 and min(m["agent/env_tokens"] for m in after) > 0, after
+    assert all(m["agent/failed"] == 0 for m in after)
+    assert after[0]["mismatch/logp_gap_mean"] < 1e-4  # later steps sample a version behind (async), by design
+    # rank-4 adapters of q ([h -> heads * d]) and v ([h -> kv_heads * d]) in every layer, float32
+    hf = json.loads((model_dir / "config.json").read_text())
+    d = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    q, v = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d
+    adapter_bytes = hf["num_hidden_layers"] * ((hf["hidden_size"] + q) + (hf["hidden_size"] + v)) * 4 * 4
     assert all(m["sync/bytes"] == adapter_bytes for m in after), [m["sync/bytes"] for m in after]
-    # at step 1 sampler and trainer hold version 0; later the sampler is a version behind (async), by design
-    assert after[0]["mismatch/logp_gap_mean"] < 1e-4
