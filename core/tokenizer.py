@@ -20,13 +20,32 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # Order fixes the ids: pad=0, bos=1, eos=2, im_start=3, im_end=4.
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 
-# ChatML, as Qwen uses. `{% generation %}` marks assistant tokens so that
-# `apply_chat_template(..., return_assistant_tokens_mask=True)` can mask prompts in SFT.
+# ChatML, as Qwen uses, with tool calling in Qwen2.5's (Hermes) convention, which vLLM's `hermes` tool parser
+# reads: the tools' JSON schemas in the system turn between <tools> tags, each call the assistant makes as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> after its text, each tool result a `tool` turn.
+# `{% generation %}` marks assistant tokens so that `apply_chat_template(..., return_assistant_tokens_mask=True)`
+# can mask prompts in SFT.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{% set offset = 0 %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n' }}{% set offset = 1 %}"
+    "{% endif %}"
+    "{{ '<tools>' }}{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages[offset:] %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
     "{{ '\\n' }}"
     "{% endfor %}"

@@ -260,6 +260,46 @@ def test_temper_chatml_agrees_with_transformers_assistant_mask(arithmetic_tokeni
     assert targets == [k for k, m in enumerate(ref["assistant_masks"]) if m]
 
 
+def test_temper_chatml_writes_tool_calls_that_vllms_hermes_parser_reads(arithmetic_tokenizer):
+    """Temper's ChatML template offers the tools' schemas in the system turn and writes a structured call as
+    Qwen2.5 does: the call's turn is a target with its call (transformers' assistant mask, from the template's
+    {% generation %} markers, as the reference), the tool's result is context, and vLLM's `hermes` parser reads
+    the call back from the turn's text."""
+    from transformers import AutoTokenizer
+
+    from rollout.calculator import calculator
+    from rollout.tool_parsing import ToolCallParser
+    from rollout.tools import tool_schema
+
+    tok = AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    tools = [tool_schema(calculator)]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "4821 + 3907"}}}
+    messages = [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "Calculate 4821 + 3907."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "8728"},
+        {"role": "assistant", "content": "8728"},
+    ]
+    ids, targets = render_chat(tok, messages, tools)
+    ref = tok.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert ids == list(ref["input_ids"])
+    assert targets == [k for k, m in enumerate(ref["assistant_masks"]) if m]
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nUse the calculator.\n<tools>\n{") and '"name": "calculator"' in text
+    runs = target_runs(tok, ids, targets)
+    assert runs[1:] == ["8728<|im_end|>"] and len(runs) == 2, runs  # the tool's 8728 is context
+    turn = ToolCallParser("hermes", tok, tools).parse(runs[0])
+    assert turn.malformed is None and [(c.name, c.arguments) for c in turn.tool_calls] == [
+        ("calculator", '{"expression": "4821 + 3907"}')
+    ]
+    without = tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True)
+    # without tools the rendering is the plain ChatML it always was
+    assert without == "<|im_start|>user\nCalculate 4821 + 3907.<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_an_opening_assistant_turn(tmp_path_factory, arithmetic_tokenizer):
     """A conversation that opens with an assistant turn: that turn starts at its content where the template renders
     the conversation; a template that refuses it (Gemma: roles must alternate) is a ChatTemplateError saying so."""
