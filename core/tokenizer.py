@@ -54,15 +54,18 @@ CHAT_TEMPLATE = (
 
 
 def open_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face tokenizer saved in directory `path`. The class the directory names is built directly when it
-    is the plain fast tokenizer (`PreTrainedTokenizerFast`, `TokenizersBackend` in transformers 5: Temper's own
-    tokenizers, and many others): `AutoTokenizer` would build the same object, after importing torch and
-    transformers' model registry (~3 s of a process's start)."""
+    """The Hugging Face tokenizer saved in directory `path`, as `AutoTokenizer` builds it. A tokenizer directory
+    without a model (no `config.json`) that names the plain fast class (`PreTrainedTokenizerFast`, `TokenizersBackend`
+    in transformers 5: Temper's own tokenizers) is built directly: `AutoTokenizer` would build the same object
+    after importing torch and transformers' model registry (~3 s of a process's start). Beside a model's
+    `config.json`, `AutoTokenizer` may build another class than the one named (transformers 5 rebuilds a qwen2,
+    phi3 or deepseek_v3 model's tokenizer as the family's own), so that case goes through it, as vLLM does."""
     import json
 
-    config = Path(path) / "tokenizer_config.json"
+    path = Path(path)
+    config = path / "tokenizer_config.json"
     named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if named in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+    if named in ("PreTrainedTokenizerFast", "TokenizersBackend") and not (path / "config.json").exists():
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path))

@@ -1,6 +1,7 @@
 """Grain pipelines: sources, tokenisation, packing/padding, shuffling, sharding, resumable state, bad rows."""
 
 import json
+from pathlib import Path
 
 import datasets
 import jax
@@ -346,3 +347,24 @@ def test_held_out_rows_are_the_last_usable_ones(arithmetic_tokenizer):
     c = cfg(eval_fraction=0.2, skip_malformed=True)
     examples = tokenize_examples(records, TextRows(), load_tokenizer(arithmetic_tokenizer), c)
     assert examples.eval == [7, 8] and examples.train == list(range(7))
+
+
+def test_open_tokenizer_builds_what_autotokenizer_builds(arithmetic_tokenizer, tmp_path):
+    """A tokenizer directory (Temper's, no model beside it) is built directly, as the class AutoTokenizer would
+    build, with the same ids; beside a qwen2 model's config.json, where transformers 5 builds the family's own
+    class instead of the one named, it goes through AutoTokenizer (the tokenizer vLLM builds from that directory)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from core.tiny import save_tiny_hf_model
+    from core.tokenizer import open_tokenizer
+
+    text = "Calculate 4821 + 3907.\nAnswer: 8728"
+    ours, auto = open_tokenizer(arithmetic_tokenizer), AutoTokenizer.from_pretrained(arithmetic_tokenizer)
+    assert type(ours) is type(auto) and ours(text)["input_ids"] == auto(text)["input_ids"]
+    model = save_tiny_hf_model(tmp_path / "model", "qwen2", vocab_size=512)
+    for f in Path(arithmetic_tokenizer).iterdir():
+        shutil.copy(f, model / f.name)
+    ours, auto = open_tokenizer(model), AutoTokenizer.from_pretrained(model)
+    assert type(ours) is type(auto) and ours(text)["input_ids"] == auto(text)["input_ids"]

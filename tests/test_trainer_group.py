@@ -5,6 +5,7 @@ checkpoint; a sampler actor killed in the resumed run is restarted; the reward g
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 
@@ -127,7 +128,7 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
         assert [s.policy_version for s in run.samplers.samplers] == [8, 8]
     finally:
         run.close()
-    # the updates were applied: the export after step 4 is not the policy the resumed run started from (step 2's)
+    # the updates were applied: the export after step 8 is not the policy the resumed run started from (step 2's)
     start, end = hf_weights(run.init_hf), hf_weights(summary.hf_dir)
     assert start.keys() == end.keys() and any(not np.array_equal(start[k], end[k]) for k in start)
     after, evals = metric_rows(cfg.run.run_dir)
@@ -157,11 +158,13 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
             "tokens_per_s",
         ):
             assert np.isfinite(m[key]), key
+    for prev, m in itertools.pairwise(after[2:]):  # the resumed run: an update is empty when every group is equal
+        assert m["empty_updates"] - prev["empty_updates"] == int(m["zero_variance_groups"] == 4), (prev, m)
     # steps 3-8 are the resumed run's: its sampler killed after step 5 is restarted at step 6
     assert [m["sampler_restarts"] for m in after[2:]] == [0, 0, 0, 1, 1, 1]
-    assert after[5]["sampler_redone_prompts"] > 0
+    assert [m["sampler_redone_prompts"] for m in after[2:]] == [0, 0, 0, 2, 2, 2]  # its 2 of the step's 4 prompts
     first, last = np.mean([m["reward/mean"] for m in after[:2]]), np.mean([m["reward/mean"] for m in after[-2:]])
     print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}")
-    assert last > first + 0.5  # measured on 4 seeds (JAX sampler, same task): +0.92 or more by step 8
+    assert last > first + 0.5  # measured here: +0.93 (0.07 -> 1.0); the JAX sampler, 4 seeds: +0.92 or more
     assert evals and {"eval/pass@1", "eval/pass@2", "eval/maj@2"} <= set(evals[-1])
     assert (summary.run_dir / "reward.png").exists()
