@@ -5,7 +5,6 @@ mesh. Before them, the collectives they rest on give known answers (`tests/distr
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.distributed import free_port
 from tests.helpers import assert_same_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,15 +20,9 @@ WORKER = ROOT / "tests" / "distributed_worker.py"
 METHODS = ("pretrain", "sft", "sft_lora", "dpo", "distill", "grpo")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.integration
 def test_two_processes_of_four_devices_take_the_one_process_step_of_every_method(tmp_path):
-    port = free_port()
+    port = free_port("127.0.0.1")
     runs = [(tmp_path / "one.npz", 1, 0, 0)] + [(tmp_path / "two.npz", 2, i, port) for i in range(2)]
     procs = [
         subprocess.Popen(

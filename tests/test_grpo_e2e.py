@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.numpy import load_file
 
 from core.config_loader import load_config
+from core.distributed import free_port
 from posttrain.config import PostTrainConfig
 
 pytestmark = pytest.mark.integration
@@ -38,21 +38,6 @@ def metric_rows(run_dir):
     """(training-step rows in file order, eval rows): raw lists, so a duplicated step shows."""
     rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
     return [r for r in rows if "reward/mean" in r], [r for r in rows if "eval/pass@1" in r]
-
-
-def hf_weights(path):
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-LEARNABLE = [
-    "reward.functions=[{fn: tests.reward_plugins:digit_share}]",
-    "rl.accuracy_fn=tests.reward_plugins:digit_share",
-    "optim.learning_rate=1.0e-2",
-    "rollout.max_tokens=8",
-]
 
 
 def test_staleness_check_refuses_old_completions():
@@ -136,14 +121,6 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def authenticated_ray_head():
     """A Ray cluster started with `ray start --head` and token auth, as its owner would: yields (its dashboard
@@ -156,7 +133,7 @@ def authenticated_ray_head():
 
     if ray.is_initialized():
         ray.shutdown()
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
     owner = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     owner.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 characters

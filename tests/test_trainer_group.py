@@ -8,13 +8,30 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from tests.test_grpo_e2e import LEARNABLE, assert_redone_steps_match, hf_weights, metric_rows, tiny_cfg
+from tests.test_grpo_e2e import assert_redone_steps_match, metric_rows, tiny_cfg
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]
+
+# A reward a random tiny model can learn (the share of digits in its answer), and a fast enough rate to see it.
+LEARNABLE = [
+    "reward.functions=[{fn: tests.reward_plugins:digit_share}]",
+    "rl.accuracy_fn=tests.reward_plugins:digit_share",
+    "optim.learning_rate=1.0e-2",
+    "rollout.max_tokens=8",
+]
+
+
+def hf_weights(path):
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
 
 
 @pytest.fixture
