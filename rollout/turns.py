@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout.background import Cancelled
+from rollout.group import SamplerFailed
 from rollout.sampler import Completion, SamplingParams, sample_seed
 
 
@@ -101,6 +102,7 @@ class EngineTurns:
         self.queued: dict[int, list[TurnRequest]] = {}  # id(sampler) -> turns not yet sent to it
         self.held: dict[int, dict[int, TurnRequest]] = {}  # id(sampler) -> turns its engine runs
         self.calls: dict[Any, Any] = {}  # object ref -> the sampler of an `advance` call in flight (one a sampler)
+        self.redone: set[int] = set()  # episodes whose turn a failed sampler held, until that turn comes back
 
     def put(self, requests: Sequence[TurnRequest]) -> None:
         for r in requests:
@@ -140,6 +142,7 @@ class EngineTurns:
                 held = self.held.get(id(sampler), {})
                 for key, completion in progress.finished:
                     held.pop(key)
+                    self.redone.discard(key)
                     out.append((key, completion))
                 self._send(sampler)  # at once: it decodes while these turns are handed out
         return out
@@ -160,7 +163,15 @@ class EngineTurns:
         for ref in [r for r, s in self.calls.items() if s is failed]:
             del self.calls[ref]
         lost = list(self.held.pop(id(failed), {}).values()) + self.queued.pop(id(failed), [])
+        again = sorted(r.key for r in lost if r.key in self.redone)
+        if again:  # as a batch is redone once (`SamplerGroup`): an engine that fails on every turn stops the run
+            raise SamplerFailed(
+                f"a sampler failed again on the turns it took over from a failed one (episodes {again[:5]}; "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); stopping. Run the same "
+                "command again to resume from the last checkpoint."
+            ) from err
         successor = self.group.take_over(failed, err, self.push)
+        self.redone.update(r.key for r in lost)
         self.group.redone_prompts += len(lost)
         for r in lost:
             self.home[r.key] = successor

