@@ -329,21 +329,24 @@ def continuation_ids(
     return _encode(tokenizer, after[close + len(stop_token) :])[0]
 
 
-def split_last_turn(tokenizer: Any, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+def split_last_turn(
+    tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None
+) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) of a conversation ending with an assistant turn: the prompt is the conversation
     before it rendered with a generation prompt (`chat_prompt_ids`), the completion the last assistant turn's
     tokens in the rendering of the whole conversation, through its end-of-turn token. Earlier assistant turns
-    (a multi-turn preference prompt) are part of the prompt."""
+    (a multi-turn preference prompt) are part of the prompt; `tools`: the JSON schemas the conversation offers,
+    rendered by the template."""
     last = len(messages) - 1
     if not messages or messages[-1]["role"] != "assistant":
         raise ChatTemplateError("the conversation does not end with an assistant turn")
     if last == 0:
         raise ChatTemplateError("message 0: an assistant turn with nothing before it has no prompt")
-    text, spans = assistant_char_spans(tokenizer, messages)
+    text, spans = assistant_char_spans(tokenizer, messages, tools)
     ids, offsets = _encode(tokenizer, text)
     completion = [ids[k] for k in _span_tokens(offsets, spans[-1], last)]
     try:
-        prompt = chat_prompt_ids(tokenizer, messages[:-1])
+        prompt = chat_prompt_ids(tokenizer, messages[:-1], tools)
     except ChatTemplateError as err:
         raise ChatTemplateError(f"message {last}: the prompt before it: {err}") from None
     return prompt, completion

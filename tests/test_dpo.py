@@ -277,3 +277,23 @@ def test_chat_pairs_share_the_rendered_prompt_and_end_with_the_turns_end(tmp_pat
     apart = {"chosen": history + row["chosen"], "rejected": history[:2] + row["rejected"]}
     with pytest.raises(MalformedRow, match="share every message but their last"):
         tokenize_pairs([apart], tok, data_format="chat", seq_len=256)
+    # A row that offers tools: the prompt renders their schemas as the template does, and a chosen tool call is the
+    # completion as the template writes it.
+    from rollout.calculator import calculator
+    from rollout.tools import tool_schema
+
+    tools = [tool_schema(calculator)]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "10 + 7"}}}
+    tooled = dict(row, chosen=[{"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools)
+    if family not in ("qwen2_5", "qwen3"):  # templates that drop a call's name: refused, the turn named
+        with pytest.raises(MalformedRow, match="message 4: the chat template does not write this assistant turn's"):
+            tokenize_pairs([tooled], tok, data_format="chat", seq_len=4096)
+        return
+    (pair,), skipped, _ = tokenize_pairs([tooled], tok, data_format="chat", seq_len=4096)
+    assert not skipped
+    assert tok.decode(pair.prompt) == tok.apply_chat_template(
+        history, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert "calculator" in tok.decode(pair.prompt) and "10 + 7" in tok.decode(pair.chosen)
+    whole = tok.apply_chat_template([*history, *tooled["chosen"]], tools=tools, tokenize=False)
+    assert whole.startswith(tok.decode(pair.prompt)) and whole.rstrip().endswith(tok.decode(pair.chosen).rstrip())

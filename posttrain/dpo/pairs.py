@@ -120,13 +120,15 @@ def _row_problem(row: Any, data_format: str) -> str | None:
 
 
 def _chat_pair(tok: Any, row: dict) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids) of a chat pair: the prompt with a generation prompt, each completion
-    its last assistant turn through the end-of-turn token."""
+    """(prompt ids, chosen ids, rejected ids) of a chat pair: the prompt with a generation prompt (and the row's
+    `tools`, rendered by the template), each completion its last assistant turn through the end-of-turn token (a
+    tool call is part of it, as the template writes it)."""
     from core.chat import split_last_turn
 
     prompt, chosen, rejected = chat_sides(row)
-    prompt_ids, chosen_ids = split_last_turn(tok, [*prompt, *chosen])
-    _, rejected_ids = split_last_turn(tok, [*prompt, *rejected])
+    tools = row.get("tools")
+    prompt_ids, chosen_ids = split_last_turn(tok, [*prompt, *chosen], tools)
+    _, rejected_ids = split_last_turn(tok, [*prompt, *rejected], tools)
     return prompt_ids, chosen_ids, rejected_ids
 
 
