@@ -15,6 +15,7 @@ model an error message, as the peers do, rather than taking the turn for a final
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,10 @@ class ToolCallParser:
             raise ValueError(f"unknown tool parser {name!r}; vLLM has: {', '.join(parser_names())}") from None
         self.name = name
         self.parser = cls(tokenizer)
+        # vLLM's parsers log a traceback for every call they cannot read; here such a turn is `malformed`, answered
+        # with an error message the model reads and counted (`agent/tool_errors`): a sampled call that is not JSON
+        # is the model's mistake, not the run's, and hundreds of tracebacks a step hid the run's own output.
+        logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)
         self.request: Any = ChatCompletionRequest(
             model="temper", messages=[{"role": "user", "content": ""}], tools=list(tools) or None
         )
