@@ -11,9 +11,9 @@ EXTRAS ?= cpu,dev
 # fault in 2 MiB at a time and are reused, not faulted in again every step (core/host_memory.py HOST_MALLOC,
 # the same list). Not for the tests: their many short processes start slower with it.
 HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
-demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
+demo demo-dpo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
-.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora clean
+.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent clean
 
 install: $(STAMP)
 
@@ -57,6 +57,9 @@ demo-dpo: $(STAMP)
 demo-distill: $(STAMP)
 	$(PY) -m recipes.quickstart --method distill
 
+demo-tools: $(STAMP)
+	$(PY) -m recipes.quickstart --method tools
+
 demo-dpo-offline: $(STAMP)
 	$(PY) -m recipes.dpo
 
@@ -86,6 +89,9 @@ bench-dpo: $(STAMP)
 bench-distill: $(STAMP)
 	$(PY) bench/kd_memory.py
 	$(PY) bench/distill_step.py
+
+bench-agent: $(STAMP)
+	$(PY) bench/agent_step.py
 
 bench-lora: $(STAMP)
 	$(PY) bench/lora_step.py

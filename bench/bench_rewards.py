@@ -18,3 +18,14 @@ def digit_share(prompts, completions, **_):
         chars = [ch for ch in c if not ch.isspace()]
         out.append(sum(ch.isdigit() for ch in chars) / max(len(chars), 1))
     return out
+
+
+def final_answer(prompts, completions, answer, **_):
+    """1 when the final turn's text is the answer, else 0 (an agent's completion: Temper passes the last turn's text,
+    TRL the conversation's messages, whose last assistant message is the final turn)."""
+    out = []
+    for c, a in zip(completions, answer):
+        if not isinstance(c, str):
+            c = next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "")
+        out.append(float(c.strip() == str(a).strip()))
+    return out

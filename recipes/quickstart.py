@@ -3,6 +3,7 @@
     python -m recipes.quickstart [--run-dir runs/quickstart] [--seed S] [--grpo-steps N]     # `make demo`
     python -m recipes.quickstart --method dpo [--run-dir runs/quickstart_dpo]               # `make demo-dpo`
     python -m recipes.quickstart --method distill [--run-dir runs/quickstart_distill]       # `make demo-distill`
+    python -m recipes.quickstart --method tools [--run-dir runs/quickstart_tools]           # `make demo-tools`
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -73,10 +74,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), runs/quickstart_dpo (DPO)")
     p.add_argument(
         "--method",
-        choices=("grpo", "dpo", "distill"),
+        choices=("grpo", "dpo", "distill", "tools"),
         default="grpo",
         help="stage 5: GRPO or online DPO; distill: the GRPO model distilled into a smaller student "
-        "(recipes/quickstart_distill.py)",
+        "(recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
+        "(recipes/quickstart_tools.py)",
     )
     p.add_argument("--teacher-run", default="runs/quickstart", help="--method distill: the GRPO quickstart to distil")
     p.add_argument(
@@ -99,9 +101,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
     if args.run_dir is None:
-        args.run_dir = {"grpo": "runs/quickstart", "dpo": "runs/quickstart_dpo"}.get(
-            args.method, "runs/quickstart_distill"
-        )
+        args.run_dir = f"runs/quickstart_{args.method}" if args.method != "grpo" else "runs/quickstart"
     return args
 
 
@@ -132,6 +132,10 @@ def main(argv: list[str]) -> int:
         from recipes import quickstart_distill
 
         return quickstart_distill.main(out, Path(args.teacher_run), args.seed)
+    if args.method == "tools":
+        from recipes import quickstart_tools
+
+        return quickstart_tools.main(out, args.seed, args.grpo_steps, args.sft_steps)
     settings = {k: v for k, v in vars(args).items() if k not in ("run_dir", "teacher_run")}
     done = out / SUMMARY
     if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)

@@ -87,3 +87,29 @@ def test_quickstart_sloppy_solver_only_drops_signs():
     assert 0.75 < dropped < 0.85 and slipped == sloppy_answers(rows, 0.8)  # seeded
     with pytest.raises(SystemExit):
         quickstart(["--sign-slip", "1.5"])
+
+
+def test_the_tools_quickstarts_sloppy_agent_calls_the_calculator_or_misses_by_a_digit():
+    """`make demo-tools`' SFT traces: about 70% call the calculator with the problem's expression, read its result
+    and answer with it (right); the rest answer in the head, wrong in exactly one digit; the problems are (nearly
+    all) beyond the tiny model's head (3- and 4-digit operands)."""
+    import random
+
+    from recipes.quickstart_tools import SKIP_TOOL, expression, sloppy_trace, tool_problems
+
+    rows = tool_problems(400, seed=5)
+    widest = [max(len(n) for n in expression(r["question"]).replace(" - ", " + ").split(" + ")) for r in rows]
+    assert sum(w >= 3 for w in widest) >= 0.99 * len(rows)  # reasoning-gym's digit counts are loose: a few 2-digit
+    rng = random.Random(0)
+    traces = [sloppy_trace(r, rng, SKIP_TOOL) for r in rows]
+    called = [t for t in traces if len(t) == 4]
+    assert 0.6 < len(called) / len(rows) < 0.8
+    for row, trace in zip(rows, traces):
+        answer = trace[-1]["content"]
+        if len(trace) == 4:
+            call = trace[1]["tool_calls"][0]["function"]
+            assert call == {"name": "calculator", "arguments": {"expression": expression(row["question"])}}
+            assert trace[2] == {"role": "tool", "content": row["answer"]} and answer == row["answer"]
+        else:
+            assert len(trace) == 2 and len(answer) == len(row["answer"])
+            assert sum(a != b for a, b in zip(answer, row["answer"])) == 1

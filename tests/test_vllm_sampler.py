@@ -187,7 +187,9 @@ def test_seeded_prompts_beyond_one_steps_token_budget_sample_as_they_do_alone(ll
     together = llama_engine.generate(prompts, params)
     assert sum(len(p) for p in prompts) > 4096 and len(together) == 48
     for i in (0, 29, 47):
-        alone = llama_engine.generate([prompts[i]], SamplingParams(temperature=1.0, max_tokens=4, seed=5, prompt_offset=i))
+        alone = llama_engine.generate(
+            [prompts[i]], SamplingParams(temperature=1.0, max_tokens=4, seed=5, prompt_offset=i)
+        )
         assert alone[0].token_ids == together[i].token_ids
 
 

@@ -1,0 +1,159 @@
+"""The multi-turn GRPO step with a calculator tool: Temper (vLLM sampler on Ray) vs TRL's GRPOTrainer (`tools=`),
+and Temper's trajectories per second with `rl.agent.max_concurrency` 1 vs 16.
+
+    python bench/agent_step.py                       # after `make demo-tools` (its fine-tuned model)
+    python bench/agent_step.py --steps 3 --prompts 4 --generations 8
+
+The model is `make demo-tools`' fine-tuned one (runs/quickstart_tools/sft/hf): it calls the calculator, reads its
+result and answers, so episodes take real turns; a random model would stop after one. The prompts are the demo's
+GRPO problems (3- and 4-digit sums). Both sides do the same step: `prompts` x `generations` episodes of at most
+`max_turns` model turns (`max_tokens` each; TRL's completion budget is `max_turns x max_tokens`), Temper's
+`calculator` (the same Python function, its schema from transformers' `get_json_schema`) answering each call, the
+reward `bench_rewards.final_answer` on the last turn, one optimizer update (no KL), float32, 2 CPU cores. TRL runs
+in its own virtual environment (`.venv-trl`, as bench/grpo_step.py) with transformers `generate`; Temper samples
+with vLLM on Ray, each episode's turns as their own requests. Each side's turns, tool calls and reward spread are
+printed beside its time, so a step that did less work shows. The first step (compilation, warm-up) is left out.
+Goal (issue 42): Temper's step <= 0.5x TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.grpo_step import trl_python  # noqa: E402
+
+DEMO = ROOT / "runs" / "quickstart_tools"
+REWARD = f"{ROOT / 'bench' / 'bench_rewards.py'}:final_answer"
+
+
+def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: int) -> dict:
+    from core.config_loader import load_config
+    from core.metrics import read_metrics
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import run_grpo
+
+    run_dir = work / f"temper_{concurrency}_{prompts}"
+    cfg = load_config(
+        ROOT / "recipes" / "configs" / "quickstart" / "tools_grpo.yml",
+        [
+            f"run.run_dir={run_dir}",
+            f"checkpoint.init_from={args.model}",
+            f"data.source={args.data}",
+            f"data.tokenizer_dir={args.tokenizer}",
+            f"train.steps={steps + 1}",
+            f"rl.batch.prompts_per_step={prompts}",
+            f"rl.batch.num_generations={args.generations}",
+            f"rl.agent.max_turns={args.max_turns}",
+            f"rl.agent.max_concurrency={concurrency or 'null'}",
+            f"rollout.max_tokens={args.max_tokens}",
+            "train.eval_every=0",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            "data.eval_fraction=0.0",
+            "optim.learning_rate=1.0e-5",
+            f"reward.functions=[{{fn: '{REWARD}'}}]",
+            "rl.accuracy_fn=null",
+        ],
+        schema=PostTrainConfig,
+    )
+    run_grpo(cfg)
+    rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    last = read_metrics(run_dir)[-1]
+    if last["empty_updates"] or last["skipped_updates"]:  # a step that applied no update did not do the work
+        raise SystemExit(
+            f"Temper skipped {last['empty_updates']:.0f} empty and {last['skipped_updates']:.0f} non-finite updates: "
+            "the measurement is not of the whole step"
+        )
+    episodes = prompts * args.generations
+    return {
+        **{k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/train_s", "time/sync_s")},
+        "median_step_s": statistics.median(r["time/step_s"] for r in rows),
+        "trajectories_per_s": episodes / mean("time/generate_s"),
+        "turns": mean("agent/turns"),
+        "tool_calls": mean("agent/tool_calls"),
+        "tool_errors": mean("agent/tool_errors"),
+        "model_tokens": mean("agent/model_tokens"),
+        "env_tokens": mean("agent/env_tokens"),
+        "reward_mean": mean("reward/mean"),
+        "flat_group_share": sum(r["zero_variance_groups"] for r in rows) / (len(rows) * prompts),
+    }
+
+
+def trl_step(args, work: Path) -> dict:
+    out = work / "trl.json"
+    cmd = [
+        str(trl_python()),
+        str(ROOT / "bench" / "trl_agent_step.py"),
+        *("--model", str(args.model), "--prompts", str(args.data), "--steps", str(args.steps + 1)),
+        *("--prompts-per-step", str(args.prompts), "--generations", str(args.generations)),
+        *("--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens), "--out", str(out)),
+    ]
+    # TRL runs in its default environment (no huge-page malloc: bench/grpo_step.py measured torch slower with it).
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    subprocess.run(cmd, check=True, env=env)
+    result = json.loads(out.read_text())
+    times = result["step_times"][1:]
+    return {**result, "step_s": sum(times) / len(times), "median_step_s": statistics.median(times)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEMO / "sft" / "hf"), help="a tool-calling model (make demo-tools')")
+    p.add_argument("--tokenizer", default=str(DEMO / "tokenizer"))
+    p.add_argument("--data", default=str(DEMO / "data" / "rl.jsonl"), help="rows with question and answer")
+    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--throughput-prompts", type=int, default=16, help="prompts a step for the concurrency figures")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
+    args = p.parse_args()
+    if not Path(args.model, "config.json").exists():
+        raise SystemExit(f"no model at {args.model}: run `make demo-tools` first (its fine-tuned model calls the tool)")
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # The step, the sides interleaved (TRL, Temper, TRL again) so that drift of the machine shows.
+        trl = [trl_step(args, work)]
+        ours = temper_step(args, work, None, args.prompts, args.steps)
+        trl.append(trl_step(args, work))
+        theirs = statistics.mean(t["step_s"] for t in trl)
+        trl_times = " / ".join(f"{t['step_s']:.2f}" for t in trl)
+        results["step"] = {"temper": ours, "trl": trl, "ratio": ours["step_s"] / theirs}
+        print(
+            f"agent GRPO step ({args.prompts} prompts x {args.generations}, <= {args.max_turns} turns): Temper "
+            f"{ours['step_s']:.2f} s (median {ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, train "
+            f"{ours['train_s']:.2f}, sync {ours['sync_s']:.2f}; {ours['turns']:.2f} turns, {ours['tool_calls']:.2f} "
+            f"calls a trajectory, reward {ours['reward_mean']:.2f}) | TRL {trl_times}"
+            f" s ({trl[0]['tool_calls']:.2f} calls a trajectory, reward {trl[0]['reward_mean']:.2f}) | ratio "
+            f"{results['step']['ratio']:.2f}",
+            flush=True,
+        )
+        # Trajectories per second through the vLLM sampler: one episode at a time vs 16 at once.
+        for concurrency in (1, 16):
+            got = temper_step(args, work, concurrency, args.throughput_prompts, 2)
+            results[f"concurrency_{concurrency}"] = got
+            print(
+                f"max_concurrency {concurrency}: {got['trajectories_per_s']:.1f} trajectories/s "
+                f"({args.throughput_prompts * args.generations} a step, {got['turns']:.2f} turns each)",
+                flush=True,
+            )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""TRL's GRPOTrainer with a tool (`tools=`): its multi-turn step time, for bench/agent_step.py (runs in the TRL venv).
+
+    .venv-trl/bin/python bench/trl_agent_step.py --model HF_DIR --prompts prompts.jsonl --steps 4 \
+        --prompts-per-step 4 --generations 8 --max-turns 3 --max-tokens 48 --out result.json
+
+The same work per step as Temper's agent step: prompts_per_step prompts x generations episodes; each turn the model
+may call Temper's `calculator` (rollout/calculator.py, the same function, its JSON schema from transformers'
+`get_json_schema` on both sides), TRL runs it and appends the result; at most `max_turns` model turns (TRL's
+`max_tool_calling_iterations` = max_turns - 1) and `max_turns * max_tokens` completion tokens; the reward is
+`bench_rewards.final_answer` on the last turn; one optimizer update (beta = 0), float32 on CPU, generation with
+transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does (`<tool_call>{...}
+</tool_call>`), so TRL reads them with its Qwen response template. Times every step with a callback; the reward,
+its per-group spread, and TRL's tool-call counts are written with the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=48, help="a turn's; the completion's budget is max_turns x this")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_rewards
+
+    from rollout.calculator import calculator  # plain Python: no Temper dependency is imported
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in rows]
+    )
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    config = GRPOConfig(
+        output_dir="/tmp/trl_agent_bench",
+        per_device_train_batch_size=args.prompts_per_step * args.generations,
+        gradient_accumulation_steps=1,
+        num_generations=args.generations,
+        max_completion_length=args.max_turns * args.max_tokens,
+        max_tool_calling_iterations=args.max_turns - 1,
+        max_steps=args.steps,
+        learning_rate=1e-5,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=False,  # TRL's default recomputes activations; Temper's step does not
+        seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer.padding_side = "left"
+    tokenizer.response_template = qwen3_template  # Hermes-style calls, as Temper's template writes them
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=bench_rewards.final_answer,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        tools=[calculator],
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    mean = lambda key: sum(h.get(key, 0.0) for h in logs) / max(len(logs), 1)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "step_times": times,
+                "torch_threads": torch.get_num_threads(),
+                "reward_mean": mean("reward"),
+                "reward_std": mean("reward_std"),
+                "frac_reward_zero_std": mean("frac_reward_zero_std"),
+                "tool_calls": mean("tools/call_frequency"),
+                "tool_failures": mean("tools/failure_frequency"),
+                "completion_length": mean("completions/mean_length"),
+                "log_keys": sorted(logs[-1]) if logs else [],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
