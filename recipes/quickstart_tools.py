@@ -49,6 +49,15 @@ def tool_problems(n: int, seed: int) -> list[dict]:
     return reasoning_gym_records("basic_arithmetic", n, seed, **TASK)
 
 
+def split_problems(n_sft: int, n_rl: int) -> tuple[list[dict], list[dict]]:
+    """SFT's problems and GRPO's (whose held-out share is the evaluation), with no question in both: reasoning-gym
+    seeds problem i with `seed + i`, so nearby seeds give shifted copies of one list (seeds 2 and 3 shared every
+    problem); the two lists come from seeds far apart, and GRPO's drop any question SFT has."""
+    sft = tool_problems(n_sft, seed=2)
+    seen = {r["question"] for r in sft}
+    return sft, [r for r in tool_problems(n_rl, seed=1_000_000) if r["question"] not in seen]
+
+
 def expression(question: str) -> str:
     """ "Calculate 4286 + 603." -> "4286 + 603"."""
     return question.removeprefix("Calculate ").rstrip(".")
@@ -112,7 +121,7 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
     data.mkdir(parents=True, exist_ok=True)
 
     print("== 1/5 problems (reasoning-gym, offline): 3- and 4-digit sums and differences", flush=True)
-    sft_rows, rl_rows = tool_problems(4000, seed=2), tool_problems(3000, seed=3)
+    sft_rows, rl_rows = split_problems(4000, 3000)
     rng = random.Random(seed)
     tools = [tool_schema(calculator)]
     chats = [{"messages": sloppy_trace(r, rng, SKIP_TOOL), "tools": tools} for r in sft_rows]
@@ -188,7 +197,9 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
             before_file.write_text(json.dumps(run.evaluate(step=0)))
         before = json.loads(before_file.read_text())
         summary = run.run()
-        after = summary.final_eval or run.evaluate()
+        every = cfg.train.eval_every
+        evaluated_last = every and summary.steps % every == 0 and summary.final_eval is not None
+        after = summary.final_eval if evaluated_last else run.evaluate(step=summary.steps)
     finally:
         run.close()
     return {"before": before["eval/pass@1"], "after": after["eval/pass@1"], "steps": summary.steps}

@@ -95,7 +95,10 @@ def test_the_tools_quickstarts_sloppy_agent_calls_the_calculator_or_misses_by_a_
     all) beyond the tiny model's head (3- and 4-digit operands)."""
     import random
 
-    from recipes.quickstart_tools import SKIP_TOOL, expression, sloppy_trace, tool_problems
+    from recipes.quickstart_tools import SKIP_TOOL, expression, sloppy_trace, split_problems, tool_problems
+
+    sft, rl = split_problems(400, 300)  # the held-out problems were once all in SFT's data (nearby seeds)
+    assert len(rl) > 290 and not {r["question"] for r in sft} & {r["question"] for r in rl}
 
     rows = tool_problems(400, seed=5)
     widest = [max(len(n) for n in expression(r["question"]).replace(" - ", " + ").split(" + ")) for r in rows]
