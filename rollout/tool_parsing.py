@@ -56,10 +56,7 @@ class ToolCallParser:
             raise ValueError(f"unknown tool parser {name!r}; vLLM has: {', '.join(parser_names())}") from None
         self.name = name
         self.parser = cls(tokenizer)
-        # vLLM's parsers log a traceback for every call they cannot read; here such a turn is `malformed`, answered
-        # with an error message the model reads and counted (`agent/tool_errors`): a sampled call that is not JSON
-        # is the model's mistake, not the run's, and hundreds of tracebacks a step hid the run's own output.
-        logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)
+        self._log = logging.getLogger(cls.__module__)
         self.request: Any = ChatCompletionRequest(
             model="temper", messages=[{"role": "user", "content": ""}], tools=list(tools) or None
         )
@@ -69,10 +66,17 @@ class ToolCallParser:
         self.markers = tuple(m for m in markers if isinstance(m, str) and m)
 
     def parse(self, text: str) -> ParsedTurn:
+        # vLLM's parsers log a traceback for every call they cannot read; here such a turn is `malformed`, answered
+        # with an error message the model reads and counted (`agent/tool_errors`): a sampled call that is not JSON
+        # is the model's mistake, not the run's, and hundreds of tracebacks a step hid the run's own output. Only
+        # what the parser logs while reading this turn is dropped.
+        self._log.addFilter(_drop)
         try:
             info = self.parser.extract_tool_calls(text, self.request)
         except Exception as err:  # a parser that raises on odd text: the turn is malformed, not the run
             return ParsedTurn(text, text, [], f"the {self.name} parser failed on it: {type(err).__name__}: {err}")
+        finally:
+            self._log.removeFilter(_drop)
         calls = [ToolCall(c.function.name, c.function.arguments or "") for c in info.tool_calls or []]
         content = info.content if info.content is not None else ("" if calls else text)
         if info.tools_called and calls:
@@ -81,6 +85,10 @@ class ToolCallParser:
         if opened is not None:
             return ParsedTurn(text, text, [], f"it opens a tool call ({opened}) that could not be read as one")
         return ParsedTurn(text, content)
+
+
+def _drop(record: logging.LogRecord) -> bool:
+    return False
 
 
 class ToolParsers:

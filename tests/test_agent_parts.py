@@ -4,6 +4,7 @@ environment runner's checks, the tokens a template appends after a turn, episode
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -116,7 +117,19 @@ def test_vllms_parsers_read_calls_and_a_malformed_call_is_named(tmp_path_factory
     turn = p.parse(good)
     assert [(c.name, json.loads(c.arguments)) for c in turn.tool_calls] == [("calculator", args)], turn
     assert turn.malformed is None
-    bad = p.parse(broken)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    p._log.addHandler(handler)
+    try:
+        bad = p.parse(broken)
+        # The parser's own traceback for it is not logged (the turn is answered and counted instead), and its
+        # logger is left as it was: what it logs outside a turn's parsing still shows.
+        assert not logged and not p._log.filters
+        p._log.error("outside a parse")
+        assert [r.getMessage() for r in logged] == ["outside a parse"]
+    finally:
+        p._log.removeHandler(handler)
     assert bad.tool_calls == [] and bad.malformed is not None and "could not be read" in bad.malformed, bad
     plain = p.parse("The answer is 4.")
     assert plain.tool_calls == [] and plain.malformed is None and plain.content == "The answer is 4."
