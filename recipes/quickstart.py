@@ -71,7 +71,7 @@ SUMMARY = "quickstart.json"
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipes.quickstart", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), runs/quickstart_dpo (DPO)")
+    p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), else runs/quickstart_METHOD")
     p.add_argument(
         "--method",
         choices=("grpo", "dpo", "distill", "tools"),
@@ -100,6 +100,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
+    if args.method == "tools":  # its own pipeline (no pretraining, its own sloppy agent and evaluation)
+        unused = [f"--{k.replace('_', '-')}" for k in ("pretrain_steps", "eval_prompts") if getattr(args, k)]
+        unused += ["--sign-slip"] if args.sign_slip != SIGN_SLIP else []
+        if unused:
+            p.error(f"--method tools does not take {', '.join(unused)}")
     if args.run_dir is None:
         args.run_dir = f"runs/quickstart_{args.method}" if args.method != "grpo" else "runs/quickstart"
     return args

@@ -95,8 +95,12 @@ def test_the_tools_quickstarts_sloppy_agent_calls_the_calculator_or_misses_by_a_
     all) beyond the tiny model's head (3- and 4-digit operands)."""
     import random
 
+    from recipes.quickstart import parse
     from recipes.quickstart_tools import SKIP_TOOL, expression, sloppy_trace, split_problems, tool_problems
 
+    with pytest.raises(SystemExit):  # flags of the other quickstarts are refused, not ignored
+        parse(["--method", "tools", "--pretrain-steps", "5"])
+    assert parse(["--method", "tools", "--sft-steps", "5"]).run_dir == "runs/quickstart_tools"
     sft, rl = split_problems(400, 300)  # the held-out problems were once all in SFT's data (nearby seeds)
     assert len(rl) > 290 and not {r["question"] for r in sft} & {r["question"] for r in rl}
 
