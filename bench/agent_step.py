@@ -11,8 +11,9 @@ GRPO problems (3- and 4-digit sums). Both sides do the same step: `prompts` x `g
 `calculator` (the same Python function, its schema from transformers' `get_json_schema`) answering each call, the
 reward `bench_rewards.final_answer` on the last turn, one optimizer update (no KL), float32, 2 CPU cores. TRL runs
 in its own virtual environment (`.venv-trl`, as bench/grpo_step.py) with transformers `generate`; Temper samples
-with vLLM on Ray, each episode's turns as their own requests. Each side's turns, tool calls and reward spread are
-printed beside its time, so a step that did less work shows. The first step (compilation, warm-up) is left out.
+with vLLM on Ray, each episode's turns as their own requests. Each side's tool calls, tokens a trajectory, reward
+and share of flat groups are printed beside its time, so a step that did less work shows. The first step
+(compilation, warm-up) is left out.
 Goal (issue 42): Temper's step <= 0.5x TRL's.
 """
 
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--model", default=str(DEMO / "sft" / "hf"), help="a tool-calling model (make demo-tools')")
     p.add_argument("--tokenizer", default=str(DEMO / "tokenizer"))
     p.add_argument("--data", default=str(DEMO / "data" / "rl.jsonl"), help="rows with question and answer")
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (after one warm-up step)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=3)
@@ -137,8 +138,10 @@ def main() -> None:
             f"agent GRPO step ({args.prompts} prompts x {args.generations}, <= {args.max_turns} turns): Temper "
             f"{ours['step_s']:.2f} s (median {ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, train "
             f"{ours['train_s']:.2f}, sync {ours['sync_s']:.2f}; {ours['turns']:.2f} turns, {ours['tool_calls']:.2f} "
-            f"calls a trajectory, reward {ours['reward_mean']:.2f}) | TRL {trl_times}"
-            f" s ({trl[0]['tool_calls']:.2f} calls a trajectory, reward {trl[0]['reward_mean']:.2f}) | ratio "
+            f"calls, {ours['model_tokens'] + ours['env_tokens']:.1f} tokens a trajectory, reward "
+            f"{ours['reward_mean']:.2f}, flat groups {ours['flat_group_share']:.0%}) | TRL {trl_times} s "
+            f"({trl[0]['tool_calls']:.2f} calls, {trl[0]['completion_length']:.1f} tokens a trajectory, reward "
+            f"{trl[0]['reward_mean']:.2f}, flat groups {trl[0]['frac_reward_zero_std']:.0%}) | ratio "
             f"{results['step']['ratio']:.2f}",
             flush=True,
         )
