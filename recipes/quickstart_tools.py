@@ -198,8 +198,9 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
         before = json.loads(before_file.read_text())
         summary = run.run()
         every = cfg.train.eval_every
-        evaluated_last = every and summary.steps % every == 0 and summary.final_eval is not None
-        after = summary.final_eval if evaluated_last else run.evaluate(step=summary.steps)
+        after = summary.final_eval  # the loop's last evaluation: at the last step only when it falls on one
+        if after is None or not every or summary.steps % every:
+            after = run.evaluate(step=summary.steps)
     finally:
         run.close()
     return {"before": before["eval/pass@1"], "after": after["eval/pass@1"], "steps": summary.steps}
