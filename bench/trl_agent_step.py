@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +37,14 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_rewards
+    from peer_common import grpo_arguments, step_timer
 
     from rollout.calculator import calculator  # plain Python: no Temper dependency is imported
 
@@ -54,33 +54,11 @@ def main() -> None:
     )
 
     times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
-
     config = GRPOConfig(
-        output_dir="/tmp/trl_agent_bench",
-        per_device_train_batch_size=args.prompts_per_step * args.generations,
-        gradient_accumulation_steps=1,
-        num_generations=args.generations,
+        **grpo_arguments(args, "trl_agent_bench"),
         max_completion_length=args.max_turns * args.max_tokens,
         max_tool_calling_iterations=args.max_turns - 1,
-        max_steps=args.steps,
-        learning_rate=1e-5,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        temperature=1.0,
-        dataloader_num_workers=0,
         gradient_checkpointing=False,  # TRL's default recomputes activations; Temper's step does not
-        seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -93,7 +71,7 @@ def main() -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
         tools=[calculator],
-        callbacks=[Timer()],
+        callbacks=[step_timer(times)],
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]

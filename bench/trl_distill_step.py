@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 
@@ -31,19 +30,13 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from peer_common import step_timer  # this script's folder is on sys.path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
     times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
 
     config = DistillationConfig(
         output_dir="/tmp/trl_distill_bench",
@@ -74,7 +67,7 @@ def main() -> None:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[step_timer(times)],
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 
@@ -36,11 +35,12 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_rewards
+    from peer_common import grpo_arguments, step_timer
 
     reward_fn = getattr(bench_rewards, args.reward)
 
@@ -52,33 +52,7 @@ def main() -> None:
         return reward_fn(prompts, completions)
 
     times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
-
-    batch = args.prompts_per_step * args.generations
-    config = GRPOConfig(
-        output_dir="/tmp/trl_grpo_bench",
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        num_generations=args.generations,
-        max_completion_length=args.max_tokens,
-        max_steps=args.steps,
-        learning_rate=1e-5,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        temperature=1.0,
-        dataloader_num_workers=0,
-        seed=0,
-    )
+    config = GRPOConfig(**grpo_arguments(args, "trl_grpo_bench"), max_completion_length=args.max_tokens)
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
@@ -88,7 +62,7 @@ def main() -> None:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[step_timer(times)],
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]

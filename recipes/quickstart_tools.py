@@ -27,19 +27,12 @@ import random
 import time
 from pathlib import Path
 
+from recipes import quickstart
 from recipes.quickstart import _check, write_jsonl
 
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
 SUMMARY = "quickstart_tools.json"
-TASK = dict(
-    min_terms=2,
-    max_terms=2,
-    min_digits=3,
-    max_digits=4,
-    operators=("+", "-"),
-    allow_parentheses=False,
-    allow_negation=False,
-)
+TASK = {**quickstart.TASK, "min_digits": 3, "max_digits": 4}  # the quickstart's problems, with wider numbers
 SKIP_TOOL = 0.3  # how often the sloppy agent answers in its head instead of calling the calculator
 
 
