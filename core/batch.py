@@ -31,7 +31,9 @@ output projection is the costliest per-target work there is, so `core.targets.ta
 list of the `scored` real targets of each micro-batch and scatters the results back (zeros on empty slots).
 `split_micro_batches` sets `scored` from the mask once the micro-batches are known (`with_scored`); 0 scores
 every slot. Padding positions in the rows likewise never reach the matmuls of the decoder layers: `compact`
-(set by `with_compact`) lets the model run them on the real tokens only (`core.models.compact`).
+(set by `with_compact`) lets the model run them on the real tokens only (`core.models.compact`). Both are
+static, so each new count compiles the step again: a learner passes its `CompiledCounts`, which reuses a larger
+count already compiled for a batch that fits it (a short run compiles what it must, not one step per bucket).
 
 Methods add their own per-target or per-sequence arrays beside it in a typed
 batch of their own (`TrainBatch`: `posttrain.onpolicy.policy_gradient.RLBatch`,
@@ -41,6 +43,7 @@ batch of their own (`TrainBatch`: `posttrain.onpolicy.policy_gradient.RLBatch`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -48,6 +51,7 @@ import jax
 import numpy as np
 
 from core.mesh import row_shards
+from core.shapes import SizeCache
 
 T = TypeVar("T")
 
@@ -113,10 +117,32 @@ def with_groups(tree: T, groups: int) -> T:
     )
 
 
-def with_scored(tree: T) -> T:
+class CompiledCounts:
+    """The `scored` and `compact` counts a learner's update has been compiled for, one `core.shapes.SizeCache` per
+    count and width: a batch whose count fits one already compiled (at most twice its own bucket) is padded into
+    it instead of compiling the step again, until a bucket has been padded often enough to earn its own
+    compilation (the cache's patience). A compilation costs seconds (8-10 s for the tools demo's ~1M model on 2
+    CPU cores, against a 0.3 s update), padding a few hundred targets or positions milliseconds. Every process of
+    a JAX group sees the same batches in the same order, so they pick the same counts."""
+
+    def __init__(self):
+        self._caches: dict[tuple[str, int], SizeCache] = {}
+
+    def pick(self, count: str, slots: int, needed: int, bucket: Callable[[int], int]) -> int:
+        """The count to use for `needed` of `slots` (`bucket`: how a new count is rounded, fixed per width)."""
+        cache = self._caches.setdefault((count, slots), SizeCache(bucket))
+        return cache.pick(needed)
+
+
+def _pick(counts: CompiledCounts | None, count: str, slots: int, needed: int, bucket: Callable[[int], int]) -> int:
+    return bucket(needed) if counts is None else counts.pick(count, slots, needed, bucket)
+
+
+def with_scored(tree: T, counts: CompiledCounts | None = None) -> T:
     """Every `PackedBatch` in `tree` (host arrays, before its `groups` micro-batches are split off) with `scored` set
     to the most real targets any micro-batch holds, rounded up (a quarter of its `[B / groups, C]` slots, or
-    64 targets in larger batches: see below) so that a run compiles its step for a handful of counts."""
+    64 targets in larger batches: see below) so that a run compiles its step for a handful of counts; with
+    `counts`, a larger count already compiled that holds it."""
 
     def one(x):
         if not isinstance(x, PackedBatch):
@@ -134,7 +160,8 @@ def with_scored(tree: T) -> T:
         # counts are coarse: quarters of up to 256 slots, then steps of 64 targets (at most 16 counts), where
         # each padded target costs a vocabulary-sized row of the head (~0.5 ms at 56M on 2 CPU cores).
         step = max(-(-slots // 16), min(64, slots // 4))
-        return replace(x, scored=min(slots, max(1, -(-most // step)) * step))
+        bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
+        return replace(x, scored=_pick(counts, "scored", slots, most, bucket))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 
@@ -144,12 +171,12 @@ def with_scored(tree: T) -> T:
 COMPACT_MIN_SLOTS = 1024
 
 
-def with_compact(tree: T, mesh_shape: dict[str, int] | None = None) -> T:
+def with_compact(tree: T, mesh_shape: dict[str, int] | None = None, counts: CompiledCounts | None = None) -> T:
     """Every `PackedBatch` in `tree` (host arrays, before its `groups` micro-batches are split off) with `compact`
     set to the most real tokens any part of a micro-batch holds (a part: the rows of one data shard on a mesh
     of `mesh_shape`, `core.mesh.row_shards`), rounded up to an eighth of the part's positions so that a run
-    compiles its step for a handful of counts; 0 (every position) when that saves nothing or the part is
-    smaller than `COMPACT_MIN_SLOTS`."""
+    compiles its step for a handful of counts (with `counts`, a larger count already compiled that holds it);
+    0 (every position) when that saves nothing or the part is smaller than `COMPACT_MIN_SLOTS`."""
 
     def one(x):
         if not isinstance(x, PackedBatch):
@@ -164,7 +191,8 @@ def with_compact(tree: T, mesh_shape: dict[str, int] | None = None) -> T:
         if slots < COMPACT_MIN_SLOTS:
             return replace(x, compact=0)
         step = -(-slots // 8)
-        count = max(1, -(-int(parts.sum(axis=1).max()) // step)) * step
+        bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
+        count = _pick(counts, "compact", slots, int(parts.sum(axis=1).max()), bucket)
         return replace(x, compact=count if count < slots else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))

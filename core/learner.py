@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from core.batch import CompiledCounts
 from core.checkpoint import Checkpointer
 from core.config import Config, OptimConfig
 from core.distributed import CompiledTogether, barrier
@@ -96,6 +97,7 @@ class Learner:
             self.state = init_train_state(params, self.tx, seed)
         self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
         self._executables: dict[Any, Callable] = {}
+        self._counts = CompiledCounts()  # the batches' static counts the update was compiled for
         bound = bind_loss(self.graphdef, loss_fn)
         self._evaluate = CompiledTogether(
             jax.jit(lambda params, rest, batch: bound(params, rest, batch, None)),
@@ -126,14 +128,14 @@ class Learner:
         """One optimizer update on a host batch (any pytree of `[N, ...]` arrays packed for `micro_batches`
         packing groups), accumulated over `micro_batches`; its outcome as floats (`finite`, `empty` say whether
         it was applied)."""
-        placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh)
+        placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh, self._counts), self.mesh)
         with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
             self.state, report = self._executable(placed)(self.state, placed, self.rest)
         return to_host(jax.device_get(report))
 
     def compile(self, batch: Any, micro_batches: int = 1) -> str:
         """Compile the update for this batch's shapes now (not inside a timed step); XLA's memory analysis."""
-        self._executable(place_batch(split_micro_batches(batch, micro_batches, self.mesh), self.mesh))
+        self._executable(place_batch(split_micro_batches(batch, micro_batches, self.mesh, self._counts), self.mesh))
         return self.last_compile or ""
 
     @property

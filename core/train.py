@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from core.batch import packing_groups, with_compact, with_scored
+from core.batch import CompiledCounts, packing_groups, with_compact, with_scored
 from core.distributed import place_rows
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
@@ -174,13 +174,16 @@ def batch_shards(mesh: Mesh) -> int:
     return row_shards(math.prod(shape.values()), shape)
 
 
-def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) -> T:
+def split_micro_batches(
+    batch: T, micro_batches: int, mesh: Mesh | None = None, counts: CompiledCounts | None = None
+) -> T:
     """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
     `[k, N / k, ...]`; names the leaf that does not divide. A batch packed for another number of packing groups
     than `micro_batches` is refused, naming both (its `target_index` is local to each of its own groups: cut
     otherwise, a micro-batch's targets would point at other rows). Each `PackedBatch`'s `scored` and `compact`
     counts are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data
-    shards of `mesh` (the mesh the batch will be placed on; None: one device)."""
+    shards of `mesh` (the mesh the batch will be placed on; None: one device), reusing those in `counts` (a
+    learner's, `core.batch.CompiledCounts`) where one fits."""
     for where, groups in packing_groups(batch):
         if groups != micro_batches:
             raise ValueError(
@@ -194,7 +197,7 @@ def split_micro_batches(batch: T, micro_batches: int, mesh: Mesh | None = None) 
             raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
         return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
 
-    counted = with_compact(with_scored(batch), None if mesh is None else dict(mesh.shape))
+    counted = with_compact(with_scored(batch, counts), None if mesh is None else dict(mesh.shape), counts)
     return jax.tree_util.tree_map_with_path(split, counted)
 
 

@@ -257,3 +257,24 @@ def test_scored_counts_cover_every_real_target_in_few_sizes(slots):
     assert len(counts) <= 16, sorted(counts)
     if 256 < slots <= 1024:
         assert max(b - a for a, b in zip(sorted(counts), sorted(counts)[1:])) == 64
+
+
+def test_a_learner_reuses_a_larger_compiled_target_count_instead_of_compiling_again():
+    """Two batches of the same array shapes whose real targets fall in different `scored` buckets: after the fuller
+    one, the sparser one is padded into the count already compiled (`core.batch.CompiledCounts`), so the update
+    compiles once; in the other order the smaller count came first and the fuller batch needs its own. Both
+    updates run, on a non-zero gradient."""
+    from core.learner import Learner
+
+    full = make_batch(rows=8, t=24, seed=0)
+    sparse = {**full, "loss_mask": full["loss_mask"] * (np.arange(8) >= 2)[:, None]}  # 61 of its 84 targets
+    assert [x.shape for x in jax.tree.leaves(packed(sparse))] == [x.shape for x in jax.tree.leaves(packed(full))]
+    scored = lambda rows: split_micro_batches(packed(rows), 1).scored
+    assert scored(sparse) < scored(full) <= 2 * scored(sparse)  # the same shapes, in neighbouring buckets
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    for order, compiles in (((full, sparse), 1), ((sparse, full), 2)):
+        learner = Learner(create_model(ModelConfig(), mesh, seed=0), mesh, nll_loss, SGD, total_updates=2)
+        for rows in order:
+            update = learner.update(packed(rows))
+            assert update.finite and not update.empty and update.grad_norm > 0
+        assert learner.compiled_shapes == compiles, order
