@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from core.errors import UserError
@@ -45,7 +46,16 @@ class ChatTemplateError(UserError, ValueError):
 
 # A probe conversation, rendered once per template to learn which special token closes an assistant turn.
 _PROBE_USER, _PROBE_REPLY = "Probe question 7?", "Probe reply 7."
-_closers_cache: dict[tuple, tuple[tuple[str, ...], frozenset[str]]] = {}
+_PROBE_ARGUMENT, _PROBE_RESULT = "probe-argument-7", "probe-result-7"
+
+
+def _calling_turn(names: Sequence[str]) -> dict:
+    """A probe assistant turn that calls the functions `names` (each with one argument, `_PROBE_ARGUMENT`)."""
+    calls = [{"type": "function", "function": {"name": n, "arguments": {"x": _PROBE_ARGUMENT}}} for n in names]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+_closers_cache: dict[tuple, _Closing] = {}
 
 
 def _render(
@@ -63,6 +73,26 @@ def _render(
         raise ChatTemplateError(f"the chat template cannot render it ({type(err).__name__}: {reason})") from None
 
 
+def _tool_call_closer(tokenizer: Any, specials: re.Pattern | None) -> set[str]:
+    """The special token the template writes right after a turn's tool calls when the tool's result follows
+    (empty where the template writes no calls, or none follows them). A markup pair's closing tag (`</tool_call>`,
+    should a tokenizer make it special) is part of the call as parsers read it, not the turn's end."""
+    result = {"role": "tool", "name": "probe_tool", "content": _PROBE_RESULT}
+    try:
+        text = _render(
+            tokenizer, [{"role": "user", "content": _PROBE_USER}, _calling_turn(["probe_tool"]), result], False
+        )
+    except ChatTemplateError:
+        return set()
+    at, ends = text.rfind(_PROBE_ARGUMENT), text.find(_PROBE_RESULT)
+    if specials is None or at < 0 or ends < 0:
+        return set()
+    for found in specials.finditer(text, at + len(_PROBE_ARGUMENT), ends):
+        if not found.group().startswith("</"):
+            return {found.group()}
+    return set()
+
+
 def _atomic_tokens(tokenizer: Any) -> list[str]:
     """Every special or added token's text, longest first (none of them is ever split by the tokenizer)."""
     found = {t for t in tokenizer.all_special_tokens if t}
@@ -77,19 +107,42 @@ def _special_tokens(tokenizer: Any) -> list[str]:
 
 
 def end_of_turn_tokens(tokenizer: Any) -> tuple[str, ...]:
-    """The tokens that close an assistant turn in this template: EOS, and the first special token the template
-    writes after an assistant reply, as the last message and followed by a user turn (cached per template)."""
-    return _closing(tokenizer)[0]
+    """The tokens that close an assistant turn in this template's renderings: EOS, the first special token the
+    template writes after an assistant reply, as the last message and followed by a user turn, and after a turn
+    that calls a tool and is followed by the tool's result (gpt-oss's `<|call|>`, GLM's `<|observation|>`)
+    (cached per template). Where SFT's targets of a turn end."""
+    return _closing(tokenizer).closers
 
 
-def _closing(tokenizer: Any) -> tuple[tuple[str, ...], frozenset[str]]:
-    """(the end-of-turn tokens, those the template follows with EOS after a reply that a user turn follows: the
-    EOS then belongs to the turn too)."""
+def turn_stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens a sampled assistant turn ends on: EOS, the token closing a reply that is the conversation's last
+    message (or, where the template writes none there, the one before the next user turn: GLM's `<|user|>`), and
+    the one closing a tool-calling turn (gpt-oss's `<|call|>`, GLM's `<|observation|>`). The tokenizer's EOS alone
+    misses a base model's tokenizer whose EOS is `<|endoftext|>` while its template closes turns with
+    `<|im_end|>`; every closer would stop gpt-oss after its analysis channel (`<|end|>`, where its history's turns
+    end) and Cohere2 before the EOS its turns end with."""
+    ids = set()
+    for token in _closing(tokenizer).stops:
+        found = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(found, int) and found != tokenizer.unk_token_id:
+            ids.add(found)
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class _Closing:
+    closers: tuple[str, ...]  # longest first
+    then_eos: frozenset[str]  # closers the template follows with EOS after a reply a user turn follows
+    stops: frozenset[str]  # what generation stops on (`turn_stop_ids`)
+
+
+def _closing(tokenizer: Any) -> _Closing:
+    """How this template ends assistant turns (probe conversations rendered once per template)."""
     specials = _special_tokens(tokenizer)
     eos = tokenizer.eos_token
     key = (tokenizer.chat_template, eos, tuple(specials))
     if key not in _closers_cache:
-        closers = {eos} if eos else set()
+        found_after: dict[int, str] = {}  # probe length -> the first special token after the reply
         then_eos: set[str] = set()
         user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
         pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
@@ -101,10 +154,17 @@ def _closing(tokenizer: Any) -> tuple[tuple[str, ...], frozenset[str]]:
             at = text.find(_PROBE_REPLY)
             found = pattern.search(text, at + len(_PROBE_REPLY)) if pattern is not None and at >= 0 else None
             if found is not None:
-                closers.add(found.group())
+                found_after[len(probe)] = found.group()
                 if len(probe) == 3 and eos and found.group() != eos and text.startswith(eos, found.end()):
                     then_eos.add(found.group())
-        _closers_cache[key] = (tuple(sorted(closers, key=len, reverse=True)), frozenset(then_eos))
+        calling = _tool_call_closer(tokenizer, pattern)
+        base = {eos} if eos else set()
+        last = found_after.get(2) or found_after.get(3)
+        stops = base | calling | ({last} - then_eos if last else set())
+        closers = base | set(found_after.values()) | calling
+        _closers_cache[key] = _Closing(
+            tuple(sorted(closers, key=len, reverse=True)), frozenset(then_eos), frozenset(stops)
+        )
     return _closers_cache[key]
 
 
@@ -199,7 +259,8 @@ def assistant_char_spans(
     messages = _with_argument_objects(messages)
     text = _render(tokenizer, messages, False, tools)
     atomic = _atomic_tokens(tokenizer)
-    closers, then_eos = _closing(tokenizer)
+    closing_of = _closing(tokenizer)
+    closers, then_eos = closing_of.closers, closing_of.then_eos
     closing = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -300,11 +361,17 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict], tools: Sequence[di
 
 
 def continuation_ids(
-    tokenizer: Any, messages: Sequence[dict], stop_token: str, tools: Sequence[dict] | None = None
+    tokenizer: Any,
+    messages: Sequence[dict],
+    stop_token: str,
+    tools: Sequence[dict] | None = None,
+    called: Sequence[str] = (),
 ) -> list[int]:
     """The tokens the template puts after an assistant turn that ended on `stop_token` (the token the sampler
     stopped on, which the trajectory already holds) when `messages` (tool results, an environment's user turn)
-    follow it, through the generation prompt of the next assistant turn.
+    follow it, through the generation prompt of the next assistant turn. `called`: the names of the functions
+    the turn called (gpt-oss names the function in the header of its result, and ends a calling turn with
+    `<|call|>`, not `<|end|>`).
 
     Token-in / token-out: a multi-turn trajectory is extended by these tokens and never rendered again, so the
     model's own tokens are never decoded and re-encoded, and templates that rewrite the history (Qwen3 drops
@@ -312,14 +379,25 @@ def continuation_ids(
     and with `messages`: what follows the probe reply's `stop_token` in the second rendering. A template that
     does not close an assistant turn with `stop_token`, or cannot render the messages, is a `ChatTemplateError`
     naming it."""
-    user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
+    if called:  # the turn as it was, calling those functions; where the template cannot write calls, a reply
+        try:
+            return _continuation(tokenizer, messages, stop_token, tools, _calling_turn(called), _PROBE_ARGUMENT)
+        except ChatTemplateError:
+            pass
+    reply = {"role": "assistant", "content": _PROBE_REPLY}
+    return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+
+
+def _continuation(
+    tokenizer: Any, messages: Sequence[dict], stop_token: str, tools: Sequence[dict] | None, reply: dict, marker: str
+) -> list[int]:
     roles = ", ".join(repr(m.get("role")) for m in messages)
     try:
-        after = _render(tokenizer, [user, reply, *messages], True, tools)
+        after = _render(tokenizer, [{"role": "user", "content": _PROBE_USER}, reply, *messages], True, tools)
     except ChatTemplateError as err:
         raise ChatTemplateError(f"messages ({roles}) after an assistant turn: {err}") from None
-    at = after.find(_PROBE_REPLY)
-    close = after.find(stop_token, at + len(_PROBE_REPLY)) if at >= 0 else -1
+    at = after.rfind(marker)  # the probe turn's (last) call, or its reply
+    close = after.find(stop_token, at + len(marker)) if at >= 0 else -1
     if close < 0:
         raise ChatTemplateError(
             f"the chat template does not close an assistant turn with {stop_token!r} (the token generation stopped "

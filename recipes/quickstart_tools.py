@@ -7,9 +7,10 @@
 2. a byte-level BPE tokenizer on the rendered conversations, with Temper's ChatML template, which writes the
    calculator's JSON schema into the system turn and tool calls as Qwen2.5 does (`<tool_call>{...}</tool_call>`,
    read back by vLLM's `hermes` parser);
-3. SFT, from a random init, on the traces of a sloppy agent: 70% of the time it calls the calculator with the
-   problem's expression, reads the result and answers with it; otherwise it answers in its head, wrong by a digit
-   (the fine-tuned model calls the tool, but copies the operands and the result imperfectly);
+3. SFT, from a random init, on the traces of a sloppy agent: it calls the calculator with the problem's
+   expression, reads the result and answers with it, or answers in its head, wrong by a digit; it trusts its
+   head with sums (75% of them) and calls the tool on most differences (`SKIP_TOOL`). The fine-tuned model
+   guesses most sums when decoding greedily, and copies operands and results imperfectly;
 4. GRPO with the tool (`rl.agent`: the built-in `tools` environment with the `calculator`; episodes of up to 3
    turns on the vLLM sampler on Ray, the math_verify reward on the final answer);
 5. GRPO without the tool, the same budget from the same fine-tuned model: one completion a prompt, the answer
@@ -33,7 +34,10 @@ from recipes.quickstart import _check, write_jsonl
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
 SUMMARY = "quickstart_tools.json"
 TASK = {**quickstart.TASK, "min_digits": 3, "max_digits": 4}  # the quickstart's problems, with wider numbers
-SKIP_TOOL = 0.3  # how often the sloppy agent answers in its head instead of calling the calculator
+# How often the sloppy agent answers in its head instead of calling the calculator: it trusts its head with sums
+# and reaches for the tool on differences. So the fine-tuned model's most likely first move on a sum is a guess
+# (wrong: greedy decoding misses every sum), while sampling still calls the tool on some: what GRPO can reinforce.
+SKIP_TOOL = {"+": 0.75, "-": 0.1}
 
 
 def tool_problems(n: int, seed: int) -> list[dict]:
@@ -75,12 +79,18 @@ def end_turns_with_im_end(tokenizer_dir: str) -> None:
         tok.save_pretrained(tokenizer_dir)
 
 
-def sloppy_trace(row: dict, rng: random.Random, skip_tool: float) -> list[dict]:
-    """The sloppy agent's conversation on one problem: the calculator and its answer, or a guess."""
+def operation(question: str) -> str:
+    """ "Calculate 4286 + 603." -> "+"; "Calculate 953 - 43." -> "-"."""
+    return "-" if " - " in expression(question) else "+"
+
+
+def sloppy_trace(row: dict, rng: random.Random, skip_tool: dict[str, float]) -> list[dict]:
+    """The sloppy agent's conversation on one problem: the calculator and its answer, or a guess (with the
+    probability `skip_tool` gives the problem's operation)."""
     from rollout.calculator import calculator
 
     user = {"role": "user", "content": row["question"]}
-    if rng.random() < skip_tool:
+    if rng.random() < skip_tool[operation(row["question"])]:
         return [user, {"role": "assistant", "content": in_the_head(row["answer"], rng)}]
     arguments = {"expression": expression(row["question"])}
     call = {"type": "function", "function": {"name": "calculator", "arguments": arguments}}

@@ -203,7 +203,7 @@ def _take(episode: Episode, parsed: ParsedTurn, reply: EnvReply | EnvFailure, to
         return
     stop = tokenizer.decode(episode.token_ids[-1:], skip_special_tokens=False)
     try:
-        more = continuation_ids(tokenizer, reply.messages, stop, episode.tools)
+        more = continuation_ids(tokenizer, reply.messages, stop, episode.tools, [c.name for c in parsed.tool_calls])
     except ChatTemplateError as err:
         episode.finish, episode.error = "failed", f"the environment's messages cannot be rendered: {err}"
         return

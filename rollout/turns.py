@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,12 +93,16 @@ class EngineTurns:
         slice_s: float = 0.05,
         wait: Callable | None = None,
         cancelled: threading.Event | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`wait(refs, timeout)`: the refs among `refs` that are ready, at least one unless `timeout` passed
-        (default: `ray.wait`'s); `cancelled`: set when the run stops (`take` then raises `Cancelled`)."""
+        (default: `ray.wait`'s); `cancelled`: set when the run stops (`take` then raises `Cancelled`); `clock`:
+        the time each call's deadline counts on."""
         self.group, self.push, self.slice_s = group, push, slice_s
         self.wait = wait or _ray_wait
         self.cancelled = cancelled
+        self.clock = clock
+        self.deadline: dict[Any, float] = {}  # object ref -> when its call counts as hung (the sampler's timeout)
         self.home: dict[int, Any] = {}  # episode key -> the sampler serving its turns
         self.queued: dict[int, list[TurnRequest]] = {}  # id(sampler) -> turns not yet sent to it
         self.held: dict[int, dict[int, TurnRequest]] = {}  # id(sampler) -> turns its engine runs
@@ -124,16 +129,19 @@ class EngineTurns:
                 self._send(sampler)
             if not self.calls:
                 return out  # nothing was put
-            timeout = max(s.timeout_s for s in self.group.samplers)
-            ready = self.wait(list(self.calls), timeout)
-            if not ready:
+            # Each call has its own deadline: an engine that hangs is found while the others go on answering.
+            now = self.clock()
+            late = [ref for ref in self.calls if self.deadline[ref] <= now]
+            if late:
                 from ray.exceptions import GetTimeoutError
 
-                sampler = next(iter(self.calls.values()))  # the oldest call in flight
-                self._fail(sampler, GetTimeoutError(f"no turn came back in {timeout:.0f} s"))
+                sampler = self.calls[late[0]]
+                self._fail(sampler, GetTimeoutError(f"no turn came back in {sampler.timeout_s:.0f} s"))
                 continue
+            ready = self.wait(list(self.calls), max(0.0, min(self.deadline[ref] for ref in self.calls) - now))
             for ref in ready:
                 sampler = self.calls.pop(ref)
+                del self.deadline[ref]
                 try:
                     progress: TurnProgress = sampler.result(ref)
                 except Exception as err:
@@ -156,12 +164,14 @@ class EngineTurns:
         if not new and not held:
             return
         held.update((r.key, r) for r in new)
-        self.calls[sampler.submit_turns(new, self.slice_s)] = sampler
+        ref = sampler.submit_turns(new, self.slice_s)
+        self.calls[ref] = sampler
+        self.deadline[ref] = self.clock() + sampler.timeout_s
 
     def _fail(self, failed: Any, err: Exception) -> None:
         """`failed`'s turns (queued or running) to the sampler that takes over from it."""
         for ref in [r for r, s in self.calls.items() if s is failed]:
-            del self.calls[ref]
+            del self.calls[ref], self.deadline[ref]
         lost = list(self.held.pop(id(failed), {}).values()) + self.queued.pop(id(failed), [])
         again = sorted(r.key for r in lost if r.key in self.redone)
         if again:  # as a batch is redone once (`SamplerGroup`): an engine that fails on every turn stops the run

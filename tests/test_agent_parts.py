@@ -174,6 +174,39 @@ def test_the_tokens_after_a_turn_are_what_the_template_writes_there(tmp_path_fac
     )
 
 
+@pytest.mark.parametrize("family", ["gptoss", "glm4moe", "qwen2_5", "llama3_1"])
+def test_a_calling_turn_ends_where_the_template_ends_it_and_the_result_follows_it(tmp_path_factory, family):
+    """A turn that calls a tool, sampled up to the first of the template's turn ends (`turn_stop_ids`: gpt-oss's
+    `<|call|>`, GLM's `<|observation|>`, ChatML's `<|im_end|>`, Llama's `<|eot_id|>`), then extended by
+    `continuation_ids` with the call's name: exactly the template's rendering of the call and its result. gpt-oss
+    names the function in the result's header: without the call, its template refuses the result."""
+    from core.chat import turn_stop_ids
+
+    tok = make_tokenizer(tmp_path_factory, family)
+    tools = [tool_schema(calculator)]
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    reply = {"role": "tool", "name": "calculator", "content": "5"}
+    prompt = chat_prompt_ids(tok, user, tools)
+    whole = chat_prompt_ids(tok, [*user, {"role": "assistant", "content": "", "tool_calls": [call]}, reply], tools)
+    assert whole[: len(prompt)] == prompt
+    stops = set(turn_stop_ids(tok))
+    end = next(k for k in range(len(prompt), len(whole)) if whole[k] in stops)  # where sampling stops
+    turn = whole[len(prompt) : end + 1]
+    stop = tok.convert_ids_to_tokens(whole[end])
+    assert (
+        "calculator" in tok.decode(turn)
+        and stop
+        == {"gptoss": "<|call|>", "glm4moe": "<|observation|>", "qwen2_5": "<|im_end|>", "llama3_1": "<|eot_id|>"}[
+            family
+        ]
+    )
+    assert prompt + turn + continuation_ids(tok, [reply], stop, tools, ["calculator"]) == whole
+    if family == "gptoss":
+        with pytest.raises(ChatTemplateError, match="no previous assistant message with a tool call"):
+            continuation_ids(tok, [reply], stop, tools)
+
+
 def test_a_template_that_does_not_close_a_turn_on_the_stop_token_is_refused(tmp_path_factory):
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
     with pytest.raises(ChatTemplateError, match="does not close an assistant turn with '<\\|eot_id\\|>'"):

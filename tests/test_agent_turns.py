@@ -22,13 +22,13 @@ class FakeEngine:
     """A stand-in for a vLLM engine on Ray (`RemoteVLLMSampler`'s turn surface) for the scheduling of turns: every
     request it runs decodes one token a step and answers "ok" then its stop token after `steps(key)` steps; an
     `advance` call steps until one finishes, or twice (its time slice). `fail_at`: its call that fails as a dead
-    actor would."""
+    actor would; `hang_at`: its call that never comes back (a hung engine)."""
 
     remote = True
     timeout_s = 5.0
 
-    def __init__(self, tok, steps, fail_at: int | None = None):
-        self.tok, self.steps, self.fail_at = tok, steps, fail_at
+    def __init__(self, tok, steps, fail_at: int | None = None, hang_at: int | None = None):
+        self.tok, self.steps, self.fail_at, self.hang_at = tok, steps, fail_at, hang_at
         self.policy_version, self.calls, self.most = 0, 0, 0
         self.running: dict[int, list] = {}  # key -> [request, steps left]
         self.finished: list[int] = []  # keys, in the order their turns finished
@@ -40,6 +40,9 @@ class FakeEngine:
         self.calls += 1
         if self.calls == self.fail_at:
             return Ticket(ray.exceptions.RayActorError())
+        if self.calls == self.hang_at:
+            self.running.update((r.key, [r, 10**9]) for r in requests)
+            return Ticket(HUNG)
         for r in requests:
             assert r.key not in self.running and r.params.n == 1
             self.running[r.key] = [r, self.steps(r.key)]
@@ -73,12 +76,20 @@ class Ticket:  # an object ref stand-in: hashable by identity
         self.value = value
 
 
+HUNG = object()  # what a hung engine's call holds: it is never ready
+
+
+def ready_first(refs, timeout):
+    """`ray.wait`'s stand-in: the first call that came back; none (the timeout passed) when every call hangs."""
+    return [r for r in refs if r.value is not HUNG][:1]
+
+
 CHATTER = f"{os.path.join(os.path.dirname(__file__), 'test_agent_run.py')}:Chatter"  # three turns, then done
 
 
-def engine_episodes(tok, pool, engines, rows, concurrency=None, restart=None):
+def engine_episodes(tok, pool, engines, rows, concurrency=None, restart=None, clock=None):
     group = SamplerGroup(engines, restart=restart)
-    turns = EngineTurns(group, push=lambda s: None, wait=lambda refs, timeout: refs[:1])
+    turns = EngineTurns(group, push=lambda s: None, wait=ready_first, **({"clock": clock} if clock else {}))
     env = EnvironmentRunner(CHATTER, {}, pool, timeout_s=10.0)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=1)
     episodes = run_episodes(
@@ -137,6 +148,19 @@ def test_the_turns_a_failed_engine_held_are_sampled_again_by_its_replacement(tmp
                 restart=lambda slot: restarted.append(FakeEngine(tok, steps=lambda key: 2, fail_at=1)) or restarted[-1],
             )
         assert len(restarted) == 1 and restarted[0].calls == 1
+        # A hung engine: its call does not come back within the sampler's timeout (5 s, each reading of the clock
+        # a second): it is replaced like a dead one, while the other engine goes on answering, long before
+        # that engine's episodes end (a wait for any answer would only time out once every other call is done)
+        ticks = iter(range(10**6))
+        hung, other = FakeEngine(tok, steps=lambda key: 2, hang_at=2), FakeEngine(tok, steps=lambda key: 1 + key % 5)
+        replacement = FakeEngine(tok, steps=lambda key: 2)
+        seen_then = []  # the turns the other engine had finished when the hung one was replaced
+        restart = lambda slot: seen_then.append(len(other.finished)) or replacement
+        many = [{"prompt": f"row {i}"} for i in range(40)]
+        episodes, group = engine_episodes(tok, pool, [hung, other], many, restart=restart, clock=lambda: next(ticks))
+        assert all(e.finish == "done" and e.turns == 3 for e in episodes), [(e.finish, e.turns) for e in episodes]
+        assert hung.stopped and group.restarts == 1 and replacement.finished and group.redone_prompts >= 1
+        assert seen_then[0] < len(other.finished) // 2, (seen_then, len(other.finished))
     finally:
         pool.close()
 

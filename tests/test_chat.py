@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import pytest
 
-from core.chat import ChatTemplateError, chat_prompt_ids, end_of_turn_tokens, render_chat, split_last_turn
+from core.chat import (
+    ChatTemplateError,
+    chat_prompt_ids,
+    end_of_turn_tokens,
+    render_chat,
+    split_last_turn,
+    turn_stop_ids,
+)
 from tests.chat_families import FAMILIES, SHIPPED, chat_tokenizer
 
 SYSTEM, Q1, Q2 = "You add numbers.", "What is 2 + 3?", "And 10 + 7?"
@@ -133,8 +140,7 @@ def test_a_tool_turn_is_never_a_target(tmp_path_factory, name):
 
 
 # The families whose shipped template cannot train a structured tool call, with the reason it is refused: the
-# template cannot render it, closes the call with a token Temper does not know as an end of turn (gpt-oss's
-# `<|call|>`, GLM's `<|observation|>`), or leaves the call out of the text. The others write it.
+# template cannot render it, or leaves the call out of the text. The others write it.
 REFUSES_TOOL_CALLS = {
     "cohere": "Conversation roles must alternate",
     "cohere2": "Conversation roles must alternate",
@@ -142,8 +148,6 @@ REFUSES_TOOL_CALLS = {
     "gemma3": "Conversation roles must alternate",
     "deepseek_r1_distill": "does not write this assistant turn's tool calls",
     "deepseekv3": "can only concatenate str",  # DeepSeek's templates take the arguments as a JSON string
-    "glm4moe": "no end-of-turn token",
-    "gptoss": "no end-of-turn token",
     "lfm2": "does not write this assistant turn's tool calls",
     "llama3": "does not write this assistant turn's tool calls",
     "phi3": "does not write this assistant turn's tool calls",
@@ -179,7 +183,9 @@ def test_an_assistant_turn_that_calls_a_tool_is_trained_with_its_call(tmp_path_f
     assert ids == list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"])
     runs = target_runs(tok, ids, targets)
     assert len(runs) == 3 and A1 in runs[0] and A2 in runs[2], runs
-    assert "calculator" in runs[1] and "10 + 7" in runs[1] and runs[1].endswith(FAMILIES[name]["closers"]), runs
+    # A calling turn ends where the template ends it: gpt-oss's `<|call|>`, GLM's `<|observation|>`
+    closers = {"gptoss": ("<|call|>",), "glm4moe": ("<|observation|>",)}.get(name, FAMILIES[name]["closers"])
+    assert "calculator" in runs[1] and "10 + 7" in runs[1] and runs[1].endswith(closers), runs
     assert not [run for run in runs if "says" in run or Q2 in run], runs  # the tool's result, the question: context
 
 
@@ -337,9 +343,25 @@ def test_a_template_that_rewrites_the_content_is_refused(tmp_path_factory):
 
 
 def test_end_of_turn_tokens_come_from_the_template(tmp_path_factory):
-    assert set(end_of_turn_tokens(make_tokenizer(tmp_path_factory, "gptoss"))) == {"<|end|>", "<|return|>"}
+    """Where turns end in a rendering (`end_of_turn_tokens`, SFT's targets) and what a sampled turn stops on
+    (`turn_stop_ids`): the latter as the families' shipped generation configs list them (gpt-oss: `<|return|>`,
+    `<|call|>`, never `<|end|>`, which closes its analysis channel; GLM: `<|user|>`, `<|observation|>` and EOS;
+    Cohere2: its EOS after `<|END_RESPONSE|>`); a tokenizer whose EOS is `<|endoftext|>` stops ChatML turns on
+    `<|im_end|>` too."""
+    stops = lambda tok: set(tok.convert_ids_to_tokens(list(turn_stop_ids(tok))))
+    gptoss = make_tokenizer(tmp_path_factory, "gptoss")
+    assert set(end_of_turn_tokens(gptoss)) == {"<|end|>", "<|return|>", "<|call|>"}
+    assert stops(gptoss) == {"<|return|>", "<|call|>"}
+    glm = make_tokenizer(tmp_path_factory, "glm4moe")
+    assert set(end_of_turn_tokens(glm)) == stops(glm) == {"<|endoftext|>", "<|user|>", "<|observation|>"}
+    assert stops(make_tokenizer(tmp_path_factory, "cohere2")) == {"<|END_OF_TURN_TOKEN|>"}
     assert set(end_of_turn_tokens(make_tokenizer(tmp_path_factory, "phi3"))) == {"<|end|>", "<|endoftext|>"}
-    assert set(end_of_turn_tokens(make_tokenizer(tmp_path_factory, "llama3"))) == {"<|eot_id|>"}
+    llama = make_tokenizer(tmp_path_factory, "llama3")
+    assert set(end_of_turn_tokens(llama)) == stops(llama) == {"<|eot_id|>"}
+    base = chat_tokenizer(
+        tmp_path_factory.mktemp("base"), "qwen2_5", spec={**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"}
+    )
+    assert base.eos_token == "<|endoftext|>" and stops(base) == {"<|endoftext|>", "<|im_end|>"}
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3", "deepseek_r1_distill", "gptoss", "phi3"])

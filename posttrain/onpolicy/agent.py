@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core.chat import ChatTemplateError, continuation_ids
+from core.chat import ChatTemplateError, continuation_ids, turn_stop_ids
 from core.config_loader import ConfigError
 from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig
@@ -57,14 +57,23 @@ class AgentRollouts:
             self.parsers.for_tools([])
         except ValueError as err:
             raise ConfigError(f"rl.agent.tool_parser: {err}") from None
-        eos = self.tokenizer.eos_token
-        try:
-            continuation_ids(self.tokenizer, [{"role": "tool", "name": "probe", "content": "42"}], eos or "")
-        except ChatTemplateError as err:
-            template = getattr(self.tokenizer, "name_or_path", "the tokenizer")
-            raise ConfigError(
-                f"rl.agent: the chat template of {template} cannot continue with a tool reply: {err}"
-            ) from None
+        # A turn stops on one of the template's turn ends (`core.chat.turn_stop_ids`); a tool's reply must continue
+        # after one of them, closing a calling turn or a plain reply.
+        stops = self.tokenizer.convert_ids_to_tokens(list(turn_stop_ids(self.tokenizer)))
+        errors = []
+        for stop in stops:
+            try:
+                continuation_ids(
+                    self.tokenizer, [{"role": "tool", "name": "probe", "content": "42"}], stop, called=["probe"]
+                )
+                return
+            except ChatTemplateError as err:
+                errors.append(str(err))
+        template = getattr(self.tokenizer, "name_or_path", "the tokenizer")
+        raise ConfigError(
+            f"rl.agent: the chat template of {template} cannot continue with a tool reply after any of its turn "
+            f"ends ({', '.join(stops) or 'none'}): {errors[-1] if errors else 'no end-of-turn token'}"
+        )
 
     def run(self, rows: Sequence[dict], params: SamplingParams, turns: Turns) -> tuple[list[Completion], list[Episode]]:
         """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt), their turns sampled

@@ -55,7 +55,9 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.chat import turn_stop_ids
 from core.config_loader import save_config
+from core.data import load_tokenizer
 from core.loop import Hook, Loop, Plot
 from core.metrics import MetricsLogger
 from core.packing import round_rows
@@ -120,6 +122,9 @@ class OnPolicyRun(Loop):
         self.train_rows, self.eval_rows = prompt_rows(cfg)
         self.tokenizer_dir = run_tokenizer(cfg, lambda: self.tokenizer_texts(self.train_rows))
         self.check_tokenizer(self.tokenizer_dir)
+        # Chat prompts and episodes: a completion (a turn) ends on the template's end of turn, not only on EOS.
+        chat = rl.use_chat_template or rl.agent is not None
+        self.turn_stops = turn_stop_ids(load_tokenizer(self.tokenizer_dir)) if chat else ()
         self.stream = PromptStream(
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
@@ -232,6 +237,7 @@ class OnPolicyRun(Loop):
             max_tokens=r.max_tokens,
             logprobs=True,
             seed=seed,
+            stop_token_ids=self.turn_stops,
         )
 
     def _submit(self, prompts: PromptBatch) -> InFlight:
