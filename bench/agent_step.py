@@ -1,4 +1,5 @@
-"""The multi-turn GRPO step with a calculator tool: Temper (vLLM sampler on Ray) vs TRL's GRPOTrainer (`tools=`),
+"""The multi-turn GRPO step with a calculator tool: Temper (vLLM on Ray, and the JAX sampler) vs TRL's GRPOTrainer
+(`tools=`),
 and Temper's trajectories per second with `rl.agent.max_concurrency` 1 vs 16.
 
     python bench/agent_step.py                       # after `make demo-tools` (its fine-tuned model)
@@ -11,7 +12,8 @@ GRPO problems (3- and 4-digit sums). Both sides do the same step: `prompts` x `g
 `calculator` (the same Python function, its schema from transformers' `get_json_schema`) answering each call, the
 reward `bench_rewards.final_answer` on the last turn, one optimizer update (no KL), float32, 2 CPU cores. TRL runs
 in its own virtual environment (`.venv-trl`, as bench/grpo_step.py) with transformers `generate`; Temper samples
-with vLLM on Ray, each episode's turns as their own requests. Each side's tool calls, tokens a trajectory, reward
+with vLLM on Ray, each episode's turns as their own requests, and with the JAX sampler (`--samplers`), every
+waiting turn in one compiled decode loop. Each side's tool calls, tokens a trajectory, reward
 and share of flat groups are printed beside its time, so a step that did less work shows. The first step
 (compilation, warm-up) is left out.
 Goal (issue 42): Temper's step <= 0.5x TRL's.
@@ -37,13 +39,13 @@ DEMO = ROOT / "runs" / "quickstart_tools"
 REWARD = f"{ROOT / 'bench' / 'bench_rewards.py'}:final_answer"
 
 
-def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: int) -> dict:
+def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: int, sampler: str = "vllm") -> dict:
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import run_grpo
 
-    run_dir = work / f"temper_{concurrency}_{prompts}"
+    run_dir = work / f"temper_{sampler}_{concurrency}_{prompts}"
     cfg = load_config(
         ROOT / "recipes" / "configs" / "quickstart" / "tools_grpo.yml",
         [
@@ -56,6 +58,7 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
             f"rl.batch.num_generations={args.generations}",
             f"rl.agent.max_turns={args.max_turns}",
             f"rl.agent.max_concurrency={concurrency or 'null'}",
+            f"rollout.sampler={sampler}",
             f"rollout.max_tokens={args.max_tokens}",
             "train.eval_every=0",
             "checkpoint.enabled=false",
@@ -119,6 +122,7 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--throughput-prompts", type=int, default=16, help="prompts a step for the concurrency figures")
+    p.add_argument("--samplers", nargs="+", default=["vllm", "jax"], choices=["vllm", "jax"], help="Temper's sides")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
@@ -127,24 +131,29 @@ def main() -> None:
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        # The step, the sides interleaved (TRL, Temper, TRL again) so that drift of the machine shows.
+        # The step, the sides interleaved (TRL, Temper with each sampler, TRL again) so that drift of the machine
+        # shows.
         trl = [trl_step(args, work)]
-        ours = temper_step(args, work, None, args.prompts, args.steps)
+        ours = {s: temper_step(args, work, None, args.prompts, args.steps, s) for s in args.samplers}
         trl.append(trl_step(args, work))
         theirs = statistics.mean(t["step_s"] for t in trl)
         trl_times = " / ".join(f"{t['step_s']:.2f}" for t in trl)
-        results["step"] = {"temper": ours, "trl": trl, "ratio": ours["step_s"] / theirs}
+        results["step"] = {"trl": trl, **{s: {"temper": o, "ratio": o["step_s"] / theirs} for s, o in ours.items()}}
         print(
-            f"agent GRPO step ({args.prompts} prompts x {args.generations}, <= {args.max_turns} turns): Temper "
-            f"{ours['step_s']:.2f} s (median {ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, train "
-            f"{ours['train_s']:.2f}, sync {ours['sync_s']:.2f}; {ours['turns']:.2f} turns, {ours['tool_calls']:.2f} "
-            f"calls, {ours['model_tokens'] + ours['env_tokens']:.1f} tokens a trajectory, reward "
-            f"{ours['reward_mean']:.2f}, flat groups {ours['flat_group_share']:.0%}) | TRL {trl_times} s "
-            f"({trl[0]['tool_calls']:.2f} calls, {trl[0]['completion_length']:.1f} tokens a trajectory, reward "
-            f"{trl[0]['reward_mean']:.2f}, flat groups {trl[0]['frac_reward_zero_std']:.0%}) | ratio "
-            f"{results['step']['ratio']:.2f}",
+            f"TRL {trl_times} s a step ({trl[0]['tool_calls']:.2f} calls, {trl[0]['completion_length']:.1f} tokens a "
+            f"trajectory, reward {trl[0]['reward_mean']:.2f}, flat groups {trl[0]['frac_reward_zero_std']:.0%})",
             flush=True,
         )
+        for sampler, o in ours.items():
+            print(
+                f"agent GRPO step ({args.prompts} prompts x {args.generations}, <= {args.max_turns} turns), Temper "
+                f"with {sampler}: {o['step_s']:.2f} s (median {o['median_step_s']:.2f}; generate "
+                f"{o['generate_s']:.2f}, train {o['train_s']:.2f}, sync {o['sync_s']:.2f}; {o['turns']:.2f} turns, "
+                f"{o['tool_calls']:.2f} calls, {o['model_tokens'] + o['env_tokens']:.1f} tokens a trajectory, reward "
+                f"{o['reward_mean']:.2f}, flat groups {o['flat_group_share']:.0%}) | ratio to TRL "
+                f"{results['step'][sampler]['ratio']:.2f}",
+                flush=True,
+            )
         # Trajectories per second through the vLLM sampler: one episode at a time vs 16 at once.
         for concurrency in (1, 16):
             got = temper_step(args, work, concurrency, args.throughput_prompts, 2)

@@ -74,22 +74,33 @@ def _render(
 
 
 def _tool_call_closer(tokenizer: Any, specials: re.Pattern | None) -> set[str]:
-    """The special token the template writes right after a turn's tool calls when the tool's result follows
-    (empty where the template writes no calls, or none follows them). A markup pair's closing tag (`</tool_call>`,
-    should a tokenizer make it special) is part of the call as parsers read it, not the turn's end."""
+    """The special token that ends a turn of tool calls when the tools' results follow (empty where the template
+    writes no calls, or no special token follows them). Probed with two calls where the template writes two: a
+    token it writes between the calls closes one call (Kimi's `<|tool_call_end|>`), not the turn. A closing tag
+    whose opening tag the call has (`</tool_call>` after `<tool_call>`, were they special) is part of the call as
+    parsers read it; EOS always ends the turn."""
+    if specials is None:
+        return set()
+    user = {"role": "user", "content": _PROBE_USER}
     result = {"role": "tool", "name": "probe_tool", "content": _PROBE_RESULT}
-    try:
-        text = _render(
-            tokenizer, [{"role": "user", "content": _PROBE_USER}, _calling_turn(["probe_tool"]), result], False
-        )
-    except ChatTemplateError:
+    for calls in (2, 1):
+        try:
+            text = _render(tokenizer, [user, _calling_turn(["probe_tool"] * calls), result], False)
+        except ChatTemplateError:
+            continue
+        first, last, ends = text.find(_PROBE_ARGUMENT), text.rfind(_PROBE_ARGUMENT), text.find(_PROBE_RESULT)
+        if first < 0 or ends < 0 or text.count(_PROBE_ARGUMENT) != calls:
+            continue
+        between = {m.group() for m in specials.finditer(text, first, last)}  # written per call
+        opened = text[text.find(_PROBE_USER) : last]
+        for found in specials.finditer(text, last + len(_PROBE_ARGUMENT), ends):
+            token = found.group()
+            if token == tokenizer.eos_token:
+                return {token}
+            if token in between or (token.startswith("</") and "<" + token[2:] in opened):
+                continue
+            return {token}
         return set()
-    at, ends = text.rfind(_PROBE_ARGUMENT), text.find(_PROBE_RESULT)
-    if specials is None or at < 0 or ends < 0:
-        return set()
-    for found in specials.finditer(text, at + len(_PROBE_ARGUMENT), ends):
-        if not found.group().startswith("</"):
-            return {found.group()}
     return set()
 
 
@@ -376,16 +387,20 @@ def continuation_ids(
     Token-in / token-out: a multi-turn trajectory is extended by these tokens and never rendered again, so the
     model's own tokens are never decoded and re-encoded, and templates that rewrite the history (Qwen3 drops
     earlier think blocks) do not change what was sampled. They come from a probe conversation rendered without
-    and with `messages`: what follows the probe reply's `stop_token` in the second rendering. A template that
-    does not close an assistant turn with `stop_token`, or cannot render the messages, is a `ChatTemplateError`
-    naming it."""
-    if called:  # the turn as it was, calling those functions; where the template cannot write calls, a reply
-        try:
-            return _continuation(tokenizer, messages, stop_token, tools, _calling_turn(called), _PROBE_ARGUMENT)
-        except ChatTemplateError:
-            pass
+    and with `messages`: what follows the probe reply's `stop_token` in the second rendering (or, for a stop token
+    the template writes otherwise in the history, gpt-oss's final `<|return|>`, what follows the closer it writes
+    there, `<|end|>`). A template that does not close an assistant turn with `stop_token`, or cannot render the
+    messages, is a `ChatTemplateError` naming it."""
     reply = {"role": "assistant", "content": _PROBE_REPLY}
-    return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+    if not called:
+        return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+    try:  # the turn as it was, calling those functions; where the template cannot write calls, as a reply
+        return _continuation(tokenizer, messages, stop_token, tools, _calling_turn(called), _PROBE_ARGUMENT)
+    except ChatTemplateError as as_calls:
+        try:
+            return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+        except ChatTemplateError as as_reply:
+            raise ChatTemplateError(f"after a turn of tool calls: {as_calls}; after a reply: {as_reply}") from None
 
 
 def _continuation(
@@ -398,6 +413,13 @@ def _continuation(
         raise ChatTemplateError(f"messages ({roles}) after an assistant turn: {err}") from None
     at = after.rfind(marker)  # the probe turn's (last) call, or its reply
     close = after.find(stop_token, at + len(marker)) if at >= 0 else -1
+    closing = _closing(tokenizer)
+    if close < 0 and at >= 0 and stop_token in closing.stops:
+        # A turn end the template rewrites in the history (gpt-oss's `<|return|>` becomes `<|end|>`): the sampled
+        # token stays, and what follows is what the template writes after the token it puts there.
+        found = re.search("|".join(re.escape(c) for c in closing.closers), after[at + len(marker) :])
+        if found is not None:
+            close, stop_token = at + len(marker) + found.start(), found.group()
     if close < 0:
         raise ChatTemplateError(
             f"the chat template does not close an assistant turn with {stop_token!r} (the token generation stopped "

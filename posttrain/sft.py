@@ -35,7 +35,7 @@ from typing import Any
 from flax import nnx
 
 from core.batch import PackedBatch
-from core.data import Examples, messages_problem, string_fields_problem
+from core.data import Examples, load_tokenizer, messages_problem, string_fields_problem
 from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook, TrainLoop
@@ -113,10 +113,13 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
     chosen = held_out_prompts(run.records, examples, cfg.data.format, cfg.sft.eval_generations)
     if not chosen or not cfg.train.eval_every:
         return []
+    from core.chat import turn_stop_ids
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
 
     sampler: list[JaxSampler] = []  # built on first use (compiles then)
+    # A chat reply ends where the template ends a turn (`core.chat.turn_stop_ids`), not only on EOS.
+    stops = turn_stop_ids(load_tokenizer(run.tokenizer_dir)) if cfg.data.format == "chat" else ()
     out = Path(cfg.run.run_dir) / "generations.jsonl"
 
     def generate(loop: TrainLoop, step: int) -> None:
@@ -126,7 +129,7 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
             )
         # The learner's current parameters, read before its next update donates them.
         sampler[0].update_weights(nnx.state(loop.learner.model()), version=step)
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens, stop_token_ids=stops)
         completions = sampler[0].generate([p for p, _ in chosen], params)  # every process of a group takes part
         if not is_primary():
             return

@@ -12,6 +12,7 @@ export written to a temporary directory). Prints each completion and tokens/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -66,6 +67,11 @@ def main(argv: list[str]) -> int:
     prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, tokenizer, model = _hf_dir_and_tokenizer(Path(args.model_dir), args.tokenizer, tmp)
+        if args.chat:  # a reply ends where the template ends a turn, not only on EOS
+            from core.chat import turn_stop_ids
+            from core.data import load_tokenizer
+
+            params = dataclasses.replace(params, stop_token_ids=turn_stop_ids(load_tokenizer(tokenizer)))
         max_len = args.max_model_len or min(
             4096, json.loads((Path(hf_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)
         )

@@ -129,9 +129,11 @@ class EngineTurns:
                 self._send(sampler)
             if not self.calls:
                 return out  # nothing was put
-            # Each call has its own deadline: an engine that hangs is found while the others go on answering.
+            # Each call has its own deadline: an engine that hangs is found while the others go on answering. A call
+            # whose answer is back is never late, however long the driver was away (an environment step, an engine
+            # restart).
             now = self.clock()
-            late = [ref for ref in self.calls if self.deadline[ref] <= now]
+            late = [ref for ref in self.calls if self.deadline[ref] <= now and not self.wait([ref], 0.0)]
             if late:
                 from ray.exceptions import GetTimeoutError
 

@@ -205,6 +205,12 @@ def test_a_calling_turn_ends_where_the_template_ends_it_and_the_result_follows_i
     if family == "gptoss":
         with pytest.raises(ChatTemplateError, match="no previous assistant message with a tool call"):
             continuation_ids(tok, [reply], stop, tools)
+        # A final reply stops on `<|return|>`, which the template writes as `<|end|>` in the history: the sampled
+        # token stays, and the user's next turn follows as the template writes it after `<|end|>`
+        question = {"role": "user", "content": "And 3 + 4?"}
+        more = continuation_ids(tok, [question], "<|return|>", tools)
+        history = chat_prompt_ids(tok, [*user, {"role": "assistant", "content": "5"}, question], tools)
+        assert history[-len(more) :] == more and tok.decode(more).startswith("<|start|>user"), tok.decode(more)
 
 
 def test_a_template_that_does_not_close_a_turn_on_the_stop_token_is_refused(tmp_path_factory):

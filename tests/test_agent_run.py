@@ -35,11 +35,11 @@ class Scorer(Chatter):
         return reply
 
 
-def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
-    """A tiny random `arch` model for `tokenizer` whose sampled turns end: its output row for EOS points along the
-    mean of its final hidden states after a chat prompt, scaled so that at half of those positions or more EOS
-    has probability `share` or more (at temperature 1), so turns stop after a few tokens and the environment takes
-    its turn."""
+def stopping_model(path, tokenizer, arch: str, share: float = 0.15, stop: str | None = None):
+    """A tiny random `arch` model for `tokenizer` whose sampled turns end: its output row for `stop` (default EOS)
+    points along the mean of its final hidden states after a chat prompt, scaled so that at half of those
+    positions or more it has probability `share` or more (at temperature 1), so turns stop after a few tokens and
+    the environment takes its turn."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +51,7 @@ def stopping_model(path, tokenizer, arch: str, share: float = 0.15):
 
     prompt = torch.tensor([chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is 2 + 3?"}])] * 8)
     ids = torch.cat([prompt, torch.randint(3, len(tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))], 1)
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.convert_tokens_to_ids(stop) if stop else tokenizer.eos_token_id
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
         h = out.hidden_states[-1][:, prompt.shape[1] - 1 :].reshape(-1, model.config.hidden_size)
@@ -135,19 +135,23 @@ def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_p
     model's tokens) with `rl.agent` and the JAX sampler in one process (the waiting turns sampled a batch a round,
     each continuing its episode's tokens): multi-turn episodes with the environment's tokens between the turns, a
     finite loss, and only the model's tokens as targets (distillation: the sampler / trainer log-prob gap over the
-    targets is float32 noise, which the environment's tokens, with no sampler log-prob, would break)."""
+    targets is float32 noise, which the environment's tokens, with no sampler log-prob, would break). The tokenizer
+    is a base model's (EOS `<|endoftext|>`) and the model ends its turns with `<|im_end|>`: the runs stop turns on
+    the template's end of turn (`core.chat.turn_stop_ids`), or no episode would take a second turn."""
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import OnPolicyDistillRun
     from posttrain.dpo.online import OnlineDPORun
     from posttrain.onpolicy.run import run_to_end
-    from tests.test_chat import make_tokenizer
+    from tests.chat_families import FAMILIES, chat_tokenizer
 
-    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    base = {**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"}
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec=base)
+    assert tok.eos_token == "<|endoftext|>"
     common = [
         f"run.run_dir={tmp_path / 'run'}",
-        f"checkpoint.init_from={stopping_model(tmp_path / 'model', tok, 'qwen2')}",
+        f"checkpoint.init_from={stopping_model(tmp_path / 'model', tok, 'qwen2', stop='<|im_end|>')}",
         f"data.tokenizer_dir={tok.name_or_path}",
         "rollout.sampler=jax",
         "rollout.max_tokens=12",
@@ -163,7 +167,7 @@ def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_p
         cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*common, agent], schema=PostTrainConfig)
         run_to_end(OnlineDPORun(cfg))
     else:
-        teacher = stopping_model(tmp_path / "teacher", tok, "llama")
+        teacher = stopping_model(tmp_path / "teacher", tok, "llama", stop="<|im_end|>")
         agent = f"rl.agent={{environment: '{__file__}:Chatter', max_turns: 3}}"
         on_policy = ["distill.regime=on_policy", f"distill.teacher={teacher}", "rl.batch.num_generations=2"]
         cfg = load_config("recipes/configs/grpo_tiny.yml", [*common, *on_policy, agent], schema=PostTrainConfig)

@@ -161,6 +161,13 @@ def test_the_turns_a_failed_engine_held_are_sampled_again_by_its_replacement(tmp
         assert all(e.finish == "done" and e.turns == 3 for e in episodes), [(e.finish, e.turns) for e in episodes]
         assert hung.stopped and group.restarts == 1 and replacement.finished and group.redone_prompts >= 1
         assert seen_then[0] < len(other.finished) // 2, (seen_then, len(other.finished))
+        # A call whose answer is back is not late, however long the driver was away: every reading of the clock
+        # 100 s (each call past its 5 s deadline by the time it is looked at), and no engine is replaced (the group
+        # has no restart: a failure would raise)
+        slow_clock = iter(range(0, 10**9, 100))
+        engines = [FakeEngine(tok, steps=lambda key: 1 + key % 3) for _ in range(2)]
+        episodes, group = engine_episodes(tok, pool, engines, rows, clock=lambda: next(slow_clock))
+        assert all(e.finish == "done" and e.turns == 3 for e in episodes) and group.restarts == 0
     finally:
         pool.close()
 

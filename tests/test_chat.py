@@ -23,7 +23,7 @@ from core.chat import (
     split_last_turn,
     turn_stop_ids,
 )
-from tests.chat_families import FAMILIES, SHIPPED, chat_tokenizer
+from tests.chat_families import FAMILIES, QWEN_SPECIALS, SHIPPED, chat_tokenizer
 
 SYSTEM, Q1, Q2 = "You add numbers.", "What is 2 + 3?", "And 10 + 7?"
 A1, A2 = "2 + 3 = 5.", "It is 17."
@@ -358,6 +358,23 @@ def test_end_of_turn_tokens_come_from_the_template(tmp_path_factory):
     assert set(end_of_turn_tokens(make_tokenizer(tmp_path_factory, "phi3"))) == {"<|end|>", "<|endoftext|>"}
     llama = make_tokenizer(tmp_path_factory, "llama3")
     assert set(end_of_turn_tokens(llama)) == stops(llama) == {"<|eot_id|>"}
+    # Markup a tokenizer makes special inside a call (`</tool_call>`, GLM's `</arg_value>`) is not the turn's end
+    for name, closer in (("glm4moe", "<|observation|>"), ("qwen2_5", "<|im_end|>")):
+        tags = ["<tool_call>", "</tool_call>", "<arg_value>", "</arg_value>"]
+        spec = {**FAMILIES[name], "specials": [*FAMILIES[name]["specials"], *tags]}
+        tagged = chat_tokenizer(tmp_path_factory.mktemp(f"{name}_tags"), name, spec=spec)
+        assert "</tool_call>" in tagged.all_special_tokens and closer in stops(tagged)
+        assert not {"</tool_call>", "</arg_value>"} & (stops(tagged) | set(end_of_turn_tokens(tagged)))
+    # A token written after each call (Kimi K2's `<|tool_call_end|>`) closes the call, not the turn
+    per_call = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<|tool_call_begin|>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+        "<|tool_call_end|>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% endif %}"
+    )
+    spec = {**FAMILIES["qwen2_5"], "specials": [*QWEN_SPECIALS, "<|tool_call_begin|>", "<|tool_call_end|>"]}
+    kimi_like = chat_tokenizer(tmp_path_factory.mktemp("per_call"), "qwen2_5", per_call, spec=spec)
+    assert stops(kimi_like) == {"<|im_end|>"}
     base = chat_tokenizer(
         tmp_path_factory.mktemp("base"), "qwen2_5", spec={**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"}
     )

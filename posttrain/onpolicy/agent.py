@@ -57,23 +57,27 @@ class AgentRollouts:
             self.parsers.for_tools([])
         except ValueError as err:
             raise ConfigError(f"rl.agent.tool_parser: {err}") from None
-        # A turn stops on one of the template's turn ends (`core.chat.turn_stop_ids`); a tool's reply must continue
-        # after one of them, closing a calling turn or a plain reply.
+        # A turn stops on one of the template's turn ends (`core.chat.turn_stop_ids`): an environment's reply must
+        # continue after each (a turn of tool calls or a reply). A base model's EOS (`<|endoftext|>` beside
+        # ChatML's `<|im_end|>`) is no turn end of the template: an episode whose turn ends there cannot go on,
+        # and ends failed (counted in agent/failed).
+        result = [{"role": "tool", "name": "probe", "content": "42"}]
         stops = self.tokenizer.convert_ids_to_tokens(list(turn_stop_ids(self.tokenizer)))
-        errors = []
+        failed = {}
         for stop in stops:
+            if stop == self.tokenizer.eos_token and len(stops) > 1:
+                continue
             try:
-                continuation_ids(
-                    self.tokenizer, [{"role": "tool", "name": "probe", "content": "42"}], stop, called=["probe"]
-                )
-                return
+                continuation_ids(self.tokenizer, result, stop, called=["probe"])
             except ChatTemplateError as err:
-                errors.append(str(err))
-        template = getattr(self.tokenizer, "name_or_path", "the tokenizer")
-        raise ConfigError(
-            f"rl.agent: the chat template of {template} cannot continue with a tool reply after any of its turn "
-            f"ends ({', '.join(stops) or 'none'}): {errors[-1] if errors else 'no end-of-turn token'}"
-        )
+                failed[stop] = str(err)
+        if failed:
+            template = getattr(self.tokenizer, "name_or_path", "the tokenizer")
+            reasons = "; ".join(f"{stop!r}: {why}" for stop, why in failed.items())
+            raise ConfigError(
+                f"rl.agent: the chat template of {template} cannot continue with a tool reply after "
+                f"a turn that ends on {reasons}"
+            )
 
     def run(self, rows: Sequence[dict], params: SamplingParams, turns: Turns) -> tuple[list[Completion], list[Episode]]:
         """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt), their turns sampled
