@@ -3,7 +3,7 @@
     reference = FrozenModel.start_of(learner)           # where the learner started (its base, with adapters off)
     teacher = FrozenModel.load("Qwen/Qwen2.5-1.5B-Instruct", mesh, "teacher")    # any checkpoint, its own shape
     logp = reference.logprobs(batch)                    # [B, C] float32 on the host, one packing group at a time
-    logp = grouped_logprobs(logprob_pass(1.0), model, batch, mesh)   # the same, any model
+    logp = grouped_logprobs(LogprobPass(1.0), model, batch, mesh)   # the same, any model
 
 A frozen model is either the learner's starting point (a reference: a copy of its starting parameters; for a
 model with LoRA adapters the same model with its adapters off, TRL's reference for a PEFT model, which shares the
@@ -16,7 +16,6 @@ memory stays that of one micro-batch; `posttrain.token_store` keeps values compu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -25,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from core.batch import PackedBatch
+from core.batch import CompiledCounts, PackedBatch
 from core.config import ModelConfig
 from core.distributed import CompiledTogether, to_host
 from core.learner import Learner
@@ -43,21 +42,25 @@ def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: in
     return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
 
 
-def logprob_pass(temperature: float, vocab: int | None = None) -> Callable[[Decoder, PackedBatch], jax.Array]:
+class LogprobPass:
     """`(model, packed group) -> [B_g, C]` log-probs of the targets, jitted (normalised over the first `vocab`
-    tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows)."""
-    jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4)), "a log-prob pass")
+    tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows), with the
+    batches' static counts it was compiled for (`counts`: a batch that fits one is padded into it, as a learner's
+    update is)."""
 
-    def run(model: Decoder, batch: PackedBatch) -> jax.Array:
+    def __init__(self, temperature: float, vocab: int | None = None):
+        self.temperature, self.vocab = temperature, vocab
+        self._jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4)), "a log-prob pass")
+        self.counts = CompiledCounts()
+
+    def __call__(self, model: Decoder, batch: PackedBatch) -> jax.Array:
         graphdef, state = nnx.split(model)
-        return jitted(graphdef, state, batch, temperature, vocab)
-
-    return run
+        return self._jitted(graphdef, state, batch, self.temperature, self.vocab)
 
 
-def grouped_logprobs(fn: Callable, model: Decoder, batch: PackedBatch, mesh: Mesh) -> np.ndarray:
+def grouped_logprobs(fn: LogprobPass, model: Decoder, batch: PackedBatch, mesh: Mesh) -> np.ndarray:
     """[B, C] float32 host log-probs of every target, computed one packing group at a time (`batch.groups`)."""
-    placed = place_batch(split_micro_batches(batch, batch.groups, mesh), mesh)
+    placed = place_batch(split_micro_batches(batch, batch.groups, mesh, fn.counts), mesh)
     out = []
     with jax.set_mesh(mesh):
         for i in range(batch.groups):
@@ -73,7 +76,7 @@ class FrozenModel:
     name: str  # "reference", "teacher": what the method calls it
     model: Decoder
     mesh: Mesh
-    _pass: Callable
+    _pass: LogprobPass
     cfg: ModelConfig | None = None  # its shape (vocabulary, layers, width)
 
     @classmethod
@@ -82,7 +85,7 @@ class FrozenModel:
         graphdef, state = nnx.split(model)
         with jax.set_mesh(mesh):
             copied = jax.tree.map(jnp.copy, state)
-        return cls(name, nnx.merge(graphdef, copied), mesh, logprob_pass(temperature), model.cfg)
+        return cls(name, nnx.merge(graphdef, copied), mesh, LogprobPass(temperature), model.cfg)
 
     @classmethod
     def start_of(cls, learner: Learner, name: str = "reference", temperature: float = 1.0) -> FrozenModel:
@@ -91,7 +94,7 @@ class FrozenModel:
         TRL's reference for a PEFT model), sharing the base's frozen arrays."""
         model = learner.model()
         if model.cfg.lora is not None:
-            return cls(name, adapters_off(model), learner.mesh, logprob_pass(temperature), model.cfg)
+            return cls(name, adapters_off(model), learner.mesh, LogprobPass(temperature), model.cfg)
         return cls.copy_of(model, learner.mesh, name, temperature)
 
     @classmethod
@@ -111,7 +114,7 @@ class FrozenModel:
 
         with jax.set_mesh(mesh):
             model = load_model_from(path, mesh, dtype=dtype)
-        return cls(name, model, mesh, logprob_pass(temperature, vocab), model.cfg)
+        return cls(name, model, mesh, LogprobPass(temperature, vocab), model.cfg)
 
     def logprobs(self, batch: PackedBatch) -> np.ndarray:
         """[B, C] log-probs of `batch`'s targets under this model, masked to 0 where there is no target (one of

@@ -267,16 +267,16 @@ def _mesh():
 
 def test_a_padded_teachers_logprobs_are_read_over_the_students_vocabulary():
     """On-policy's teacher pass (`FrozenModel.load(vocab=V)`): log-probs normalised over the first V rows."""
-    from posttrain.frozen import logprob_pass
+    from posttrain.frozen import LogprobPass
 
     padded = create_model(TEACHER.model_copy(update={"vocab_size": V + 8}), None, seed=1)
     packed = to_data_batch(rows(seed=5), 1).batch
     zt = full_logits(padded, packed)[..., :V]
-    got = np.asarray(logprob_pass(1.0, vocab=V)(padded, packed))
+    got = np.asarray(LogprobPass(1.0, vocab=V)(padded, packed))
     mask = np.asarray(packed.target_mask) > 0
     want = np.take_along_axis(log_softmax(zt), np.asarray(packed.target_ids)[..., None], -1)[..., 0]
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
-    full = np.asarray(logprob_pass(1.0)(padded, packed))
+    full = np.asarray(LogprobPass(1.0)(padded, packed))
     assert np.abs(full[mask] - want[mask]).max() > 1e-3  # the padding rows do move the unrestricted values
 
 

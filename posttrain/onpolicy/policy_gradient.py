@@ -54,7 +54,7 @@ from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
 from core.train import LossOutput, Update
 from posttrain.config import PostTrainConfig
-from posttrain.frozen import FrozenModel, grouped_logprobs, logprob_pass
+from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
 from rollout.sampler import Completion
@@ -360,7 +360,7 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
         self.learner = policy_update_learner(cfg, model, mesh, total_steps, tx)
         # The reference is the starting policy, frozen (beta = 0: none at all).
         self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
-        self._policy_logprobs = logprob_pass(self.temperature)
+        self._policy_logprobs = LogprobPass(self.temperature)
 
     def train(self, batch: RLBatch) -> TrainStats:
         """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
