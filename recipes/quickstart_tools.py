@@ -36,7 +36,7 @@ SUMMARY = "quickstart_tools.json"
 TASK = {**quickstart.TASK, "min_digits": 3, "max_digits": 4}  # the quickstart's problems, with wider numbers
 # How often the sloppy agent answers in its head instead of calling the calculator: it trusts its head with sums
 # and reaches for the tool on differences. So the fine-tuned model's most likely first move on a sum is a guess
-# (wrong: greedy decoding misses every sum), while sampling still calls the tool on some: what GRPO can reinforce.
+# (wrong: greedy decoding misses most sums), while sampling still calls the tool on some: what GRPO can reinforce.
 SKIP_TOOL = {"+": 0.75, "-": 0.1}
 
 
