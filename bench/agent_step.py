@@ -83,6 +83,9 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
     return {
         **{k.split("/")[1]: mean(k) for k in ("time/step_s", "time/generate_s", "time/train_s", "time/sync_s")},
         "median_step_s": statistics.median(r["time/step_s"] for r in rows),
+        "step_times": [round(r["time/step_s"], 3) for r in rows],
+        "train_times": [round(r["time/train_s"], 3) for r in rows],
+        "generate_times": [round(r["time/generate_s"], 3) for r in rows],
         "trajectories_per_s": episodes / mean("time/generate_s"),
         "turns": mean("agent/turns"),
         "tool_calls": mean("agent/tool_calls"),
