@@ -140,11 +140,19 @@ def turn_stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def written_turn_ends(tokenizer: Any) -> frozenset[str]:
+    """The turn ends the template itself writes, after a reply or a turn of tool calls (not a base model's EOS,
+    which a ChatML template never writes): the ones a conversation can go on after."""
+    return _closing(tokenizer).written
+
+
 @dataclass(frozen=True)
 class _Closing:
     closers: tuple[str, ...]  # longest first
     then_eos: frozenset[str]  # closers the template follows with EOS after a reply a user turn follows
     stops: frozenset[str]  # what generation stops on (`turn_stop_ids`)
+    written: frozenset[str]  # the turn ends the template itself writes (after a reply, a call)
+    in_history: dict[str, str]  # a final reply's closer -> the one the history writes instead (gpt-oss)
 
 
 def _closing(tokenizer: Any) -> _Closing:
@@ -173,8 +181,13 @@ def _closing(tokenizer: Any) -> _Closing:
         last = found_after.get(2) or found_after.get(3)
         stops = base | calling | ({last} - then_eos if last else set())
         closers = base | set(found_after.values()) | calling
+        final, history = found_after.get(2), found_after.get(3)
         _closers_cache[key] = _Closing(
-            tuple(sorted(closers, key=len, reverse=True)), frozenset(then_eos), frozenset(stops)
+            tuple(sorted(closers, key=len, reverse=True)),
+            frozenset(then_eos),
+            frozenset(stops),
+            frozenset(found_after.values()) | calling,
+            {final: history} if final and history and final != history else {},
         )
     return _closers_cache[key]
 
@@ -413,13 +426,11 @@ def _continuation(
         raise ChatTemplateError(f"messages ({roles}) after an assistant turn: {err}") from None
     at = after.rfind(marker)  # the probe turn's (last) call, or its reply
     close = after.find(stop_token, at + len(marker)) if at >= 0 else -1
-    closing = _closing(tokenizer)
-    if close < 0 and at >= 0 and stop_token in closing.stops:
-        # A turn end the template rewrites in the history (gpt-oss's `<|return|>` becomes `<|end|>`): the sampled
-        # token stays, and what follows is what the template writes after the token it puts there.
-        found = re.search("|".join(re.escape(c) for c in closing.closers), after[at + len(marker) :])
-        if found is not None:
-            close, stop_token = at + len(marker) + found.start(), found.group()
+    rewritten = _closing(tokenizer).in_history.get(stop_token)
+    if close < 0 and at >= 0 and rewritten is not None:
+        # A final reply's end that the history writes otherwise (gpt-oss's `<|return|>` becomes `<|end|>`): the
+        # sampled token stays, and what follows is what the template writes after the token it puts there.
+        close, stop_token = after.find(rewritten, at + len(marker)), rewritten
     if close < 0:
         raise ChatTemplateError(
             f"the chat template does not close an assistant turn with {stop_token!r} (the token generation stopped "

@@ -217,6 +217,13 @@ def test_a_template_that_does_not_close_a_turn_on_the_stop_token_is_refused(tmp_
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
     with pytest.raises(ChatTemplateError, match="does not close an assistant turn with '<\\|eot_id\\|>'"):
         continuation_ids(tok, [{"role": "tool", "content": "5"}], "<|eot_id|>")
+    # A base model's EOS is a stop token, but the template never writes it after a turn: nothing continues after it
+    from tests.chat_families import FAMILIES, chat_tokenizer
+
+    spec = {**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"}
+    base = chat_tokenizer(tmp_path_factory.mktemp("base_eos"), "qwen2_5", spec=spec)
+    with pytest.raises(ChatTemplateError, match="does not close an assistant turn with '<\\|endoftext\\|>'"):
+        continuation_ids(base, [{"role": "tool", "content": "5"}], "<|endoftext|>", called=["calculator"])
 
 
 # ------------------------------------------------------------------------------------------------- the pool

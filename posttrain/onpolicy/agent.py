@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core.chat import ChatTemplateError, continuation_ids, turn_stop_ids
+from core.chat import ChatTemplateError, continuation_ids, turn_stop_ids, written_turn_ends
 from core.config_loader import ConfigError
 from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig
@@ -63,10 +63,9 @@ class AgentRollouts:
         # and ends failed (counted in agent/failed).
         result = [{"role": "tool", "name": "probe", "content": "42"}]
         stops = self.tokenizer.convert_ids_to_tokens(list(turn_stop_ids(self.tokenizer)))
+        written = written_turn_ends(self.tokenizer)
         failed = {}
-        for stop in stops:
-            if stop == self.tokenizer.eos_token and len(stops) > 1:
-                continue
+        for stop in [s for s in stops if s in written] or stops:
             try:
                 continuation_ids(self.tokenizer, result, stop, called=["probe"])
             except ChatTemplateError as err:
