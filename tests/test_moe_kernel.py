@@ -1,0 +1,66 @@
+"""The dropless grouped MoE experts (`core.models.moe`) against the dense reference (every expert on every token,
+masked): outputs and gradients, float32, to a few steps of float32 per tensor."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.models.moe import dense_experts, grouped_experts, route_topk
+
+EPS = float(np.finfo(np.float32).eps)
+
+
+def steps_apart(got, want) -> float:
+    """The largest difference in units of float32's step at the tensor's own scale (its largest magnitude)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / (EPS * np.abs(want).max()))
+
+
+def problem(t=96, d=32, f=48, e=8, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (t, d), jnp.float32)
+    router = jax.random.normal(keys[1], (d, e), jnp.float32)
+    w_gate = jax.random.normal(keys[2], (e, d, f), jnp.float32) / d**0.5
+    w_up = jax.random.normal(keys[3], (e, d, f), jnp.float32) / d**0.5
+    w_down = jax.random.normal(keys[4], (e, f, d), jnp.float32) / f**0.5
+    return x, router, w_gate, w_up, w_down
+
+
+def loss(experts_fn, k, normalize, x, router, w_gate, w_up, w_down):
+    weights, chosen = route_topk(x @ router, k, normalize)
+    y = experts_fn(x, weights, chosen, w_gate, w_up, w_down)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))  # every output weighs
+
+
+@pytest.mark.parametrize("k,normalize", [(1, False), (2, True), (2, False), (3, True)])
+def test_grouped_experts_equal_the_dense_reference_with_their_gradients(k, normalize):
+    args = problem()
+    weights, chosen = route_topk(args[0] @ args[1], k, normalize)
+    assert len(np.unique(np.asarray(chosen))) == 8  # every expert has tokens: every group is exercised
+    sums = np.asarray(weights).sum(-1)
+    if normalize:
+        assert np.allclose(sums, 1.0)
+    else:  # the k largest of a softmax over 8 experts, as they are
+        assert (sums <= 1.0 + 1e-6).all() and (sums < 0.9).any()
+    got = grouped_experts(args[0], weights, chosen, *args[2:])
+    want = dense_experts(args[0], weights, chosen, *args[2:])
+    assert steps_apart(got, want) < 16, steps_apart(got, want)
+    grads = jax.grad(lambda *a: loss(grouped_experts, k, normalize, *a), argnums=range(5))(*args)
+    wants = jax.grad(lambda *a: loss(dense_experts, k, normalize, *a), argnums=range(5))(*args)
+    for name, g, w in zip(("x", "router", "w_gate", "w_up", "w_down"), grads, wants, strict=True):
+        assert np.abs(np.asarray(w)).max() > 0, name  # the gradient reaches every input
+        assert steps_apart(g, w) < 64, (name, steps_apart(g, w))
+
+
+def test_an_expert_no_token_chose_gets_no_rows_and_no_gradient():
+    x, _, w_gate, w_up, w_down = problem(t=16)
+    chosen = jnp.zeros((16, 1), jnp.int32).at[8:].set(3)  # experts 0 and 3 only
+    weights = jnp.ones((16, 1), jnp.float32)
+    got = grouped_experts(x, weights, chosen, w_gate, w_up, w_down)
+    assert steps_apart(got, dense_experts(x, weights, chosen, w_gate, w_up, w_down)) < 16
+    g = jax.grad(lambda w: grouped_experts(x, weights, chosen, w, w_up, w_down).sum())(w_gate)
+    used = np.abs(np.asarray(g)).reshape(8, -1).max(axis=1) > 0
+    assert used.tolist() == [e in (0, 3) for e in range(8)]
