@@ -5,6 +5,7 @@ trl_agent_step.py, trl_distill_step.py): their data, their TRL settings, their t
     input_ids, attention, target = padded(seqs, labels, tok.pad_token_id)   # torch tensors, padded to the longest
     config = SFTConfig(**trl_arguments(args, "trl_sft"), ...)     # float32 on CPU, no logging, no saving
     config = GRPOConfig(**grpo_arguments(args, "trl_grpo_bench"), max_completion_length=...)  # a GRPO peer step
+    config = DistillationConfig(**online_arguments(args, "trl_distill_bench"), beta=1.0, ...)  # a sampling peer
     trainer = SFTTrainer(..., callbacks=[step_timer(times)])       # each optimizer step timed
     write_result(out, times)                                        # first step apart, median / mean of the rest
 """
@@ -57,18 +58,15 @@ def trl_arguments(args, name: str) -> dict:
     )
 
 
-def grpo_arguments(args, name: str) -> dict:
-    """The GRPOConfig the GRPO peer steps share: `args.prompts_per_step` x `args.generations` completions a step in
-    one update, `args.steps` steps, learning rate 1e-5, no KL (beta 0), sampling at temperature 1, float32 on CPU,
-    logged every step (the reward figures), no saving."""
+def online_arguments(args, name: str) -> dict:
+    """What the peers that sample during training share (TRL's GRPO and distillation trainers): `args.steps`
+    steps of one update each, learning rate 1e-5, sampling at temperature 1, float32 on CPU, logged every step
+    (the reward figures), no saving."""
     return dict(
         output_dir=f"/tmp/{name}",
-        per_device_train_batch_size=args.prompts_per_step * args.generations,
         gradient_accumulation_steps=1,
-        num_generations=args.generations,
         max_steps=args.steps,
         learning_rate=1e-5,
-        beta=0.0,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -77,6 +75,17 @@ def grpo_arguments(args, name: str) -> dict:
         temperature=1.0,
         dataloader_num_workers=0,
         seed=0,
+    )
+
+
+def grpo_arguments(args, name: str) -> dict:
+    """The GRPOConfig the GRPO peer steps share: `online_arguments` with `args.prompts_per_step` x
+    `args.generations` completions a step and no KL (beta 0)."""
+    return dict(
+        online_arguments(args, name),
+        per_device_train_batch_size=args.prompts_per_step * args.generations,
+        num_generations=args.generations,
+        beta=0.0,
     )
 
 

@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from peer_common import step_timer  # this script's folder is on sys.path
+    from peer_common import online_arguments, step_timer  # this script's folder is on sys.path
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
@@ -39,23 +39,12 @@ def main() -> None:
     times: list[float] = []
 
     config = DistillationConfig(
-        output_dir="/tmp/trl_distill_bench",
+        **online_arguments(args, "trl_distill_bench"),
         per_device_train_batch_size=args.prompts_per_step,
-        gradient_accumulation_steps=1,
         max_completion_length=args.max_tokens,
-        max_steps=args.steps,
-        learning_rate=1e-5,
         beta=1.0,
-        temperature=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
         fp16=False,
         gradient_checkpointing=False,
-        dataloader_num_workers=0,
-        seed=0,
     )
     student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32)
