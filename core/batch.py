@@ -134,7 +134,10 @@ class CompiledCounts:
         return cache.pick(needed)
 
 
-def _pick(counts: CompiledCounts | None, count: str, slots: int, needed: int, bucket: Callable[[int], int]) -> int:
+def _pick(counts: CompiledCounts | None, count: str, slots: int, needed: int, step: int) -> int:
+    """`needed` rounded up to a multiple of `step` (at least one step, at most `slots`), or, with `counts`, a larger
+    count already compiled that holds it."""
+    bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
     return bucket(needed) if counts is None else counts.pick(count, slots, needed, bucket)
 
 
@@ -160,8 +163,7 @@ def with_scored(tree: T, counts: CompiledCounts | None = None) -> T:
         # counts are coarse: quarters of up to 256 slots, then steps of 64 targets (at most 16 counts), where
         # each padded target costs a vocabulary-sized row of the head (~0.5 ms at 56M on 2 CPU cores).
         step = max(-(-slots // 16), min(64, slots // 4))
-        bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
-        return replace(x, scored=_pick(counts, "scored", slots, most, bucket))
+        return replace(x, scored=_pick(counts, "scored", slots, most, step))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
 
@@ -190,9 +192,7 @@ def with_compact(tree: T, mesh_shape: dict[str, int] | None = None, counts: Comp
         slots = parts.shape[1]
         if slots < COMPACT_MIN_SLOTS:
             return replace(x, compact=0)
-        step = -(-slots // 8)
-        bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
-        count = _pick(counts, "compact", slots, int(parts.sum(axis=1).max()), bucket)
+        count = _pick(counts, "compact", slots, int(parts.sum(axis=1).max()), -(-slots // 8))
         return replace(x, compact=count if count < slots else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))

@@ -176,17 +176,17 @@ def _closing(tokenizer: Any) -> _Closing:
                 found_after[len(probe)] = found.group()
                 if len(probe) == 3 and eos and found.group() != eos and text.startswith(eos, found.end()):
                     then_eos.add(found.group())
+        final, history = found_after.get(2), found_after.get(3)  # after a last reply, and one a user turn follows
         calling = _tool_call_closer(tokenizer, pattern)
+        written = set(found_after.values()) | calling
         base = {eos} if eos else set()
-        last = found_after.get(2) or found_after.get(3)
+        last = final or history
         stops = base | calling | ({last} - then_eos if last else set())
-        closers = base | set(found_after.values()) | calling
-        final, history = found_after.get(2), found_after.get(3)
         _closers_cache[key] = _Closing(
-            tuple(sorted(closers, key=len, reverse=True)),
+            tuple(sorted(base | written, key=len, reverse=True)),
             frozenset(then_eos),
             frozenset(stops),
-            frozenset(found_after.values()) | calling,
+            frozenset(written),
             {final: history} if final and history and final != history else {},
         )
     return _closers_cache[key]
