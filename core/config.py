@@ -101,12 +101,49 @@ class LoraConfig(Section):
         return size
 
 
+class MoeConfig(Section):
+    """`model.moe`: sparse mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral; `core.models.moe`).
+
+    Each sparse layer routes every token to `experts_per_token` of `num_experts` SwiGLU experts of width
+    `intermediate_size`: a softmax over the router's logits, its k largest kept (renormalised to sum to 1 when
+    `normalize_topk`: Qwen3-MoE's `norm_topk_prob`, always on for Mixtral). Dropless: every routed token is
+    computed. Layer i (from 0) is sparse when (i + 1) % `sparse_step` == 0 and i is not in `dense_layers` (Qwen3-MoE's
+    `decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP of `model.intermediate_size`.
+    """
+
+    num_experts: int = Field(8, gt=1)
+    experts_per_token: int = Field(2, gt=0)
+    intermediate_size: int = Field(64, gt=0)
+    normalize_topk: bool = True
+    sparse_step: int = Field(1, gt=0)
+    dense_layers: tuple[int, ...] = ()
+    # The load-balancing loss (Switch Transformer's, as transformers computes it for both families: the share of
+    # top-k assignments and the mean router probability per expert, pooled over the sparse layers and the real
+    # tokens; num_experts * their dot product) and the router z-loss (mean squared logsumexp of the router logits,
+    # ST-MoE), each weighted into every method's training loss.
+    load_balance_weight: float = Field(0.0, ge=0.0)
+    router_z_loss_weight: float = Field(0.0, ge=0.0)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has the experts instead of the dense MLP."""
+        return (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
+    @model_validator(mode="after")
+    def _check_topk(self) -> MoeConfig:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"model.moe.experts_per_token ({self.experts_per_token}) exceeds model.moe.num_experts "
+                f"({self.num_experts})"
+            )
+        return self
+
+
 class ModelConfig(Section):
     """Shape and numerics of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral)."""
 
     # Name of the preset this config started from (informational once resolved).
     preset: str | None = None
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"] = "llama"
     vocab_size: int = Field(512, gt=0)
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
@@ -143,6 +180,8 @@ class ModelConfig(Section):
     vocab_chunk_size: int = Field(8192, gt=0)
     # LoRA adapters (and QLoRA's quantized base): None trains every parameter.
     lora: LoraConfig | None = None
+    # Mixture-of-experts feed-forward layers (the `qwen3_moe` and `mixtral` families); None: every layer dense.
+    moe: MoeConfig | None = None
 
     @property
     def resolved_head_dim(self) -> int:
@@ -162,7 +201,36 @@ class ModelConfig(Section):
                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "
                 f"({self.num_heads}); set model.head_dim explicitly"
             )
+        self._check_moe()
         return self
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether it holds the experts (`model.moe`) instead of the dense MLP."""
+        return tuple(self.moe is not None and self.moe.is_sparse(i) for i in range(self.num_layers))
+
+    def _check_moe(self) -> None:
+        moe_family = self.family in ("qwen3_moe", "mixtral")
+        if moe_family != (self.moe is not None):
+            raise ValueError(
+                f"model.moe is {'unset' if self.moe is None else 'set'} but model.family is {self.family!r}: "
+                "the qwen3_moe and mixtral families, and only they, have experts"
+            )
+        if self.moe is None:
+            return
+        outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"model.moe.dense_layers {outside} are not layers of this model (0..{self.num_layers - 1})")
+        if self.family == "mixtral" and not all(self.sparse_layers):
+            raise ValueError("model.moe: every Mixtral layer is sparse (sparse_step 1, no dense_layers)")
+        if self.lora is not None:
+            raise ValueError("model.lora on a mixture-of-experts model (model.moe) is not implemented")
+        if self.scan_layers and len(set(self.sparse_layers)) > 1:
+            raise ValueError(
+                "model.scan_layers needs every layer alike, and model.moe makes layers "
+                f"{[i for i, s in enumerate(self.sparse_layers) if not s]} dense and the others sparse: "
+                "set model.scan_layers=false"
+            )
 
 
 # -------------------------------------------------------------------------- mesh

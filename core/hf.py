@@ -130,7 +130,7 @@ def hf_tensors(params: nnx.Module | nnx.State, cfg: ModelConfig) -> Iterator[tup
     flat = dict(nnx.to_flat_state(state))
     for m in param_map(cfg):
         value = flat[m.core_path].get_value()
-        host = to_host(value if m.layer is None else value[m.layer])  # a collective in a process group
+        host = to_host(value[m.index] if m.index else value)  # a collective in a process group
         yield m.hf_name, np.ascontiguousarray(m.layer_to_hf(host))
 
 
@@ -181,13 +181,13 @@ def _core_arrays(cfg: ModelConfig, tensors: _SafetensorsDir, source: str) -> dic
     arrays: dict[tuple, np.ndarray] = {}
     for m in mappings:
         shape = tuple(flat[m.core_path].shape)
-        value = m.from_hf(tensors.get(m.hf_name), shape[1:] if m.layer is not None else shape)
-        if m.layer is None:
+        value = m.from_hf(tensors.get(m.hf_name), shape[len(m.index) :])
+        if not m.index:
             arrays[m.core_path] = value.astype(np_dtype)
         else:
             if m.core_path not in arrays:
                 arrays[m.core_path] = np.empty(shape, np_dtype)
-            arrays[m.core_path][m.layer] = value
+            arrays[m.core_path][m.index] = value
     return arrays
 
 

@@ -17,7 +17,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# The dense family whose attention and config keys a mixture-of-experts family shares.
+ATTENTION_OF = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 class UnsupportedHFConfig(UserError, ValueError):
@@ -35,11 +39,12 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
     def unsupported(flag: str, why: str) -> None:
         raise UnsupportedHFConfig(f"{source}: {flag} is not supported ({why})")
 
+    base = ATTENTION_OF.get(family, family)
     if hf.get("mlp_bias"):
         unsupported("mlp_bias=true", "SwiGLU MLPs here have no biases")
-    if family in ("llama", "qwen3", "mistral") and hf.get("attention_bias"):
+    if base in ("llama", "qwen3", "mistral") and hf.get("attention_bias"):
         unsupported("attention_bias=true", "only Qwen2-style q/k/v biases are implemented")
-    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if base in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         unsupported("use_sliding_window=true", "per-layer sliding windows are not implemented")
 
     rope = hf.get("rope_parameters") or {}
@@ -55,7 +60,7 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
             rope_scaling = {"rope_type": kind, **{k: scaling[k] for k in keys if k in scaling}}
 
     heads = hf["num_attention_heads"]
-    return {
+    section = {
         "family": family,
         "vocab_size": hf["vocab_size"],
         "hidden_size": hf["hidden_size"],
@@ -70,8 +75,42 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": family == "qwen2",
-        "qk_norm": family == "qwen3",
-        "sliding_window": hf.get("sliding_window") if family == "mistral" else None,
+        "qk_norm": base == "qwen3",
+        "sliding_window": hf.get("sliding_window") if base == "mistral" else None,
+    }
+    if family in ATTENTION_OF:
+        section["moe"] = _moe_section(family, hf, source)
+        sparse = [(i + 1) % section["moe"]["sparse_step"] == 0 and i not in section["moe"]["dense_layers"]
+                  for i in range(section["num_layers"])]
+        section["scan_layers"] = len(set(sparse)) == 1  # scanned layers must be alike
+    return section
+
+
+def _moe_section(family: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `model.moe` section of a Qwen3-MoE or Mixtral config; what Temper cannot compute is refused."""
+    if family == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise UnsupportedHFConfig(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported")
+        experts, width, normalize, step, dense = hf["num_local_experts"], hf["intermediate_size"], True, 1, []
+    else:
+        # Hub checkpoints write num_experts, transformers 5's save_pretrained num_local_experts (its attribute map)
+        experts, width = hf.get("num_experts", hf.get("num_local_experts")), hf["moe_intermediate_size"]
+        normalize, step = bool(hf.get("norm_topk_prob", False)), hf.get("decoder_sparse_step", 1)
+        dense = list(hf.get("mlp_only_layers") or [])
+    k = hf["num_experts_per_tok"]
+    if not isinstance(experts, int) or not 1 < experts or not 0 < k <= experts:
+        raise UnsupportedHFConfig(
+            f"{source}: {'num_local_experts' if family == 'mixtral' else 'num_experts'}={experts} with "
+            f"num_experts_per_tok={k}: Temper serves 2 or more experts and 1 <= k <= experts"
+        )
+    return {
+        "num_experts": experts,
+        "experts_per_token": k,
+        "intermediate_size": width,
+        "normalize_topk": normalize,
+        "sparse_step": step,
+        "dense_layers": dense,
+        "load_balance_weight": float(hf.get("router_aux_loss_coef", 0.0) or 0.0),
     }
 
 
@@ -97,13 +136,37 @@ def hf_config_from_model(cfg: ModelConfig, torch_dtype: str = "float32", **extra
         "initializer_range": 0.02,
         "use_cache": True,
     }
-    if cfg.family in ("llama", "qwen3"):
+    base = ATTENTION_OF.get(cfg.family, cfg.family)
+    if base in ("llama", "qwen3"):
         out["attention_bias"] = False
-    if cfg.family == "llama":
+    if base == "llama":
         out["mlp_bias"] = False
-    if cfg.family in ("qwen2", "qwen3"):
+    if base in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
-    if cfg.family == "mistral":
+    if base == "mistral":
         out["sliding_window"] = cfg.sliding_window
+    if cfg.moe is not None:
+        out.update(_hf_moe(cfg))
     out.update(extra)
     return out
+
+
+def _hf_moe(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    assert moe is not None
+    common = {
+        "num_experts_per_tok": moe.experts_per_token,
+        "router_aux_loss_coef": moe.load_balance_weight,
+        "output_router_logits": False,
+    }
+    if cfg.family == "mixtral":  # intermediate_size is the experts' width; every layer sparse, always renormalised
+        return {**common, "num_local_experts": moe.num_experts, "intermediate_size": moe.intermediate_size,
+                "router_jitter_noise": 0.0}
+    return {
+        **common,
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.intermediate_size,
+        "norm_topk_prob": moe.normalize_topk,
+        "decoder_sparse_step": moe.sparse_step,
+        "mlp_only_layers": list(moe.dense_layers),
+    }

@@ -4,8 +4,10 @@ Temper keeps projections as `[in, ..., out]` einsum kernels with heads split
 out (`q_proj.kernel` is [D, N, H]); Hugging Face / vLLM keep `nn.Linear`
 weights `[out, in]` with heads flattened. `param_map(cfg)` lists, for every
 tensor Hugging Face names, the core parameter path, the layer index inside a
-stacked (scanned) parameter, and the layout conversion. Export (`save_hf`),
-import (`load_hf`) and weight sync to vLLM all read it.
+stacked (scanned) parameter and the expert index inside a mixture-of-experts
+layer's stacked experts (Hugging Face checkpoints hold experts one by one),
+and the layout conversion. Export (`save_hf`), import (`load_hf`) and weight
+sync to vLLM all read it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ LAYER_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]
     (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", "linear", lambda c: True),
     (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", "linear", lambda c: True),
 ]
+_DENSE_MLP = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+
+# A sparse layer's router and experts (`core.models.moe.MoeBlock`): core parameter, HF name per family ({e}: the
+# expert), whether one tensor per expert. Both families store `nn.Linear` weights [out, in].
+MOE_TABLE: list[tuple[str, dict[str, str], bool]] = [
+    ("router", {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}, False),
+    ("w_gate", {"qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"}, True),
+    ("w_up", {"qwen3_moe": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"}, True),
+    ("w_down", {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}, True),
+]
 
 _TOP_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]] = [
     (("embed", "embedding"), "model.embed_tokens.weight", "identity", lambda c: True),
@@ -64,15 +76,17 @@ _TOP_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]
 class ParamMapping:
     hf_name: str
     core_path: tuple  # path in the core model's flat state
-    layer: int | None  # index along the leading `layers` axis of a scanned parameter
+    # The tensor's place along the core parameter's leading stacked axes: (layer,) in a scanned parameter,
+    # (expert,) or (layer, expert) for one expert of a layer's stacked experts; () for a whole parameter.
+    index: tuple[int, ...]
     kind: str
 
     def to_hf(self, core_value: np.ndarray) -> np.ndarray:
         """This tensor in HF layout, from the (possibly stacked) core parameter value."""
-        return self.layer_to_hf(core_value if self.layer is None else core_value[self.layer])
+        return self.layer_to_hf(core_value[self.index] if self.index else core_value)
 
     def layer_to_hf(self, value: np.ndarray) -> np.ndarray:
-        """HF layout of this tensor's own value (one layer of a stacked parameter)."""
+        """HF layout of this tensor's own value (its part of a stacked parameter)."""
         return LAYOUTS[self.kind][0](value)
 
     def hf_shape(self, core_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -81,18 +95,28 @@ class ParamMapping:
         return tuple(self.to_hf(np.broadcast_to(np.float32(0), core_shape)).shape)
 
     def from_hf(self, hf_value: np.ndarray, core_shape: tuple[int, ...]) -> np.ndarray:
-        """The core-layout value for one layer (`core_shape` without the `layers` axis)."""
+        """The core-layout value of this tensor's part (`core_shape` without the stacked axes `index` covers)."""
         return LAYOUTS[self.kind][1](hf_value, core_shape)
 
 
 def param_map(cfg: ModelConfig) -> list[ParamMapping]:
     """Every Hugging Face tensor of this model, in HF order (embeddings, layers, norm, head)."""
-    out = [ParamMapping(n, p, None, k) for p, n, k, need in _TOP_TABLE[:1] if need(cfg)]
-    for i in range(cfg.num_layers):
+    out = [ParamMapping(n, p, (), k) for p, n, k, need in _TOP_TABLE[:1] if need(cfg)]
+    for i, sparse in enumerate(cfg.sparse_layers):
+        where = ("layers",) if cfg.scan_layers else ("layers", i)
+        layer = (i,) if cfg.scan_layers else ()
+        prefix = f"model.layers.{i}."
         for sub, name, kind, need in LAYER_TABLE:
-            if not need(cfg):
-                continue
-            path = ("layers", *sub) if cfg.scan_layers else ("layers", i, *sub)
-            out.append(ParamMapping(f"model.layers.{i}.{name}", path, i if cfg.scan_layers else None, kind))
-    out += [ParamMapping(n, p, None, k) for p, n, k, need in _TOP_TABLE[1:] if need(cfg)]
+            if need(cfg) and not (sparse and name in _DENSE_MLP):
+                out.append(ParamMapping(prefix + name, (*where, *sub), layer, kind))
+        if sparse:
+            assert cfg.moe is not None
+            for sub_name, names, per_expert in MOE_TABLE:
+                path = (*where, "mlp", sub_name)
+                if not per_expert:
+                    out.append(ParamMapping(prefix + names[cfg.family], path, layer, "linear"))
+                    continue
+                for e in range(cfg.moe.num_experts):
+                    out.append(ParamMapping(prefix + names[cfg.family].format(e=e), path, (*layer, e), "linear"))
+    out += [ParamMapping(n, p, (), k) for p, n, k, need in _TOP_TABLE[1:] if need(cfg)]
     return out

@@ -59,21 +59,23 @@ def local_pieces(params: nnx.State, cfg: ModelConfig, dtype: Any | None = None) 
         for m in mappings:
             for index, data in shards:
                 starts = [sl.indices(n)[0] for sl, n in zip(index, value.shape, strict=True)]
-                if m.layer is not None:  # a stacked parameter: this layer's rows of the shard, if it has any
-                    stop = index[0].indices(value.shape[0])[1]
-                    if not starts[0] <= m.layer < stop:
-                        continue
-                    data, starts = data[m.layer - starts[0]], starts[1:]
-                yield TensorPiece(m.hf_name, tuple(starts), data if dtype is None else data.astype(dtype))
+                stops = [sl.indices(n)[1] for sl, n in zip(index, value.shape, strict=True)]
+                # A stacked parameter (layers, experts): the part of the shard at this tensor's index, if it has it.
+                lead = len(m.index)
+                if not all(a <= i < b for i, a, b in zip(m.index, starts, stops, strict=False)):
+                    continue
+                data = data[tuple(i - a for i, a in zip(m.index, starts, strict=False))] if lead else data
+                piece = TensorPiece(m.hf_name, tuple(starts[lead:]), data if dtype is None else data.astype(dtype))
+                yield piece
 
 
 def core_layouts(cfg: ModelConfig) -> dict[str, tuple[ParamMapping, tuple[int, ...]]]:
-    """HF name -> (its mapping, its core-layout shape: one layer of a stacked parameter)."""
+    """HF name -> (its mapping, its core-layout shape: its part of a stacked parameter)."""
     flat = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)))
     out = {}
     for m in param_map(cfg):
         shape = tuple(flat[m.core_path].shape)
-        out[m.hf_name] = (m, shape[1:] if m.layer is not None else shape)
+        out[m.hf_name] = (m, shape[len(m.index) :])
     return out
 
 

@@ -36,6 +36,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": None,
+    "experts": None,  # a mixture-of-experts layer's expert axis (router outputs, stacked experts)
     "norm": None,
     "lora_rank": None,  # a LoRA adapter's rank: small, kept whole
 }

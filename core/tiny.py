@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # 4 experts of width 32, top-2
 
 
 def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
@@ -52,8 +53,13 @@ def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
         cls, extra = tf.Qwen3Config, dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6))
     elif family == "mistral":
         cls, extra = tf.MistralConfig, dict(sliding_window=None)
+    elif family == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        cls, extra = tf.Qwen3MoeConfig, dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6), **moe)
+    elif family == "mixtral":
+        cls, extra = tf.MixtralConfig, dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
     return cls(**{**common, **extra, **overrides})
 
 

@@ -34,6 +34,7 @@ from core.batch import CompiledCounts, packing_groups, with_compact, with_scored
 from core.distributed import place_rows
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
+from core.router_loss import RouterTape, router_metrics
 from core.sums import NoSums, combine, identity, means
 
 T = TypeVar("T")
@@ -48,6 +49,9 @@ class LossOutput:
     total: Any  # float32 scalar: the loss summed over the micro-batch's items
     denominator: Any  # float32 scalar: how many items (target tokens, pairs) the global loss is a mean over
     sums: Any = field(default_factory=NoSums)  # a registered dataclass of `summed` / `maximum` fields (`core.sums`)
+    # The trained model's routers over the micro-batch (`core.models.moe.RouterStats`, a mixture-of-experts model;
+    # None for a dense one), set by the step around the loss (`core.router_loss`), not by the loss.
+    router: Any = None
 
 
 # (modules, batch, rng) -> LossOutput: the method's module tree, its batch, and the step's key for LoRA's dropout
@@ -67,6 +71,7 @@ class Update:
     empty: Any  # 1 when the denominator was 0: nothing to learn from, no update
     sums: Any  # S, combined over the micro-batches (sums, not means)
     learning_rate: Any = None  # at this update (None without a schedule)
+    router: Any = None  # the trained model's `RouterStats` summed over the micro-batches (an MoE model; else None)
 
     @property
     def applied(self) -> bool:
@@ -78,6 +83,8 @@ class Update:
         if self.learning_rate is not None:
             out["learning_rate"] = float(self.learning_rate)
         out.update(means(self.sums, float(self.denominator)))
+        if self.router is not None:
+            out.update(router_metrics(self.router))
         return out
 
 
@@ -116,13 +123,17 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation, seed: 
 
 def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable[..., LossOutput]:
     """`(params, rest, batch, rng) -> loss_fn(modules, batch, rng)`: the trainable and the frozen state merged into
-    the method's module tree, for the step and for evaluation alike."""
+    the method's module tree, for the step and for evaluation alike. A mixture-of-experts model's router terms
+    are added here, for every method (`core.router_loss`)."""
+    from core.models.build import trained_model
 
     def bound(params, rest, batch, rng) -> LossOutput:
-        out = loss_fn(nnx.merge(graphdef, params, rest), batch, rng)
+        modules = nnx.merge(graphdef, params, rest)
+        with RouterTape() as tape:
+            out = loss_fn(modules, batch, rng)
         if not isinstance(out, LossOutput):
             raise TypeError(f"a loss must return core.train.LossOutput, not {type(out).__name__}")
-        return out
+        return tape.add_to(out, trained_model(modules))
 
     return bound
 
@@ -241,7 +252,12 @@ def make_train_step(
         shapes = jax.eval_shape(grads_of, params, rest, jax.tree.map(lambda x: x[0], batch), step_rng)
         out0, grads0 = shapes
         zeros: tuple[LossOutput, Any] = (
-            LossOutput(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), identity(out0.sums)),
+            LossOutput(
+                jnp.zeros((), jnp.float32),
+                jnp.zeros((), jnp.float32),
+                identity(out0.sums),
+                jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), out0.router),
+            ),
             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grads0),
         )
 
@@ -250,7 +266,8 @@ def make_train_step(
             out_i, grads_i = to_f32(grads_of(params, rest, micro_batch, jax.random.fold_in(step_rng, i)))
             out, grads = carry
             total, denominator = out.total + out_i.total, out.denominator + out_i.denominator
-            out = LossOutput(total, denominator, combine(out.sums, out_i.sums))
+            router = None if out.router is None else out.router + out_i.router
+            out = LossOutput(total, denominator, combine(out.sums, out_i.sums), router)
             return (out, jax.tree.map(jnp.add, grads, grads_i)), None
 
         return jax.lax.scan(accumulate, zeros, (batch, jnp.arange(k)))[0]
@@ -284,6 +301,7 @@ def make_train_step(
             empty=(~has_items).astype(jnp.float32),
             sums=out.sums,
             learning_rate=None if schedule is None else jnp.asarray(schedule(state.step), jnp.float32),
+            router=out.router,
         )
         return new_state, report
 

@@ -38,6 +38,7 @@ class Compaction:
     put: jax.Array  # [S, P] int32: the compact token at position p, N (a zero row) for padding
     rows: int  # R
     length: int  # L
+    count: jax.Array  # [S] int32: the real tokens of each part (compact tokens 0..count-1 are real)
 
     @staticmethod
     def of(segment_ids: jax.Array, compact: int) -> Compaction | None:
@@ -51,13 +52,17 @@ class Compaction:
         real = segment_ids.reshape(shards, slots) > 0
         take = jax.vmap(lambda m: jnp.nonzero(m, size=compact, fill_value=0)[0])(real).astype(jnp.int32)
         put = jnp.where(real, jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, compact)
-        return Compaction(take, put, rows, length)
+        return Compaction(take, put, rows, length, real.sum(axis=1, dtype=jnp.int32))
 
     def to_compact(self, x: jax.Array) -> jax.Array:
         """[R, L, ...] -> [S, N, ...]: the real positions of each part, in row order."""
         shards = self.take.shape[0]
         parts = x.reshape(shards, -1, *x.shape[2:])
         return jax.vmap(lambda part, idx: part[idx])(parts, self.take)
+
+    def real(self) -> jax.Array:
+        """[S, N] bool: which compact tokens are real (the rest copy a part's first position)."""
+        return jnp.arange(self.take.shape[1], dtype=jnp.int32)[None, :] < self.count[:, None]
 
     def to_rows(self, x: jax.Array) -> jax.Array:
         """[S, N, ...] -> [R, L, ...]: each compact token back at its position, zeros on padding."""

@@ -21,6 +21,8 @@ from core.mesh import constrain
 from core.models.attention import Attention
 from core.models.compact import Compaction
 from core.models.layers import MLP, Dense, Embed, RMSNorm, dtype_of, fold
+from core.models.moe import MoeBlock, RouterStats
+from core.router_loss import record_router
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -30,12 +32,15 @@ REMAT_POLICIES = {
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Attention and a feed-forward layer, each pre-normed and residual: the dense SwiGLU `MLP`, or with
+    `sparse` the mixture of experts (`core.models.moe.MoeBlock`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         pd = dtype_of(cfg.param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.attn = Attention(cfg, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp: MLP | MoeBlock = MoeBlock(cfg, rngs) if sparse else MLP(cfg, rngs)
 
     def __call__(
         self,
@@ -44,24 +49,33 @@ class DecoderLayer(nnx.Module):
         mask: jax.Array,
         layout: Compaction | None = None,
         rng: jax.Array | None = None,
-    ) -> jax.Array:
+        valid: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """(the residual stream after this layer, its router's stats over the tokens `valid` marks real, or None
+        for a dense layer)."""
         x = x + self.attn(self.input_norm(x), positions, mask, layout, fold(rng, 0))
-        x = x + self.mlp(self.post_attn_norm(x), fold(rng, 1))
-        return constrain(x, ("batch", "length", "act_embed"))
+        h, stats = self._feed_forward(self.post_attn_norm(x), fold(rng, 1), valid)
+        return constrain(x + h, ("batch", "length", "act_embed")), stats
+
+    def _feed_forward(self, x, rng=None, valid=None) -> tuple[jax.Array, RouterStats | None]:
+        if isinstance(self.mlp, MoeBlock):
+            return self.mlp(x, valid)
+        return self.mlp(x, rng), None
 
     def with_cache(self, x, positions, cache_k, cache_v, mask):
         h, cache_k, cache_v = self.attn.with_cache(self.input_norm(x), positions, cache_k, cache_v, mask)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + self._feed_forward(self.post_attn_norm(x))[0]
         return constrain(x, ("batch", "length", "act_embed")), cache_k, cache_v
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
-    """One DecoderLayer whose parameters carry a leading [L] axis named `layers`."""
+    """One DecoderLayer whose parameters carry a leading [L] axis named `layers` (every layer alike: the config
+    refuses scanned layers that differ)."""
 
     @nnx.vmap(in_axes=0, out_axes=0)
     def create(key):
-        return DecoderLayer(cfg, nnx.Rngs(params=key))
+        return DecoderLayer(cfg, nnx.Rngs(params=key), sparse=cfg.sparse_layers[0])
 
     stacked = create(jax.random.split(rngs.params(), cfg.num_layers))
     for _, var in nnx.iter_graph(stacked):
@@ -88,7 +102,7 @@ class Decoder(nnx.Module):
         if cfg.scan_layers:
             self.layers = _stacked_layers(cfg, rngs)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([DecoderLayer(cfg, rngs, sparse) for sparse in cfg.sparse_layers])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.param_dtype), rngs)
         d, v = cfg.hidden_size, cfg.vocab_size
         head = None if cfg.tie_word_embeddings else Dense("BTD,DV->BTV", (d, v), ("embed", "vocab"), cfg, rngs)
@@ -184,25 +198,33 @@ class Decoder(nnx.Module):
         layout = None if segment_ids is None else Compaction.of(segment_ids, compact)
         if layout is not None:
             tokens, positions = layout.to_compact(tokens), layout.to_compact(positions)
+        if layout is not None:
+            valid = layout.real()
+        else:
+            valid = None if segment_ids is None else segment_ids > 0
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
-        x, stops = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng)
+        x, stops, router = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng, valid)
+        if router is not None:
+            record_router(self, router)  # for the training loss's router terms (`core.router_loss`)
         x = self.final_norm(x)
         rows = (lambda h: h) if layout is None else layout.to_rows
         return rows(x), tuple(rows(stops[layer]) for layer in layers)
 
     def _run_layers(
-        self, x, positions, mask, layout, stops: list[int], rng: jax.Array | None = None
-    ) -> tuple[jax.Array, dict[int, jax.Array]]:
-        """The residual stream after every layer, and after each layer numbered in `stops` (sorted)."""
+        self, x, positions, mask, layout, stops: list[int], rng: jax.Array | None = None, valid=None
+    ) -> tuple[jax.Array, dict[int, jax.Array], RouterStats | None]:
+        """The residual stream after every layer, after each layer numbered in `stops` (sorted), and the routers'
+        stats summed over the sparse layers (None without any)."""
 
         def apply(graphdef, state, x, key):
-            return nnx.merge(graphdef, state)(x, positions, mask, layout, key)
+            return nnx.merge(graphdef, state)(x, positions, mask, layout, key, valid)
 
         policy = self.cfg.remat_policy
         if policy != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[policy], static_argnums=(0,))
 
         kept: dict[int, jax.Array] = {}
+        router: list[RouterStats] = []
         n = self.cfg.num_layers
         keys = None if rng is None else jax.random.split(rng, n)  # one a layer
         if self.cfg.scan_layers:
@@ -212,13 +234,17 @@ class Decoder(nnx.Module):
                 if stop > start:
                     part = state if (start, stop) == (0, n) else jax.tree.map(lambda p, a=start, b=stop: p[a:b], state)
                     part_keys = None if keys is None else keys[start:stop]
-                    step = lambda h, s: (apply(graphdef, s[0], h, s[1]), None)
-                    x, _ = jax.lax.scan(step, x, (part, part_keys), unroll=self.cfg.scan_unroll)
+                    step = lambda h, s: apply(graphdef, s[0], h, s[1])
+                    x, stats = jax.lax.scan(step, x, (part, part_keys), unroll=self.cfg.scan_unroll)
+                    if stats is not None:  # [layers, ...] of the stretch's sparse layers
+                        router.append(jax.tree.map(lambda a: a.sum(axis=0), stats))
                 kept[stop] = x
                 start = stop
-            return x, kept
-        for i, layer in enumerate(self.layers, start=1):
-            graphdef, state = nnx.split(layer)
-            x = apply(graphdef, state, x, None if keys is None else keys[i - 1])
-            kept[i] = x
-        return x, kept
+        else:
+            for i, layer in enumerate(self.layers, start=1):
+                graphdef, state = nnx.split(layer)
+                x, stats = apply(graphdef, state, x, None if keys is None else keys[i - 1])
+                if stats is not None:
+                    router.append(stats)
+                kept[i] = x
+        return x, kept, sum(router[1:], router[0]) if router else None

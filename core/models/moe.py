@@ -15,13 +15,23 @@ experts, top-2, D 64, F 256, the grouped form's temporary memory is 41 MB forwar
 forward and backward (dense: 134 MB). A grouped matmul that saves memory and work on CPU needs rows tiled by
 expert (megablox's layout), not `ragged_dot`'s CPU lowering.
 
-Not yet a model layer: no family, config key, sharding or sampler uses it (issue 43 builds those on it).
+`MoeBlock` is the model layer (`model.moe`, the qwen3_moe and mixtral families): the router and the stacked
+experts, dropless through `grouped_experts`; it returns its `RouterStats` beside its output, which the training
+losses read (`core.router_loss`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from core.config import ModelConfig
+from core.mesh import constrain
+from core.models.layers import dtype_of, param
 
 
 def route_topk(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -65,3 +75,73 @@ def dense_experts(
     h = _swiglu(jnp.einsum("td,edf->etf", x, w_gate), jnp.einsum("td,edf->etf", x, w_up))
     out = jnp.einsum("etf,efd->etd", h, w_down)
     return jnp.einsum("etd,te->td", out, gate.astype(out.dtype)).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RouterStats:
+    """What one forward pass's routers did over its real tokens, summed over its sparse layers: the sums
+    transformers' load-balancing loss and the router z-loss are made of, and the tokens each expert got."""
+
+    counts: Any  # [E] float32: top-k assignments per expert (sum: k x tokens x layers)
+    probs: Any  # [E] float32: the router's softmax probabilities per expert, summed over tokens
+    tokens: Any  # float32 scalar: real tokens x sparse layers
+    z: Any  # float32 scalar: sum of logsumexp(router logits)^2
+
+    def __add__(self, other: RouterStats) -> RouterStats:
+        return jax.tree.map(jnp.add, self, other)
+
+    def load_balance_loss(self) -> jax.Array:
+        """num_experts * sum_e (share of assignments to e) * (mean probability of e), the shares and means pooled
+        over the layers and tokens (transformers' `load_balancing_loss_func` for Qwen3-MoE and Mixtral)."""
+        rows = jnp.maximum(self.tokens, 1.0)
+        return self.counts.shape[-1] * jnp.sum((self.counts / rows) * (self.probs / rows))
+
+    def z_loss(self) -> jax.Array:
+        """The mean over tokens and layers of logsumexp(router logits)^2 (ST-MoE's router z-loss)."""
+        return self.z / jnp.maximum(self.tokens, 1.0)
+
+
+def router_stats(router_logits: jax.Array, experts: jax.Array, valid: jax.Array | None) -> RouterStats:
+    """`RouterStats` of one layer: [T, E] logits, [T, k] chosen experts, [T] bool real tokens (None: all)."""
+    t, n_experts = router_logits.shape
+    logits = router_logits.astype(jnp.float32)
+    v = jnp.ones((t,), jnp.float32) if valid is None else valid.astype(jnp.float32)
+    counts = jnp.zeros((n_experts,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(v, experts.shape[1]))
+    probs = (jax.nn.softmax(logits, axis=-1) * v[:, None]).sum(axis=0)
+    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * v)
+    return RouterStats(counts, probs, v.sum(), z)
+
+
+class MoeBlock(nnx.Module):
+    """The sparse feed-forward layer: a router ([D, E], no bias) and E SwiGLU experts stacked on a leading axis
+    (`w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]), dropless (`grouped_experts`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        assert cfg.moe is not None
+        moe = cfg.moe
+        d, f, e = cfg.hidden_size, moe.intermediate_size, moe.num_experts
+        pd = dtype_of(cfg.param_dtype)
+        self.router = param(rngs, (d, e), ("embed", "experts"), pd, fan_in=d)
+        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, fan_in=d)
+        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, fan_in=d)
+        self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, fan_in=f)
+        self.k = moe.experts_per_token
+        self.normalize = moe.normalize_topk
+        self.dtype = dtype_of(cfg.dtype)
+
+    def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """[T, D] tokens -> ([T, E] float32 router logits, [T, k] gate weights, [T, k] expert ids)."""
+        logits = jnp.einsum("td,de->te", x_flat, self.router[...].astype(x_flat.dtype), preferred_element_type=jnp.float32)
+        weights, experts = route_topk(logits, self.k, self.normalize)
+        return logits, weights, experts
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+        """[B, T, D] -> ([B, T, D], this layer's `RouterStats` over the tokens `valid` [B, T] marks real)."""
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        logits, weights, experts = self.route(flat)
+        w = lambda p: p[...].astype(self.dtype)
+        y = grouped_experts(flat, weights.astype(self.dtype), experts, w(self.w_gate), w(self.w_up), w(self.w_down))
+        stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1))
+        return constrain(y.reshape(*lead, -1), ("batch", "length", "act_embed")), stats
