@@ -198,11 +198,12 @@ class VLLMSampler:
         start = time.perf_counter()
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         worker.reload_weights(weights_iterator=((n, _to_torch(v)) for n, v in self.assembler.hf_tensors()))
-        if self.tied:
-            # The CPU backend keeps a packed copy of the output projection; re-pack it from the new embedding.
-            model = worker.model_runner.get_model()
-            with torch.no_grad():
+        model = worker.model_runner.get_model()
+        with torch.no_grad():
+            if self.tied:
+                # The CPU backend keeps a packed copy of the output projection; re-pack it from the new embedding.
                 model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+            _repack_moe_experts(model)
         self.llm.reset_prefix_cache()
         self.policy_version = self.policy_version + 1 if version is None else version
         self.last_sync = {"load_seconds": time.perf_counter() - start}
@@ -308,6 +309,23 @@ def _vllm_params(params: SamplingParams, n: int, seed: int | None):
         logprobs=0 if params.logprobs else None,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+
+
+def _repack_moe_experts(model: Any) -> int:
+    """Lay a reloaded mixture-of-experts model's experts out for the CPU kernel again; returns the layers done.
+
+    vLLM 0.32's in-place reload writes the experts' checkpoint values (`w13_weight`, `w2_weight`) and rebuilds
+    nothing else: the step that packs them into the CPU grouped-GEMM layout
+    (`fused_experts.process_weights_after_loading`) runs only when the kernel is first built, so without this the
+    engine would read unpacked weights as packed ones (measured: reloading the same weights changed greedy tokens).
+    """
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
+            done += 1
+    return done
 
 
 def _to_torch(array: np.ndarray):

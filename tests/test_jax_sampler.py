@@ -233,3 +233,11 @@ def test_seeds_are_per_sample_and_independent_of_the_batch(rollout_model_dir):
     whole = sampler.generate(PROMPTS, params)
     alone = sampler.generate([PROMPTS[2]], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, prompt_offset=2))
     assert [c.token_ids for c in alone] == [c.token_ids for c in whole[4:6]]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_model_decodes_greedily_as_transformers(rollout_model_dir, family):
+    path = rollout_model_dir(family)
+    outs = sampler_for(path).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 12)
