@@ -220,7 +220,9 @@ class ModelConfig(Section):
             return
         outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
         if outside:
-            raise ValueError(f"model.moe.dense_layers {outside} are not layers of this model (0..{self.num_layers - 1})")
+            raise ValueError(
+                f"model.moe.dense_layers {outside} are not layers of this model (0..{self.num_layers - 1})"
+            )
         if self.family == "mixtral" and not all(self.sparse_layers):
             raise ValueError("model.moe: every Mixtral layer is sparse (sparse_step 1, no dense_layers)")
         if self.lora is not None:

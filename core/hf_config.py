@@ -80,8 +80,10 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
     }
     if family in ATTENTION_OF:
         section["moe"] = _moe_section(family, hf, source)
-        sparse = [(i + 1) % section["moe"]["sparse_step"] == 0 and i not in section["moe"]["dense_layers"]
-                  for i in range(section["num_layers"])]
+        sparse = [
+            (i + 1) % section["moe"]["sparse_step"] == 0 and i not in section["moe"]["dense_layers"]
+            for i in range(section["num_layers"])
+        ]
         section["scan_layers"] = len(set(sparse)) == 1  # scanned layers must be alike
     return section
 
@@ -98,7 +100,7 @@ def _moe_section(family: str, hf: dict[str, Any], source: str) -> dict[str, Any]
         normalize, step = bool(hf.get("norm_topk_prob", False)), hf.get("decoder_sparse_step", 1)
         dense = list(hf.get("mlp_only_layers") or [])
     k = hf["num_experts_per_tok"]
-    if not isinstance(experts, int) or not 1 < experts or not 0 < k <= experts:
+    if not isinstance(experts, int) or experts < 2 or not 0 < k <= experts:
         raise UnsupportedHFConfig(
             f"{source}: {'num_local_experts' if family == 'mixtral' else 'num_experts'}={experts} with "
             f"num_experts_per_tok={k}: Temper serves 2 or more experts and 1 <= k <= experts"
@@ -160,8 +162,12 @@ def _hf_moe(cfg: ModelConfig) -> dict[str, Any]:
         "output_router_logits": False,
     }
     if cfg.family == "mixtral":  # intermediate_size is the experts' width; every layer sparse, always renormalised
-        return {**common, "num_local_experts": moe.num_experts, "intermediate_size": moe.intermediate_size,
-                "router_jitter_noise": 0.0}
+        return {
+            **common,
+            "num_local_experts": moe.num_experts,
+            "intermediate_size": moe.intermediate_size,
+            "router_jitter_noise": 0.0,
+        }
     return {
         **common,
         "num_experts": moe.num_experts,

@@ -60,9 +60,21 @@ _DENSE_MLP = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weigh
 # expert), whether one tensor per expert. Both families store `nn.Linear` weights [out, in].
 MOE_TABLE: list[tuple[str, dict[str, str], bool]] = [
     ("router", {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}, False),
-    ("w_gate", {"qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"}, True),
-    ("w_up", {"qwen3_moe": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"}, True),
-    ("w_down", {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"}, True),
+    (
+        "w_gate",
+        {"qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"},
+        True,
+    ),
+    (
+        "w_up",
+        {"qwen3_moe": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"},
+        True,
+    ),
+    (
+        "w_down",
+        {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"},
+        True,
+    ),
 ]
 
 _TOP_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]] = [

@@ -78,3 +78,9 @@ def router_metrics(stats: RouterStats) -> dict[str, float]:
         "moe/expert_load_min": float(load.min()),
         "moe/expert_load_cv": float(load.std() / max(load.mean(), 1e-12)),
     }
+
+
+def pooled_router_metrics(routers: list[RouterStats | None]) -> dict[str, float]:
+    """`router_metrics` of several updates' stats pooled (a step of several updates); {} for a dense model."""
+    kept = [r for r in routers if r is not None]
+    return router_metrics(sum(kept[1:], kept[0])) if kept else {}

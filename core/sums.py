@@ -114,5 +114,11 @@ def means(record: Any, denominator: float) -> dict[str, float]:
 
 
 def to_host(record: R) -> R:
-    """The record with every value a Python float (after `jax.device_get`)."""
-    return jax.tree.map(lambda x: float(np.asarray(x)), record)
+    """The record with every scalar a Python float and every other array a NumPy array (after `jax.device_get`;
+    a mixture-of-experts model's per-expert counts are arrays)."""
+
+    def host(x: Any) -> Any:
+        x = np.asarray(x)
+        return float(x) if x.ndim == 0 else x
+
+    return jax.tree.map(host, record)

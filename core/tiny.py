@@ -55,9 +55,15 @@ def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
         cls, extra = tf.MistralConfig, dict(sliding_window=None)
     elif family == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-        cls, extra = tf.Qwen3MoeConfig, dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6), **moe)
+        cls, extra = (
+            tf.Qwen3MoeConfig,
+            dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6), **moe),
+        )
     elif family == "mixtral":
-        cls, extra = tf.MixtralConfig, dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+        cls, extra = (
+            tf.MixtralConfig,
+            dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+        )
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
     return cls(**{**common, **extra, **overrides})

@@ -29,6 +29,7 @@ def test_every_preset_builds_abstractly(preset):
         ("qwen2.5-0.5b", 494_032_768),
         ("qwen3-0.6b", 596_049_920),
         ("mistral-7b", 7_248_023_552),
+        ("qwen3-30b-a3b", 30_532_122_624),  # transformers' Qwen3MoeForCausalLM of that config, on the meta device
     ],
 )
 def test_parameter_counts(preset, count):

@@ -196,12 +196,10 @@ class Decoder(nnx.Module):
             # in their sequence (without branches the two differ by a constant within a segment).
             mask &= window_mask(positions, positions, self.cfg.sliding_window)
         layout = None if segment_ids is None else Compaction.of(segment_ids, compact)
+        # The real tokens, which a mixture of experts' router statistics count (None: every token).
+        valid: jax.Array | None = None if segment_ids is None else segment_ids > 0
         if layout is not None:
-            tokens, positions = layout.to_compact(tokens), layout.to_compact(positions)
-        if layout is not None:
-            valid = layout.real()
-        else:
-            valid = None if segment_ids is None else segment_ids > 0
+            tokens, positions, valid = layout.to_compact(tokens), layout.to_compact(positions), layout.real()
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
         x, stops, router = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng, valid)
         if router is not None:

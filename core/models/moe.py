@@ -132,7 +132,9 @@ class MoeBlock(nnx.Module):
 
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[T, D] tokens -> ([T, E] float32 router logits, [T, k] gate weights, [T, k] expert ids)."""
-        logits = jnp.einsum("td,de->te", x_flat, self.router[...].astype(x_flat.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "td,de->te", x_flat, self.router[...].astype(x_flat.dtype), preferred_element_type=jnp.float32
+        )
         weights, experts = route_topk(logits, self.k, self.normalize)
         return logits, weights, experts
 

@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 from core.batch import PackedBatch, with_groups
 from core.learner import Learner
 from core.packing import Segment, branch_targets, pack_rows, packed_batch, share_prefixes
+from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
 from core.train import LossOutput, Update
@@ -383,6 +384,7 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
         stats = PolicyStats.summarise(collected, rl.num_iterations, self.settings)
         metrics = {
             **stats.metrics(),
+            **pooled_router_metrics([u.router for u in collected]),
             "skipped_updates": float(self.skipped_updates),
             "empty_updates": float(self.empty_updates),
             "time/update_s": time.perf_counter() - start,
