@@ -1,0 +1,171 @@
+"""Every method on a mixture-of-experts model: pretraining and SFT learn and export, offline and online DPO, GRPO
+and on-policy distillation (an MoE teacher and student) take their steps, each with the router terms in its loss
+and the router metrics in its log."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core.config_loader import load_config
+from core.hf import load_hf
+from core.metrics import read_metrics
+from core.run import build_run
+from posttrain.config import PostTrainConfig
+from tests.test_lora_methods import _policy_model
+
+ROUTER = ("moe/load_balance_loss", "moe/z_loss", "moe/expert_load_max", "moe/expert_load_min", "moe/expert_load_cv")
+# A Qwen3-MoE policy for the recipes whose model section is a dense Qwen2 (GRPO, online DPO): 4 experts, top-2.
+QWEN3_MOE = [
+    "model.family=qwen3_moe",
+    "model.attention_bias=false",
+    "model.qk_norm=true",
+    "model.moe={num_experts: 4, experts_per_token: 2, intermediate_size: 32, load_balance_weight: 0.01}",
+]
+
+
+def _run_cfg(recipe, tmp_path, tokenizer, *overrides):
+    return load_config(
+        recipe,
+        [
+            f"run.run_dir={tmp_path}",
+            f"data.tokenizer_dir={tokenizer}",
+            "train.eval_every=0",
+            "checkpoint.async_save=false",
+            *overrides,
+        ],
+        schema=PostTrainConfig,
+    )
+
+
+def test_sft_learns_on_an_moe_model_and_exports_what_transformers_loads(tmp_path, arithmetic_tokenizer):
+    """SFT of the tiny Qwen3-MoE preset: the loss falls over 12 steps, the router metrics are logged each step,
+    and the exported checkpoint, loaded by transformers, gives the trained model's logits."""
+    from posttrain.sft import SFT
+
+    cfg = _run_cfg(
+        "recipes/configs/sft_tiny.yml",
+        tmp_path,
+        arithmetic_tokenizer,
+        "model.preset=tiny-qwen3-moe",
+        "train.steps=12",
+        "train.log_every=4",
+        "optim.learning_rate=1.0e-2",
+    )
+    run = build_run(cfg, SFT)
+    run.fit()
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    assert all(all(k in r for k in ROUTER) for r in rows)
+    trained = run.loop.learner.model()
+    tokens = np.random.RandomState(0).randint(3, 500, (2, 24))
+    ours = np.asarray(trained(tokens.astype(np.int32)))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_pretraining_a_mixtral_from_scratch_learns(tmp_path, arithmetic_tokenizer):
+    from core.pretrain import PRETRAINING
+
+    cfg = load_config(
+        "recipes/configs/pretrain_tiny.yml",
+        [
+            f"run.run_dir={tmp_path}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "model.preset=tiny-mixtral",
+            "model.hidden_size=64",
+            "model.intermediate_size=32",
+            "model.head_dim=16",
+            "train.steps=12",
+            "train.log_every=4",
+            "train.eval_every=0",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+        ],
+    )
+    assert cfg.model.family == "mixtral" and cfg.model.moe is not None
+    build_run(cfg, PRETRAINING).fit()
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and all(k in rows[-1] for k in ROUTER)
+
+
+def test_offline_dpo_on_an_moe_policy_adds_the_policys_router_term_only(tmp_path, arithmetic_tokenizer):
+    """At the first update the policy is its reference, so DPO's sigmoid loss is log 2; the loss the step reports
+    is that plus the policy's weighted load-balancing term (the frozen reference's routers add nothing)."""
+    from posttrain.dpo.offline import DPO
+
+    cfg = _run_cfg(
+        "recipes/configs/dpo_tiny.yml",
+        tmp_path,
+        arithmetic_tokenizer,
+        "model.preset=tiny-qwen3-moe",
+        "model.moe.load_balance_weight=0.05",
+        "checkpoint.enabled=false",
+        "checkpoint.export_hf=false",
+    )
+    run = build_run(cfg, DPO)
+    learner = run.loop.learner
+    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    update = learner.update(batch, cfg.train.micro_batches)
+    metrics = update.metrics()
+    assert update.applied and update.grad_norm > 0
+    expected = np.log(2) + 0.05 * metrics["moe/load_balance_loss"]
+    assert abs(metrics["loss"] - expected) < 1e-4, (metrics["loss"], expected)
+
+
+def test_grpo_and_online_dpo_learners_step_an_moe_policy(arithmetic_tokenizer):
+    """GRPO (with a KL reference: a frozen MoE copy) and online DPO on a Qwen3-MoE policy: each step applies its
+    update with a non-zero gradient and logs the router metrics."""
+    from posttrain.dpo.online import OnlineDPOLearner
+    from posttrain.dpo.pairs import Pair, build_pair_batch
+    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
+    from rollout.sampler import Completion
+
+    rng = np.random.default_rng(0)
+    ids = lambda n: tuple(int(x) for x in rng.integers(3, 500, n))
+    grpo_cfg = load_config("recipes/configs/grpo_tiny.yml", [*QWEN3_MOE, "rl.loss.beta=0.1"], schema=PostTrainConfig)
+    model, mesh = _policy_model(grpo_cfg)
+    learner = PolicyGradientLearner(grpo_cfg, model, mesh, total_steps=2)
+    comps = [Completion(list(ids(4)), list(ids(5)), [-3.0] * 5, "stop", "") for _ in range(8)]
+    batch = build_rl_batch(comps, rng.normal(size=8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
+    for _ in range(2):
+        metrics = learner.train(batch).metrics
+    assert metrics["kl"] > 0 and metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)
+
+    dpo_cfg = load_config("recipes/configs/dpo_online_tiny.yml", QWEN3_MOE, schema=PostTrainConfig)
+    model, mesh = _policy_model(dpo_cfg)
+    dpo = OnlineDPOLearner(dpo_cfg, model, mesh, total_steps=2)
+    pairs = [Pair(i, ids(4), ids(5), ids(3)) for i in range(dpo_cfg.rl.batch.prompts_per_step)]
+    stats = dpo.train(build_pair_batch(pairs, slots=len(pairs), row_len=64, groups=dpo_cfg.train.micro_batches))
+    assert stats.metrics["grad_norm"] > 0 and all(k in stats.metrics for k in ROUTER)
+
+
+@pytest.mark.parametrize("loss", ["sampled", "gkd"])
+def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_model_dir, loss):
+    from posttrain.distill.objective import DistillBatch
+    from posttrain.distill.onpolicy import distill_learner
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from rollout.sampler import Completion
+
+    teacher = rollout_model_dir("qwen3_moe", seed=1)
+    assert load_hf(teacher)[1].moe is not None
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [*QWEN3_MOE, f"distill.teacher={teacher}", f"distill.on_policy_loss={loss}", "model.hidden_size=128"],
+        schema=PostTrainConfig,
+    )
+    model, mesh = _policy_model(cfg)
+    learner = distill_learner(cfg, model, mesh, total_steps=2)
+    rng = np.random.default_rng(1)
+    comps = [Completion([5, 6, 7], [int(x) for x in rng.integers(3, 500, 6)], [-4.0] * 6, "stop", "") for _ in range(8)]
+    batch = build_rl_batch(comps, np.zeros(8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
+    if loss == "gkd":
+        rows = batch.packed.tokens.shape[0]
+        batch = DistillBatch(batch.packed, np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    learner.train(batch)
+    metrics = learner.train(batch).metrics
+    assert metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)
