@@ -243,6 +243,9 @@ class MeshConfig(Section):
 
     data: int = 1
     fsdp: int = -1
+    # Expert parallelism: a mixture-of-experts model's experts are split over this axis (it must divide
+    # model.moe.num_experts), and the batch too (to every other layer it is one more data axis).
+    expert: int = 1
     tensor: int = 1
     sequence: int = 1
     # RL device split: fractions of all devices given to the trainer and to the samplers.
@@ -269,7 +272,13 @@ class MeshConfig(Section):
         return self
 
     def axis_sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "sequence": self.sequence}
+        return {
+            "data": self.data,
+            "fsdp": self.fsdp,
+            "expert": self.expert,
+            "tensor": self.tensor,
+            "sequence": self.sequence,
+        }
 
 
 # -------------------------------------------------------------------------- data

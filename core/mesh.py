@@ -16,12 +16,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core.config import MeshConfig, resolve_mesh_shape
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": "sequence",
     "act_embed": None,
     "act_heads": "tensor",
@@ -36,7 +36,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": None,
-    "experts": None,  # a mixture-of-experts layer's expert axis (router outputs, stacked experts)
+    "experts": "expert",  # a mixture-of-experts layer's stacked experts (and its router's outputs)
     "norm": None,
     "lora_rank": None,  # a LoRA adapter's rank: small, kept whole
 }
@@ -81,6 +81,12 @@ def logical_to_spec(
                 continue
             if shape is not None and mesh_shape is not None:
                 size = mesh_shape.get(m, 1)
+                if name == "experts" and size > 1 and shape[i] % size:
+                    # Expert parallelism splits the experts whole: replicating them instead would leave the axis
+                    # idle and the layer's token exchange without its experts.
+                    raise ValueError(
+                        f"mesh.expert ({size}) does not divide the {shape[i]} experts (model.moe.num_experts)"
+                    )
                 if size == 1 or shape[i] % (size * math.prod(mesh_shape[k] for k in kept)):
                     continue
             kept.append(m)

@@ -8,12 +8,12 @@ from core.mesh import LOGICAL_RULES, logical_to_spec, make_mesh, split_devices
 
 def test_make_mesh_fills_axis():
     mesh = make_mesh(MeshConfig(fsdp=-1, tensor=2))
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2, "sequence": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2, "sequence": 1}
 
 
 def test_logical_rules_map_parameters_and_activations():
     assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
-    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), "sequence", None)
+    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp", "expert"), "sequence", None)
     assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == P(None, "fsdp", "tensor", None)
 
 

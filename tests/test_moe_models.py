@@ -12,11 +12,12 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from core.config import ModelConfig, MoeConfig
+from core.config import MeshConfig, ModelConfig, MoeConfig
 from core.errors import CheckpointMismatch
 from core.hf import load_hf, save_hf
 from core.hf_config import UnsupportedHFConfig
 from core.losses import nll_loss
+from core.mesh import make_mesh
 from core.models import ModuleTree, create_model
 from core.optim import make_optimizer
 from core.router_loss import RouterTape
@@ -254,3 +255,40 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(moe_dir, tmp_path):
     (tmp_path / "config.json").write_text((src / "config.json").read_text())
     with pytest.raises(CheckpointMismatch, match=r"missing \(1\): model.layers.1.mlp.experts.2.up_proj.weight"):
         load_hf(tmp_path)
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.parametrize(
+    "mesh_cfg",
+    [MeshConfig(fsdp=2, expert=4), MeshConfig(data=2, fsdp=1, expert=2, tensor=2), MeshConfig(fsdp=1, expert=8)],
+    ids=["fsdp2-expert4", "data2-expert2-tensor2", "expert8"],
+)
+def test_expert_parallel_steps_equal_one_device(mesh_cfg, monkeypatch):
+    """Two train steps (2 micro-batches each, the router terms on) with the experts split over the `expert` axis
+    take the single-device steps: the same losses and parameters within float32 noise. The experts are sharded on
+    that axis and the layer really exchanges tokens (`expert_parallel` ran, with the axis's tokens)."""
+    from core.models import moe
+    from tests.test_train_step import max_param_diff, run_steps
+
+    cfg = ModelConfig(family="qwen3_moe", qk_norm=True, moe=MoeConfig(num_experts=8, load_balance_weight=0.1))
+    batches = [make_batch(seed=0), make_batch(seed=1)]
+    one, m1 = run_steps(cfg, batches, 2)
+    calls = []
+    original = moe.expert_parallel
+    monkeypatch.setattr(moe, "expert_parallel", lambda *a: calls.append(a[0].shape) or original(*a))
+    mesh = make_mesh(mesh_cfg)
+    many, m2 = run_steps(cfg, batches, 2, mesh)
+    assert calls, "the expert-parallel layer did not run"
+    assert tuple(many.params["layers"]["mlp"]["w_gate"][...].sharding.spec)[:2] == (None, "expert")
+    for a, b in zip(m1, m2, strict=True):
+        assert a.applied and b.applied and float(b.grad_norm) > 0
+        assert abs(float(a.loss) - float(b.loss)) <= 8 * np.finfo(np.float32).eps * max(1.0, abs(float(a.loss)))
+    assert max_param_diff(one, many) <= 1e-5
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
+    cfg = ModelConfig(family="mixtral", moe=MoeConfig(num_experts=6))
+    with pytest.raises(ValueError, match=r"mesh.expert \(4\) does not divide the 6 experts"):
+        create_model(cfg, make_mesh(MeshConfig(fsdp=2, expert=4)))

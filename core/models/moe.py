@@ -52,17 +52,51 @@ def grouped_experts(
     x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
 ) -> jax.Array:
     """The routed SwiGLU experts on `x` [T, D], dropless: `weights`, `experts` [T, k] from `route_topk`;
-    `w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]. Returns [T, D] in `x`'s dtype."""
+    `w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]. Returns [T, D] in `x`'s dtype. An expert id >= E (another
+    device's expert, `expert_parallel`) is not computed: its rows sort last, outside every group, and read 0."""
     t, k = experts.shape
     n_experts = w_gate.shape[0]
     flat = experts.reshape(-1)  # assignment a = token * k + slot
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, in token order within a group
     rows = x[order // k]  # [T * k, D]: each assignment's token
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # rows per expert, in expert order
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # rows per expert (ids >= E dropped)
     h = _swiglu(jax.lax.ragged_dot(rows, w_gate, sizes), jax.lax.ragged_dot(rows, w_up, sizes))
     out = jax.lax.ragged_dot(h, w_down, sizes)  # [T * k, D], sorted order
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype)).astype(x.dtype)
+
+
+def expert_parallel(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """`grouped_experts` with the experts split over the mesh's `expert` axis (`jax.shard_map`, manual over that
+    axis only; the others stay automatic), tokens exchanged by all-gather and reduce-scatter (Megatron's
+    "allgather" token dispatcher): each device of the axis gathers the tokens of its group of the axis, computes
+    those routed to its own E / n experts (dropless), and the partial outputs are summed back onto the devices
+    that own the tokens. `x` [T, D] and the routes [T, k] are split over the axis on T (the batch axes include it),
+    the experts on E. Equal to `grouped_experts` on one device, up to the order of the sum over the k slots."""
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, weights, experts, w_gate, w_up, w_down):
+        xs = jax.lax.all_gather(x, "expert", tiled=True)  # [T, D]: every token of this expert group
+        ws = jax.lax.all_gather(weights, "expert", tiled=True)
+        es = jax.lax.all_gather(experts, "expert", tiled=True)
+        per_device = w_gate.shape[0]
+        mine = es - jax.lax.axis_index("expert") * per_device  # ids of this device's experts: 0..per_device-1
+        here = (mine >= 0) & (mine < per_device)
+        y = grouped_experts(xs, jnp.where(here, ws, 0), jnp.where(here, mine, per_device), w_gate, w_up, w_down)
+        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [T / n, D]: own tokens, summed
+
+    spec = P("expert")
+    return jax.shard_map(local, in_specs=(spec,) * 6, out_specs=spec, axis_names={"expert"})(
+        x, weights, experts, w_gate, w_up, w_down
+    )
+
+
+def _expert_axis() -> int:
+    """The size of the `expert` axis of the mesh set with `jax.set_mesh` (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
 
 
 def dense_experts(
@@ -144,6 +178,9 @@ class MoeBlock(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, experts = self.route(flat)
         w = lambda p: p[...].astype(self.dtype)
-        y = grouped_experts(flat, weights.astype(self.dtype), experts, w(self.w_gate), w(self.w_up), w(self.w_down))
+        n = _expert_axis()
+        # Expert parallelism when the mesh splits the experts and the tokens split evenly over that axis.
+        apply = expert_parallel if n > 1 and flat.shape[0] % n == 0 else grouped_experts
+        y = apply(flat, weights.astype(self.dtype), experts, w(self.w_gate), w(self.w_up), w(self.w_down))
         stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1))
         return constrain(y.reshape(*lead, -1), ("batch", "length", "act_embed")), stats
