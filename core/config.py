@@ -123,6 +123,10 @@ class MoeConfig(Section):
     # ST-MoE), each weighted into every method's training loss.
     load_balance_weight: float = Field(0.0, ge=0.0)
     router_z_loss_weight: float = Field(0.0, ge=0.0)
+    # The grouped matmul (core.models.moe): `ragged_dot` (jax.lax.ragged_dot: a grouped GEMM on GPU and TPU),
+    # `tiled` (blocks of rows, each of one expert: on CPU, where ragged_dot lowers to masked work on every
+    # expert), or `auto`: tiled on CPU, ragged_dot elsewhere.
+    kernel: Literal["auto", "ragged_dot", "tiled"] = "auto"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has the experts instead of the dense MLP."""

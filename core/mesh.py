@@ -29,7 +29,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
     # parameters
-    "embed": "fsdp",
+    "embed": ("fsdp", "expert"),  # the expert axis is a data axis to every dense weight: sharded ZeRO-3 style
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",

@@ -22,8 +22,9 @@ losses read (`core.router_loss`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -66,31 +67,152 @@ def grouped_experts(
     return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype)).astype(x.dtype)
 
 
-def expert_parallel(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+def tiled_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    block: int | None = None,
 ) -> jax.Array:
-    """`grouped_experts` with the experts split over the mesh's `expert` axis (`jax.shard_map`, manual over that
-    axis only; the others stay automatic), tokens exchanged by all-gather and reduce-scatter (Megatron's
-    "allgather" token dispatcher): each device of the axis gathers the tokens of its group of the axis, computes
-    those routed to its own E / n experts (dropless), and the partial outputs are summed back onto the devices
-    that own the tokens. `x` [T, D] and the routes [T, k] are split over the axis on T (the batch axes include it),
-    the experts on E. Equal to `grouped_experts` on one device, up to the order of the sum over the k slots."""
+    """`grouped_experts` with the grouped matmul as blocks of `block` rows, each of one expert (megablox's layout):
+    each expert's assignments start a new block, so its last block is padded, and a loop over the blocks runs
+    each one's three matmuls with its own expert's weights. Work is the routed rows plus that padding; memory is
+    the padded rows (at most T * k + E * block), never a per-expert copy of every row. The form for CPU, where XLA
+    lowers `ragged_dot` to masked work on every expert (docs/kernels.md). Ids >= E are not computed (as there)."""
+    t, k = experts.shape
+    n_experts, d, _ = w_gate.shape
+    m = t * k
+    if block is None:  # about two blocks an expert when balanced, within 8..256 rows (measured best near 256)
+        block = int(min(256, max(8, 2 ** math.ceil(math.log2(max(1, m // (2 * n_experts)))))))
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    ranked = flat[order]  # the assignments' experts, in sorted order
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    blocks_of = (sizes + block - 1) // block
+    block_end = jnp.cumsum(blocks_of)  # the first block after each expert's
+    used = block_end[-1]  # blocks holding rows; the static count below also fits the worst padding
+    n_blocks = -(-m // block) + n_experts
+    first_row = (block_end - blocks_of) * block  # each expert's first padded row
+    group_start = jnp.cumsum(sizes) - sizes  # each expert's first sorted assignment
+    known = ranked < n_experts
+    e = jnp.minimum(ranked, n_experts - 1)
+    slot = jnp.where(known, first_row[e] + jnp.arange(m, dtype=jnp.int32) - group_start[e], n_blocks * block)
+    rows = jnp.zeros((n_blocks * block, d), x.dtype).at[slot].set(x[order // k], mode="drop")
+    owner = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(n_blocks), side="right"), n_experts - 1)
+
+    def one_block(_, inputs):
+        j, xb, ex = inputs
+
+        def compute(_):
+            return _swiglu(xb @ w_gate[ex], xb @ w_up[ex]) @ w_down[ex]
+
+        def skip(_):  # zeros typed like compute's output (inside expert_parallel: varying over the same axes)
+            return jnp.zeros_like(xb) + jnp.zeros_like(w_down[ex][:1])
+
+        # Blocks past the used ones (the static count's slack) hold no row: skipped, not multiplied.
+        return None, jax.lax.cond(j < used, compute, skip, None)
+
+    _, out = jax.lax.scan(one_block, None, (jnp.arange(n_blocks), rows.reshape(n_blocks, block, d), owner))
+    per_assignment = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0)  # sorted order
+    unsorted = jnp.zeros_like(per_assignment).at[order].set(per_assignment).reshape(t, k, d)
+    return jnp.einsum("tkd,tk->td", unsorted, weights.astype(unsorted.dtype)).astype(x.dtype)
+
+
+EXPERT_AXES = ("experts", "embed", "mlp")  # w_gate / w_up's logical axes; w_down's are ("experts", "mlp", "embed")
+
+
+def expert_parallel(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    kernel=grouped_experts,
+) -> jax.Array | None:
+    """`grouped_experts` with the experts split over the mesh's `expert` axis, as one `jax.shard_map` manual over
+    the whole mesh (so every device sorts only its own tokens); None when the rows do not split over the axis.
+
+    Tokens are exchanged by all-gather and reduce-scatter over the expert axis (Megatron's "allgather" token
+    dispatcher): each device gathers the tokens of its group of that axis, computes those routed to its own
+    E / n experts, dropless, and the partial outputs are summed back onto the devices that own the tokens. The
+    experts' embed dimension is gathered over the axes that shard it (ZeRO-3), their width stays split over its
+    axes (tensor parallelism: the partial outputs are summed over them). `x` [B, L, D] and the routes [B, L, k]
+    are split like the batch. `kernel`: the grouped matmul each device runs (`experts_kernel`). Equal to it on one
+    device, up to the order of the sums."""
     from jax.sharding import PartitionSpec as P
 
+    from core.mesh import logical_to_spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(mesh.shape)
+    rows = logical_to_spec(("batch", "length", None), x.shape, shape)
+    if "expert" not in _axes(rows[0]):
+        return None
+    route_spec = P(rows[0], rows[1], None)
+    up_spec = logical_to_spec(EXPERT_AXES, w_gate.shape, shape)
+    down_spec = logical_to_spec(("experts", "mlp", "embed"), w_down.shape, shape)
+    embed_axes, width_axes = _axes(up_spec[1]), _axes(up_spec[2])
+
+    def gather(w, axis: int, over: tuple[str, ...]):
+        for name in reversed(over):  # the minor-most axis first, so the pieces come back in order
+            w = jax.lax.all_gather(w, name, axis=axis, tiled=True)
+        return w
+
     def local(x, weights, experts, w_gate, w_up, w_down):
-        xs = jax.lax.all_gather(x, "expert", tiled=True)  # [T, D]: every token of this expert group
-        ws = jax.lax.all_gather(weights, "expert", tiled=True)
-        es = jax.lax.all_gather(experts, "expert", tiled=True)
+        b, l, d = x.shape
+        flat = x.reshape(b * l, d)
+        # Gathered in float32: a gather's backward pass is a reduce-scatter (see below).
+        xs = jax.lax.all_gather(flat.astype(jnp.float32), "expert", tiled=True).astype(x.dtype)  # the group's tokens
+        ws = jax.lax.all_gather(weights.reshape(b * l, -1).astype(jnp.float32), "expert", tiled=True)
+        es = jax.lax.all_gather(experts.reshape(b * l, -1), "expert", tiled=True)
         per_device = w_gate.shape[0]
         mine = es - jax.lax.axis_index("expert") * per_device  # ids of this device's experts: 0..per_device-1
         here = (mine >= 0) & (mine < per_device)
-        y = grouped_experts(xs, jnp.where(here, ws, 0), jnp.where(here, mine, per_device), w_gate, w_up, w_down)
-        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [T / n, D]: own tokens, summed
+        wg, wu, wd = gather(w_gate, 1, embed_axes), gather(w_up, 1, embed_axes), gather(w_down, 2, embed_axes)
+        # The weights made varying over the axes the tokens vary over here, once: left to the kernel, JAX would
+        # cast them inside its loop over blocks, and the cast's backward (a sum over those axes) would run inside a
+        # branch some devices skip (a deadlock).
+        tokens = _vary(xs) | _vary(ws)
+        wg, wu, wd = (_varying(w, tokens) for w in (wg, wu, wd))
+        y = kernel(xs, jnp.where(here, ws, 0).astype(x.dtype), jnp.where(here, mine, per_device), wg, wu, wd)
+        # Summed in float32: the experts' partial outputs keep their precision in bfloat16 training (and XLA:CPU
+        # 0.10.2 aborts compiling a bfloat16 reduce-scatter here, in its AllReducePromotion pass).
+        y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
+        if width_axes:
+            y = jax.lax.psum(y, width_axes)
+        return y.astype(x.dtype).reshape(b, l, d)
 
-    spec = P("expert")
-    return jax.shard_map(local, in_specs=(spec,) * 6, out_specs=spec, axis_names={"expert"})(
-        x, weights, experts, w_gate, w_up, w_down
-    )
+    return jax.shard_map(
+        local,
+        in_specs=(rows, route_spec, route_spec, up_spec, up_spec, down_spec),
+        out_specs=rows,
+    )(x, weights, experts, w_gate, w_up, w_down)
+
+
+def experts_kernel(kind: Literal["auto", "ragged_dot", "tiled"]):
+    """The grouped-matmul function `model.moe.kernel` names (`auto`: tiled on CPU, ragged_dot elsewhere)."""
+    if kind == "auto":
+        kind = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    return tiled_experts if kind == "tiled" else grouped_experts
+
+
+def _vary(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over (inside `jax.shard_map`)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def _varying(x: jax.Array, axes) -> jax.Array:
+    """`x` cast to vary over `axes` (inside `jax.shard_map`) where it does not already."""
+    missing = tuple(sorted(set(axes) - _vary(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _expert_axis() -> int:
@@ -162,6 +284,7 @@ class MoeBlock(nnx.Module):
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, fan_in=f)
         self.k = moe.experts_per_token
         self.normalize = moe.normalize_topk
+        self.kernel = moe.kernel
         self.dtype = dtype_of(cfg.dtype)
 
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -178,9 +301,13 @@ class MoeBlock(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, experts = self.route(flat)
         w = lambda p: p[...].astype(self.dtype)
-        n = _expert_axis()
-        # Expert parallelism when the mesh splits the experts and the tokens split evenly over that axis.
-        apply = expert_parallel if n > 1 and flat.shape[0] % n == 0 else grouped_experts
-        y = apply(flat, weights.astype(self.dtype), experts, w(self.w_gate), w(self.w_up), w(self.w_down))
+        params = (w(self.w_gate), w(self.w_up), w(self.w_down))
+        kernel = experts_kernel(self.kernel)
+        y = None
+        if _expert_axis() > 1:  # expert parallelism: the mesh splits the experts (None: the rows do not split)
+            routes = weights.reshape(*lead, -1).astype(self.dtype), experts.reshape(*lead, -1)
+            y = expert_parallel(x, *routes, *params, kernel=kernel)
+        if y is None:
+            y = kernel(flat, weights.astype(self.dtype), experts, *params).reshape(*lead, -1)
         stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1))
-        return constrain(y.reshape(*lead, -1), ("batch", "length", "act_embed")), stats
+        return constrain(y, ("batch", "length", "act_embed")), stats
