@@ -39,7 +39,9 @@ def test_each_methods_update_compiles_on_abstract_parameters(method, capsys):
     else:
         line = compile_method(cfg, {"pretraining": PRETRAINING, "SFT": SFT, "DPO": DPO}[method])
     printed = capsys.readouterr().out
-    assert f"compile-only: {method} step, qwen2.5-0.5b on mesh {{'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2" in printed
+    assert (
+        f"compile-only: {method} step, qwen2.5-0.5b on mesh {{'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2" in printed
+    )
     assert 0.98 < arguments_gib(line) / state_gib < 1.05, line
     assert sum(x.nbytes for x in jax.live_arrays()) - before < 50e6  # the 2 GiB of weights were never allocated
 

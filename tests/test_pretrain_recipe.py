@@ -80,7 +80,10 @@ def test_compile_only_on_fake_devices(tmp_path):
         env_extra={"XLA_FLAGS": WITHOUT_DEVICE_COUNT},  # compile-only asks for the devices its mesh needs
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    mesh = "on mesh {'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2, 'sequence': 1}, 8 packed rows x 256 tokens in 2 micro-batch"
+    mesh = (
+        "on mesh {'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2, 'sequence': 1}, "
+        "8 packed rows x 256 tokens in 2 micro-batch"
+    )
     assert f"compile-only: pretraining step, qwen2.5-0.5b {mesh}" in res.stdout
     line = next(l for l in res.stdout.splitlines() if l.startswith("memory analysis"))
     args_gib = float(line.split("arguments ")[1].split(" GiB")[0])
