@@ -1,6 +1,7 @@
 """One process of a JAX process group (or the whole of a one-process run) taking one step of each method's loss on
 the same global batch over a mesh of 8 devices (fsdp 4 x tensor 2): pretraining, SFT, DPO, distillation (online,
-the teacher in the step), GRPO. Process 0 writes each step's loss and gradient (gathered whole) to OUT.
+the teacher in the step), GRPO, and a mixture-of-experts pretraining step on an expert-parallel mesh (fsdp 2 x expert
+2 x tensor 2). Process 0 writes each step's loss and gradient (gathered whole) to OUT.
 
     python tests/distributed_worker.py OUT NUM_PROCESSES PROCESS_ID PORT
 """
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from core.config import LoraConfig, MeshConfig, ModelConfig, OptimConfig  # noqa: E402
+from core.config import LoraConfig, MeshConfig, ModelConfig, MoeConfig, OptimConfig  # noqa: E402
 from core.config_loader import load_config  # noqa: E402
 from core.data import to_data_batch  # noqa: E402
 from core.learner import Learner  # noqa: E402
@@ -110,14 +111,15 @@ def check_placement(name: str, batch, micro: int) -> None:
         np.testing.assert_array_equal(to_host(got), want, err_msg=f"{name}{jax.tree_util.keystr(path)}")
 
 
-def offline_step(name: str, loss_fn, batch, micro: int, tree=None, trainable=None, model_cfg=MODEL) -> None:
+def offline_step(name: str, loss_fn, batch, micro: int, tree=None, trainable=None, model_cfg=MODEL, mesh=MESH) -> None:
     """One update of `loss_fn` on a fresh model (of `model_cfg`), or on the module tree `tree(model)`."""
-    check_placement(name, batch, micro)
-    with jax.set_mesh(MESH):
-        model = create_model(model_cfg, MESH, seed=0)
+    if mesh is MESH:
+        check_placement(name, batch, micro)
+    with jax.set_mesh(mesh):
+        model = create_model(model_cfg, mesh, seed=0)
     modules = model if tree is None else tree(model)
     learner = Learner(
-        modules, MESH, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), trainable=trainable
+        modules, mesh, loss_fn, OptimConfig(), total_updates=1, tx=recording_sgd(0.1), trainable=trainable
     )
     update = learner.update(batch, micro)
     assert update.finite == 1.0 and update.empty == 0.0 and update.grad_norm > 0, (name, update)
@@ -139,6 +141,17 @@ offline_step(
     2,
     model_cfg=MODEL.model_copy(update={"lora": lora}),
 )
+
+# A mixture of experts (Qwen3-MoE, 8 experts, top-2, the router terms on) with expert parallelism: the experts split
+# over expert 2 (tokens exchanged across the two processes' devices), the rest over fsdp 2 x tensor 2.
+moe = ModelConfig(
+    family="qwen3_moe",
+    qk_norm=True,
+    num_layers=2,
+    moe=MoeConfig(num_experts=8, load_balance_weight=0.1, router_z_loss_weight=0.01),
+)
+moe_mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
+offline_step("moe", PRETRAINING.loss(None), to_data_batch(text_rows(3, 0), 1).batch, 1, model_cfg=moe, mesh=moe_mesh)
 
 rng = np.random.default_rng(4)
 ids = lambda k: tuple(int(x) for x in rng.integers(1, 512, k))
