@@ -77,10 +77,11 @@ def tiled_experts(
     block: int | None = None,
 ) -> jax.Array:
     """`grouped_experts` with the grouped matmul as blocks of `block` rows, each of one expert (megablox's layout):
-    each expert's assignments start a new block, so its last block is padded, and a loop over the blocks runs
-    each one's three matmuls with its own expert's weights. Work is the routed rows plus that padding; memory is
-    the padded rows (at most T * k + E * block), never a per-expert copy of every row. The form for CPU, where XLA
-    lowers `ragged_dot` to masked work on every expert (docs/kernels.md). Ids >= E are not computed (as there)."""
+    each expert's assignments start a new block, so its last block is padded, and every block runs its three
+    matmuls with its own expert's weights (batched). Work is the routed rows plus that padding; memory is
+    the padded rows (at most T * k + E * block) and each block's copy of its expert's weights, never a per-expert
+    copy of every row. The form for CPU, where XLA lowers `ragged_dot` to masked work on every expert
+    (docs/kernels.md). Ids >= E are not computed (as there): they get no row."""
     t, k = experts.shape
     n_experts, d, _ = w_gate.shape
     m = t * k
@@ -92,7 +93,6 @@ def tiled_experts(
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     blocks_of = (sizes + block - 1) // block
     block_end = jnp.cumsum(blocks_of)  # the first block after each expert's
-    used = block_end[-1]  # blocks holding rows; the static count below also fits the worst padding
     n_blocks = -(-m // block) + n_experts
     first_row = (block_end - blocks_of) * block  # each expert's first padded row
     group_start = jnp.cumsum(sizes) - sizes  # each expert's first sorted assignment
@@ -100,21 +100,16 @@ def tiled_experts(
     e = jnp.minimum(ranked, n_experts - 1)
     slot = jnp.where(known, first_row[e] + jnp.arange(m, dtype=jnp.int32) - group_start[e], n_blocks * block)
     rows = jnp.zeros((n_blocks * block, d), x.dtype).at[slot].set(x[order // k], mode="drop")
+    # Each block's expert; the slack blocks past the last expert's (all-zero rows) borrow its weights.
     owner = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(n_blocks), side="right"), n_experts - 1)
 
-    def one_block(_, inputs):
-        j, xb, ex = inputs
-
-        def compute(_):
-            return _swiglu(xb @ w_gate[ex], xb @ w_up[ex]) @ w_down[ex]
-
-        def skip(_):  # zeros typed like compute's output (inside expert_parallel: varying over the same axes)
-            return jnp.zeros_like(xb) + jnp.zeros_like(w_down[ex][:1])
-
-        # Blocks past the used ones (the static count's slack) hold no row: skipped, not multiplied.
-        return None, jax.lax.cond(j < used, compute, skip, None)
-
-    _, out = jax.lax.scan(one_block, None, (jnp.arange(n_blocks), rows.reshape(n_blocks, block, d), owner))
+    # Each block's expert weights gathered ([blocks, D, F]: the blocks of one expert share them) and every block
+    # multiplied in one batched matmul; the backward pass sums the blocks' weight gradients back into their
+    # experts. Measured on CPU (4096 rows, 16 experts, D 512, F 448, forward and backward): 0.26 s against 0.58 s
+    # for a loop over the blocks indexing the weights, whose backward pass rewrites the [E, D, F] gradient each block.
+    xb = rows.reshape(n_blocks, block, d)
+    h = _swiglu(jnp.einsum("nbd,ndf->nbf", xb, w_gate[owner]), jnp.einsum("nbd,ndf->nbf", xb, w_up[owner]))
+    out = jnp.einsum("nbf,nfd->nbd", h, w_down[owner])
     per_assignment = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0)  # sorted order
     unsorted = jnp.zeros_like(per_assignment).at[order].set(per_assignment).reshape(t, k, d)
     return jnp.einsum("tkd,tk->td", unsorted, weights.astype(unsorted.dtype)).astype(x.dtype)

@@ -1,0 +1,212 @@
+"""The mixture-of-experts train step: Temper vs transformers' own Qwen3-MoE in a plain PyTorch loop, and the grouped
+matmuls side by side.
+
+    .venv/bin/python bench/moe_step.py                      # ~100M total / ~25M active, 8 x 256 tokens, 6 steps
+    .venv/bin/python bench/moe_step.py --steps 4 --batch 4
+
+One Qwen3-MoE model (random weights, saved by transformers): 8 layers, hidden 512, 16 experts of width 448, top-2
+(renormalised), vocabulary 8192, untied: 100.2M parameters, 25.3M active a token. Both sides train it on the
+same rows of random tokens (every token a target, no padding), float32, next-token loss plus the load-balancing
+loss at transformers' default weight (0.001; `output_router_logits=True` on the torch side), AdamW (lr 1e-4,
+no weight decay), one update a step. Temper: `core.learner.Learner` with the pretraining loss, on one device
+(the experts as `model.moe.kernel` picks on CPU: tiled). torch: the model from `from_pretrained`, eager,
+forward, backward, `torch.optim.AdamW` step. The sides alternate step by step in one process (each idle while
+the other runs), after an untimed warm-up step each; medians are reported. Goal (issue 43): Temper <= 0.5x.
+
+Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the tiled grouped matmul, `ragged_dot`,
+and the dense reference (every expert on every token). The capacity-based form the issue names is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1024,  # no dense layer uses it
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=448,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    tie_word_embeddings=False,
+    max_position_embeddings=1024,
+)
+
+
+def build(work: Path) -> Path:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**SHAPE, dtype="float32"))
+    model.save_pretrained(work / "hf")
+    return work / "hf"
+
+
+def counts(hf: Path) -> tuple[int, int]:
+    """(all parameters, parameters active a token) of the saved model."""
+    from core.hf import load_hf
+    from core.models import param_count
+
+    model, cfg = load_hf(hf)
+    total = param_count(model)
+    moe = cfg.moe
+    assert moe is not None
+    per_expert = 3 * cfg.hidden_size * moe.intermediate_size
+    idle = cfg.num_layers * (moe.num_experts - moe.experts_per_token) * per_expert
+    return total, total - idle
+
+
+def rows(batch: int, seq: int, step: int):
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    tokens = rng.integers(0, SHAPE["vocab_size"], (batch, seq)).astype(np.int32)
+    return tokens
+
+
+def temper_side(hf: Path):
+    import jax
+    import numpy as np
+
+    from core.config import OptimConfig
+    from core.data import to_data_batch
+    from core.hf import load_hf
+    from core.learner import Learner
+    from core.mesh import single_device_mesh
+    from core.pretrain import PRETRAINING
+
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model, cfg = load_hf(hf, mesh=mesh)
+    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
+    learner = Learner(model, mesh, PRETRAINING.loss(None), optim, total_updates=1000)
+
+    def step(tokens) -> tuple[float, float]:
+        b, t = tokens.shape
+        data = {
+            "tokens": tokens,
+            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+            "segment_ids": np.ones((b, t), np.int32),
+            "loss_mask": np.ones((b, t), np.int32),
+            "example_ids": np.zeros((b, t), np.int32),
+        }
+        batch = to_data_batch(data, 1).batch
+        start = time.perf_counter()
+        update = learner.update(batch)
+        return time.perf_counter() - start, float(update.loss)
+
+    return step
+
+
+def torch_side(hf: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def step(tokens) -> tuple[float, float]:
+        ids = torch.from_numpy(tokens).long()
+        start = time.perf_counter()
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)  # loss + 0.001 x aux_loss
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, float(out.loss)
+
+    return step
+
+
+def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
+    """Forward and backward of one layer's experts on `batch` x `seq` tokens: milliseconds (min of repeats) and
+    XLA's temporary memory, per form."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.models.moe import dense_experts, grouped_experts, route_topk, tiled_experts
+
+    d, f, e = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (batch * seq, d))
+    router = jax.random.normal(keys[1], (d, e)) / d**0.5
+    ws = [
+        jax.random.normal(keys[2 + i], shape) / shape[1] ** 0.5 for i, shape in enumerate([(e, d, f)] * 2 + [(e, f, d)])
+    ]
+    weights, chosen = route_topk(x @ router, SHAPE["num_experts_per_tok"], True)
+    out = {}
+    for name, fn in [("tiled", tiled_experts), ("ragged_dot", grouped_experts), ("dense", dense_experts)]:
+        grad = jax.jit(jax.grad(lambda x, a, b, c, fn=fn: fn(x, weights, chosen, a, b, c).sum(), argnums=(0, 1, 2, 3)))
+        temp = grad.lower(x, *ws).compile().memory_analysis().temp_size_in_bytes
+        jax.block_until_ready(grad(x, *ws))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(grad(x, *ws))
+            times.append(time.perf_counter() - start)
+        out[name] = {"ms": 1000 * min(times), "temp_mb": temp / 1e6}
+        print(f"experts alone, {name:10s} {1000 * min(times):8.1f} ms   temp {temp / 1e6:8.1f} MB", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--out", default="runs/bench_moe.json")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = build(Path(tmp))
+        total, active = counts(hf)
+        print(f"Qwen3-MoE: {total / 1e6:.1f}M parameters, {active / 1e6:.1f}M active; {args.batch} x {args.seq} tokens")
+        sides = {"temper": temper_side(hf), "torch": torch_side(hf)}
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        losses: dict[str, list[float]] = {k: [] for k in sides}
+        for step in range(args.steps + 1):  # step 0: warm-up (compilation), not counted
+            tokens = rows(args.batch, args.seq, step)
+            for name, run in sides.items():
+                seconds, loss = run(tokens)
+                if step:
+                    times[name].append(seconds)
+                losses[name].append(loss)
+                print(f"step {step} {name:6s} {seconds:7.2f} s  loss {loss:.4f}", flush=True)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    ratio = medians["temper"] / medians["torch"]
+    print(f"median step: Temper {medians['temper']:.2f} s, torch {medians['torch']:.2f} s: ratio {ratio:.2f}")
+    alone = experts_alone(args.batch, args.seq)
+    result = {
+        "params": total,
+        "active": active,
+        "batch": args.batch,
+        "seq": args.seq,
+        "times": times,
+        "losses": losses,
+        "median_s": medians,
+        "ratio": ratio,
+        "experts_alone": alone,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
