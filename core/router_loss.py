@@ -71,13 +71,17 @@ def router_metrics(stats: RouterStats) -> dict[str, float]:
 
     counts = np.asarray(stats.counts, np.float64)
     load = counts * len(counts) / max(counts.sum(), 1.0)
-    return {
+    out = {
         "moe/load_balance_loss": float(stats.load_balance_loss()),
         "moe/z_loss": float(stats.z_loss()),
         "moe/expert_load_max": float(load.max()),
         "moe/expert_load_min": float(load.min()),
         "moe/expert_load_cv": float(load.std() / max(load.mean(), 1e-12)),
     }
+    routed = float(np.asarray(stats.routed))
+    if routed > 0:  # the batch came with a sampler's routes: the share of tokens whose own top-k set differed
+        out["moe/route_mismatch"] = float(np.asarray(stats.differed)) / routed
+    return out
 
 
 def pooled_router_metrics(routers: list[RouterStats | None]) -> dict[str, float]:

@@ -75,6 +75,8 @@ def target_states(model, batch: PackedBatch, layers: Sequence[int] = (), rng: ja
         compact=batch.compact,
         layers=layers,
         rng=rng,
+        routes=batch.routes,
+        replay=batch.replay,
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [R * L, D]
     weight, layout = model.output_weight()

@@ -77,19 +77,27 @@ def sample_token(logits: jax.Array, keys: jax.Array, temperature: float, top_k: 
 )
 def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_len, temperature, top_k, top_p, stop_ids):
     """prompts [Bp, P] right-padded, lengths [Bp], seeds [Bp * n] (one per sample) -> n completions of each,
-    prompt-major rows B = Bp * n: (tokens [B, max_new], logprobs, n_generated [B], stopped [B]).
+    prompt-major rows B = Bp * n: (tokens [B, max_new], logprobs, n_generated [B], stopped [B], routes). Routes, for
+    a mixture-of-experts model (else None): the experts each prompt token ([B, P, sparse layers, k]) and each
+    sampled token ([B, max_new, sparse layers, k]) was routed to when it went through the model (routing replay).
     Row b's token t is drawn with key fold_in(key(seeds[b]), t): its own stream, whatever else is batched."""
     model: Decoder = nnx.merge(graphdef, params)
     bp, p = prompts.shape
     cache_k, cache_v = model.init_cache(bp, cache_len)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (bp, p))
-    hidden, cache_k, cache_v = model.with_cache(prompts, positions, cache_k, cache_v)
+    hidden, cache_k, cache_v, prompt_routes = model.with_cache(prompts, positions, cache_k, cache_v)
     last = hidden[jnp.arange(bp), lengths - 1][:, None]  # [Bp, 1, D]
     logits = model.logits(last)[:, 0]
     # Each prompt is prefilled once; its n samples start from copies of its cache (vLLM shares the prefix).
     b = bp * n
     logits, lengths = jnp.repeat(logits, n, axis=0), jnp.repeat(lengths, n, axis=0)
     cache_k, cache_v = jnp.repeat(cache_k, n, axis=1), jnp.repeat(cache_v, n, axis=1)  # [L, B, S, K, H]
+    moe = prompt_routes is not None
+    if moe:
+        prompt_routes = jnp.repeat(prompt_routes, n, axis=0)
+        routes = jnp.full((b, max_new, *prompt_routes.shape[2:]), -1, jnp.int32)
+    else:
+        routes = jnp.zeros((b, 0), jnp.int32)  # a dense model routes nothing
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else jnp.zeros((0,), jnp.int32)
 
     def cond(carry):
@@ -99,17 +107,20 @@ def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_le
     row_keys = jax.vmap(jax.random.key)(seeds)
 
     def body(carry):
-        t, logits, tokens, done, n_gen, logps, cache_k, cache_v = carry
+        t, logits, tokens, done, n_gen, logps, cache_k, cache_v, routes = carry
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
         tok, lp = sample_token(logits, step_keys, temperature, top_k, top_p)
         tok = jnp.where(done, 0, tok)
         tokens = tokens.at[:, t].set(tok)
         logps = logps.at[:, t].set(jnp.where(done, 0.0, lp))
         n_gen = n_gen + (~done).astype(jnp.int32)
+        was_done = done  # rows finished before this step: their token is padding
         done = done | (tok[:, None] == stop[None, :]).any(axis=-1)
-        hidden, cache_k, cache_v = model.with_cache(tok[:, None], (lengths + t)[:, None], cache_k, cache_v)
+        hidden, cache_k, cache_v, fed = model.with_cache(tok[:, None], (lengths + t)[:, None], cache_k, cache_v)
+        if moe:  # the experts the sampled token went to, as it was fed back in
+            routes = routes.at[:, t].set(jnp.where(was_done[:, None, None], -1, fed[:, 0]))
         logits = model.logits(hidden)[:, 0]
-        return t + 1, logits, tokens, done, n_gen, logps, cache_k, cache_v
+        return t + 1, logits, tokens, done, n_gen, logps, cache_k, cache_v, routes
 
     init = (
         jnp.int32(0),
@@ -120,9 +131,10 @@ def _generate(graphdef, params, prompts, lengths, seeds, *, n, max_new, cache_le
         jnp.zeros((b, max_new), jnp.float32),
         cache_k,
         cache_v,
+        routes,
     )
-    _, _, tokens, done, n_gen, logps, _, _ = jax.lax.while_loop(cond, body, init)
-    return tokens, logps, n_gen, done
+    _, _, tokens, done, n_gen, logps, _, _, routes = jax.lax.while_loop(cond, body, init)
+    return tokens, logps, n_gen, done, (prompt_routes, routes) if moe else None
 
 
 # In a trainer process group every process generates (SFT's held-out samples): they compile it, then run it, together.
@@ -179,7 +191,7 @@ class JaxSampler:
         seeds[: len(rows)] = np.asarray(per_prompt, np.uint32).reshape(-1)
         stop_ids = tuple(sorted(set(self.eos_ids) | set(params.stop_token_ids)))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            out, logps, n_gen, stopped = _generate_together(
+            out, logps, n_gen, stopped, routes = _generate_together(
                 self.graphdef,
                 self.params,
                 jnp.asarray(tokens),
@@ -193,11 +205,18 @@ class JaxSampler:
                 top_p=float(params.top_p),
                 stop_ids=stop_ids,
             )
-        out, logps, n_gen, stopped = to_host((out, logps, n_gen, stopped))  # a collective in a process group
-        return [
+        out, logps, n_gen, stopped, routes = to_host((out, logps, n_gen, stopped, routes))  # collective in a group
+        completions = [
             self._completion(rows[i], out[i, : n_gen[i]], logps[i, : n_gen[i]], bool(stopped[i]), params)
             for i in range(len(rows))
         ]
+        if routes is not None:  # a mixture of experts: each token's experts, for routing replay
+            prompt_routes, sampled_routes = routes
+            for i, c in enumerate(completions):
+                c.routes = np.concatenate(
+                    [prompt_routes[i, : len(c.prompt_ids)], sampled_routes[i, : len(c.token_ids)]], axis=0
+                )
+        return completions
 
     def submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """Generates now (in this process): the ticket is the completions."""

@@ -68,6 +68,9 @@ class Completion:
     # Per token of token_ids: sampled by the model (True) or written by an environment (False: context, no loss);
     # None: every token was sampled (a single-turn completion).
     sampled: list[bool] | None = None
+    # A mixture-of-experts model's routing, for routing replay: the experts each token of prompt_ids + token_ids
+    # went to in each sparse layer when the sampler ran it, [tokens, sparse layers, k] int32; None: not recorded.
+    routes: np.ndarray | None = None
 
 
 def sample_seed(*keys: int) -> int:

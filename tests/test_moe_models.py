@@ -4,6 +4,7 @@ terms in the training loss, and the configs and checkpoints they refuse."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,7 @@ from core.errors import CheckpointMismatch
 from core.hf import load_hf, save_hf
 from core.hf_config import UnsupportedHFConfig
 from core.losses import nll_loss
+from core.models.moe import dense_experts
 from core.mesh import make_mesh
 from core.models import ModuleTree, create_model
 from core.optim import make_optimizer
@@ -143,7 +145,7 @@ def test_compacted_rows_route_and_count_like_the_rows(moe_dir):
 
 
 def _moe_cfg(**moe):
-    return ModelConfig(family="qwen3_moe", qk_norm=True, moe=MoeConfig(num_experts=4, experts_per_token=2, **moe))
+    return ModelConfig(family="qwen3_moe", qk_norm=True, moe=MoeConfig(**{"num_experts": 4, "experts_per_token": 2, **moe}))
 
 
 def test_the_train_step_adds_the_weighted_router_terms_and_reports_them():
@@ -299,3 +301,58 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
     cfg = ModelConfig(family="mixtral", moe=MoeConfig(num_experts=6))
     with pytest.raises(ValueError, match=r"mesh.expert \(4\) does not divide the 6 experts"):
         create_model(cfg, make_mesh(MeshConfig(fsdp=2, expert=4)))
+
+
+# ---------------------------------------------------------------- routing replay
+
+
+def test_the_jax_sampler_returns_the_routes_the_trainer_computes(rollout_model_dir):
+    """Each token's experts, as the JAX sampler routed it (prompt tokens in the prefill, sampled ones as they were
+    fed back), are the trainer's own top-k on the whole sequence: float32, same weights, no token differs."""
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+
+    path = rollout_model_dir("qwen3_moe")
+    model, cfg = load_hf(path)
+    sampler = JaxSampler(model, str(path), max_model_len=128)
+    outs = sampler.generate([[5, 17, 99, 3], [7, 8, 9]], SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=0))
+    for c in outs:
+        seq = c.prompt_ids + c.token_ids
+        assert c.routes is not None and c.routes.shape == (len(seq), 2, 2)  # 2 sparse layers, top-2
+        assert (c.routes >= 0).all()
+        with RouterTape() as tape:
+            model.layer_states(np.asarray([seq], np.int32), routes=c.routes[None], replay=False)
+        stats = tape.stats_of(model)
+        assert float(stats.routed) == len(seq) * 2 and float(stats.differed) == 0.0
+
+
+def test_replayed_routes_replace_the_routers_choice_with_its_own_gate_weights():
+    """With `replay`, a token goes to the sampler's experts, weighted by this router's probabilities at them
+    (renormalised): the layer equals the dense reference on those experts and weights; the router still gets a
+    gradient; tokens without routes (-1) keep their own; without `replay` the output is the router's own."""
+    cfg = _moe_cfg(num_experts=8)
+    block = create_model(ModelConfig(**{**cfg.model_dump(), "num_layers": 1, "scan_layers": False}), seed=2)
+    layer = block.layers[0].mlp
+    x = jax.random.normal(jax.random.key(0), (2, 6, cfg.hidden_size))
+    flat = x.reshape(-1, cfg.hidden_size)
+    logits, _, own = layer.route(flat)
+    routes = (own + 3) % 8  # other experts for every token ...
+    routes = routes.at[4].set(-1)  # ... but one, which keeps its own
+    y, stats, used = layer(x, routes=routes.reshape(2, 6, 2), replay=True)
+    chosen = jnp.where(jnp.arange(12)[:, None] == 4, own, routes)
+    assert np.array_equal(np.asarray(used).reshape(12, 2), np.asarray(chosen))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    weights = weights / weights.sum(-1, keepdims=True)
+    want = dense_experts(flat, weights, chosen, layer.w_gate[...], layer.w_up[...], layer.w_down[...])
+    assert np.abs(np.asarray(y).reshape(12, -1) - np.asarray(want)).max() <= 1e-5
+    assert float(stats.routed) == 11 and float(stats.differed) == 11
+    plain, _, _ = layer(x, routes=routes.reshape(2, 6, 2), replay=False)
+    own_y, _, _ = layer(x)
+    assert np.array_equal(np.asarray(plain), np.asarray(own_y)) and not np.allclose(np.asarray(y), np.asarray(own_y))
+    graphdef, state = nnx.split(layer)
+
+    def total(state):
+        return nnx.merge(graphdef, state)(x, None, routes.reshape(2, 6, 2), True)[0].sum()
+
+    assert np.abs(np.asarray(jax.grad(total)(state)["router"][...])).max() > 0

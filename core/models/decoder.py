@@ -50,23 +50,27 @@ class DecoderLayer(nnx.Module):
         layout: Compaction | None = None,
         rng: jax.Array | None = None,
         valid: jax.Array | None = None,
+        routes: jax.Array | None = None,
+        replay: bool = False,
     ) -> tuple[jax.Array, RouterStats | None]:
         """(the residual stream after this layer, its router's stats over the tokens `valid` marks real, or None
-        for a dense layer)."""
+        for a dense layer). `routes`, `replay`: a sampler's experts for each token (`MoeBlock`)."""
         x = x + self.attn(self.input_norm(x), positions, mask, layout, fold(rng, 0))
-        h, stats = self._feed_forward(self.post_attn_norm(x), fold(rng, 1), valid)
+        h, stats, _ = self._feed_forward(self.post_attn_norm(x), fold(rng, 1), valid, routes, replay)
         return constrain(x + h, ("batch", "length", "act_embed")), stats
 
-    def _feed_forward(self, x, rng=None, valid=None) -> tuple[jax.Array, RouterStats | None]:
+    def _feed_forward(self, x, rng=None, valid=None, routes=None, replay=False):
+        """(output, router stats, experts [B, T, k]); the last two None for a dense layer."""
         if isinstance(self.mlp, MoeBlock):
-            return self.mlp(x, valid)
-        return self.mlp(x, rng), None
+            return self.mlp(x, valid, routes, replay)
+        return self.mlp(x, rng), None, None
 
     def with_cache(self, x, positions, cache_k, cache_v, mask):
+        """(the residual stream, the caches, the experts each token went to [B, T, k] or None for a dense layer)."""
         h, cache_k, cache_v = self.attn.with_cache(self.input_norm(x), positions, cache_k, cache_v, mask)
         x = x + h
-        x = x + self._feed_forward(self.post_attn_norm(x))[0]
-        return constrain(x, ("batch", "length", "act_embed")), cache_k, cache_v
+        h, _, experts = self._feed_forward(self.post_attn_norm(x))
+        return constrain(x + h, ("batch", "length", "act_embed")), cache_k, cache_v, experts
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -128,8 +132,9 @@ class Decoder(nnx.Module):
     def with_cache(self, tokens, positions, cache_k, cache_v):
         """Run `tokens` [B, T] at `positions` [B, T] against the KV cache (prefill or one decode step).
 
-        Returns final-norm hidden states [B, T, D] and the updated caches. Keys at
-        slots after a token's position are masked, so stale slots never leak in.
+        Returns final-norm hidden states [B, T, D], the updated caches, and the experts each token was routed to
+        in each sparse layer ([B, T, sparse layers, k] int32; None for a dense model: what routing replay reads).
+        Keys at slots after a token's position are masked, so stale slots never leak in.
         """
         slots = jnp.broadcast_to(jnp.arange(cache_k.shape[2], dtype=jnp.int32), (tokens.shape[0], cache_k.shape[2]))
         mask = make_mask(positions, slots, sliding_window=self.cfg.sliding_window)  # [B, T, S]
@@ -139,18 +144,22 @@ class Decoder(nnx.Module):
 
             def body(h, layer):
                 st, k, v = layer
-                h, k, v = nnx.merge(graphdef, st).with_cache(h, positions, k, v, mask)
-                return h, (k, v)
+                h, k, v, experts = nnx.merge(graphdef, st).with_cache(h, positions, k, v, mask)
+                return h, (k, v, experts)
 
-            x, (cache_k, cache_v) = jax.lax.scan(body, x, (state, cache_k, cache_v))
+            x, (cache_k, cache_v, experts) = jax.lax.scan(body, x, (state, cache_k, cache_v))
+            routes = None if experts is None else jnp.moveaxis(experts, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
         else:
-            ks, vs = [], []
+            ks, vs, chosen = [], [], []
             for i, layer in enumerate(self.layers):
-                x, k, v = layer.with_cache(x, positions, cache_k[i], cache_v[i], mask)
+                x, k, v, experts = layer.with_cache(x, positions, cache_k[i], cache_v[i], mask)
                 ks.append(k)
                 vs.append(v)
+                if experts is not None:
+                    chosen.append(experts)
             cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
-        return self.final_norm(x), cache_k, cache_v
+            routes = jnp.stack(chosen, axis=2) if chosen else None
+        return self.final_norm(x), cache_k, cache_v, routes
 
     def output_weight(self) -> tuple[jax.Array, str]:
         """The output projection and its layout: ([D, V], "dv") or the tied embedding ([V, D], "vd")."""
@@ -176,12 +185,16 @@ class Decoder(nnx.Module):
         compact: int = 0,
         layers: Sequence[int] = (),
         rng: jax.Array | None = None,
+        routes: jax.Array | None = None,
+        replay: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """(`hidden_states`, the residual stream after each decoder layer numbered in `layers`, [B, T, D] each, in
         the order given). Layer l counts from 1: the output of the l-th decoder layer, before the final norm
         (transformers' `output_hidden_states[l]` for l < num_layers; its last entry has the final norm applied).
         Scanned layers run as one scan per stretch between two requested layers, so no [L, B, T, D] stack of
-        every layer's output is kept. `rng`: the key of LoRA's dropout (a training pass; None: none)."""
+        every layer's output is kept. `rng`: the key of LoRA's dropout (a training pass; None: none). `routes`
+        [B, T, sparse layers, k] int32: the experts a sampler routed each token to (-1: none), used in place of the
+        routers' own with `replay` (routing replay), else only compared with them (`RouterStats.differed`)."""
         for layer in layers:
             if not 1 <= layer <= self.cfg.num_layers:
                 raise ValueError(f"layer {layer} is not a decoder layer of this model (1..{self.cfg.num_layers})")
@@ -200,8 +213,10 @@ class Decoder(nnx.Module):
         valid: jax.Array | None = None if segment_ids is None else segment_ids > 0
         if layout is not None:
             tokens, positions, valid = layout.to_compact(tokens), layout.to_compact(positions), layout.real()
+            routes = None if routes is None else layout.to_compact(routes)
         x = constrain(self.embed(tokens), ("batch", "length", "act_embed"))
-        x, stops, router = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng, valid)
+        replayed = None if routes is None else (routes, replay)
+        x, stops, router = self._run_layers(x, positions, mask, layout, sorted(set(layers)), rng, valid, replayed)
         if router is not None:
             record_router(self, router)  # for the training loss's router terms (`core.router_loss`)
         x = self.final_norm(x)
@@ -209,17 +224,21 @@ class Decoder(nnx.Module):
         return rows(x), tuple(rows(stops[layer]) for layer in layers)
 
     def _run_layers(
-        self, x, positions, mask, layout, stops: list[int], rng: jax.Array | None = None, valid=None
+        self, x, positions, mask, layout, stops: list[int], rng: jax.Array | None = None, valid=None, replayed=None
     ) -> tuple[jax.Array, dict[int, jax.Array], RouterStats | None]:
         """The residual stream after every layer, after each layer numbered in `stops` (sorted), and the routers'
-        stats summed over the sparse layers (None without any)."""
+        stats summed over the sparse layers (None without any). `replayed`: (routes [..., sparse layers, k],
+        replay) or None."""
+        routes, replay = (None, False) if replayed is None else replayed
+        sparse_index = [sum(self.cfg.sparse_layers[:i]) for i in range(self.cfg.num_layers)]  # among sparse layers
 
-        def apply(graphdef, state, x, key):
-            return nnx.merge(graphdef, state)(x, positions, mask, layout, key, valid)
+        def apply(graphdef, state, x, key, layer_routes=None):
+            return nnx.merge(graphdef, state)(x, positions, mask, layout, key, valid, layer_routes, replay)
 
         policy = self.cfg.remat_policy
         if policy != "none":
             apply = jax.checkpoint(apply, policy=REMAT_POLICIES[policy], static_argnums=(0,))
+        per_layer = None if routes is None else jnp.moveaxis(routes, -2, 0)  # [sparse layers, ..., k]
 
         kept: dict[int, jax.Array] = {}
         router: list[RouterStats] = []
@@ -232,8 +251,10 @@ class Decoder(nnx.Module):
                 if stop > start:
                     part = state if (start, stop) == (0, n) else jax.tree.map(lambda p, a=start, b=stop: p[a:b], state)
                     part_keys = None if keys is None else keys[start:stop]
-                    step = lambda h, s: apply(graphdef, s[0], h, s[1])
-                    x, stats = jax.lax.scan(step, x, (part, part_keys), unroll=self.cfg.scan_unroll)
+                    # Scanned layers are all alike: sparse ones take their routes along the scan, dense ones none.
+                    part_routes = None if per_layer is None else per_layer[start:stop]
+                    step = lambda h, s: apply(graphdef, s[0], h, s[1], s[2])
+                    x, stats = jax.lax.scan(step, x, (part, part_keys, part_routes), unroll=self.cfg.scan_unroll)
                     if stats is not None:  # [layers, ...] of the stretch's sparse layers
                         router.append(jax.tree.map(lambda a: a.sum(axis=0), stats))
                 kept[stop] = x
@@ -241,7 +262,8 @@ class Decoder(nnx.Module):
         else:
             for i, layer in enumerate(self.layers, start=1):
                 graphdef, state = nnx.split(layer)
-                x, stats = apply(graphdef, state, x, None if keys is None else keys[i - 1])
+                mine = None if per_layer is None or not self.cfg.sparse_layers[i - 1] else per_layer[sparse_index[i - 1]]
+                x, stats = apply(graphdef, state, x, None if keys is None else keys[i - 1], mine)
                 if stats is not None:
                     router.append(stats)
                 kept[i] = x

@@ -238,6 +238,10 @@ class RouterStats:
     probs: Any  # [E] float32: the router's softmax probabilities per expert, summed over tokens
     tokens: Any  # float32 scalar: real tokens x sparse layers
     z: Any  # float32 scalar: sum of logsumexp(router logits)^2
+    # Tokens x layers that came with a sampler's routes (`MoeBlock`'s `routes`), and those whose own top-k set
+    # differed from them: the routing mismatch between sampler and trainer, measured with replay or without.
+    routed: Any = 0.0
+    differed: Any = 0.0
 
     def __add__(self, other: RouterStats) -> RouterStats:
         return jax.tree.map(jnp.add, self, other)
@@ -253,15 +257,42 @@ class RouterStats:
         return self.z / jnp.maximum(self.tokens, 1.0)
 
 
-def router_stats(router_logits: jax.Array, experts: jax.Array, valid: jax.Array | None) -> RouterStats:
-    """`RouterStats` of one layer: [T, E] logits, [T, k] chosen experts, [T] bool real tokens (None: all)."""
+def router_stats(
+    router_logits: jax.Array,
+    experts: jax.Array,
+    valid: jax.Array | None,
+    routed: jax.Array | None = None,
+    differed: jax.Array | None = None,
+) -> RouterStats:
+    """`RouterStats` of one layer: [T, E] logits, [T, k] chosen experts, [T] bool real tokens (None: all); [T] bool
+    tokens that came with a sampler's routes and those whose own top-k set differed from them (None: none)."""
     t, n_experts = router_logits.shape
     logits = router_logits.astype(jnp.float32)
     v = jnp.ones((t,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     counts = jnp.zeros((n_experts,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(v, experts.shape[1]))
     probs = (jax.nn.softmax(logits, axis=-1) * v[:, None]).sum(axis=0)
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * v)
-    return RouterStats(counts, probs, v.sum(), z)
+    count = lambda m: jnp.zeros((), jnp.float32) if m is None else jnp.sum(m.astype(jnp.float32) * v)
+    return RouterStats(counts, probs, v.sum(), z, count(routed), count(differed))
+
+
+def replayed_routes(
+    router_logits: jax.Array, own: jax.Array, routes: jax.Array, normalize: bool, replay: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Routing replay (R3): the experts a sampler routed each token to, in place of the router's own top-k.
+
+    `router_logits` [T, E], `own` [T, k] the router's own top-k, `routes` [T, k] the sampler's (-1: a token it
+    did not route, which keeps its own). With `replay`, a routed token uses the sampler's experts, weighted by
+    this router's softmax probabilities at them (renormalised when `normalize`), so the router still learns;
+    without it, the routes are only compared. Returns ([T, k] weights, [T, k] experts, [T] tokens with routes,
+    [T] tokens whose own top-k set differs from the routes)."""
+    routed = jnp.all(routes >= 0, axis=-1)
+    differed = routed & jnp.any(jnp.sort(own, axis=-1) != jnp.sort(routes, axis=-1), axis=-1)
+    experts = jnp.where(routed[:, None], routes, own) if replay else own
+    weights = jnp.take_along_axis(jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1), experts, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32), routed, differed
 
 
 class MoeBlock(nnx.Module):
@@ -290,11 +321,20 @@ class MoeBlock(nnx.Module):
         weights, experts = route_topk(logits, self.k, self.normalize)
         return logits, weights, experts
 
-    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
-        """[B, T, D] -> ([B, T, D], this layer's `RouterStats` over the tokens `valid` [B, T] marks real)."""
+    def __call__(
+        self, x: jax.Array, valid: jax.Array | None = None, routes: jax.Array | None = None, replay: bool = False
+    ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """[B, T, D] -> ([B, T, D], this layer's `RouterStats` over the tokens `valid` [B, T] marks real, the
+        experts each token went to [B, T, k]). `routes` [B, T, k]: a sampler's experts for each token (-1: none),
+        used in place of the router's own with `replay` (`replayed_routes`), else only compared with them."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, experts = self.route(flat)
+        routed = differed = None
+        if routes is not None:
+            weights, experts, routed, differed = replayed_routes(
+                logits, experts, routes.reshape(-1, self.k), self.normalize, replay
+            )
         w = lambda p: p[...].astype(self.dtype)
         params = (w(self.w_gate), w(self.w_up), w(self.w_down))
         kernel = experts_kernel(self.kernel)
@@ -304,5 +344,5 @@ class MoeBlock(nnx.Module):
             y = expert_parallel(x, *routes, *params, kernel=kernel)
         if y is None:
             y = kernel(flat, weights.astype(self.dtype), experts, *params).reshape(*lead, -1)
-        stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1))
-        return constrain(y, ("batch", "length", "act_embed")), stats
+        stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1), routed, differed)
+        return constrain(y, ("batch", "length", "act_embed")), stats, experts.reshape(*lead, self.k)
