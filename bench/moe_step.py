@@ -93,7 +93,7 @@ def temper_side(hf: Path):
 
     mesh = single_device_mesh()
     with jax.set_mesh(mesh):
-        model, cfg = load_hf(hf, mesh=mesh)
+        model, _ = load_hf(hf, mesh=mesh)
     optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
     learner = Learner(model, mesh, PRETRAINING.loss(None), optim, total_updates=1000)
 
@@ -138,7 +138,6 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
     """Forward and backward of one layer's experts on `batch` x `seq` tokens: milliseconds (min of repeats) and
     XLA's temporary memory, per form."""
     import jax
-    import jax.numpy as jnp
 
     from core.models.moe import dense_experts, grouped_experts, route_topk, tiled_experts
 

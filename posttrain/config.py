@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from core.config import Config, Section
 from core.kernels.divergence import Divergence
@@ -117,6 +117,16 @@ class RLConfig(Section):
     eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
     eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
     agent: AgentConfig | None = None  # multi-turn rollouts with an environment; None: one completion per sample
+    # Routing replay (R3) for a mixture-of-experts policy: `replay` trains with the experts the sampler routed each
+    # token to (gate weights from the trainer's router); `off` routes as the trainer's router does. Either way the
+    # share of tokens routed differently is logged (moe/route_mismatch) when the sampler returns routes (the JAX
+    # sampler; vLLM's route capture on CPU is not built).
+    router_replay: Literal["off", "replay"] = "off"
+
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @model_validator(mode="before")
     @classmethod

@@ -143,6 +143,7 @@ def rl_batch(
         mask_truncated=rl.loss.mask_truncated,
         choose_rows=choose_rows,
         kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        replay=rl.router_replay == "replay",
     )
 
 

@@ -18,9 +18,9 @@ from core.errors import CheckpointMismatch
 from core.hf import load_hf, save_hf
 from core.hf_config import UnsupportedHFConfig
 from core.losses import nll_loss
-from core.models.moe import dense_experts
 from core.mesh import make_mesh
 from core.models import ModuleTree, create_model
+from core.models.moe import dense_experts
 from core.optim import make_optimizer
 from core.router_loss import RouterTape
 from core.sums import to_host
@@ -145,7 +145,9 @@ def test_compacted_rows_route_and_count_like_the_rows(moe_dir):
 
 
 def _moe_cfg(**moe):
-    return ModelConfig(family="qwen3_moe", qk_norm=True, moe=MoeConfig(**{"num_experts": 4, "experts_per_token": 2, **moe}))
+    return ModelConfig(
+        family="qwen3_moe", qk_norm=True, moe=MoeConfig(**{"num_experts": 4, "experts_per_token": 2, **moe})
+    )
 
 
 def test_the_train_step_adds_the_weighted_router_terms_and_reports_them():
@@ -313,7 +315,7 @@ def test_the_jax_sampler_returns_the_routes_the_trainer_computes(rollout_model_d
     from rollout.sampler import SamplingParams
 
     path = rollout_model_dir("qwen3_moe")
-    model, cfg = load_hf(path)
+    model, _ = load_hf(path)
     sampler = JaxSampler(model, str(path), max_model_len=128)
     outs = sampler.generate([[5, 17, 99, 3], [7, 8, 9]], SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=0))
     for c in outs:

@@ -262,7 +262,9 @@ class Decoder(nnx.Module):
         else:
             for i, layer in enumerate(self.layers, start=1):
                 graphdef, state = nnx.split(layer)
-                mine = None if per_layer is None or not self.cfg.sparse_layers[i - 1] else per_layer[sparse_index[i - 1]]
+                mine = (
+                    None if per_layer is None or not self.cfg.sparse_layers[i - 1] else per_layer[sparse_index[i - 1]]
+                )
                 x, stats = apply(graphdef, state, x, None if keys is None else keys[i - 1], mine)
                 if stats is not None:
                     router.append(stats)

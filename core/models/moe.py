@@ -340,8 +340,8 @@ class MoeBlock(nnx.Module):
         kernel = experts_kernel(self.kernel)
         y = None
         if _expert_axis() > 1:  # expert parallelism: the mesh splits the experts (None: the rows do not split)
-            routes = weights.reshape(*lead, -1).astype(self.dtype), experts.reshape(*lead, -1)
-            y = expert_parallel(x, *routes, *params, kernel=kernel)
+            gates, chosen = weights.reshape(*lead, -1).astype(self.dtype), experts.reshape(*lead, -1)
+            y = expert_parallel(x, gates, chosen, *params, kernel=kernel)
         if y is None:
             y = kernel(flat, weights.astype(self.dtype), experts, *params).reshape(*lead, -1)
         stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1), routed, differed)

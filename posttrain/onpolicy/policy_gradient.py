@@ -49,7 +49,7 @@ from jax.sharding import Mesh
 
 from core.batch import PackedBatch, with_groups
 from core.learner import Learner
-from core.packing import Segment, branch_targets, pack_rows, packed_batch, share_prefixes
+from core.packing import PackedRows, Segment, branch_targets, pack_rows, packed_batch, share_prefixes
 from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
@@ -91,6 +91,7 @@ def build_rl_batch(
     kl_keep: np.ndarray | None = None,
     pad_id: int = 0,
     choose_rows: Callable[[int], int] | None = None,
+    replay: bool = False,
 ) -> RLBatch:
     """The batch of `completions` (layout in the module docstring).
 
@@ -104,6 +105,10 @@ def build_rl_batch(
     every group's row count; `choose_rows` maps the rows a group needs to the
     rows it gets (default `core.packing.round_rows`; `posttrain.grpo` passes a
     `core.shapes.SizeCache` so that a row count already compiled is reused).
+
+    When every completion carries its routes (`Completion.routes`: a mixture-of-experts sampler's), the batch
+    carries them in the row layout (`PackedBatch.routes`), used in the forward pass with `replay` (routing
+    replay), else only compared with the trainer's own routing.
     """
     b = len(completions)
     if b % groups:
@@ -136,6 +141,10 @@ def build_rl_batch(
             for branch, i in enumerate(members, start=1):
                 targets[i] = branch_targets(rows, g, s, branch)
     packed = packed_batch(rows, targets, max_tokens)
+    if all(c.routes is not None for c in completions):
+        packed = dataclasses.replace(packed, routes=row_routes(rows, grouped, completions), replay=replay)
+    elif replay:
+        raise ValueError("routing replay was asked, but the sampler returned no routes (a dense model?)")
     # An environment's tokens in a multi-turn trajectory (`Completion.sampled`) are context: not targets at all, so
     # the head never scores them and no loss, KL, entropy or mismatch figure reads them.
     mask = np.asarray(packed.target_mask)
@@ -165,6 +174,33 @@ def build_rl_batch(
             loss_mask[i, :n] = own
         kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i])) * own
     return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
+
+
+def row_routes(rows: PackedRows, grouped: list[list[list[int]]], completions: Sequence[Completion]) -> np.ndarray:
+    """The completions' routes (`Completion.routes`, [tokens, sparse layers, k] each) at their tokens' places in the
+    packed rows: [R, L, sparse layers, k] int32, -1 on padding. A segment's shared prompt takes its first member's
+    prompt routes (a prompt's prefill routes the same whichever sample it starts). Routes that do not cover their
+    completion's tokens are refused, naming the completion."""
+    routes = [c.routes for c in completions]
+    shape = routes[0].shape[1:]  # type: ignore[union-attr]
+    for i, (c, r) in enumerate(zip(completions, routes, strict=True)):
+        want = (len(c.prompt_ids) + len(c.token_ids), *shape)
+        if r is None or r.shape != want:
+            raise ValueError(
+                f"completion {i}: routes of shape {None if r is None else r.shape} for its prompt and completion "
+                f"tokens (expected {want})"
+            )
+    out = np.full((*rows.tokens.shape, *shape), -1, np.int32)
+    for g, group in enumerate(grouped):
+        for s, members in enumerate(group):
+            place = rows.placements[g][s]
+            row = g * rows.rows_per_group + place.row
+            p = len(completions[members[0]].prompt_ids)
+            out[row, place.start : place.start + p] = routes[members[0]][:p]  # type: ignore[index]
+            for start, i in zip(place.branch_starts, members, strict=True):
+                n = len(completions[i].token_ids)
+                out[row, start : start + n] = routes[i][p : p + n]  # type: ignore[index]
+    return out
 
 
 # ------------------------------------------------------------------ the objective
