@@ -5,7 +5,7 @@ matmuls side by side.
     .venv/bin/python bench/moe_step.py --steps 4 --batch 4
 
 One Qwen3-MoE model (random weights, saved by transformers): 8 layers, hidden 512, 16 experts of width 448, top-2
-(renormalised), vocabulary 8192, untied: 100.2M parameters, 25.3M active a token. Both sides train it on the
+(renormalised), vocabulary 8192, untied: 102.8M parameters, 25.8M active a token. Both sides train it on the
 same rows of random tokens (every token a target, no padding), float32, next-token loss plus the load-balancing
 loss at transformers' default weight (0.001; `output_router_logits=True` on the torch side), AdamW (lr 1e-4,
 no weight decay), one update a step. Temper: `core.learner.Learner` with the pretraining loss, on one device

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.config import ModelConfig
+from core.config import ModelConfig, MoeConfig
 from core.errors import UserError
 
 ARCHITECTURES = {
@@ -80,11 +80,9 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
     }
     if family in ATTENTION_OF:
         section["moe"] = _moe_section(family, hf, source)
-        sparse = [
-            (i + 1) % section["moe"]["sparse_step"] == 0 and i not in section["moe"]["dense_layers"]
-            for i in range(section["num_layers"])
-        ]
-        section["scan_layers"] = len(set(sparse)) == 1  # scanned layers must be alike
+        moe = MoeConfig(**section["moe"])
+        sparse = {moe.is_sparse(i) for i in range(section["num_layers"])}
+        section["scan_layers"] = len(sparse) == 1  # scanned layers must be alike
     return section
 
 

@@ -98,7 +98,7 @@ class Learner:
         self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
         self._executables: dict[Any, Callable] = {}
         self._counts = CompiledCounts()  # the batches' static counts the update was compiled for
-        bound = bind_loss(self.graphdef, loss_fn)
+        bound = bind_loss(self.graphdef, loss_fn, router_terms=False)
         self._evaluate = CompiledTogether(
             jax.jit(lambda params, rest, batch: bound(params, rest, batch, None)),
             "evaluation",  # no dropout

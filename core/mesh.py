@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from core.config import MeshConfig, resolve_mesh_shape
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
+EXPERT_AXIS = "expert"  # the axis a mixture-of-experts layer exchanges tokens over (core.models.moe)
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -116,9 +117,12 @@ def row_shards(rows: int, mesh_shape: dict[str, int] | None = None) -> int:
         mesh_shape = {} if mesh.empty else dict(mesh.shape)
     if not mesh_shape:
         return 1
-    spec = logical_to_spec(("batch",), (rows,), mesh_shape)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    return math.prod(mesh_shape[a] for a in axes)
+    return math.prod(mesh_shape[a] for a in spec_axes(logical_to_spec(("batch",), (rows,), mesh_shape)[0]))
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def split_devices(

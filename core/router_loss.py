@@ -58,6 +58,8 @@ class RouterTape:
         in `out.router`; unchanged when `model` recorded nothing (a dense model)."""
         stats = self.stats_of(model)
         if stats is None:
+            if any(model.cfg.sparse_layers):  # the loss ran a copy of the model, or not the model: no terms to add
+                raise RuntimeError("the trained mixture-of-experts model recorded no router stats in its loss")
             return out
         moe = model.cfg.moe
         terms = moe.load_balance_weight * stats.load_balance_loss() + moe.router_z_loss_weight * stats.z_loss()

@@ -121,10 +121,11 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation, seed: 
     return TrainState(params, opt_state, step, rng)
 
 
-def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable[..., LossOutput]:
+def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn, router_terms: bool = True) -> Callable[..., LossOutput]:
     """`(params, rest, batch, rng) -> loss_fn(modules, batch, rng)`: the trainable and the frozen state merged into
     the method's module tree, for the step and for evaluation alike. A mixture-of-experts model's router terms
-    are added here, for every method (`core.router_loss`)."""
+    are added here, for every method (`core.router_loss`); not with `router_terms` False (an evaluation: its loss
+    and perplexity are the method's alone)."""
     from core.models.build import trained_model
 
     def bound(params, rest, batch, rng) -> LossOutput:
@@ -133,7 +134,7 @@ def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable[..., LossOutp
             out = loss_fn(modules, batch, rng)
         if not isinstance(out, LossOutput):
             raise TypeError(f"a loss must return core.train.LossOutput, not {type(out).__name__}")
-        return tape.add_to(out, trained_model(modules))
+        return tape.add_to(out, trained_model(modules)) if router_terms else out
 
     return bound
 

@@ -36,6 +36,7 @@ from core.train import place_batch, split_micro_batches
 
 def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: int | None) -> jax.Array:
     model = nnx.merge(graphdef, state)
+    batch = batch.without_routes()  # a frozen model routes as its own routers do (the routes are the policy's)
     if vocab is None:
         return target_logprobs(model, batch, temperature, entropy=False)[0]
     states = target_states(model, batch).over_vocab(vocab)

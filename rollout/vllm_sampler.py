@@ -91,6 +91,7 @@ class VLLMSampler:
         served = served_model(self.model_dir)
         self.assembler = TensorAssembler(served)  # receive buffers, reused between syncs
         self.tied = served.tie_word_embeddings
+        self.moe = served.moe is not None
         self.policy_version = 0
         self.last_sync: dict = {}
         self.adapter = adapter
@@ -203,7 +204,8 @@ class VLLMSampler:
             if self.tied:
                 # The CPU backend keeps a packed copy of the output projection; re-pack it from the new embedding.
                 model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-            _repack_moe_experts(model)
+            if _repack_moe_experts(model) == 0 and self.moe:
+                raise WeightUpdateError("the served mixture-of-experts model has no expert layer to re-pack")
         self.llm.reset_prefix_cache()
         self.policy_version = self.policy_version + 1 if version is None else version
         self.last_sync = {"load_seconds": time.perf_counter() - start}
@@ -312,13 +314,18 @@ def _vllm_params(params: SamplingParams, n: int, seed: int | None):
 
 
 def _repack_moe_experts(model: Any) -> int:
-    """Lay a reloaded mixture-of-experts model's experts out for the CPU kernel again; returns the layers done.
+    """Lay a reloaded mixture-of-experts model's experts out for the CPU kernel again; returns the layers done (-1:
+    not on CPU, where it was not measured: nothing done).
 
     vLLM 0.32's in-place reload writes the experts' checkpoint values (`w13_weight`, `w2_weight`) and rebuilds
     nothing else: the step that packs them into the CPU grouped-GEMM layout
     (`fused_experts.process_weights_after_loading`) runs only when the kernel is first built, so without this the
     engine would read unpacked weights as packed ones (measured: reloading the same weights changed greedy tokens).
     """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # measured on CPU only; GPU kernels reshuffle in their own reload path
+        return -1
     done = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)

@@ -1,7 +1,7 @@
 """One process of a JAX process group (or the whole of a one-process run) taking one step of each method's loss on
 the same global batch over a mesh of 8 devices (fsdp 4 x tensor 2): pretraining, SFT, DPO, distillation (online,
-the teacher in the step), GRPO, and a mixture-of-experts pretraining step on an expert-parallel mesh (fsdp 2 x expert
-2 x tensor 2). Process 0 writes each step's loss and gradient (gathered whole) to OUT.
+the teacher in the step), GRPO, and a mixture-of-experts pretraining step on an expert-parallel mesh (expert 4 x
+tensor 2). Process 0 writes each step's loss and gradient (gathered whole) to OUT.
 
     python tests/distributed_worker.py OUT NUM_PROCESSES PROCESS_ID PORT
 """
@@ -143,14 +143,17 @@ offline_step(
 )
 
 # A mixture of experts (Qwen3-MoE, 8 experts, top-2, the router terms on) with expert parallelism: the experts split
-# over expert 2 (tokens exchanged across the two processes' devices), the rest over fsdp 2 x tensor 2.
+# over expert 4 x tensor 2; each expert group spans both processes' devices, so tokens cross between processes.
 moe = ModelConfig(
     family="qwen3_moe",
     qk_norm=True,
     num_layers=2,
     moe=MoeConfig(num_experts=8, load_balance_weight=0.1, router_z_loss_weight=0.01),
 )
-moe_mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
+moe_mesh = make_mesh(MeshConfig(fsdp=1, expert=4, tensor=2))
+for t in range(2):  # the devices of one expert group (all expert positions at tensor index t)
+    group = moe_mesh.devices[0, 0, :, t, 0]
+    assert len({d.process_index for d in group}) == N, [d.process_index for d in group]
 offline_step("moe", PRETRAINING.loss(None), to_data_batch(text_rows(3, 0), 1).batch, 1, model_cfg=moe, mesh=moe_mesh)
 
 rng = np.random.default_rng(4)

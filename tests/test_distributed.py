@@ -1,7 +1,8 @@
 """The trainer's step as a JAX process group: 2 processes x 4 CPU devices (jax.distributed, gloo collectives)
 take the step of 1 process x 8 devices, for each method's loss: pretraining, SFT (and SFT of LoRA adapters), DPO,
 distillation (online: the teacher in the step) and GRPO (its policy learner's whole step), on an fsdp 4 x tensor 2
-mesh, and a mixture-of-experts step with its experts split over an expert axis (fsdp 2 x expert 2 x tensor 2).
+mesh, and a mixture-of-experts step with its experts split over an expert axis that spans both processes (expert 4
+x tensor 2).
 Before them, the collectives they rest on give known answers (`tests/distributed_worker.py`)."""
 
 from __future__ import annotations

@@ -171,12 +171,26 @@ def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_
     assert metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)
 
 
-def test_grpo_with_routing_replay_on_the_jax_sampler(tmp_path, arithmetic_tokenizer):
-    """GRPO on a Qwen3-MoE policy with `rl.router_replay=replay` and the JAX sampler: the sampler's routes travel
-    with each batch into the trainer's forward pass; on the same float32 weights no token is routed differently
-    and the trainer's log-probs are the sampler's."""
+@pytest.mark.parametrize("mode", ["replay", "off"])
+def test_grpo_trains_with_the_samplers_routes_only_with_replay(tmp_path, arithmetic_tokenizer, monkeypatch, mode):
+    """GRPO on a Qwen3-MoE policy with the JAX sampler, whose routes are shifted to other experts (every token's
+    experts + 1) before they reach the batch. Without replay the trainer routes as the sampler did: every (token,
+    layer) counts as routed differently from the shifted routes, and the log-probs stay the sampler's. With replay
+    the trainer runs the shifted experts: its log-probs leave the sampler's (and past the first sparse layer its own
+    top-k is taken on other hidden states, so a few pairs happen to agree)."""
     from posttrain.grpo import run_grpo
+    from rollout.jax_sampler import JaxSampler
 
+    generate = JaxSampler.generate
+
+    def shifted(self, prompts, params):
+        out = generate(self, prompts, params)
+        for c in out:
+            assert c.routes is not None
+            c.routes = (c.routes + 1) % 4  # 4 experts: other experts, still k distinct ones
+        return out
+
+    monkeypatch.setattr(JaxSampler, "generate", shifted)
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
         [
@@ -184,19 +198,25 @@ def test_grpo_with_routing_replay_on_the_jax_sampler(tmp_path, arithmetic_tokeni
             f"run.run_dir={tmp_path}",
             f"data.tokenizer_dir={arithmetic_tokenizer}",
             "reward.functions=[{fn: tests.reward_plugins:char_count, weight: 0.01}]",
-            "train.steps=3",
+            "train.steps=2",
+            "train.eval_every=0",
             "checkpoint.enabled=false",
             "checkpoint.export_hf=false",
             "rollout.sampler=jax",
-            "rl.router_replay=replay",
+            f"rl.router_replay={mode}",
         ],
         schema=PostTrainConfig,
     )
     run_grpo(cfg)
     rows = [r for r in read_metrics(tmp_path) if "reward/mean" in r]
-    assert len(rows) == 3
+    assert len(rows) == 2
     for r in rows:
-        assert r["moe/route_mismatch"] == 0.0 and r["mismatch/logp_gap_mean"] < 1e-5 and r["grad_norm"] > 0
+        assert r["moe/route_mismatch"] == 1.0 if mode == "off" else r["moe/route_mismatch"] > 0.5
+        assert r["grad_norm"] > 0
+        if mode == "replay":
+            assert r["mismatch/logp_gap_mean"] > 1e-3, r["mismatch/logp_gap_mean"]
+        else:
+            assert r["mismatch/logp_gap_mean"] < 1e-5, r["mismatch/logp_gap_mean"]
 
 
 @pytest.mark.parametrize(

@@ -1,23 +1,21 @@
-"""Mixture-of-experts feed-forward maths: top-k routing and the dropless grouped expert matmul (pure functions).
+"""Mixture-of-experts layers: top-k routing, the dropless grouped expert matmuls, expert parallelism, routing replay.
 
     weights, experts = route_topk(router_logits, k=2, normalize=True)       # [T, k] gate weights, expert ids
-    y = grouped_experts(x, weights, experts, w_gate, w_up, w_down)           # [T, D], every routed token computed
+    y = tiled_experts(x, weights, experts, w_gate, w_up, w_down)             # [T, D], every routed token computed
+    y = grouped_experts(x, weights, experts, w_gate, w_up, w_down)           # the same through jax.lax.ragged_dot
     y = dense_experts(x, weights, experts, w_gate, w_up, w_down)             # the reference: every expert, masked
 
-The grouped form is dropless (no capacity: no token is dropped, whatever the routing): the T * k (token,
-expert) assignments are sorted by expert, the SwiGLU experts run as three grouped matmuls over the sorted rows
-(`jax.lax.ragged_dot`: expert e multiplies its own contiguous group of rows), and the results go back to their
-tokens, summed with the gate weights. The dense reference runs every expert on every token ([E, T, F]
-intermediates) and is what the tests compare with.
-
-On this CPU (JAX 0.10.2), XLA lowers `ragged_dot` to per-expert masked work: measured for 1024 tokens, 16
-experts, top-2, D 64, F 256, the grouped form's temporary memory is 41 MB forward (dense: 50 MB) and 229 MB
-forward and backward (dense: 134 MB). A grouped matmul that saves memory and work on CPU needs rows tiled by
-expert (megablox's layout), not `ragged_dot`'s CPU lowering.
+Both grouped forms are dropless (no capacity: no token is dropped, whatever the routing): the T * k (token,
+expert) assignments are sorted by expert, the SwiGLU experts run over each expert's contiguous rows, and the
+results go back to their tokens, summed with the gate weights. `grouped_experts` is `ragged_dot`, the grouped GEMM
+of GPU and TPU backends; on this CPU XLA lowers it to masked work on every expert, so `tiled_experts` (megablox's
+blocks of rows) is the CPU form (`experts_kernel`, `model.moe.kernel`; figures in docs/kernels.md). The dense
+reference runs every expert on every token ([E, T, F] intermediates) and is what the tests compare with.
 
 `MoeBlock` is the model layer (`model.moe`, the qwen3_moe and mixtral families): the router and the stacked
-experts, dropless through `grouped_experts`; it returns its `RouterStats` beside its output, which the training
-losses read (`core.router_loss`).
+experts; split over the mesh's expert axis it exchanges tokens over that axis (`expert_parallel`); given a
+sampler's routes it replays them (`replayed_routes`). It returns its `RouterStats` beside its output, which the
+training losses read (`core.router_loss`).
 """
 
 from __future__ import annotations
@@ -28,10 +26,11 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from core.config import ModelConfig
-from core.mesh import constrain
+from core.mesh import EXPERT_AXIS, constrain, spec_axes
 from core.models.layers import dtype_of, param
 
 
@@ -61,8 +60,10 @@ def grouped_experts(
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, in token order within a group
     rows = x[order // k]  # [T * k, D]: each assignment's token
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # rows per expert (ids >= E dropped)
+    # Rows past the groups (ids >= E) are masked, not trusted to read 0: ragged_dot promises nothing for them.
+    here = (flat[order] < n_experts)[:, None]
     h = _swiglu(jax.lax.ragged_dot(rows, w_gate, sizes), jax.lax.ragged_dot(rows, w_up, sizes))
-    out = jax.lax.ragged_dot(h, w_down, sizes)  # [T * k, D], sorted order
+    out = jnp.where(here, jax.lax.ragged_dot(jnp.where(here, h, 0), w_down, sizes), 0)  # [T * k, D], sorted
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype)).astype(x.dtype)
 
@@ -144,12 +145,12 @@ def expert_parallel(
     mesh = jax.sharding.get_abstract_mesh()
     shape = dict(mesh.shape)
     rows = logical_to_spec(("batch", "length", None), x.shape, shape)
-    if "expert" not in _axes(rows[0]):
+    if EXPERT_AXIS not in spec_axes(rows[0]):
         return None
     route_spec = P(rows[0], rows[1], None)
     up_spec = logical_to_spec(EXPERT_AXES, w_gate.shape, shape)
     down_spec = logical_to_spec(("experts", "mlp", "embed"), w_down.shape, shape)
-    embed_axes, width_axes = _axes(up_spec[1]), _axes(up_spec[2])
+    embed_axes, width_axes = spec_axes(up_spec[1]), spec_axes(up_spec[2])
 
     def gather(w, axis: int, over: tuple[str, ...]):
         for name in reversed(over):  # the minor-most axis first, so the pieces come back in order
@@ -160,11 +161,11 @@ def expert_parallel(
         b, l, d = x.shape
         flat = x.reshape(b * l, d)
         # Gathered in float32: a gather's backward pass is a reduce-scatter (see below).
-        xs = jax.lax.all_gather(flat.astype(jnp.float32), "expert", tiled=True).astype(x.dtype)  # the group's tokens
-        ws = jax.lax.all_gather(weights.reshape(b * l, -1).astype(jnp.float32), "expert", tiled=True)
-        es = jax.lax.all_gather(experts.reshape(b * l, -1), "expert", tiled=True)
+        xs = jax.lax.all_gather(flat.astype(jnp.float32), EXPERT_AXIS, tiled=True).astype(x.dtype)  # group's tokens
+        ws = jax.lax.all_gather(weights.reshape(b * l, -1).astype(jnp.float32), EXPERT_AXIS, tiled=True)
+        es = jax.lax.all_gather(experts.reshape(b * l, -1), EXPERT_AXIS, tiled=True)
         per_device = w_gate.shape[0]
-        mine = es - jax.lax.axis_index("expert") * per_device  # ids of this device's experts: 0..per_device-1
+        mine = es - jax.lax.axis_index(EXPERT_AXIS) * per_device  # ids of this device's experts: 0..per_device-1
         here = (mine >= 0) & (mine < per_device)
         wg, wu, wd = gather(w_gate, 1, embed_axes), gather(w_up, 1, embed_axes), gather(w_down, 2, embed_axes)
         # The weights made varying over the axes the tokens vary over here, once: left to the kernel, JAX would
@@ -175,7 +176,7 @@ def expert_parallel(
         y = kernel(xs, jnp.where(here, ws, 0).astype(x.dtype), jnp.where(here, mine, per_device), wg, wu, wd)
         # Summed in float32: the experts' partial outputs keep their precision in bfloat16 training (and XLA:CPU
         # 0.10.2 aborts compiling a bfloat16 reduce-scatter here, in its AllReducePromotion pass).
-        y = jax.lax.psum_scatter(y.astype(jnp.float32), "expert", scatter_dimension=0, tiled=True)
+        y = jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, scatter_dimension=0, tiled=True)
         if width_axes:
             y = jax.lax.psum(y, width_axes)
         return y.astype(x.dtype).reshape(b, l, d)
@@ -205,15 +206,10 @@ def _varying(x: jax.Array, axes) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _expert_axis() -> int:
     """The size of the `expert` axis of the mesh set with `jax.set_mesh` (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
+    return 1 if mesh.empty else dict(mesh.shape).get(EXPERT_AXIS, 1)
 
 
 def dense_experts(
@@ -276,6 +272,28 @@ def router_stats(
     return RouterStats(counts, probs, v.sum(), z, count(routed), count(differed))
 
 
+def check_routes(routes: np.ndarray, cfg: ModelConfig, where: str = "the batch's routes") -> None:
+    """Refuse routes a model cannot replay, naming what is wrong: their shape must end in (sparse layers, k), and
+    each token's k experts must be all -1 (not routed) or distinct experts of this model."""
+    moe = cfg.moe
+    if moe is None:
+        raise ValueError(f"{where}: the model has no experts to route to (model.moe is unset)")
+    want = (sum(cfg.sparse_layers), moe.experts_per_token)
+    if routes.ndim < 3 or tuple(routes.shape[-2:]) != want:
+        raise ValueError(f"{where}: shape {routes.shape} does not end in (sparse layers, k) = {want}")
+    flat = routes.reshape(-1, want[1])
+    none = (flat == -1).all(axis=1)
+    inside = ((flat >= 0) & (flat < moe.num_experts)).all(axis=1)
+    ordered = np.sort(flat, axis=1)
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).all(axis=1)
+    bad = np.flatnonzero(~(none | (inside & distinct)))
+    if len(bad):
+        raise ValueError(
+            f"{where}: {len(bad)} token(s) routed to experts outside 0..{moe.num_experts - 1}, repeated, or partly "
+            f"unrouted, e.g. {flat[bad[0]].tolist()}"
+        )
+
+
 def replayed_routes(
     router_logits: jax.Array, own: jax.Array, routes: jax.Array, normalize: bool, replay: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -297,7 +315,7 @@ def replayed_routes(
 
 class MoeBlock(nnx.Module):
     """The sparse feed-forward layer: a router ([D, E], no bias) and E SwiGLU experts stacked on a leading axis
-    (`w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]), dropless (`grouped_experts`)."""
+    (`w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]), dropless (`experts_kernel`: tiled on CPU)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         assert cfg.moe is not None

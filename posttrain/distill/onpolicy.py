@@ -56,6 +56,10 @@ from rollout.sampler import Completion, sample_seed
 
 def check_config(cfg: PostTrainConfig) -> None:
     d = cfg.distill
+    if cfg.rl.router_replay != "off":
+        raise ConfigError(
+            "rl.router_replay=replay is built for GRPO; on-policy distillation trains with its own routing"
+        )
     if d.teacher is None:
         raise ConfigError("on-policy distillation needs distill.teacher (an HF directory, a Hub id or a Temper run)")
     from core.hub import resolve_model

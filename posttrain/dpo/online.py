@@ -157,6 +157,8 @@ def pair_length(cfg: PostTrainConfig) -> int:
 def check_config(cfg: PostTrainConfig) -> None:
     b = cfg.rl.batch
     check_graded_groups(cfg, "online DPO picks the best and worst of its samples: it")
+    if cfg.rl.router_replay != "off":
+        raise ConfigError("rl.router_replay=replay is built for GRPO; online DPO trains with its own routing")
     if b.dynamic_sampling or b.num_iterations != 1 or b.mini_batches != 1:
         raise ConfigError(
             "online DPO makes one update per step: rl.batch.dynamic_sampling=false, num_iterations=1, "

@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 
 from core.batch import PackedBatch, with_groups
 from core.learner import Learner
+from core.models.moe import check_routes
 from core.packing import PackedRows, Segment, branch_targets, pack_rows, packed_batch, share_prefixes
 from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
@@ -144,7 +145,11 @@ def build_rl_batch(
     if all(c.routes is not None for c in completions):
         packed = dataclasses.replace(packed, routes=row_routes(rows, grouped, completions), replay=replay)
     elif replay:
-        raise ValueError("routing replay was asked, but the sampler returned no routes (a dense model?)")
+        missing = sum(c.routes is None for c in completions)
+        raise ValueError(
+            f"rl.router_replay=replay, but {missing} of {b} completions came without routes (Completion.routes): a "
+            "dense policy has none to replay"
+        )
     # An environment's tokens in a multi-turn trajectory (`Completion.sampled`) are context: not targets at all, so
     # the head never scores them and no loss, KL, entropy or mismatch figure reads them.
     mask = np.asarray(packed.target_mask)
@@ -402,6 +407,8 @@ class PolicyGradientLearner(PolicyLearner[RLBatch]):
     def train(self, batch: RLBatch) -> TrainStats:
         """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
         rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
+        if batch.packed.routes is not None:  # a sampler's routes: ones this model can replay, or refused here
+            check_routes(np.asarray(batch.packed.routes), self.learner.model().cfg, "the sampler's routes")
         # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
         # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
         targets = np.asarray(batch.packed.target_mask) > 0
