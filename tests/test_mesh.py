@@ -12,9 +12,11 @@ def test_make_mesh_fills_axis():
 
 
 def test_logical_rules_map_parameters_and_activations():
-    assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert logical_to_spec(("embed", "mlp")) == P(("fsdp", "expert"), "tensor")
     assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp", "expert"), "sequence", None)
-    assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == P(None, "fsdp", "tensor", None)
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == P(None, ("fsdp", "expert"), "tensor", None)
+    # a mixture of experts' stacked experts: the expert axis splits the experts, fsdp their embed dimension
+    assert logical_to_spec(("experts", "embed", "mlp")) == P("expert", "fsdp", "tensor")
 
 
 def test_indivisible_dims_replicate_and_axes_not_reused():
