@@ -23,6 +23,7 @@ METHODS = ("pretrain", "sft", "sft_lora", "dpo", "distill", "grpo", "moe")
 
 
 @pytest.mark.integration
+@pytest.mark.serial  # three JAX processes of their own: one at a time beside the rest of the suite
 def test_two_processes_of_four_devices_take_the_one_process_step_of_every_method(tmp_path):
     port = free_port("127.0.0.1")
     runs = [(tmp_path / "one.npz", 1, 0, 0)] + [(tmp_path / "two.npz", 2, i, port) for i in range(2)]

@@ -41,7 +41,7 @@ def _run_cfg(recipe, tmp_path, tokenizer, *overrides):
 
 
 def test_sft_learns_on_an_moe_model_and_exports_what_transformers_loads(tmp_path, arithmetic_tokenizer):
-    """SFT of the tiny Qwen3-MoE preset: the loss falls over 12 steps, the router metrics are logged each step,
+    """SFT of the tiny Qwen3-MoE preset: the loss falls over 8 steps, the router metrics are logged each step,
     and the exported checkpoint, loaded by transformers, gives the trained model's logits."""
     from posttrain.sft import SFT
 
@@ -54,14 +54,14 @@ def test_sft_learns_on_an_moe_model_and_exports_what_transformers_loads(tmp_path
         "model.intermediate_size=128",
         "model.num_layers=2",
         "train.batch_size=8",
-        "train.steps=12",
+        "train.steps=8",
         "train.log_every=4",
         "optim.learning_rate=1.0e-2",
     )
     run = build_run(cfg, SFT)
     run.fit()
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
-    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    assert len(rows) == 2 and rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert all(all(k in r for k in ROUTER) for r in rows)
     trained = run.loop.learner.model()
     tokens = np.random.RandomState(0).randint(3, 500, (2, 24))
@@ -87,7 +87,7 @@ def test_pretraining_a_mixtral_from_scratch_learns(tmp_path, arithmetic_tokenize
             "model.num_layers=2",
             "data.seq_len=64",
             "train.batch_size=8",
-            "train.steps=12",
+            "train.steps=8",
             "train.log_every=4",
             "train.eval_every=0",
             "checkpoint.enabled=false",
