@@ -74,10 +74,10 @@ class PackedBatch:
     # Positions the position-wise layers run on per part of a micro-batch's rows (`core.models.compact`;
     # bucketed, static); 0 = every position of the rows.
     compact: int = field(default=0, metadata=dict(static=True))
-    # Routing replay (a mixture-of-experts model): the experts the policy's sampler routed each row position's token
-    # to, [R, L, sparse layers, k] int32, -1 where it routed none (padding); None: no routes. With `replay` the
-    # policy's forward pass uses them in place of its routers' own top-k; without it they are only compared (the
-    # routing mismatch, `moe/route_mismatch`). Frozen models (a reference, a teacher) never read them
+    # Routing replay (a mixture-of-experts model): the experts the trained model's sampler routed each row position's
+    # token to, [R, L, sparse layers, k] int32, -1 where it routed none (padding); None: no routes. With `replay` the
+    # trained model's forward pass uses them in place of its routers' own top-k; without it they are only compared
+    # (the routing mismatch, `moe/route_mismatch`). Other models run on the batch never read them
     # (`without_routes`).
     routes: Any = None
     replay: bool = field(default=False, metadata=dict(static=True))
@@ -87,7 +87,7 @@ class PackedBatch:
         return int(self.tokens.shape[0])
 
     def without_routes(self) -> PackedBatch:
-        """This batch for a model other than the policy whose sampler routed it: no routes, no replay."""
+        """This batch for a model other than the one whose sampler routed it: no routes, no replay."""
         return self if self.routes is None else replace(self, routes=None, replay=False)
 
     @property

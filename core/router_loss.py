@@ -5,7 +5,7 @@
     out = tape.add_to(out, trained_model(modules))   # the trained model's terms, weighted by model.moe
 
 Every method's loss runs its trained model through `Decoder.layer_states`, so pretraining, SFT, DPO, GRPO and
-distillation all get the router terms without naming them. Frozen models (a reference, a teacher) record too, and
+distillation all get the router terms without naming them. The tree's other models (frozen ones) record too, and
 are left out: only the records of the tree's trained model count. A loss whose trained model runs several
 forward passes (a chosen and a rejected pass) pools their stats, as one pass over all their tokens would.
 

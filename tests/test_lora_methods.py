@@ -190,14 +190,27 @@ def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_re
     assert same(base, learner.learner.rest)
 
 
+def distill_batch(loss: str):
+    """8 sampled completions of one prompt as on-policy distillation's batch: the RL batch for the sampled-token
+    loss, a `DistillBatch` (alpha 0, temperature 1) for GKD."""
+    from posttrain.distill.objective import DistillBatch
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from rollout.sampler import Completion
+
+    rng = np.random.default_rng(1)
+    comps = [Completion([5, 6, 7], [int(x) for x in rng.integers(3, 500, 6)], [-4.0] * 6, "stop", "") for _ in range(8)]
+    batch = build_rl_batch(comps, np.zeros(8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
+    if loss == "gkd":
+        rows = batch.packed.tokens.shape[0]
+        return DistillBatch(batch.packed, np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    return batch
+
+
 @pytest.mark.parametrize("loss", ["sampled", "gkd"])
 def test_on_policy_distillation_trains_the_students_adapters(tmp_path, arithmetic_tokenizer, rollout_model_dir, loss):
     """On-policy distillation's learners (the sampled-token reverse KL, and GKD with the teacher in the step) on a
     student with LoRA: the adapters train, the teacher and the student's base do not."""
-    from posttrain.distill.objective import DistillBatch
     from posttrain.distill.onpolicy import distill_learner
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
-    from rollout.sampler import Completion
 
     teacher = rollout_model_dir("llama", seed=1)
     cfg = load_config(
@@ -209,12 +222,8 @@ def test_on_policy_distillation_trains_the_students_adapters(tmp_path, arithmeti
     model, mesh = _policy_model(cfg)
     learner = distill_learner(cfg, model, mesh, total_steps=2)
     adapters_only(learner.learner)
-    rng = np.random.default_rng(1)
-    comps = [Completion([5, 6, 7], [int(x) for x in rng.integers(3, 500, 6)], [-4.0] * 6, "stop", "") for _ in range(8)]
-    batch = build_rl_batch(comps, np.zeros(8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
+    batch = distill_batch(loss)
     if loss == "gkd":
-        rows = batch.packed.tokens.shape[0]
-        batch = DistillBatch(batch.packed, np.zeros(rows, np.float32), np.ones(rows, np.float32))
         assert "teacher" not in learner.learner.params
     base = frozen_base(learner.learner)
     learner.train(batch)

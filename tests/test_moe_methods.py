@@ -14,7 +14,7 @@ from core.hf import load_hf
 from core.metrics import read_metrics
 from core.run import build_run
 from posttrain.config import PostTrainConfig
-from tests.test_lora_methods import _policy_model
+from tests.test_lora_methods import _policy_model, distill_batch
 
 ROUTER = ("moe/load_balance_loss", "moe/z_loss", "moe/expert_load_max", "moe/expert_load_min", "moe/expert_load_cv")
 # A Qwen3-MoE policy for the recipes whose model section is a dense Qwen2 (GRPO, online DPO): 4 experts, top-2.
@@ -153,10 +153,7 @@ def test_grpo_and_online_dpo_learners_step_an_moe_policy(arithmetic_tokenizer):
 
 @pytest.mark.parametrize("loss", ["sampled", "gkd"])
 def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_model_dir, loss):
-    from posttrain.distill.objective import DistillBatch
     from posttrain.distill.onpolicy import distill_learner
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
-    from rollout.sampler import Completion
 
     teacher = rollout_model_dir("qwen3_moe", seed=1)
     assert load_hf(teacher)[1].moe is not None
@@ -167,12 +164,7 @@ def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_
     )
     model, mesh = _policy_model(cfg)
     learner = distill_learner(cfg, model, mesh, total_steps=2)
-    rng = np.random.default_rng(1)
-    comps = [Completion([5, 6, 7], [int(x) for x in rng.integers(3, 500, 6)], [-4.0] * 6, "stop", "") for _ in range(8)]
-    batch = build_rl_batch(comps, np.zeros(8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
-    if loss == "gkd":
-        rows = batch.packed.tokens.shape[0]
-        batch = DistillBatch(batch.packed, np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    batch = distill_batch(loss)
     learner.train(batch)
     metrics = learner.train(batch).metrics
     assert metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)

@@ -48,24 +48,38 @@ def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return jax.nn.silu(h_gate) * h_up
 
 
+def _by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The T * k (token, expert) assignments grouped by expert: (their experts, flat [T * k]: assignment a = token
+    * k + slot; the order that sorts them by expert, tokens in order within a group; rows per expert [E], ids >= E
+    counted in none)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return flat, order, jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+
+
+def _to_tokens(sorted_out: jax.Array, order: jax.Array, weights: jax.Array, dtype) -> jax.Array:
+    """Each assignment's output, in expert order ([T * k, D]), back at its token: summed over the k slots with the
+    gate weights ([T, k]), in `dtype`."""
+    t, k = weights.shape
+    unsorted = jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", unsorted, weights.astype(unsorted.dtype)).astype(dtype)
+
+
 def grouped_experts(
     x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
 ) -> jax.Array:
     """The routed SwiGLU experts on `x` [T, D], dropless: `weights`, `experts` [T, k] from `route_topk`;
     `w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]. Returns [T, D] in `x`'s dtype. An expert id >= E (another
     device's expert, `expert_parallel`) is not computed: its rows sort last, outside every group, and read 0."""
-    t, k = experts.shape
+    k = experts.shape[1]
     n_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # assignment a = token * k + slot
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, in token order within a group
+    flat, order, sizes = _by_expert(experts, n_experts)
     rows = x[order // k]  # [T * k, D]: each assignment's token
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # rows per expert (ids >= E dropped)
     # Rows past the groups (ids >= E) are masked, not trusted to read 0: ragged_dot promises nothing for them.
     here = (flat[order] < n_experts)[:, None]
     h = _swiglu(jax.lax.ragged_dot(rows, w_gate, sizes), jax.lax.ragged_dot(rows, w_up, sizes))
     out = jnp.where(here, jax.lax.ragged_dot(jnp.where(here, h, 0), w_down, sizes), 0)  # [T * k, D], sorted
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
-    return jnp.einsum("tkd,tk->td", unsorted, weights.astype(out.dtype)).astype(x.dtype)
+    return _to_tokens(out, order, weights, x.dtype)
 
 
 def tiled_experts(
@@ -88,10 +102,8 @@ def tiled_experts(
     m = t * k
     if block is None:  # about two blocks an expert when balanced, within 8..256 rows (measured best near 256)
         block = int(min(256, max(8, 2 ** math.ceil(math.log2(max(1, m // (2 * n_experts)))))))
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    flat, order, sizes = _by_expert(experts, n_experts)
     ranked = flat[order]  # the assignments' experts, in sorted order
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     blocks_of = (sizes + block - 1) // block
     block_end = jnp.cumsum(blocks_of)  # the first block after each expert's
     n_blocks = -(-m // block) + n_experts
@@ -112,8 +124,7 @@ def tiled_experts(
     h = _swiglu(jnp.einsum("nbd,ndf->nbf", xb, w_gate[owner]), jnp.einsum("nbd,ndf->nbf", xb, w_up[owner]))
     out = jnp.einsum("nbf,nfd->nbd", h, w_down[owner])
     per_assignment = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0)  # sorted order
-    unsorted = jnp.zeros_like(per_assignment).at[order].set(per_assignment).reshape(t, k, d)
-    return jnp.einsum("tkd,tk->td", unsorted, weights.astype(unsorted.dtype)).astype(x.dtype)
+    return _to_tokens(per_assignment, order, weights, x.dtype)
 
 
 EXPERT_AXES = ("experts", "embed", "mlp")  # w_gate / w_up's logical axes; w_down's are ("experts", "mlp", "embed")
@@ -168,11 +179,6 @@ def expert_parallel(
         mine = es - jax.lax.axis_index(EXPERT_AXIS) * per_device  # ids of this device's experts: 0..per_device-1
         here = (mine >= 0) & (mine < per_device)
         wg, wu, wd = gather(w_gate, 1, embed_axes), gather(w_up, 1, embed_axes), gather(w_down, 2, embed_axes)
-        # The weights made varying over the axes the tokens vary over here, once: left to the kernel, JAX would
-        # cast them inside its loop over blocks, and the cast's backward (a sum over those axes) would run inside a
-        # branch some devices skip (a deadlock).
-        tokens = _vary(xs) | _vary(ws)
-        wg, wu, wd = (_varying(w, tokens) for w in (wg, wu, wd))
         y = kernel(xs, jnp.where(here, ws, 0).astype(x.dtype), jnp.where(here, mine, per_device), wg, wu, wd)
         # Summed in float32: the experts' partial outputs keep their precision in bfloat16 training (and XLA:CPU
         # 0.10.2 aborts compiling a bfloat16 reduce-scatter here, in its AllReducePromotion pass).
@@ -193,17 +199,6 @@ def experts_kernel(kind: Literal["auto", "ragged_dot", "tiled"]):
     if kind == "auto":
         kind = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     return tiled_experts if kind == "tiled" else grouped_experts
-
-
-def _vary(x: jax.Array) -> frozenset:
-    """The manual mesh axes `x` varies over (inside `jax.shard_map`)."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def _varying(x: jax.Array, axes) -> jax.Array:
-    """`x` cast to vary over `axes` (inside `jax.shard_map`) where it does not already."""
-    missing = tuple(sorted(set(axes) - _vary(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _expert_axis() -> int:
