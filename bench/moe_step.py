@@ -13,8 +13,10 @@ no weight decay), one update a step. Temper: `core.learner.Learner` with the pre
 forward, backward, `torch.optim.AdamW` step. The sides alternate step by step in one process (each idle while
 the other runs), after an untimed warm-up step each; medians are reported. Goal (issue 43): Temper <= 0.5x.
 
-Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the tiled grouped matmul, `ragged_dot`,
-and the dense reference (every expert on every token). The capacity-based form the issue names is not built.
+Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the dropless forms (the tiled grouped
+matmul, `ragged_dot`), the capacity-based form at capacity factors 1.0 and 1.25 (a fixed [E, C, D] buffer an
+expert; the share of assignments it drops on these random routes is printed), and the dense reference (every
+expert on every token). `--experts-only` runs this part alone.
 """
 
 from __future__ import annotations
@@ -137,9 +139,20 @@ def torch_side(hf: Path):
 def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
     """Forward and backward of one layer's experts on `batch` x `seq` tokens: milliseconds (min of repeats) and
     XLA's temporary memory, per form."""
-    import jax
+    from functools import partial
 
-    from core.models.moe import dense_experts, grouped_experts, route_topk, tiled_experts
+    import jax
+    import numpy as np
+
+    from core.models.moe import (
+        capacity_experts,
+        dense_experts,
+        expert_capacity,
+        grouped_experts,
+        route_topk,
+        tiled_experts,
+        within_capacity,
+    )
 
     d, f, e = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
     keys = jax.random.split(jax.random.key(0), 5)
@@ -148,9 +161,18 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
     ws = [
         jax.random.normal(keys[2 + i], shape) / shape[1] ** 0.5 for i, shape in enumerate([(e, d, f)] * 2 + [(e, f, d)])
     ]
-    weights, chosen = route_topk(x @ router, SHAPE["num_experts_per_tok"], True)
+    k = SHAPE["num_experts_per_tok"]
+    weights, chosen = route_topk(x @ router, k, True)
+    forms = [("tiled", tiled_experts), ("ragged_dot", grouped_experts)]
+    dropped = {}
+    for factor in (1.0, 1.25):
+        capacity = expert_capacity(batch * seq, k, e, factor)
+        name = f"capacity {factor}"
+        forms.append((name, partial(capacity_experts, capacity=capacity)))
+        dropped[name] = 1.0 - float(np.asarray(within_capacity(chosen, e, capacity)).mean())
+    forms.append(("dense", dense_experts))
     out = {}
-    for name, fn in [("tiled", tiled_experts), ("ragged_dot", grouped_experts), ("dense", dense_experts)]:
+    for name, fn in forms:
         grad = jax.jit(jax.grad(lambda x, a, b, c, fn=fn: fn(x, weights, chosen, a, b, c).sum(), argnums=(0, 1, 2, 3)))
         temp = grad.lower(x, *ws).compile().memory_analysis().temp_size_in_bytes
         jax.block_until_ready(grad(x, *ws))
@@ -159,8 +181,12 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
             start = time.perf_counter()
             jax.block_until_ready(grad(x, *ws))
             times.append(time.perf_counter() - start)
-        out[name] = {"ms": 1000 * min(times), "temp_mb": temp / 1e6}
-        print(f"experts alone, {name:10s} {1000 * min(times):8.1f} ms   temp {temp / 1e6:8.1f} MB", flush=True)
+        out[name] = {"ms": 1000 * min(times), "temp_mb": temp / 1e6, "dropped": dropped.get(name, 0.0)}
+        print(
+            f"experts alone, {name:13s} {1000 * min(times):8.1f} ms   temp {temp / 1e6:8.1f} MB   "
+            f"dropped {100 * dropped.get(name, 0.0):5.1f}%",
+            flush=True,
+        )
     return out
 
 
@@ -170,7 +196,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="runs/bench_moe.json")
+    p.add_argument("--experts-only", action="store_true", help="only the experts alone")
     args = p.parse_args()
+    if args.experts_only:
+        experts_alone(args.batch, args.seq)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = build(Path(tmp))

@@ -107,7 +107,10 @@ class MoeConfig(Section):
     Each sparse layer routes every token to `experts_per_token` of `num_experts` SwiGLU experts of width
     `intermediate_size`: a softmax over the router's logits, its k largest kept (renormalised to sum to 1 when
     `normalize_topk`: Qwen3-MoE's `norm_topk_prob`, always on for Mixtral). Dropless: every routed token is
-    computed. Layer i (from 0) is sparse when (i + 1) % `sparse_step` == 0 and i is not in `dense_layers` (Qwen3-MoE's
+    computed, unless `capacity_factor` > 0: then each expert takes at most ceil(capacity_factor * tokens * k /
+    num_experts) of a layer's assignments, in token order over the forward pass's real tokens, and drops the rest
+    (they add nothing to the token's output; `moe/dropped` logs their share). Layer i (from 0) is sparse when
+    (i + 1) % `sparse_step` == 0 and i is not in `dense_layers` (Qwen3-MoE's
     `decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP of `model.intermediate_size`.
     """
 
@@ -122,11 +125,17 @@ class MoeConfig(Section):
     # tokens; num_experts * their dot product) and the router z-loss (mean squared logsumexp of the router logits,
     # ST-MoE), each weighted into every method's training loss.
     load_balance_weight: float = Field(0.0, ge=0.0)
+    # Qwen2-MoE's shared expert: a SwiGLU MLP of this width that every token goes through beside its routed
+    # experts, scaled by sigmoid(its own gate); 0: none (Qwen3-MoE, Mixtral).
+    shared_intermediate_size: int = Field(0, ge=0)
     router_z_loss_weight: float = Field(0.0, ge=0.0)
+    # <= 0: dropless (MaxText's -1); > 0: GShard's capacity factor (1.0: an even share an expert).
+    capacity_factor: float = 0.0
     # The grouped matmul (core.models.moe): `ragged_dot` (jax.lax.ragged_dot: a grouped GEMM on GPU and TPU),
     # `tiled` (blocks of rows, each of one expert: on CPU, where ragged_dot lowers to masked work on every
-    # expert), or `auto`: tiled on CPU, ragged_dot elsewhere.
-    kernel: Literal["auto", "ragged_dot", "tiled"] = "auto"
+    # expert), or `auto`: tiled on CPU, ragged_dot elsewhere. `capacity` (with capacity_factor > 0): a fixed
+    # buffer of capacity rows an expert, as GShard and MaxText's dense path compute it.
+    kernel: Literal["auto", "ragged_dot", "tiled", "capacity"] = "auto"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has the experts instead of the dense MLP."""
@@ -139,6 +148,8 @@ class MoeConfig(Section):
                 f"model.moe.experts_per_token ({self.experts_per_token}) exceeds model.moe.num_experts "
                 f"({self.num_experts})"
             )
+        if self.kernel == "capacity" and self.capacity_factor <= 0:
+            raise ValueError("model.moe.kernel=capacity needs model.moe.capacity_factor > 0 (it is dropless at <= 0)")
         return self
 
 
@@ -147,7 +158,7 @@ class ModelConfig(Section):
 
     # Name of the preset this config started from (informational once resolved).
     preset: str | None = None
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral"] = "llama"
     vocab_size: int = Field(512, gt=0)
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
@@ -184,7 +195,8 @@ class ModelConfig(Section):
     vocab_chunk_size: int = Field(8192, gt=0)
     # LoRA adapters (and QLoRA's quantized base): None trains every parameter.
     lora: LoraConfig | None = None
-    # Mixture-of-experts feed-forward layers (the `qwen3_moe` and `mixtral` families); None: every layer dense.
+    # Mixture-of-experts feed-forward layers (the `qwen2_moe`, `qwen3_moe` and `mixtral` families); None: every
+    # layer dense.
     moe: MoeConfig | None = None
 
     @property
@@ -214,14 +226,19 @@ class ModelConfig(Section):
         return tuple(self.moe is not None and self.moe.is_sparse(i) for i in range(self.num_layers))
 
     def _check_moe(self) -> None:
-        moe_family = self.family in ("qwen3_moe", "mixtral")
+        moe_family = self.family in ("qwen2_moe", "qwen3_moe", "mixtral")
         if moe_family != (self.moe is not None):
             raise ValueError(
                 f"model.moe is {'unset' if self.moe is None else 'set'} but model.family is {self.family!r}: "
-                "the qwen3_moe and mixtral families, and only they, have experts"
+                "the qwen2_moe, qwen3_moe and mixtral families, and only they, have experts"
             )
         if self.moe is None:
             return
+        if (self.family == "qwen2_moe") != (self.moe.shared_intermediate_size > 0):
+            raise ValueError(
+                f"model.moe.shared_intermediate_size={self.moe.shared_intermediate_size} with family "
+                f"{self.family!r}: Qwen2-MoE layers, and only they, have a shared expert (a width > 0)"
+            )
         outside = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
         if outside:
             raise ValueError(

@@ -17,11 +17,12 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
 # The dense family whose attention and config keys a mixture-of-experts family shares.
-ATTENTION_OF = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
+ATTENTION_OF = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 class UnsupportedHFConfig(UserError, ValueError):
@@ -74,7 +75,7 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
         "rope_scaling": rope_scaling,
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": family == "qwen2",
+        "attention_bias": family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         "qk_norm": base == "qwen3",
         "sliding_window": hf.get("sliding_window") if base == "mistral" else None,
     }
@@ -87,7 +88,8 @@ def model_section_from_hf(hf: dict[str, Any], source: str = "config.json") -> di
 
 
 def _moe_section(family: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The `model.moe` section of a Qwen3-MoE or Mixtral config; what Temper cannot compute is refused."""
+    """The `model.moe` section of a Qwen2-MoE, Qwen3-MoE or Mixtral config; what Temper cannot compute is
+    refused."""
     if family == "mixtral":
         if hf.get("router_jitter_noise"):
             raise UnsupportedHFConfig(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported")
@@ -103,6 +105,9 @@ def _moe_section(family: str, hf: dict[str, Any], source: str) -> dict[str, Any]
             f"{source}: {'num_local_experts' if family == 'mixtral' else 'num_experts'}={experts} with "
             f"num_experts_per_tok={k}: Temper serves 2 or more experts and 1 <= k <= experts"
         )
+    shared = hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+    if family == "qwen2_moe" and not (isinstance(shared, int) and shared > 0):
+        raise UnsupportedHFConfig(f"{source}: shared_expert_intermediate_size={shared}: Temper serves a width > 0")
     return {
         "num_experts": experts,
         "experts_per_token": k,
@@ -111,6 +116,7 @@ def _moe_section(family: str, hf: dict[str, Any], source: str) -> dict[str, Any]
         "sparse_step": step,
         "dense_layers": dense,
         "load_balance_weight": float(hf.get("router_aux_loss_coef", 0.0) or 0.0),
+        "shared_intermediate_size": shared,
     }
 
 
@@ -173,4 +179,9 @@ def _hf_moe(cfg: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.normalize_topk,
         "decoder_sparse_step": moe.sparse_step,
         "mlp_only_layers": list(moe.dense_layers),
+        **(
+            {"shared_expert_intermediate_size": moe.shared_intermediate_size, "qkv_bias": cfg.attention_bias}
+            if cfg.family == "qwen2_moe"
+            else {}
+        ),
     }

@@ -58,23 +58,28 @@ _DENSE_MLP = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weigh
 
 # A sparse layer's router and experts (`core.models.moe.MoeBlock`): core parameter, HF name per family ({e}: the
 # expert), whether one tensor per expert. Both families store `nn.Linear` weights [out, in].
+_QWEN_MOE = {
+    "router": "mlp.gate.weight",
+    "w_gate": "mlp.experts.{e}.gate_proj.weight",
+    "w_up": "mlp.experts.{e}.up_proj.weight",
+    "w_down": "mlp.experts.{e}.down_proj.weight",
+}
+_MIXTRAL = {
+    "router": "block_sparse_moe.gate.weight",
+    "w_gate": "block_sparse_moe.experts.{e}.w1.weight",
+    "w_up": "block_sparse_moe.experts.{e}.w3.weight",
+    "w_down": "block_sparse_moe.experts.{e}.w2.weight",
+}
+# (a family missing from a row has no such tensor: only Qwen2-MoE has the shared expert and its gate)
 MOE_TABLE: list[tuple[str, dict[str, str], bool]] = [
-    ("router", {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}, False),
-    (
-        "w_gate",
-        {"qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"},
-        True,
-    ),
-    (
-        "w_up",
-        {"qwen3_moe": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"},
-        True,
-    ),
-    (
-        "w_down",
-        {"qwen3_moe": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"},
-        True,
-    ),
+    *[
+        (p, {"qwen2_moe": _QWEN_MOE[p], "qwen3_moe": _QWEN_MOE[p], "mixtral": _MIXTRAL[p]}, p != "router")
+        for p in _MIXTRAL
+    ],
+    ("shared_gate", {"qwen2_moe": "mlp.shared_expert.gate_proj.weight"}, False),
+    ("shared_up", {"qwen2_moe": "mlp.shared_expert.up_proj.weight"}, False),
+    ("shared_down", {"qwen2_moe": "mlp.shared_expert.down_proj.weight"}, False),
+    ("shared_router", {"qwen2_moe": "mlp.shared_expert_gate.weight"}, False),
 ]
 
 _TOP_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]]] = [
@@ -124,6 +129,8 @@ def param_map(cfg: ModelConfig) -> list[ParamMapping]:
         if sparse:
             assert cfg.moe is not None
             for sub_name, names, per_expert in MOE_TABLE:
+                if cfg.family not in names:
+                    continue
                 path = (*where, "mlp", sub_name)
                 if not per_expert:
                     out.append(ParamMapping(prefix + names[cfg.family], path, layer, "linear"))

@@ -68,7 +68,8 @@ class RouterTape:
 
 def router_metrics(stats: RouterStats) -> dict[str, float]:
     """The logged view of a step's pooled router stats. Expert load is each expert's share of the top-k
-    assignments times the number of experts: 1 everywhere is perfect balance."""
+    assignments the router chose (dropped ones included) times the number of experts: 1 everywhere is perfect
+    balance."""
     import numpy as np
 
     counts = np.asarray(stats.counts, np.float64)
@@ -79,6 +80,8 @@ def router_metrics(stats: RouterStats) -> dict[str, float]:
         "moe/expert_load_max": float(load.max()),
         "moe/expert_load_min": float(load.min()),
         "moe/expert_load_cv": float(load.std() / max(load.mean(), 1e-12)),
+        # the share of top-k assignments past their expert's capacity (0 when dropless)
+        "moe/dropped": float(np.asarray(stats.dropped)) / max(float(counts.sum()), 1.0),
     }
     routed = float(np.asarray(stats.routed))
     if routed > 0:  # the batch came with a sampler's routes: the share of tokens whose own top-k set differed

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")  # 4 experts of width 32, top-2
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")  # 4 experts of width 32, top-2
 
 
 def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
@@ -53,6 +53,9 @@ def tiny_hf_config(family: str, tied: bool = False, **overrides: Any):
         cls, extra = tf.Qwen3Config, dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6))
     elif family == "mistral":
         cls, extra = tf.MistralConfig, dict(sliding_window=None)
+    elif family == "qwen2_moe":  # q/k/v biases (qkv_bias), a shared expert of width 48 beside the routed ones
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        cls, extra = tf.Qwen2MoeConfig, dict(rope_parameters=dict(rope_type="default", rope_theta=1e6), **moe)
     elif family == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         cls, extra = (

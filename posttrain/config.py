@@ -120,7 +120,7 @@ class RLConfig(Section):
     # Routing replay (R3) for a mixture-of-experts policy: `replay` trains with the experts the sampler routed each
     # token to (gate weights from the trainer's router); `off` routes as the trainer's router does. Either way the
     # share of tokens routed differently is logged (moe/route_mismatch) when the sampler returns routes (the JAX
-    # sampler; vLLM's route capture on CPU is not built).
+    # sampler always; vLLM with rollout.record_routes).
     router_replay: Literal["off", "replay"] = "off"
 
     @field_validator("router_replay", mode="before")

@@ -18,8 +18,9 @@ and the same request gives the same samples again.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -71,6 +72,25 @@ class Completion:
     # A mixture-of-experts model's routing, for routing replay: the experts each token of prompt_ids + token_ids
     # went to in each sparse layer when the sampler ran it, [tokens, sparse layers, k] int32; None: not recorded.
     routes: np.ndarray | None = None
+
+    def record(self) -> dict[str, Any]:
+        """Its fields as JSON values (a checkpoint's in-flight completions); `from_record` reads them back."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.routes is not None:  # int16 bytes in base64: a tenth of the JSON a list of numbers takes
+            routes = np.asarray(self.routes)
+            if routes.size and (routes.min() < -1 or routes.max() >= 2**15):
+                raise ValueError(f"routes hold expert ids outside -1..32767: {routes.min()}..{routes.max()}")
+            raw = base64.b64encode(routes.astype("<i2").tobytes()).decode()
+            out["routes"] = {"shape": list(routes.shape), "int16": raw}
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Completion:
+        routes = record.get("routes")
+        if routes is not None:
+            flat = np.frombuffer(base64.b64decode(routes["int16"]), "<i2")
+            routes = flat.reshape(routes["shape"]).astype(np.int32)
+        return cls(**{**record, "routes": routes})
 
 
 def sample_seed(*keys: int) -> int:

@@ -46,6 +46,7 @@ from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
 from rollout.turns import TurnProgress, TurnRequest
+from rollout.vllm_routes import RouteRecorder
 
 __all__ = ["VLLMSampler", "WeightUpdateError"]
 
@@ -75,6 +76,19 @@ class VLLMSampler:
             if not fits:
                 raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {adapter.rank}")
             lora = dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
+        served = served_model(self.model_dir)
+        if cfg.record_routes and served.moe is None:
+            raise ValueError(f"rollout.record_routes=true, but the model in {self.model_dir} has no experts to route")
+        from vllm.platforms import current_platform
+
+        # Routes: vLLM's own on a GPU (Model Runner V2, which needs Triton); recorded here on CPU, running every
+        # prompt token (a prefix-cached block's tokens would have none).
+        self.builtin_routes = cfg.record_routes and not current_platform.is_cpu()
+        routes: dict = {}
+        if cfg.record_routes:
+            routes = (
+                dict(enable_return_routed_experts=True) if self.builtin_routes else dict(enable_prefix_caching=False)
+            )
         self.llm = LLM(
             model=self.model_dir,
             dtype=cfg.dtype,
@@ -85,10 +99,13 @@ class VLLMSampler:
             logprobs_mode="processed_logprobs",
             seed=seed,
             **lora,
+            **routes,
             **_whole_prefills(),
         )
         self.tokenizer = self.llm.get_tokenizer()
-        served = served_model(self.model_dir)
+        self.routes = RouteRecorder(self.llm, served) if cfg.record_routes and not self.builtin_routes else None
+        self.sparse = [i for i, sparse in enumerate(served.sparse_layers) if sparse]
+        self.top_k = served.moe.experts_per_token if served.moe is not None else 0
         self.assembler = TensorAssembler(served)  # receive buffers, reused between syncs
         self.tied = served.tie_word_embeddings
         self.moe = served.moe is not None
@@ -112,6 +129,8 @@ class VLLMSampler:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths(prompt_ids, params.max_tokens, self.cfg.max_model_len)
         seeds = sample_seeds(params, len(prompt_ids))
+        if self.routes is not None:
+            self.routes.drop_finished()
         if seeds is None:  # unseeded: one request per prompt, vLLM fans out its n samples
             requests = [({"prompt_token_ids": ids}, _vllm_params(params, params.n, None)) for ids in prompt_ids]
         else:  # one request per sample with its own seed (vLLM would seed a prompt's n samples seed + j)
@@ -128,7 +147,7 @@ class VLLMSampler:
         )
         per_prompt = len(outputs) // len(prompt_ids)
         return [
-            self._completion(prompt_ids[k // per_prompt], c, params.logprobs)
+            self._completion(prompt_ids[k // per_prompt], c, params.logprobs, out.request_id)
             for k, out in enumerate(outputs)
             for c in out.outputs
         ]
@@ -141,6 +160,8 @@ class VLLMSampler:
             if r.params.n != 1:
                 raise ValueError(f"turn request {i} asks for n={r.params.n} samples; a turn is one")
         engine = self.llm.llm_engine
+        if self.routes is not None:
+            self.routes.drop_finished()
         stale = [f"turn-{r.key}" for r in requests if r.key in self._turns]  # left by a scheduler that stopped
         if stale:
             engine.abort_request(stale)
@@ -159,11 +180,12 @@ class VLLMSampler:
                 if out.finished:
                     r = self._turns.pop(int(out.request_id.removeprefix("turn-")))
                     first = out.outputs[0]  # type: ignore[index]  # a generation's, not a pooling output
-                    finished.append((r.key, self._completion(r.token_ids, first, r.params.logprobs)))
+                    finished.append((r.key, self._completion(r.token_ids, first, r.params.logprobs, out.request_id)))
         return TurnProgress(finished, engine.get_num_unfinished_requests())
 
-    def _completion(self, prompt_ids: Sequence[int], c: Any, logprobs: bool) -> Completion:
-        """A vLLM `CompletionOutput` as a `Completion` (its sampled log-probs, when asked for)."""
+    def _completion(self, prompt_ids: Sequence[int], c: Any, logprobs: bool, request_id: str) -> Completion:
+        """A vLLM `CompletionOutput` of request `request_id` as a `Completion` (its sampled log-probs, when asked for;
+        its routes, when recorded)."""
         values = None
         if logprobs:
             steps = c.logprobs or []  # requested: one {token: Logprob} per generated token
@@ -175,7 +197,24 @@ class VLLMSampler:
             finish_reason="stop" if c.finish_reason == "stop" else "length",
             text=c.text,
             policy_version=self.policy_version,
+            routes=self._routes_of(request_id, c, len(prompt_ids) + len(c.token_ids)),
         )
+
+    def _routes_of(self, request_id: str, c: Any, num_tokens: int) -> np.ndarray | None:
+        """A completion's routes [tokens, sparse layers, k] (-1: a token no pass ran), when recorded."""
+        if self.routes is not None:
+            return self.routes.take(request_id, c.index, num_tokens)
+        if not self.builtin_routes:
+            return None
+        # vLLM's own: [computed tokens, every decoder layer, k] from position 0; a dense layer's column is unused.
+        if c.routed_experts is None:
+            raise RuntimeError(
+                f"vLLM returned no routed experts for request {request_id} (enable_return_routed_experts)"
+            )
+        got = np.asarray(c.routed_experts)[:num_tokens, self.sparse].astype(np.int32)
+        out = np.full((num_tokens, len(self.sparse), self.top_k), -1, np.int32)
+        out[: len(got)] = got
+        return out
 
     # ----------------------------------------------------------------- weights
 

@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.models.moe import dense_experts, grouped_experts, route_topk, tiled_experts
+from core.models.moe import (
+    capacity_experts,
+    dense_experts,
+    expert_capacity,
+    grouped_experts,
+    route_topk,
+    tiled_experts,
+    within_capacity,
+)
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -103,3 +111,50 @@ def test_the_tiled_form_needs_a_fraction_of_the_dense_references_memory():
     tiled, dense = temp(tiled_experts), temp(dense_experts)
     print(f"temporary memory, forward and backward: tiled {tiled / 1e6:.1f} MB, dense reference {dense / 1e6:.1f} MB")
     assert tiled < 0.5 * dense
+
+
+# ---------------------------------------------------------------- capacity factor
+
+
+def numpy_within_capacity(chosen: np.ndarray, n_experts: int, capacity: int) -> np.ndarray:
+    """The reference: walk the assignments token by token (slot by slot within a token), each expert keeping its
+    first `capacity`."""
+    taken = np.zeros(n_experts, int)
+    keep = np.zeros(chosen.shape, bool)
+    for t in range(chosen.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = chosen[t, j]
+            if e < n_experts and taken[e] < capacity:
+                keep[t, j], taken[e] = True, taken[e] + 1
+    return keep
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_the_capacity_form_keeps_each_experts_first_assignments_and_equals_the_reference_on_them(factor):
+    """`within_capacity` keeps what the NumPy walk keeps (some dropped at every factor here, some kept);
+    `capacity_experts` equals the dense reference with the dropped assignments' gate weights at 0, and
+    `tiled_experts` on the kept assignments alone, outputs and gradients."""
+    args = problem()
+    weights, chosen = route_topk(args[0] @ args[1], 2, True)
+    capacity = expert_capacity(96, 2, 8, factor)
+    assert capacity == int(np.ceil(factor * 96 * 2 / 8))
+    kept = np.asarray(within_capacity(chosen, 8, capacity))
+    assert np.array_equal(kept, numpy_within_capacity(np.asarray(chosen), 8, capacity))
+    assert (~kept).sum() > 0 and kept.sum() >= min(capacity, 12) * 8 * 0.5  # some dropped, most experts full
+    masked = jnp.where(kept, weights, 0.0)
+
+    def capacity_kernel(*a):
+        return capacity_experts(*a, capacity=capacity)
+
+    def reference(x, weights, chosen, *w):  # the dense reference with the dropped assignments weighing 0
+        return dense_experts(x, jnp.where(kept, weights, 0.0), chosen, *w)
+
+    got = capacity_kernel(args[0], weights, chosen, *args[2:])
+    want = reference(args[0], weights, chosen, *args[2:])
+    tiled = tiled_experts(args[0], masked, jnp.where(kept, chosen, 8), *args[2:])
+    assert steps_apart(got, want) < 16 and steps_apart(tiled, want) < 16
+    grads = jax.grad(lambda *a: loss(capacity_kernel, 2, True, *a), argnums=range(5))(*args)
+    wants = jax.grad(lambda *a: loss(reference, 2, True, *a), argnums=range(5))(*args)
+    for name, g, w in zip(("x", "router", "w_gate", "w_up", "w_down"), grads, wants, strict=True):
+        assert np.abs(np.asarray(w)).max() > 0, name
+        assert steps_apart(g, w) < 64, (name, steps_apart(g, w))

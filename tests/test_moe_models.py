@@ -38,6 +38,11 @@ CONFIGS = {
     "qwen3_moe, mlp_only_layers, tied": dict(mlp_only_layers=[0], tie_word_embeddings=True, num_experts_per_tok=3),
     "mixtral": dict(),
     "mixtral, tied, top-1": dict(tie_word_embeddings=True, num_experts_per_tok=1),
+    # Qwen2-MoE: a gated shared expert beside the routed ones, q/k/v biases on and off
+    "qwen2_moe": dict(),
+    "qwen2_moe, sparse_step 2, normalised, no qkv bias, tied": dict(
+        decoder_sparse_step=2, num_hidden_layers=3, norm_topk_prob=True, qkv_bias=False, tie_word_embeddings=True
+    ),
 }
 
 
@@ -83,7 +88,7 @@ def test_scanned_and_listed_layers_agree(moe_dir, name):
     assert np.abs(np.asarray(scanned(tokens)) - np.asarray(listed(tokens))).max() <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe, mlp_only_layers, tied", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe, mlp_only_layers, tied", "mixtral", "qwen2_moe"])
 def test_export_writes_the_checkpoint_transformers_wrote(moe_dir, tmp_path, name):
     src = moe_dir(name)
     model, cfg = load_hf(src)
@@ -96,7 +101,8 @@ def test_export_writes_the_checkpoint_transformers_wrote(moe_dir, tmp_path, name
             assert np.array_equal(a.get_tensor(n), b.get_tensor(n)), n
     written = json.loads((out / "config.json").read_text())
     original = json.loads((src / "config.json").read_text())
-    for key in ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "intermediate_size"):
+    keys = ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "intermediate_size")
+    for key in (*keys, "shared_expert_intermediate_size", "qkv_bias"):
         assert written.get(key) == original.get(key), key
     tokens = torch.tensor(np.random.RandomState(3).randint(0, 512, (1, 12)))
     with torch.no_grad():
@@ -358,3 +364,72 @@ def test_replayed_routes_replace_the_routers_choice_with_its_own_gate_weights():
         return nnx.merge(graphdef, state)(x, None, routes.reshape(2, 6, 2), True)[0].sum()
 
     assert np.abs(np.asarray(jax.grad(total)(state)["router"][...])).max() > 0
+
+
+def test_a_vllm_step_s_routes_land_at_their_requests_positions():
+    """`scatter_step` (rollout/vllm_routes.py): a pass's flat rows go to the request and position each was computed
+    for; a request's buffer grows past its first rows and keeps what it held; padding rows are dropped; positions
+    never run stay -1."""
+    from rollout.vllm_routes import scatter_step
+
+    store: dict = {}
+    prefill = np.arange(7 * 2 * 2).reshape(7, 2, 2)  # request a: 4 prompt tokens; b: 3; one padding row past them
+    scatter_step(store, ["a", "b"], np.array([0, 4, 6]), np.array([0, 1, 2, 3, 0, 1, 9]), prefill)
+    decode = np.full((2, 2, 2), 7)
+    scatter_step(store, ["b", "a"], np.array([0, 1, 2]), np.array([2, 300]), decode)  # a's token 300: a growth
+    a, b = store["a"], store["b"]
+    assert np.array_equal(a[:4], prefill[:4]) and np.array_equal(a[300], decode[1]) and len(a) >= 301
+    assert (a[4:300] == -1).all() and (a[301:] == -1).all()
+    assert np.array_equal(b[:2], prefill[4:6]) and np.array_equal(b[2], decode[0]) and (b[3:] == -1).all()
+
+
+def test_a_completions_routes_survive_a_checkpoints_json_exactly():
+    """`Completion.record` / `from_record`, the form in-flight completions take in a checkpoint's JSON: routes
+    (-1 included) come back equal, as int32; a completion without routes stays without."""
+    from rollout.sampler import Completion
+
+    routes = np.array([[[3, 0], [1, 2]], [[-1, -1], [-1, -1]]], np.int32)
+    c = Completion([1, 2], [3], [-0.5], "stop", "x", policy_version=4, routes=routes)
+    back = Completion.from_record(json.loads(json.dumps(c.record())))
+    assert back.routes is not None and back.routes.dtype == np.int32 and np.array_equal(back.routes, routes)
+    assert (back.prompt_ids, back.token_ids, back.policy_version) == ([1, 2], [3], 4)
+    plain = Completion([1], [2], None, "length", "")
+    assert Completion.from_record(json.loads(json.dumps(plain.record()))).routes is None
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "capacity"])
+def test_a_capacity_factor_drops_past_each_experts_capacity_counting_real_tokens_only(kernel):
+    """`model.moe.capacity_factor` 0.5: each expert keeps its first assignments of real tokens, in token order (the
+    NumPy walk of tests/test_moe_kernel.py), and the layer equals the dense reference with the others weighing 0;
+    padding takes no capacity; the stats count the dropped assignments (`moe/dropped`). A factor no routing can
+    exceed gives the dropless layer's output on the real tokens."""
+    from core.models.moe import expert_capacity
+    from core.router_loss import router_metrics
+    from tests.test_moe_kernel import numpy_within_capacity
+
+    def layer_of(**moe):
+        cfg = _moe_cfg(num_experts=8, **moe)
+        return create_model(ModelConfig(**{**cfg.model_dump(), "num_layers": 1, "scan_layers": False}), seed=2)
+
+    layer = layer_of(capacity_factor=0.5, kernel=kernel).layers[0].mlp
+    x = jax.random.normal(jax.random.key(0), (2, 12, layer.router.shape[0]))
+    valid = jnp.ones((2, 12), bool).at[0, :4].set(False)  # 4 padding tokens first in token order
+    y, stats, _ = layer(x, valid)
+    flat = x.reshape(24, -1)
+    _, weights, chosen = layer.route(flat)
+    real = np.asarray(valid).reshape(-1)
+    kept = numpy_within_capacity(np.where(real[:, None], np.asarray(chosen), 8), 8, expert_capacity(24, 2, 8, 0.5))
+    want = dense_experts(
+        flat, jnp.where(kept, weights, 0.0), chosen, layer.w_gate[...], layer.w_up[...], layer.w_down[...]
+    )
+    assert np.abs(np.asarray(y).reshape(24, -1)[real] - np.asarray(want)[real]).max() <= 1e-5
+    dropped = int((real[:, None] & ~kept).sum())
+    assert dropped > 0 and float(stats.dropped) == dropped
+    assert router_metrics(stats)["moe/dropped"] == pytest.approx(dropped / (20 * 2))
+    dropless = layer_of().layers[0].mlp
+    roomy = layer_of(capacity_factor=4.0, kernel=kernel).layers[0].mlp  # 24 an expert: every assignment fits
+    y_free, free_stats, _ = dropless(x, valid)
+    y_roomy, roomy_stats, _ = roomy(x, valid)
+    gap = np.abs(np.asarray(y_roomy) - np.asarray(y_free)).reshape(24, -1)
+    assert gap[real].max() <= 1e-6 and float(roomy_stats.dropped) == 0  # (padding is not computed: it reads 0)
+    assert float(free_stats.dropped) == 0 and router_metrics(free_stats)["moe/dropped"] == 0.0

@@ -27,10 +27,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-def engine(path):
+def engine(path, **rollout):
     from rollout.vllm_actor import RemoteVLLMSampler
 
-    return RemoteVLLMSampler.start(str(path), CFG, seed=0, timeout_s=300)
+    return RemoteVLLMSampler.start(str(path), CFG.model_copy(update=rollout), seed=0, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +60,6 @@ def test_greedy_matches_jax_sampler_and_transformers(llama_engine, rollout_model
         np.testing.assert_allclose(v.logprobs, j.logprobs, atol=1e-4)
 
 
-def test_qwen2_greedy(ray_cluster, rollout_model_dir):
-    path = rollout_model_dir("qwen2", tied=True)
-    sampler = engine(path)
-    try:
-        got = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))
-    finally:
-        sampler.shutdown()
-    assert [c.token_ids for c in got] == [c.token_ids for c in jax_greedy(path, 10)]
-
-
 def test_sampled_logprobs_match_core_model(llama_engine, rollout_model_dir):
     from tests.test_jax_sampler import core_logprobs
 
@@ -83,13 +73,24 @@ def test_sampled_logprobs_match_core_model(llama_engine, rollout_model_dir):
 
 
 def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
+    """A tied Qwen2 engine serves the JAX sampler's greedy tokens; after a weight sync it serves what a fresh
+    engine on the new weights serves. Shutting an engine down ends its actor and frees its shared memory."""
+    import shutil
+
+    import ray
+
     src, new = rollout_model_dir("qwen2", seed=0, tied=True), rollout_model_dir("qwen2", seed=1, tied=True)
     params = SamplingParams(temperature=0.0, max_tokens=12)
+    shm = lambda: shutil.disk_usage("/dev/shm").used
+    shm_before = shm()
     fresh = engine(new)
     try:
         want = fresh.generate(PROMPTS, params)
     finally:
         fresh.shutdown()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(fresh.handle.generate.remote(PROMPTS[:1], SamplingParams(max_tokens=2)), timeout=60)
+    assert shm() - shm_before < 16 * 2**20  # an engine left running would hold hundreds of MB here
     sampler = engine(src)
     try:
         before = sampler.generate(PROMPTS, params)
@@ -106,6 +107,7 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
         got = sampler.generate(PROMPTS, params)
     finally:
         sampler.shutdown()
+    assert [c.token_ids for c in before] == [c.token_ids for c in jax_greedy(src, 12)]
     assert [c.token_ids for c in before] != [c.token_ids for c in want]
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.logprobs for c in got] == [c.logprobs for c in want]
@@ -113,11 +115,28 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
     assert sync.bytes == sum(v.nbytes for v in tensors.values()) and sync.version == 7 and sync.chunks > 3
 
 
+def assert_trainers_own_routes(model, completions):
+    """Each completion's routes (`rollout.vllm_routes`) are the trainer's own top-k on the whole sequence (float32,
+    same weights): every token but the last, which no pass ran, is routed, and none differently."""
+    from core.router_loss import RouterTape
+
+    for c in completions:
+        seq = c.prompt_ids + c.token_ids
+        assert c.routes is not None and c.routes.shape == (len(seq), 2, 2)  # 2 sparse layers, top-2
+        assert (c.routes[:-1] >= 0).all() and (c.routes[-1] == -1).all()
+        with RouterTape() as tape:
+            model.layer_states(np.asarray([seq], np.int32), routes=c.routes[None], replay=False)
+        stats = tape.stats_of(model)
+        assert float(stats.routed) == (len(seq) - 1) * 2 and float(stats.differed) == 0.0
+
+
 def test_a_moe_model_is_served_and_updated_to_what_the_jax_sampler_serves(ray_cluster, rollout_model_dir):
     """Qwen3-MoE: vLLM's greedy tokens are the JAX sampler's and transformers'; after a weight sync of another
     model's stacked experts (sharded, in 64 KiB pieces), the engine serves that model's greedy tokens and log-probs
     as the JAX sampler does on it (one engine: the JAX sampler, equal to transformers, stands in for a fresh one).
-    vLLM's in-place reload leaves the CPU experts unpacked without `_repack_moe_experts`."""
+    vLLM's in-place reload leaves the CPU experts unpacked without `_repack_moe_experts`. With
+    `rollout.record_routes`, each completion (greedy, seeded, and unseeded samples vLLM fans out) comes with the
+    experts the engine routed its tokens to: the trainer's own, before and after the sync."""
     from jax import devices
 
     from core.config import MeshConfig
@@ -127,12 +146,15 @@ def test_a_moe_model_is_served_and_updated_to_what_the_jax_sampler_serves(ray_cl
 
     src, new = rollout_model_dir("qwen3_moe", seed=0), rollout_model_dir("qwen3_moe", seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    sampler = engine(src)
+    sampled = [SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5), SamplingParams(n=3, max_tokens=8)]
+    sampler = engine(src, record_routes=True)
     try:
         before = sampler.generate(PROMPTS, params)
+        before_sampled = [c for p in sampled for c in sampler.generate(PROMPTS, p)]
         model, cfg = load_hf(new, mesh=make_mesh(MeshConfig(fsdp=2, tensor=2), devices()[:4]))
         sync = sync_to_vllm(nnx.state(model), cfg, sampler, chunk_bytes=64 * 1024, version=3)
         got = sampler.generate(PROMPTS, params)
+        got_sampled = sampler.generate(PROMPTS, sampled[0])
     finally:
         sampler.shutdown()
     for prompt, v, j in zip(PROMPTS, before, jax_greedy(src, 12)):
@@ -144,6 +166,23 @@ def test_a_moe_model_is_served_and_updated_to_what_the_jax_sampler_serves(ray_cl
         assert v.token_ids == j.token_ids == hf_greedy(new, prompt, 12)
         np.testing.assert_allclose(v.logprobs, j.logprobs, atol=1e-4)
     assert sync.chunks > 3 and all(c.policy_version == 3 for c in got)
+    assert len(before_sampled) == 15 and len(got_sampled) == 6
+    assert_trainers_own_routes(load_hf(src)[0], before + before_sampled)
+    assert_trainers_own_routes(load_hf(new)[0], got + got_sampled)
+
+
+@pytest.mark.gpu_only
+def test_on_a_gpu_vllms_own_routes_are_the_trainers(ray_cluster, rollout_model_dir):
+    """On a GPU, `rollout.record_routes` takes vLLM's own routes (`enable_return_routed_experts`, Model Runner V2)
+    instead of recording them: they are the trainer's own top-k as well. (Written for a GPU machine: not run on
+    this CPU.)"""
+    path = rollout_model_dir("qwen3_moe")
+    sampler = engine(path, record_routes=True)
+    try:
+        outs = sampler.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5))
+    finally:
+        sampler.shutdown()
+    assert_trainers_own_routes(load_hf(path)[0], outs)
 
 
 def test_bad_updates_keep_serving_previous_weights(llama_engine, rollout_model_dir):
@@ -165,21 +204,6 @@ def test_bad_updates_keep_serving_previous_weights(llama_engine, rollout_model_d
         llama_engine.generate([[3] * 120], SamplingParams(max_tokens=16))
     after = llama_engine.generate(PROMPTS, params)
     assert [c.token_ids for c in after] == [c.token_ids for c in before] and llama_engine.policy_version == 0
-
-
-def test_shutdown_releases_the_actor_and_shared_memory(ray_cluster, rollout_model_dir):
-    import shutil
-
-    import ray
-
-    used = lambda: shutil.disk_usage("/dev/shm").used
-    before = used()
-    sampler = engine(rollout_model_dir("llama"))
-    assert sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
-    sampler.shutdown()
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(sampler.handle.generate.remote(PROMPTS[:1], SamplingParams(max_tokens=2)), timeout=60)
-    assert used() - before < 16 * 2**20  # an engine left running would hold hundreds of MB here
 
 
 def test_top_k_top_p_logprobs_match_a_numpy_reference(llama_engine, rollout_model_dir):

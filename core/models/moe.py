@@ -12,7 +12,7 @@ of GPU and TPU backends; on this CPU XLA lowers it to masked work on every exper
 blocks of rows) is the CPU form (`experts_kernel`, `model.moe.kernel`; figures in docs/kernels.md). The dense
 reference runs every expert on every token ([E, T, F] intermediates) and is what the tests compare with.
 
-`MoeBlock` is the model layer (`model.moe`, the qwen3_moe and mixtral families): the router and the stacked
+`MoeBlock` is the model layer (`model.moe`, the qwen2_moe, qwen3_moe and mixtral families): the router and the stacked
 experts; split over the mesh's expert axis it exchanges tokens over that axis (`expert_parallel`); given a
 sampler's routes it replays them (`replayed_routes`). It returns its `RouterStats` beside its output, which the
 training losses read (`core.router_loss`).
@@ -20,6 +20,7 @@ training losses read (`core.router_loss`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -127,6 +128,55 @@ def tiled_experts(
     return _to_tokens(per_assignment, order, weights, x.dtype)
 
 
+def expert_capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """The assignments each expert takes with capacity factor `factor`: ceil(factor * tokens * k / experts)
+    (GShard's; factor 1 is an even share)."""
+    return max(1, math.ceil(factor * tokens * k / n_experts))
+
+
+def _ranks(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each (token, expert) assignment's place among its expert's, in token order: (the sort by expert from
+    `_by_expert`, the sorted assignments' experts, their ranks within their expert's group, both [T * k])."""
+    flat, order, sizes = _by_expert(experts, n_experts)
+    ranked = flat[order]
+    group_start = jnp.cumsum(sizes) - sizes
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - group_start[jnp.minimum(ranked, n_experts - 1)]
+    return order, ranked, rank
+
+
+def within_capacity(experts: jax.Array, n_experts: int, capacity: int) -> jax.Array:
+    """[T, k] bool: whether each assignment is among the first `capacity` of its expert's, in token order (an id
+    >= E, a token not routed, never is); the others are dropped (capacity factor, `model.moe.capacity_factor`)."""
+    order, ranked, rank = _ranks(experts, n_experts)
+    keep = (ranked < n_experts) & (rank < capacity)
+    return jnp.zeros(keep.shape, bool).at[order].set(keep).reshape(experts.shape)
+
+
+def capacity_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    capacity: int,
+) -> jax.Array:
+    """The capacity-based form (GShard, Switch; MaxText's dense path): every expert gets a fixed buffer of
+    `capacity` rows ([E, C, D], one batched matmul per projection, static shapes), filled with its first
+    `capacity` assignments in token order; the rest are dropped (read 0). Work and memory are E * C rows however
+    the tokens route. Equal to `tiled_experts` on the assignments `within_capacity` keeps."""
+    k = experts.shape[1]
+    n_experts, d, _ = w_gate.shape
+    order, ranked, rank = _ranks(experts, n_experts)
+    slot = jnp.where((ranked < n_experts) & (rank < capacity), ranked * capacity + rank, n_experts * capacity)
+    rows = jnp.zeros((n_experts * capacity, d), x.dtype).at[slot].set(x[order // k], mode="drop")
+    xb = rows.reshape(n_experts, capacity, d)
+    h = _swiglu(jnp.einsum("ecd,edf->ecf", xb, w_gate), jnp.einsum("ecd,edf->ecf", xb, w_up))
+    out = jnp.einsum("ecf,efd->ecd", h, w_down)
+    per_assignment = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0)  # sorted order
+    return _to_tokens(per_assignment, order, weights, x.dtype)
+
+
 EXPERT_AXES = ("experts", "embed", "mlp")  # w_gate / w_up's logical axes; w_down's are ("experts", "mlp", "embed")
 
 
@@ -194,8 +244,11 @@ def expert_parallel(
     )(x, weights, experts, w_gate, w_up, w_down)
 
 
-def experts_kernel(kind: Literal["auto", "ragged_dot", "tiled"]):
-    """The grouped-matmul function `model.moe.kernel` names (`auto`: tiled on CPU, ragged_dot elsewhere)."""
+def experts_kernel(kind: Literal["auto", "ragged_dot", "tiled", "capacity"], capacity: int = 0):
+    """The grouped-matmul function `model.moe.kernel` names (`auto`: tiled on CPU, ragged_dot elsewhere;
+    `capacity`: `capacity_experts` with `capacity` rows an expert)."""
+    if kind == "capacity":
+        return functools.partial(capacity_experts, capacity=capacity)
     if kind == "auto":
         kind = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     return tiled_experts if kind == "tiled" else grouped_experts
@@ -233,6 +286,8 @@ class RouterStats:
     # differed from them: the routing mismatch between sampler and trainer, measured with replay or without.
     routed: Any = 0.0
     differed: Any = 0.0
+    # Top-k assignments of real tokens past their expert's capacity (`model.moe.capacity_factor`): not computed.
+    dropped: Any = 0.0
 
     def __add__(self, other: RouterStats) -> RouterStats:
         return jax.tree.map(jnp.add, self, other)
@@ -254,9 +309,11 @@ def router_stats(
     valid: jax.Array | None,
     routed: jax.Array | None = None,
     differed: jax.Array | None = None,
+    dropped: jax.Array | None = None,
 ) -> RouterStats:
     """`RouterStats` of one layer: [T, E] logits, [T, k] chosen experts, [T] bool real tokens (None: all); [T] bool
-    tokens that came with a sampler's routes and those whose own top-k set differed from them (None: none)."""
+    tokens that came with a sampler's routes and those whose own top-k set differed from them (None: none); [T]
+    assignments a token lost to the capacity (None: none)."""
     t, n_experts = router_logits.shape
     logits = router_logits.astype(jnp.float32)
     v = jnp.ones((t,), jnp.float32) if valid is None else valid.astype(jnp.float32)
@@ -264,7 +321,7 @@ def router_stats(
     probs = (jax.nn.softmax(logits, axis=-1) * v[:, None]).sum(axis=0)
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * v)
     count = lambda m: jnp.zeros((), jnp.float32) if m is None else jnp.sum(m.astype(jnp.float32) * v)
-    return RouterStats(counts, probs, v.sum(), z, count(routed), count(differed))
+    return RouterStats(counts, probs, v.sum(), z, count(routed), count(differed), count(dropped))
 
 
 def check_routes(routes: np.ndarray, cfg: ModelConfig, where: str = "the batch's routes") -> None:
@@ -310,7 +367,8 @@ def replayed_routes(
 
 class MoeBlock(nnx.Module):
     """The sparse feed-forward layer: a router ([D, E], no bias) and E SwiGLU experts stacked on a leading axis
-    (`w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]), dropless (`experts_kernel`: tiled on CPU)."""
+    (`w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]), dropless (`experts_kernel`: tiled on CPU) unless a
+    capacity factor is set; Qwen2-MoE adds a gated shared expert (`shared_expert`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         assert cfg.moe is not None
@@ -321,9 +379,17 @@ class MoeBlock(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, fan_in=d)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, fan_in=d)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, fan_in=f)
+        fs = moe.shared_intermediate_size
+        if fs:  # Qwen2-MoE's shared expert, and the gate that scales it per token
+            self.shared_gate = param(rngs, (d, fs), ("embed", "mlp"), pd, fan_in=d)
+            self.shared_up = param(rngs, (d, fs), ("embed", "mlp"), pd, fan_in=d)
+            self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), pd, fan_in=fs)
+            self.shared_router = param(rngs, (d, 1), ("embed", None), pd, fan_in=d)
+        self.shared = bool(fs)
         self.k = moe.experts_per_token
         self.normalize = moe.normalize_topk
         self.kernel = moe.kernel
+        self.capacity_factor = moe.capacity_factor
         self.dtype = dtype_of(cfg.dtype)
 
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -333,6 +399,13 @@ class MoeBlock(nnx.Module):
         )
         weights, experts = route_topk(logits, self.k, self.normalize)
         return logits, weights, experts
+
+    def shared_expert(self, x: jax.Array) -> jax.Array:
+        """Qwen2-MoE's shared expert on [..., D] tokens: a SwiGLU MLP every token goes through, times
+        sigmoid(x @ its gate)."""
+        w = lambda p: p[...].astype(self.dtype)
+        h = _swiglu(x @ w(self.shared_gate), x @ w(self.shared_up)) @ w(self.shared_down)
+        return jax.nn.sigmoid(x @ w(self.shared_router)) * h
 
     def __call__(
         self, x: jax.Array, valid: jax.Array | None = None, routes: jax.Array | None = None, replay: bool = False
@@ -348,14 +421,29 @@ class MoeBlock(nnx.Module):
             weights, experts, routed, differed = replayed_routes(
                 logits, experts, routes.reshape(-1, self.k), self.normalize, replay
             )
+        dropped = None
+        kernel = experts_kernel(self.kernel)
+        if self.capacity_factor > 0:  # each expert takes its first `capacity` real tokens' assignments
+            n_experts = self.w_gate.shape[0]
+            capacity = expert_capacity(flat.shape[0], self.k, n_experts, self.capacity_factor)
+            real = jnp.ones(flat.shape[:1], bool) if valid is None else valid.reshape(-1)
+            kept = within_capacity(jnp.where(real[:, None], experts, n_experts), n_experts, capacity)
+            dropped = (real[:, None] & ~kept).sum(axis=-1)
+            run = jnp.where(kept, experts, n_experts)  # an id past the experts is not computed, by any kernel
+            stats_experts, experts, weights = experts, run, jnp.where(kept, weights, 0)
+            kernel = experts_kernel(self.kernel, capacity)
+        else:
+            stats_experts = experts
         w = lambda p: p[...].astype(self.dtype)
         params = (w(self.w_gate), w(self.w_up), w(self.w_down))
-        kernel = experts_kernel(self.kernel)
         y = None
         if _expert_axis() > 1:  # expert parallelism: the mesh splits the experts (None: the rows do not split)
             gates, chosen = weights.reshape(*lead, -1).astype(self.dtype), experts.reshape(*lead, -1)
             y = expert_parallel(x, gates, chosen, *params, kernel=kernel)
         if y is None:
             y = kernel(flat, weights.astype(self.dtype), experts, *params).reshape(*lead, -1)
-        stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1), routed, differed)
-        return constrain(y, ("batch", "length", "act_embed")), stats, experts.reshape(*lead, self.k)
+        if self.shared:
+            y = y + self.shared_expert(x)
+        real = None if valid is None else valid.reshape(-1)
+        stats = router_stats(logits, stats_experts, real, routed, differed, dropped)
+        return constrain(y, ("batch", "length", "act_embed")), stats, stats_experts.reshape(*lead, self.k)

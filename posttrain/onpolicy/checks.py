@@ -36,12 +36,15 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
     if cfg.data.source is None:
         raise ConfigError("data.source is not set: an on-policy method needs prompts")
-    if rl.router_replay == "replay" and (rollout.sampler != "jax" or rl.agent is not None):
+    if rl.router_replay == "replay" and rl.agent is not None:
         raise ConfigError(
-            "rl.router_replay=replay needs the sampler's routes, which the JAX sampler returns for single-turn "
-            f"completions (rollout.sampler=jax, no rl.agent); here rollout.sampler={rollout.sampler}"
-            f"{' with rl.agent' if rl.agent is not None else ''}: vLLM 0.32 returns routes only with Model Runner "
-            "V2, which needs Triton (GPU), and capturing them in the sampler's actor is not built"
+            "rl.router_replay=replay is built for single-turn completions; with rl.agent an episode's turns would "
+            "need their routes joined, which is not built"
+        )
+    if rl.router_replay == "replay" and rollout.sampler == "vllm" and not rollout.record_routes:
+        raise ConfigError(
+            "rl.router_replay=replay with rollout.sampler=vllm needs rollout.record_routes=true: the vLLM sampler "
+            "returns each token's experts only when it records them (rollout/vllm_routes.py)"
         )
 
 

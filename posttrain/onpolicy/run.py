@@ -52,7 +52,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.chat import turn_stop_ids
@@ -154,7 +154,7 @@ class OnPolicyRun(Loop):
             resumed_in_flight = [
                 InFlight(
                     self.stream.batch(f["indices"]),
-                    [Completion(**c) for c in f["completions"]],
+                    [Completion.from_record(c) for c in f["completions"]],
                     None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
                 )
                 for f in meta.get("in_flight", [])
@@ -354,7 +354,7 @@ class OnPolicyRun(Loop):
         stored = [
             {
                 "indices": r.prompts.indices,
-                "completions": [asdict(c) for c in self._collect(r)],
+                "completions": [c.record() for c in self._collect(r)],
                 "episodes": None if r.episodes is None else [e.record() for e in r.episodes],
             }
             for r in self._in_flight
