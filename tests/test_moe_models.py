@@ -79,7 +79,7 @@ def test_logits_match_transformers(moe_dir, name):
     assert np.abs(out - ref).max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_moe"])  # the routed and the shared expert
 def test_scanned_and_listed_layers_agree(moe_dir, name):
     tokens = np.random.RandomState(2).randint(0, 512, (2, 16)).astype(np.int32)
     scanned, _ = load_hf(moe_dir(name))
@@ -270,11 +270,8 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(moe_dir, tmp_path):
 # ---------------------------------------------------------------- expert parallelism
 
 
-@pytest.mark.parametrize(
-    "mesh_cfg",
-    [MeshConfig(fsdp=2, expert=4), MeshConfig(data=2, fsdp=1, expert=2, tensor=2)],
-    ids=["fsdp2-expert4", "data2-expert2-tensor2"],
-)
+# (expert 4 x tensor 2, the experts' width split too, spans two processes in tests/test_distributed.py)
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(fsdp=2, expert=4)], ids=["fsdp2-expert4"])
 def test_expert_parallel_steps_equal_one_device(mesh_cfg, monkeypatch):
     """A train step (the router terms on) with the experts split over the `expert` axis
     takes the single-device step: the same loss and parameters within float32 noise. The experts are sharded on
