@@ -21,8 +21,9 @@ class RolloutConfig(Section):
     dtype: DType = "float32"
     enforce_eager: bool = True
     # vLLM serving a mixture of experts: return the experts each token was routed to (`Completion.routes`, for
-    # routing replay), recorded in the sampler's process (`rollout.vllm_routes`: needs enforce_eager; turns prefix
-    # caching off). The JAX sampler always returns them.
+    # routing replay). On CPU they are recorded in the sampler's process (`rollout.vllm_routes`: needs
+    # enforce_eager, refused at the engine's start without it; turns prefix caching off); on a GPU they are vLLM's
+    # own (`enable_return_routed_experts`). The JAX sampler always returns them.
     record_routes: bool = False
     # Cores for vLLM's OpenMP threads per sampler, e.g. "0" or "0-1"; None lets vLLM choose.
     omp_threads_bind: str | None = None
@@ -38,11 +39,6 @@ class RolloutConfig(Section):
     def _check(self) -> RolloutConfig:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.record_routes and not self.enforce_eager:
-            raise ValueError(
-                "rollout.record_routes=true needs rollout.enforce_eager=true: vLLM's compiled graph does not call the "
-                "routers' capture callback where routes are recorded"
-            )
         return self
 
 

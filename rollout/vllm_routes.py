@@ -63,8 +63,8 @@ class RouteRecorder:
         config = llm.llm_engine.vllm_config
         if not config.model_config.enforce_eager:
             raise ValueError(
-                "recording routes needs rollout.enforce_eager=true: vLLM's compiled graph does not call the routers' "
-                "capture callback"
+                "rollout.record_routes=true on CPU needs rollout.enforce_eager=true: vLLM's compiled graph does not "
+                "call the routers' capture callback, where routes are recorded"
             )
         if config.cache_config.enable_prefix_caching:
             raise ValueError("recording routes needs prefix caching off: cached prompt tokens are not run")
@@ -118,13 +118,15 @@ class RouteRecorder:
     def take(self, request_id: str, index: int, num_tokens: int) -> np.ndarray:
         """The routes of completion `index` of request `request_id` (a `RequestOutput`'s) over its first `num_tokens`
         tokens (prompt and completion), [num_tokens, sparse layers, k] int32, -1 where no pass ran the token; the
-        request's record is dropped."""
+        request's record is dropped. A completion nothing was recorded for is an error, not routes of -1 (which
+        replay would read as "route it yourself")."""
         rid = self._keys.pop((request_id, index), None)
         buf = self._routes.pop(rid, None) if rid is not None else None
+        if buf is None:
+            raise RuntimeError(f"no routes were recorded for completion {index} of vLLM request {request_id!r}")
         out = np.full((num_tokens, len(self._step), self.k), -1, np.int32)
-        if buf is not None:
-            rows = min(num_tokens, len(buf))
-            out[:rows] = buf[:rows]
+        rows = min(num_tokens, len(buf))
+        out[:rows] = buf[:rows]
         return out
 
     def drop_finished(self) -> None:

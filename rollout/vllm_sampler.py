@@ -77,6 +77,10 @@ class VLLMSampler:
                 raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {adapter.rank}")
             lora = dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         served = served_model(self.model_dir)
+        if served.family == "qwen2_moe" and not served.attention_bias:
+            raise ValueError(
+                f"{self.model_dir}: vLLM's Qwen2-MoE always has q/k/v biases; this checkpoint has qkv_bias=false"
+            )
         if cfg.record_routes and served.moe is None:
             raise ValueError(f"rollout.record_routes=true, but the model in {self.model_dir} has no experts to route")
         from vllm.platforms import current_platform

@@ -234,15 +234,32 @@ def test_routing_replay_without_routes_is_refused_at_start(overrides, words):
         check_config(cfg)
 
 
-def test_recording_vllms_routes_needs_an_eager_engine():
-    from core.config_loader import ConfigError
+def test_recording_vllms_routes_refuses_a_compiled_engine_and_a_completion_it_did_not_record():
+    """`RouteRecorder` (on a stand-in for the engine's config: the check runs before any vLLM object is read)
+    refuses an engine whose graph is compiled, and prefix caching; a completion it has no record of is an error,
+    not routes of -1."""
+    from types import SimpleNamespace
 
-    with pytest.raises(ConfigError, match="rollout.record_routes=true needs rollout.enforce_eager=true"):
-        load_config(
-            "recipes/configs/grpo_tiny.yml",
-            ["rollout.record_routes=true", "rollout.enforce_eager=false"],
-            schema=PostTrainConfig,
+    from core.config import ModelConfig, MoeConfig
+    from rollout.vllm_routes import RouteRecorder
+
+    served = ModelConfig(family="qwen3_moe", qk_norm=True, moe=MoeConfig(num_experts=4))
+
+    def engine(eager, prefix):
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(enforce_eager=eager),
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix),
         )
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
+
+    with pytest.raises(ValueError, match="needs rollout.enforce_eager=true"):
+        RouteRecorder(engine(False, False), served)
+    with pytest.raises(ValueError, match="prefix caching off"):
+        RouteRecorder(engine(True, True), served)
+    recorder = RouteRecorder.__new__(RouteRecorder)
+    recorder._keys, recorder._routes, recorder._step, recorder.k = {}, {}, [None, None], 2
+    with pytest.raises(RuntimeError, match="no routes were recorded for completion 1 of vLLM request '7'"):
+        recorder.take("7", 1, 5)
 
 
 @pytest.mark.integration
