@@ -444,6 +444,7 @@ class MoeBlock(nnx.Module):
             y = kernel(flat, weights.astype(self.dtype), experts, *params).reshape(*lead, -1)
         if self.shared:
             y = y + self.shared_expert(x)
-        real = None if valid is None else valid.reshape(-1)
-        stats = router_stats(logits, stats_experts, real, routed, differed, dropped)
+        stats = router_stats(
+            logits, stats_experts, None if valid is None else valid.reshape(-1), routed, differed, dropped
+        )
         return constrain(y, ("batch", "length", "act_embed")), stats, stats_experts.reshape(*lead, self.k)
