@@ -234,6 +234,23 @@ def test_routing_replay_without_routes_is_refused_at_start(overrides, words):
         check_config(cfg)
 
 
+def test_replay_on_a_dense_policy_is_refused_before_any_sampler_starts(tmp_path, arithmetic_tokenizer):
+    """The recipe's policy is a dense Qwen2: replay is refused once the trainer holds it, naming the key (before, at
+    the first batch, after the samplers had started and generated)."""
+    from core.config_loader import ConfigError
+    from posttrain.grpo import GRPORun
+
+    cfg = _run_cfg(
+        "recipes/configs/grpo_tiny.yml",
+        tmp_path,
+        arithmetic_tokenizer,
+        "rollout.sampler=jax",
+        "rl.router_replay=replay",
+    )
+    with pytest.raises(ConfigError, match="rl.router_replay=replay, but the policy \\(family 'qwen2'\\) is dense"):
+        GRPORun(cfg)
+
+
 def test_recording_vllms_routes_refuses_a_compiled_engine_and_a_completion_it_did_not_record():
     """`RouteRecorder` (on a stand-in for the engine's config: the check runs before any vLLM object is read)
     refuses an engine whose graph is compiled, and prefix caching; a completion it has no record of is an error,

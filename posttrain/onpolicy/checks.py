@@ -5,6 +5,7 @@ Each method adds its own (`OnPolicyRun.check`); what several methods share is he
 
 from __future__ import annotations
 
+from core.config import ModelConfig
 from core.config_loader import ConfigError
 from posttrain.config import PostTrainConfig
 from rollout.sampler import Completion
@@ -45,6 +46,16 @@ def check_config(cfg: PostTrainConfig) -> None:
         raise ConfigError(
             "rl.router_replay=replay with rollout.sampler=vllm needs rollout.record_routes=true: the vLLM sampler "
             "returns each token's experts only when it records them (rollout/vllm_routes.py)"
+        )
+
+
+def check_policy(cfg: PostTrainConfig, model: ModelConfig) -> None:
+    """What the config needs of the policy the trainer holds (`model`: its model section, a checkpoint's when
+    `checkpoint.init_from` names one), checked once the trainer has it, before any sampler starts."""
+    if cfg.rl.router_replay == "replay" and model.moe is None:
+        raise ConfigError(
+            f"rl.router_replay=replay, but the policy (family {model.family!r}) is dense: it has no experts to "
+            "replay routes on"
         )
 
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.chat import turn_stop_ids
+from core.config import ModelConfig
 from core.config_loader import save_config
 from core.data import load_tokenizer
 from core.loop import Hook, Loop, Plot
@@ -65,7 +66,7 @@ from core.shapes import SizeCache
 from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.agent import AgentRollouts
-from posttrain.onpolicy.checks import check_config, check_staleness, check_tokenizer_template
+from posttrain.onpolicy.checks import check_config, check_policy, check_staleness, check_tokenizer_template
 from posttrain.onpolicy.evaluation import eval_metrics
 from posttrain.onpolicy.learner import LearnerFactory
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
@@ -139,6 +140,7 @@ class OnPolicyRun(Loop):
             self.placement = reserve(cfg)
         self.trainer = start_trainer(cfg, run_dir, self.learner_class, self.placement)
         check_vocab(self.trainer.model_config()["vocab_size"], self.tokenizer_dir)
+        check_policy(cfg, ModelConfig.model_validate(self.trainer.model_config()))
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
         # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
         self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
