@@ -132,9 +132,5 @@ class RouteRecorder:
     def drop_finished(self) -> None:
         """Forget requests the engine no longer runs (aborted, or finished without `take`)."""
         live = set(self.requests)
-        for key, rid in list(self._keys.items()):
-            if rid not in live:
-                del self._keys[key]
-                self._routes.pop(rid, None)
-        for rid in [r for r in self._routes if r not in live and r not in self._keys.values()]:
-            del self._routes[rid]
+        self._keys = {key: rid for key, rid in self._keys.items() if rid in live}
+        self._routes = {rid: buf for rid, buf in self._routes.items() if rid in live}
