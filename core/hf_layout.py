@@ -57,7 +57,7 @@ LAYER_TABLE: list[tuple[tuple[str, ...], str, str, Callable[[ModelConfig], bool]
 _DENSE_MLP = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
 
 # A sparse layer's router and experts (`core.models.moe.MoeBlock`): core parameter, HF name per family ({e}: the
-# expert), whether one tensor per expert. Both families store `nn.Linear` weights [out, in].
+# expert), whether one tensor per expert. The three families store `nn.Linear` weights [out, in].
 _QWEN_MOE = {
     "router": "mlp.gate.weight",
     "w_gate": "mlp.experts.{e}.gate_proj.weight",
