@@ -145,11 +145,33 @@ class CompiledCounts:
         return cache.pick(needed)
 
 
-def _pick(counts: CompiledCounts | None, count: str, slots: int, needed: int, step: int) -> int:
-    """`needed` rounded up to a multiple of `step` (at least one step, at most `slots`), or, with `counts`, a larger
-    count already compiled that holds it."""
-    bucket = lambda n: min(slots, max(1, -(-n // step)) * step)
+def _pick(counts: CompiledCounts | None, count: str, slots: int, needed: int, bucket: Callable[[int], int]) -> int:
+    """`bucket(needed)`, or, with `counts`, a larger count already compiled that holds it."""
     return bucket(needed) if counts is None else counts.pick(count, slots, needed, bucket)
+
+
+def scored_bucket(needed: int, slots: int) -> int:
+    """`needed` real targets of a micro-batch's `slots` rounded up, so that a run compiles its step for a handful of
+    counts: quarters of up to 256 slots, then steps of 64 targets (at most 16 counts), where each padded target
+    costs a vocabulary-sized row of the head (~0.5 ms at 56M on 2 CPU cores). Every slot below 4."""
+    if slots < 4:
+        return slots
+    step = max(-(-slots // 16), min(64, slots // 4))
+    return min(slots, max(1, -(-needed // step)) * step)
+
+
+# Below this many positions a part, compaction saves too little to pay for another compiled shape (the test
+# suite's batches, the tiny benchmark's).
+COMPACT_MIN_SLOTS = 1024
+
+
+def compact_bucket(needed: int, positions: int) -> int:
+    """`needed` real tokens of a part's `positions` rounded up to an eighth of them; every position below
+    `COMPACT_MIN_SLOTS`."""
+    if positions < COMPACT_MIN_SLOTS:
+        return positions
+    step = -(-positions // 8)
+    return min(positions, max(1, -(-needed // step)) * step)
 
 
 def with_scored(tree: T, counts: CompiledCounts | None = None) -> T:
@@ -170,18 +192,10 @@ def with_scored(tree: T, counts: CompiledCounts | None = None) -> T:
         slots = per_group.shape[1]
         if slots < 4:
             return replace(x, scored=0)
-        # Each count is another compilation (the test suite's small models compile more than they run), so
-        # counts are coarse: quarters of up to 256 slots, then steps of 64 targets (at most 16 counts), where
-        # each padded target costs a vocabulary-sized row of the head (~0.5 ms at 56M on 2 CPU cores).
-        step = max(-(-slots // 16), min(64, slots // 4))
-        return replace(x, scored=_pick(counts, "scored", slots, most, step))
+        # Each count is another compilation (the test suite's small models compile more than they run): coarse.
+        return replace(x, scored=_pick(counts, "scored", slots, most, lambda n: scored_bucket(n, slots)))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))
-
-
-# Below this many positions a part, compaction saves too little to pay for another compiled shape (the test
-# suite's batches, the tiny benchmark's).
-COMPACT_MIN_SLOTS = 1024
 
 
 def with_compact(tree: T, mesh_shape: dict[str, int] | None = None, counts: CompiledCounts | None = None) -> T:
@@ -203,7 +217,7 @@ def with_compact(tree: T, mesh_shape: dict[str, int] | None = None, counts: Comp
         slots = parts.shape[1]
         if slots < COMPACT_MIN_SLOTS:
             return replace(x, compact=0)
-        count = _pick(counts, "compact", slots, int(parts.sum(axis=1).max()), -(-slots // 8))
+        count = _pick(counts, "compact", slots, int(parts.sum(axis=1).max()), lambda n: compact_bucket(n, slots))
         return replace(x, compact=count if count < slots else 0)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PackedBatch))

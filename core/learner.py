@@ -20,6 +20,7 @@ loop then does about it (`train.nan_policy`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,20 +30,24 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from core.batch import CompiledCounts
 from core.checkpoint import Checkpointer
+from core.compile_cache import BACKGROUND_PREFIX
 from core.config import Config, OptimConfig
-from core.distributed import CompiledTogether, barrier
+from core.distributed import CompiledTogether, any_process, barrier
 from core.errors import TemperError
 from core.models import Decoder, ModuleTree, trained_model
 from core.models.lora import trainable_filter
 from core.optim import make_optimizer, make_schedule
+from core.shape_plan import ShapePlan
 from core.sums import to_host
 from core.train import (
     LossFn,
     LossOutput,
     Update,
+    batch_sharding,
+    batch_shards,
     bind_loss,
+    check_packing_groups,
     init_train_state,
     jit_train_step,
     make_train_step,
@@ -83,10 +88,12 @@ class Learner:
         seed: int = 0,
         tx: optax.GradientTransformation | None = None,
         trainable: Any = None,
+        compile_ahead: bool = False,
     ):
         """`modules`: the method's module tree (on `mesh`); `trainable`: the filter of what trains (None: the
         trained model's own, `core.models.lora.trainable_filter`: every parameter, or its LoRA adapters). `tx`
-        replaces the optimizer `optim` describes (e.g. one that records gradients, in tests)."""
+        replaces the optimizer `optim` describes (e.g. one that records gradients, in tests). `compile_ahead`: compile
+        the shapes a run is likely to need next in a background thread (`core.shape_plan`, `compile.ahead`)."""
         self.mesh = mesh
         self.model_cfg = trained_model(modules).cfg
         self.trainable = trainable_filter(self.model_cfg) if trainable is None else trainable
@@ -97,13 +104,22 @@ class Learner:
             self.state = init_train_state(params, self.tx, seed)
         self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
         self._executables: dict[Any, Callable] = {}
-        self._counts = CompiledCounts()  # the batches' static counts the update was compiled for
+        self._compiling = threading.Lock()  # the executables, written from the plan's background thread too
+        # The shapes the update runs in: rows, targets scored and positions compacted per batch (core.shape_plan).
+        self.plan = ShapePlan(
+            self._compile_host,
+            dict(mesh.shape),
+            batch_shards(mesh),
+            ahead=compile_ahead,
+            agree=lambda flag: not any_process(not flag),
+        )
         bound = bind_loss(self.graphdef, loss_fn, router_terms=False)
         self._evaluate = CompiledTogether(
             jax.jit(lambda params, rest, batch: bound(params, rest, batch, None)),
             "evaluation",  # no dropout
         )
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
+        self._state_shapes: Any = None
         # Where the trained model sits in the tree: the tree itself, or its `.model` (what a checkpoint records).
         self.model_path: list[str] = [] if isinstance(modules, Decoder) else ["model"]
         self._frozen_record: dict[str, list[float]] | None = None
@@ -128,31 +144,53 @@ class Learner:
         """One optimizer update on a host batch (any pytree of `[N, ...]` arrays packed for `micro_batches`
         packing groups), accumulated over `micro_batches`; its outcome as floats (`finite`, `empty` say whether
         it was applied)."""
-        placed = place_batch(split_micro_batches(batch, micro_batches, self.mesh, self._counts), self.mesh)
+        check_packing_groups(batch, micro_batches)
+        _, shaped = self.plan.shape(batch)
+        placed = place_batch(split_micro_batches(shaped, micro_batches, self.mesh, set_counts=False), self.mesh)
         with jax.set_mesh(self.mesh):  # activation sharding constraints apply under the mesh
-            self.state, report = self._executable(placed)(self.state, placed, self.rest)
+            self.state, report = self._executables[_key(placed)](self.state, placed, self.rest)
         return to_host(jax.device_get(report))
 
     def compile(self, batch: Any, micro_batches: int = 1) -> str:
-        """Compile the update for this batch's shapes now (not inside a timed step); XLA's memory analysis."""
-        self._executable(place_batch(split_micro_batches(batch, micro_batches, self.mesh, self._counts), self.mesh))
+        """Compile the update for the shape this batch runs in now (not inside a timed step); XLA's memory
+        analysis."""
+        check_packing_groups(batch, micro_batches)
+        self.plan.shape(batch)
         return self.last_compile or ""
 
     @property
     def compiled_shapes(self) -> int:
-        """How many batch shapes the update has been compiled for."""
-        return len(self._executables)
+        """How many batch shapes the update has been compiled for (ahead of need included)."""
+        with self._compiling:
+            return len(self._executables)
 
-    def _executable(self, placed: Any) -> Callable:
-        leaves, treedef = jax.tree.flatten(placed)  # the treedef holds static fields (PackedBatch.scored)
-        key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
-        if key not in self._executables:
-            with jax.set_mesh(self.mesh):
-                compiled = self._step.lower(self.state, placed, self.rest).compile()
-            self.last_compile = memory_analysis_line(compiled)
+    def _compile_host(self, batch: Any) -> None:
+        """Compile the update for a host batch laid out in its shape (`core.shape_plan.apply`), from its shapes alone;
+        on the plan's background thread too, where nothing waits for it (and no process waits for the others)."""
+        micro = split_micro_batches(batch, batch.packed.groups, set_counts=False)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(self.mesh, x.shape)), micro
+        )
+        key = _key(abstract)
+        with self._compiling:
+            if key in self._executables:
+                return
+        with jax.set_mesh(self.mesh):
+            compiled = self._step.lower(self.state_shapes, abstract, self.rest).compile()
+        with self._compiling:
             self._executables[key] = compiled
+            self.last_compile = memory_analysis_line(compiled)
+        if not threading.current_thread().name.startswith(BACKGROUND_PREFIX):
             barrier("a newly compiled update")  # a process group's collectives start together (core.distributed)
-        return self._executables[key]
+
+    @property
+    def state_shapes(self) -> Any:
+        """The train state's shapes, dtypes and shardings (what compiling the update needs of it)."""
+        if self._state_shapes is None:
+            self._state_shapes = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state
+            )
+        return self._state_shapes
 
     def evaluate(self, batch: Any) -> LossOutput:
         """The loss output of one host batch (one packing group) under the current parameters, no update, as
@@ -216,3 +254,9 @@ class Learner:
         if self.model_cfg.lora is not None:
             save_adapter(model, Path(out) / ADAPTER_DIR, adapter_base(init_from))
         return out
+
+
+def _key(batch: Any) -> Any:
+    """What an executable of the update is compiled for: the batch's tree (static fields included) and shapes."""
+    leaves, treedef = jax.tree.flatten(batch)  # the treedef holds static fields (PackedBatch.scored)
+    return (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))

@@ -19,7 +19,11 @@ here, once:
 - SIGTERM (in the main thread): the step in progress finishes, a checkpoint is saved and `fit` returns; in a
   process group every process stops at the same step;
 - the end: the last checkpoint (unless the hook just wrote it), the Hugging Face export (`checkpoint.export_hf`),
-  the curves as PNGs, and a summary in `run_info.json`;
+  the curves as PNGs, and a summary in `run_info.json`, with where the time went (`core.goodput`: goodput, the
+  compilation steps waited for, start-up, time to the first step);
+- compilation: each step's wait for compilation in this process (`core.compile_cache.CompileClock`) and in the
+  run kind's other processes (`compile_elsewhere`: a trainer actor's), which the run kind logs (`step_compile`:
+  `time/compile`, `compile/compilations`, `compile/cache_hits`);
 - a profiler trace of `profiler.num_steps` steps from `profiler.start_step`.
 
 `TrainLoop` is the offline kind: `data.*`'s pipeline yields `core.data.DataBatch`es, the method's `prepare` turns
@@ -43,10 +47,12 @@ import jax
 import numpy as np
 
 from core.checkpoint import Checkpointer
+from core.compile_cache import CompileTally, compile_clock
 from core.config import Config
 from core.config_loader import save_config
 from core.data import DataBatch
 from core.distributed import any_process
+from core.goodput import Goodput, RunStart
 from core.learner import Learner, NonFiniteLoss, apply_nan_policy
 from core.metrics import (
     MetricsLogger,
@@ -93,9 +99,19 @@ class Loop:
 
     plots: Sequence[Plot] = ()
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int, hooks: Sequence[Hook] = (), evaluates=True):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        start_step: int,
+        hooks: Sequence[Hook] = (),
+        evaluates=True,
+        started: RunStart | None = None,
+    ):
         """`start_step`: the step a resumed run restored (0: a fresh run); `hooks`: the method's own, after the
-        built-in log, eval and checkpoint hooks; `evaluates`: whether there is anything to evaluate."""
+        built-in log, eval and checkpoint hooks; `evaluates`: whether there is anything to evaluate; `started`:
+        when the run began to be built (default: now), what its time to the first step and its compilations count
+        from."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.start_step = start_step
@@ -109,6 +125,9 @@ class Loop:
             *hooks,
         ]
         self._stop = False
+        self.clock = compile_clock()
+        self.goodput = Goodput(started or RunStart.now())
+        self._step_clock = self.clock.read()
 
     # ---------------------------------------------------------------- the run kind's
 
@@ -145,6 +164,20 @@ class Loop:
     def close_logs(self) -> None:
         """Close what the loop writes (its metrics logger, pending checkpoint writes), however it ended."""
 
+    def compile_elsewhere(self) -> CompileTally:
+        """What the step in progress compiled in processes other than this one (a trainer actor); this process's
+        own the loop's clock counts."""
+        return CompileTally()
+
+    def compiled_elsewhere(self) -> CompileTally | None:
+        """What the run compiled so far in processes other than this one (a trainer actor), start-up included."""
+        return None
+
+    def step_compile(self) -> CompileTally:
+        """What the step in progress has compiled so far, in this process and elsewhere, and the time it waited for
+        it: what a run kind logs (`CompileTally.metrics`: `time/compile`, `compile/compilations`, ...)."""
+        return self.clock.read() - self._step_clock + self.compile_elsewhere()
+
     # ------------------------------------------------------------------- the loop
 
     def fit(self) -> int:
@@ -156,11 +189,13 @@ class Loop:
         step = self.start_step
         try:
             for step in range(self.start_step + 1, self.total_steps + 1):
+                self._step_clock, began = self.clock.read(), time.perf_counter()
                 try:
                     with _Profiler(self.cfg, self.run_dir, step):
                         self.train_step(step)
                 except NonFiniteLoss as err:
                     self._abort(step, err)
+                self.goodput.step(time.perf_counter() - began, self.step_compile().seconds)
                 for hook in self.hooks:
                     if hook.due(step):
                         hook.fn(self, step)
@@ -204,7 +239,15 @@ class Loop:
             for plot in self.plots:
                 path = plot_curves(self.run_dir, keys=plot.keys, out=plot.out, ylabel=plot.ylabel)
                 drawn[plot.out] = str(path) if path else None
-        update_run_info(self.run_dir, plots=drawn, hf_dir=str(hf_dir) if hf_dir else None, **self.summary(step))
+        if self.goodput.steps:
+            print(self.goodput.line(self.compiled_elsewhere()), flush=True)
+        update_run_info(
+            self.run_dir,
+            plots=drawn,
+            hf_dir=str(hf_dir) if hf_dir else None,
+            time=self.goodput.summary(self.compiled_elsewhere()),
+            **self.summary(step),
+        )
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
@@ -268,11 +311,13 @@ class TrainLoop(Loop):
         prepare: Prepare = _as_is,
         hooks: Sequence[Hook] = (),
         console: dict[str, str] | None = None,
+        started: RunStart | None = None,
     ):
         """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
         `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
         timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
-        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label)."""
+        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label); `started`: when
+        the run began to be built (`Loop`)."""
         self.learner = learner
         self.mesh = learner.mesh
         self.tokenizer_dir = tokenizer_dir
@@ -290,7 +335,7 @@ class TrainLoop(Loop):
             if restored is not None:
                 start = restored[0]
                 print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
-        super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None)
+        super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None, started=started)
         self.logger = MetricsLogger(run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
         self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -335,6 +380,7 @@ class TrainLoop(Loop):
             "tokens_per_s": n_tokens / seconds,
             "tflops_per_s": flops / 1e12,
             "mfu": flops / (self.peak_flops * jax.device_count()),
+            **self.step_compile().metrics(),
         }
         if step == self.start_step + 1:
             line = device_memory()

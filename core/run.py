@@ -28,9 +28,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from core.compile_cache import use_compile_cache
 from core.config import Config, resolve_mesh_shape
 from core.config_loader import ConfigError
 from core.data import DataBatch
+from core.goodput import RunStart
 from core.learner import Learner
 from core.loop import Evaluation, Hook, Prepare, TrainLoop, _as_is
 from core.models import Decoder, ModuleTree
@@ -144,6 +146,8 @@ def build_run(cfg: Config, method: Method) -> Run:
     from core.sources import load_records
     from core.tokenizer import check_vocab, run_tokenizer
 
+    started = RunStart.now()
+    use_compile_cache(cfg.compile.cache_dir)
     method.check(cfg)
     try:  # fail early, with the sizes, on a bad mesh
         resolve_mesh_shape(cfg.mesh, jax.device_count())
@@ -168,6 +172,7 @@ def build_run(cfg: Config, method: Method) -> Run:
         total_updates=cfg.train.steps,
         seed=cfg.run.seed,
         trainable=method.trainable(cfg),
+        compile_ahead=cfg.compile.ahead,
     )
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
     if parts.skipped:
@@ -184,5 +189,6 @@ def build_run(cfg: Config, method: Method) -> Run:
         prepare=parts.prepare,
         hooks=parts.hooks,
         console=parts.console,
+        started=started,
     )
     return Run(cfg, loop, tokenizer_dir, parts)

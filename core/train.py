@@ -186,16 +186,10 @@ def batch_shards(mesh: Mesh) -> int:
     return row_shards(math.prod(shape.values()), shape)
 
 
-def split_micro_batches(
-    batch: T, micro_batches: int, mesh: Mesh | None = None, counts: CompiledCounts | None = None
-) -> T:
-    """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
-    `[k, N / k, ...]`; names the leaf that does not divide. A batch packed for another number of packing groups
-    than `micro_batches` is refused, naming both (its `target_index` is local to each of its own groups: cut
-    otherwise, a micro-batch's targets would point at other rows). Each `PackedBatch`'s `scored` and `compact`
-    counts are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data
-    shards of `mesh` (the mesh the batch will be placed on; None: one device), reusing those in `counts` (a
-    learner's, `core.batch.CompiledCounts`) where one fits."""
+def check_packing_groups(batch: Any, micro_batches: int) -> None:
+    """Refuse a batch packed for another number of packing groups than `micro_batches`, naming both (its
+    `target_index` is local to each of its own groups: cut otherwise, a micro-batch's targets would point at other
+    rows)."""
     for where, groups in packing_groups(batch):
         if groups != micro_batches:
             raise ValueError(
@@ -203,14 +197,31 @@ def split_micro_batches(
                 f"micro-batch(es): pack it for the micro-batches it trains in"
             )
 
+
+def split_micro_batches(
+    batch: T,
+    micro_batches: int,
+    mesh: Mesh | None = None,
+    counts: CompiledCounts | None = None,
+    set_counts: bool = True,
+) -> T:
+    """Every leaf of a host batch (any pytree: a `core.batch.PackedBatch`, a method's batch) `[N, ...]` ->
+    `[k, N / k, ...]`; names the leaf that does not divide, and refuses a batch packed for another number of
+    packing groups (`check_packing_groups`). With `set_counts`, each `PackedBatch`'s `scored` and `compact`
+    counts are set for these micro-batches (`core.batch.with_scored`, `with_compact`), the latter for the data
+    shards of `mesh` (the mesh the batch will be placed on; None: one device), reusing those in `counts` where one
+    fits; without, they stay as set (a learner's `core.shape_plan.ShapePlan` set them)."""
+    check_packing_groups(batch, micro_batches)
+
     def split(path, x):
         if x.shape[0] % micro_batches:
             name = jax.tree_util.keystr(path)
             raise ValueError(f"batch{name} has {x.shape[0]} rows, not divisible by {micro_batches} micro-batches")
         return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
 
-    counted = with_compact(with_scored(batch, counts), None if mesh is None else dict(mesh.shape), counts)
-    return jax.tree_util.tree_map_with_path(split, counted)
+    if set_counts:
+        batch = with_compact(with_scored(batch, counts), None if mesh is None else dict(mesh.shape), counts)
+    return jax.tree_util.tree_map_with_path(split, batch)
 
 
 def place_batch(batch: T, mesh: Mesh) -> T:

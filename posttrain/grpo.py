@@ -74,7 +74,7 @@ class GRPORun(OnPolicyRun):
         return StepData(self._batch(scored, adv), scored, metrics)
 
     def _batch(self, scored: Scored, adv: Advantages) -> RLBatch:
-        return rl_batch(self.cfg, scored.completions, adv, self.row_len, self.row_multiple, self.row_counts.pick)
+        return rl_batch(self.cfg, scored.completions, adv, self.row_len, self.row_multiple)
 
     def _advantages(self, rewards: RewardBatch) -> Advantages:
         rl = self.cfg.rl

@@ -23,12 +23,14 @@ back as itself (a `NonFiniteLoss`, a sampler's death during a weight sync), not 
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from core.batch import TrainBatch
+from core.compile_cache import CompileTally, compile_clock, use_compile_cache
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
@@ -56,6 +58,8 @@ class LocalTrainer:
         from core.peft import adapter_base
 
         cfg = PostTrainConfig.model_validate(cfg_json)
+        use_compile_cache(cfg.compile.cache_dir)  # an actor's process: the driver's setting does not reach it
+        self._clock_start = compile_clock().read()
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
@@ -76,8 +80,14 @@ class LocalTrainer:
     def batch_shards(self) -> int:
         return self.learner.batch_shards()
 
+    def compiled(self) -> CompileTally:
+        """What this trainer's process compiled since the trainer started (its start-up included)."""
+        return compile_clock().read() - self._clock_start
+
     def train(self, batch: TrainBatch) -> TrainStats:
-        return self.learner.train(batch)
+        before = compile_clock().read()
+        stats = self.learner.train(batch)
+        return dataclasses.replace(stats, compile=compile_clock().read() - before)
 
     def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
         """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
@@ -162,6 +172,9 @@ class TrainerHandle:
 
     def train(self, batch: TrainBatch) -> TrainStats:
         return self._call(LocalTrainer.train, batch)
+
+    def compiled(self) -> CompileTally:
+        return self._call(LocalTrainer.compiled)
 
     def sync(self, sampler: Sampler) -> SyncStats:
         """The weights into `sampler`, from every trainer process (each sends what its devices hold): bytes and

@@ -176,6 +176,7 @@ class GKDLearner(PolicyLearner[DistillBatch]):
             cfg.run.seed,
             tx,
             trainable=trainable(trainable_filter(model.cfg)),
+            compile_ahead=cfg.compile.ahead,
         )
 
     def train(self, batch: DistillBatch) -> TrainStats:
@@ -247,7 +248,6 @@ class OnPolicyDistillRun(OnPolicyRun):
             groups=self.cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
             row_multiple=self.row_multiple,
             share_prompts=rl.batch.share_prompts,
-            choose_rows=self.row_counts.pick,
         ).packed
         batch = DistillBatch(packed, **schedules(d, step - 1, self.cfg.train.steps, packed.target_ids.shape[0]))
         return StepData(batch, scored, {"on_policy": float(on_policy)})
@@ -290,7 +290,6 @@ class OnPolicyDistillRun(OnPolicyRun):
             groups=self.cfg.rl.batch.mini_batches * self.cfg.train.micro_batches,
             row_multiple=self.row_multiple,
             share_prompts=self.cfg.rl.batch.share_prompts,
-            choose_rows=self.row_counts.pick,
         )
         return StepData(batch, scored, metrics)
 

@@ -94,7 +94,14 @@ class OnlineDPOLearner(PolicyLearner[PairBatch]):
     ):
         super().__init__(cfg, mesh)
         self.learner = Learner(
-            model, mesh, preference_objective(cfg.dpo), cfg.optim, total_updates=total_steps, seed=cfg.run.seed, tx=tx
+            model,
+            mesh,
+            preference_objective(cfg.dpo),
+            cfg.optim,
+            total_updates=total_steps,
+            seed=cfg.run.seed,
+            tx=tx,
+            compile_ahead=cfg.compile.ahead,
         )
         self.reference = FrozenModel.start_of(self.learner) if needs_reference(cfg.dpo) else None
 

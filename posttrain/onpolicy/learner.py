@@ -12,7 +12,7 @@ A subclass builds `self.learner` (and any frozen model) and implements `train(ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from core.batch import TrainBatch
 from core.checkpoint import Checkpointer
+from core.compile_cache import CompileTally
 from core.learner import Learner, apply_nan_policy
 from core.train import Update, batch_shards
 from posttrain.config import PostTrainConfig
@@ -35,6 +36,8 @@ class TrainStats:
 
     metrics: dict[str, float]
     line: str = ""
+    # What the step compiled in the trainer's process, and the time it waited for it (set by the trainer).
+    compile: CompileTally = field(default_factory=CompileTally)
 
 
 class PolicyLearner(Generic[B]):

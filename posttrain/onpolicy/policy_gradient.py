@@ -380,6 +380,7 @@ def policy_update_learner(
         total_updates=total_steps * updates_per_step(cfg),
         seed=cfg.run.seed,
         tx=tx,
+        compile_ahead=cfg.compile.ahead,
     )
 
 

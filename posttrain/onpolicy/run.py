@@ -56,13 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.chat import turn_stop_ids
+from core.compile_cache import CompileTally, use_compile_cache
 from core.config import ModelConfig
 from core.config_loader import save_config
 from core.data import load_tokenizer
+from core.goodput import RunStart
 from core.loop import Hook, Loop, Plot
 from core.metrics import MetricsLogger
-from core.packing import round_rows
-from core.shapes import SizeCache
 from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.agent import AgentRollouts
@@ -107,6 +107,8 @@ class OnPolicyRun(Loop):
     plots = (Plot(("reward/mean", "accuracy", "eval/pass@1"), "reward.png", "reward / accuracy"),)
 
     def __init__(self, cfg: PostTrainConfig):
+        started = RunStart.now()
+        use_compile_cache(cfg.compile.cache_dir)  # the JAX sampler's, in this process (the trainer's: its own)
         # The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread
         # is loaded with the trainer's weights): one at a time, so that a trainer group's processes see one order.
         self._trainer_lock = threading.Lock()
@@ -142,8 +144,6 @@ class OnPolicyRun(Loop):
         check_vocab(self.trainer.model_config()["vocab_size"], self.tokenizer_dir)
         check_policy(cfg, ModelConfig.model_validate(self.trainer.model_config()))
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
-        # Packed row counts the update was compiled for, reused when one fits (each new count compiles it).
-        self.row_counts = SizeCache(lambda n: round_rows(n, self.row_multiple))
         start_step = 0
         self._requests = 0  # generation requests so far (seeds the sampler)
         resumed_in_flight: list[InFlight] = []
@@ -171,7 +171,8 @@ class OnPolicyRun(Loop):
         self.samplers, self.init_hf = start_samplers(
             cfg, self.trainer, self.placement, run_dir / "rollout_init_hf", self.tokenizer_dir, self._push
         )
-        super().__init__(cfg, run_dir, start_step)
+        super().__init__(cfg, run_dir, start_step, started=started)
+        self._trainer_compile = CompileTally()  # the step's, in the trainer's own process (a Ray actor)
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
         self._in_flight: deque[InFlight] = deque(resumed_in_flight)
@@ -325,6 +326,9 @@ class OnPolicyRun(Loop):
         with self._trainer_lock:
             trained = self.trainer.train(batch) if batch is not None else None
         train_s = time.perf_counter() - t2
+        # A trainer in this process compiles on this process's clock; an actor's reports its own.
+        remote = trained is not None and self.trainer.remote
+        self._trainer_compile = trained.compile if remote else CompileTally()  # type: ignore[union-attr]
         sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
         times = StepTimes(gen_s, reward_s, train_s, sync_s, sync_bytes, step_s=time.perf_counter() - t0)
         metrics = scored_metrics(data.scored, staleness)
@@ -332,6 +336,7 @@ class OnPolicyRun(Loop):
         if trained is not None:
             metrics.update(trained.metrics)
         metrics.update(times.metrics(tokens=sum(len(c.token_ids) for c in data.scored.completions)))
+        metrics.update(self.step_compile().metrics())
         metrics.update(
             {
                 "policy_version": float(self.samplers.policy_versions[0]),
@@ -345,6 +350,12 @@ class OnPolicyRun(Loop):
         self._last_line = step_line(step, metrics, method)
         self._last_metrics = metrics
         self.metrics.log(step, metrics, console=False)  # every step's metrics are kept
+
+    def compile_elsewhere(self) -> CompileTally:
+        return self._trainer_compile
+
+    def compiled_elsewhere(self) -> CompileTally | None:
+        return self.trainer.compiled() if self.trainer.remote else None
 
     def log(self, step: int) -> None:
         """The console line of the step (every `train.log_every` steps; metrics.jsonl holds every step)."""

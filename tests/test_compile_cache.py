@@ -1,0 +1,113 @@
+"""Compile once (`core.compile_cache`, `core.goodput`): a second run of a recipe loads every executable from the
+persistent cache, the clock tells waited, background and cached compilations apart, and goodput is the productive
+share of the steps' wall time."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from core.compile_cache import BACKGROUND_PREFIX, compile_clock, default_cache_dir, use_compile_cache
+from core.goodput import Goodput, RunStart
+from core.host_devices import with_host_device_count
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILED = re.compile(r"Finished XLA compilation of (\S+)")
+LOADED = re.compile(r"Persistent compilation cache hit for '([^']+)'")
+
+
+def pretrain(run_dir: Path, cache: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """A 3-step pretraining run (checkpoint and export included) with JAX's compile log on; its run_info.json."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
+    env.update(JAX_LOG_COMPILES="1", XLA_FLAGS=with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1))
+    res = subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", f"run.run_dir={run_dir}", "train.steps=3", "train.log_every=1",
+         "data.num_examples=200", f"compile.cache_dir={cache}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res, json.loads((run_dir / "run_info.json").read_text())
+
+
+@pytest.mark.integration
+def test_a_second_run_of_a_recipe_loads_every_executable_from_the_cache(tmp_path):
+    """The same recipe twice into fresh run directories: the first compiles (no cache hit), the second finds every
+    executable it compiles in the cache (JAX's compile log: each XLA compilation is a cache hit) and waits a
+    fraction of the first's compile time; both record their time to the first step and goodput. With the cache off
+    (`compile.cache_dir=null`) a run compiles again."""
+    cache = tmp_path / "cache"
+    first, first_info = pretrain(tmp_path / "one", str(cache))
+    second, second_info = pretrain(tmp_path / "two", str(cache))
+    compiled = COMPILED.findall(first.stderr)
+    assert compiled and not LOADED.findall(first.stderr)
+    assert any(f.name.endswith("-cache") for f in cache.iterdir())
+    again, loaded = COMPILED.findall(second.stderr), LOADED.findall(second.stderr)
+    assert len(again) == len(loaded) > 0, (len(again), len(loaded))
+    for info in (first_info, second_info):
+        assert info["time"]["time_to_first_step_s"] > 0 and 0 < info["time"]["goodput"] <= 1
+    assert second_info["time"]["compile_s"] < 0.5 * first_info["time"]["compile_s"], (first_info, second_info)
+    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert all(r["compile/compilations"] == 0 for r in steps) and steps[0]["compile/cache_hits"] > 0
+
+    off, _ = pretrain(tmp_path / "three", "null")
+    assert COMPILED.findall(off.stderr) and not LOADED.findall(off.stderr)
+
+
+def test_the_clock_tells_waited_background_and_cached_compilations_apart(tmp_path, monkeypatch):
+    """A program compiled in this thread counts as waited for, one compiled in a compile-ahead thread as background,
+    the same program lowered again (a new function) as a cache load."""
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        use_compile_cache(str(tmp_path))
+        clock = compile_clock()
+        x = jnp.arange(7.0)
+        before = clock.read()
+        jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.25)(x).block_until_ready()
+        waited = clock.read() - before
+        assert waited.compiles == 1 and waited.cache_hits == 0 and waited.seconds > 0
+
+        before = clock.read()
+        jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.25)(x).block_until_ready()  # the same program: from the cache
+        loaded = clock.read() - before
+        assert loaded.compiles == 0 and loaded.cache_hits == 1
+
+        before = clock.read()
+        thread = threading.Thread(
+            target=lambda: jax.jit(lambda v: jnp.cos(v) - 0.5).lower(x).compile(), name=f"{BACKGROUND_PREFIX}-test"
+        )
+        thread.start()
+        thread.join()
+        background = clock.read() - before
+        assert background.compiles == 0 and background.seconds == 0
+        assert background.background_compiles == 1 and background.background_seconds > 0
+    finally:
+        use_compile_cache(previous)
+
+
+def test_the_default_cache_is_jaxs_variable_or_the_users_cache(monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/jax")
+    assert default_cache_dir() == "/somewhere/jax"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/home/u/.cache")
+    assert default_cache_dir() == "/home/u/.cache/temper/jax"
+
+
+def test_goodput_is_the_productive_share_of_the_steps_wall_time():
+    """Two steps of 2 s from t = 10 (the run began at 0), the first waiting 1.5 s for a compilation, 1 s of hooks
+    between them: 2.5 s productive of 5 s."""
+    meter = Goodput(RunStart(0.0))
+    meter.step(2.0, 1.5, now=12.0)
+    meter.step(2.0, 0.0, now=15.0)
+    s = meter.summary()
+    assert s["goodput"] == pytest.approx(0.5) and s["productive_s"] == pytest.approx(2.5)
+    assert s["startup_s"] == pytest.approx(10.0) and s["time_to_first_step_s"] == pytest.approx(12.0)
+    assert s["compile_s"] == pytest.approx(1.5) and "goodput 50.0%" in meter.line()
