@@ -10,13 +10,17 @@ result and answers, so episodes take real turns; a random model would stop after
 GRPO problems (3- and 4-digit sums). Both sides do the same step: `prompts` x `generations` episodes of at most
 `max_turns` model turns (`max_tokens` each; TRL's completion budget is `max_turns x max_tokens`), Temper's
 `calculator` (the same Python function, its schema from transformers' `get_json_schema`) answering each call, the
-reward `bench_rewards.final_answer` on the last turn, one optimizer update (no KL), float32, 2 CPU cores. TRL runs
+reward `bench_rewards.answer_closeness` on the last turn (1 for the exact answer, partial credit by the last
+number's relative error: groups rarely score flat, so every step updates; `--reward final_answer` is exact-or-0),
+one optimizer update (no KL), float32, 2 CPU cores. TRL runs
 in its own virtual environment (`.venv-trl`, as bench/grpo_step.py) with transformers `generate`; Temper samples
 with vLLM on Ray, each episode's turns as their own requests, and with the JAX sampler (`--samplers`), every
 waiting turn in one compiled decode loop. Each side's tool calls, tokens a trajectory, reward
-and share of flat groups are printed beside its time, so a step that did less work shows. The first step
-(compilation, warm-up) is left out.
-Goal (issue 42): Temper's step <= 0.5x TRL's.
+and share of flat groups are printed beside its time, so a step that did less work shows, and so are Temper's
+compilations in the timed steps (XLA's, counted by `core.compile_cache`: none is the goal), the run's goodput and
+its time to the first step. The first step (warm-up) is left out of the means.
+Goals (issue 54): no timed step compiles; each side's mean within 1.15x of its median; the JAX sampler's mean
+<= 0.7x TRL's.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.grpo_step import trl_python  # noqa: E402
 
 DEMO = ROOT / "runs" / "quickstart_tools"
-REWARD = f"{ROOT / 'bench' / 'bench_rewards.py'}:final_answer"
+REWARDS = ROOT / "bench" / "bench_rewards.py"
 
 
 def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: int, sampler: str = "vllm") -> dict:
@@ -65,13 +69,14 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
             "checkpoint.export_hf=false",
             "data.eval_fraction=0.0",
             "optim.learning_rate=1.0e-5",
-            f"reward.functions=[{{fn: '{REWARD}'}}]",
+            f"reward.functions=[{{fn: '{REWARDS}:{args.reward}'}}]",
             "rl.accuracy_fn=null",
         ],
         schema=PostTrainConfig,
     )
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
+    timing = json.loads((run_dir / "run_info.json").read_text())["time"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
     last = read_metrics(run_dir)[-1]
     if last["empty_updates"] or last["skipped_updates"]:  # a step that applied no update did not do the work
@@ -94,6 +99,11 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
         "env_tokens": mean("agent/env_tokens"),
         "reward_mean": mean("reward/mean"),
         "flat_group_share": sum(r["zero_variance_groups"] for r in rows) / (len(rows) * prompts),
+        "timed_compilations": sum(r["compile/compilations"] for r in rows),
+        "timed_compile_s": sum(r["time/compile"] for r in rows),
+        "goodput": timing["goodput"],
+        "time_to_first_step_s": timing["time_to_first_step_s"],
+        "run_compile_s": timing["run_compile_s"],
     }
 
 
@@ -105,6 +115,7 @@ def trl_step(args, work: Path) -> dict:
         *("--model", str(args.model), "--prompts", str(args.data), "--steps", str(args.steps + 1)),
         *("--prompts-per-step", str(args.prompts), "--generations", str(args.generations)),
         *("--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens), "--out", str(out)),
+        *("--reward", args.reward),
     ]
     # TRL runs in its default environment (no huge-page malloc: bench/grpo_step.py measured torch slower with it).
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -125,6 +136,7 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--throughput-prompts", type=int, default=16, help="prompts a step for the concurrency figures")
+    p.add_argument("--reward", default="answer_closeness", help="a function of bench/bench_rewards.py")
     p.add_argument("--samplers", nargs="+", default=["vllm", "jax"], choices=["vllm", "jax"], help="Temper's sides")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
     args = p.parse_args()
@@ -154,7 +166,9 @@ def main() -> None:
                 f"{o['generate_s']:.2f}, train {o['train_s']:.2f}, sync {o['sync_s']:.2f}; {o['turns']:.2f} turns, "
                 f"{o['tool_calls']:.2f} calls, {o['model_tokens'] + o['env_tokens']:.1f} tokens a trajectory, reward "
                 f"{o['reward_mean']:.2f}, flat groups {o['flat_group_share']:.0%}) | ratio to TRL "
-                f"{results['step'][sampler]['ratio']:.2f}",
+                f"{results['step'][sampler]['ratio']:.2f} | mean / median {o['step_s'] / o['median_step_s']:.2f} | "
+                f"{o['timed_compilations']:.0f} compilations in the timed steps ({o['timed_compile_s']:.2f} s) | "
+                f"goodput {o['goodput']:.1%}, time to the first step {o['time_to_first_step_s']:.1f} s",
                 flush=True,
             )
         # Trajectories per second through the vLLM sampler: one episode at a time vs 16 at once.

@@ -7,8 +7,8 @@ The same work per step as Temper's agent step: prompts_per_step prompts x genera
 may call Temper's `calculator` (rollout/calculator.py, the same function, its JSON schema from transformers'
 `get_json_schema` on both sides), TRL runs it and appends the result; at most `max_turns` model turns (TRL's
 `max_tool_calling_iterations` = max_turns - 1) and `max_turns * max_tokens` completion tokens; the reward is
-`bench_rewards.final_answer` on the last turn; one optimizer update (beta = 0), float32 on CPU, generation with
-transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does (`<tool_call>{...}
+`bench_rewards.<--reward>` on the last turn (default `answer_closeness`); one optimizer update (beta = 0), float32
+on CPU, generation with transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does (`<tool_call>{...}
 </tool_call>`), so TRL reads them with its Qwen response template. Times every step with a callback; the reward,
 its per-group spread, and TRL's tool-call counts are written with the times.
 """
@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48, help="a turn's; the completion's budget is max_turns x this")
+    p.add_argument("--reward", default="answer_closeness", help="a function of bench/bench_rewards.py")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -66,7 +67,7 @@ def main() -> None:
     tokenizer.response_template = qwen3_template  # Hermes-style calls, as Temper's template writes them
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=bench_rewards.final_answer,
+        reward_funcs=getattr(bench_rewards, args.reward),
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -1,6 +1,6 @@
 """Multi-turn episodes, token in / token out: the model and an environment take turns until the episode ends.
 
-    turns = LockstepTurns(sampler.generate)   # or EngineTurns(group, push): each turn its own vLLM request
+    turns = SlotTurns(jax_sampler, slots=32)  # or EngineTurns(group, push): each turn its own vLLM request
     episodes = run_episodes(turns, env, tokenizer, rows, limits, params, ToolParsers("hermes", tokenizer))
     completions = [e.completion() for e in episodes]   # what the trainer's batch is built from
 
@@ -21,8 +21,9 @@ is handled the same way. An
 environment that fails (`rollout.environment.EnvFailure`) ends its episode as `failed`: it trains on nothing.
 
 At most `concurrency` episodes run at once (`rl.agent.max_concurrency`); the others start as running ones end.
-How their turns meet the sampler is `turns`' business (`rollout.turns`): all together a round (`LockstepTurns`),
-or each episode on its own, its next turn sent as soon as the environment answered (`EngineTurns`).
+How their turns meet the sampler is `turns`' business (`rollout.turns`): each episode on its own, its next turn
+sent as soon as the environment answered, on vLLM's engines (`EngineTurns`) or the JAX sampler's slots
+(`rollout.jax_engine.SlotTurns`).
 """
 
 from __future__ import annotations

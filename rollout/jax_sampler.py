@@ -218,6 +218,10 @@ class JaxSampler:
                 )
         return completions
 
+    def draw_seed(self) -> int:
+        """A seed for an unseeded sample: the next draw of this sampler's own stream."""
+        return int(self._rng.integers(0, 2**31))
+
     def submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """Generates now (in this process): the ticket is the completions."""
         return self.generate(prompts, params)

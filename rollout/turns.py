@@ -1,16 +1,19 @@
-"""Where episodes' turns are sampled: together, a batch a round (any sampler), or each as its own request, as soon as
-its episode is ready, on engines that run many at once (vLLM on Ray).
+"""Where episodes' turns are sampled: each as its own request, as soon as its episode is ready, on engines that run
+many at once (vLLM on Ray; the JAX sampler's slots, `rollout.jax_engine.SlotTurns`), or together, a batch a round
+(any `generate` function: a sampler of your own, a scripted one in a test).
 
-    turns = LockstepTurns(generate)                  # generate(prompts, params): a sampler's or a group's
     turns = EngineTurns(group, push)                 # a SamplerGroup of RemoteVLLMSamplers
+    turns = SlotTurns(jax_sampler, slots=32)         # continuous batching on the JAX sampler (rollout.jax_engine)
+    turns = LockstepTurns(generate)                  # generate(prompts, params): any sampler's
     turns.put([TurnRequest(key, token_ids, params)]) # an episode's next turn
     done = turns.take()                              # [(key, Completion)]: at least one, once some finished
 
 `rollout.episodes.run_episodes` drives either. With `EngineTurns` an episode waits for nobody: its turn goes to
 the engine that served its earlier turns (so the engine's prefix cache holds its history), joins the requests that
 engine is running, and comes back as soon as it stops, while the others go on decoding (the engine's continuous
-batching). `LockstepTurns` samples every queued turn in one request per kind of turn (the JAX sampler's way: one
-batch, one compiled decode loop).
+batching). `rollout.jax_engine.SlotTurns` does the same on the JAX sampler, in fixed slots that keep each
+episode's cache from one turn to the next. `LockstepTurns` samples every queued turn in one request per kind of
+turn: each round waits for its longest turn.
 
 A sampler that fails while it holds turns is replaced (or dropped with its node) as `SamplerGroup` does for a
 batch, and the turns it held are sampled again by the sampler that takes over: a turn's tokens are appended to its

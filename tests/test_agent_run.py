@@ -80,10 +80,10 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
     from rewards.pool import WorkerPool
     from rollout.environment import EnvironmentRunner
     from rollout.episodes import EpisodeLimits, run_episodes
+    from rollout.jax_engine import SlotTurns
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
     from rollout.tool_parsing import ToolParsers
-    from rollout.turns import LockstepTurns
     from tests.test_chat import make_tokenizer
 
     tok = make_tokenizer(tmp_path_factory, family)
@@ -95,7 +95,7 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
         rows = [{"prompt": q} for q in ("What is 2 + 3?", "Add 10 and 7.", "Say hello.", "Count to three.")]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
         episodes = run_episodes(
-            LockstepTurns(sampler.generate),
+            SlotTurns(sampler, slots=4),
             env,
             tok,
             rows,
@@ -132,8 +132,8 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
 @pytest.mark.parametrize("method", ["online_dpo", "on_policy_distill"])
 def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_path, tmp_path_factory, method):
     """Online DPO (a row's best and worst episode as the pair) and on-policy distillation (the teacher scores the
-    model's tokens) with `rl.agent` and the JAX sampler in one process (the waiting turns sampled a batch a round,
-    each continuing its episode's tokens): multi-turn episodes with the environment's tokens between the turns, a
+    model's tokens) with `rl.agent` and the JAX sampler in one process (its slots' continuous batching, each turn
+    continuing its episode's tokens): multi-turn episodes with the environment's tokens between the turns, a
     finite loss, and only the model's tokens as targets (distillation: the sampler / trainer log-prob gap over the
     targets is float32 noise, which the environment's tokens, with no sampler log-prob, would break). The tokenizer
     is a base model's (EOS `<|endoftext|>`) and the model ends its turns with `<|im_end|>`: the runs stop turns on

@@ -78,9 +78,11 @@ from rewards.runner import RewardRunner
 from rollout.background import Background
 from rollout.episodes import Episode
 from rollout.group import Pending
+from rollout.jax_engine import SlotTurns
+from rollout.jax_sampler import JaxSampler
 from rollout.placement import Placement, reserve
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
-from rollout.turns import EngineTurns, LockstepTurns, Turns
+from rollout.turns import EngineTurns, Turns
 from rollout.weight_sync import SyncStats
 
 
@@ -250,9 +252,14 @@ class OnPolicyRun(Loop):
         seed = sample_seed(self.cfg.run.seed, self._requests)
         params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
         if self.agent is not None and self._background is not None:  # async: they run while the trainer trains
-            return InFlight(prompts, self._background.submit(self.agent.run, prompts.rows, params, self._turns()))
+            return InFlight(
+                prompts,
+                self._background.submit(
+                    self.agent.run, prompts.rows, params, self._turns(len(prompts.rows) * params.n)
+                ),
+            )
         if self.agent is not None:  # episodes run to their end here (sync mode)
-            completions, episodes = self.agent.run(prompts.rows, params, self._turns())
+            completions, episodes = self.agent.run(prompts.rows, params, self._turns(len(prompts.rows) * params.n))
             return InFlight(prompts, completions, episodes)
         rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
         return InFlight(prompts, self.samplers.submit(rendered, params))
@@ -260,13 +267,18 @@ class OnPolicyRun(Loop):
     def _generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self.samplers.collect(self.samplers.submit(prompts, params), self._push)
 
-    def _turns(self) -> Turns:
-        """How episodes' turns reach the samplers: each its own request on the vLLM engines, or a batch a round
-        (the JAX sampler)."""
+    def _turns(self, episodes: int) -> Turns:
+        """How `episodes` episodes' turns reach the samplers: each its own request on the vLLM engines, or slots of
+        the JAX sampler's continuous batching (as many as episodes run at once, to a power of two)."""
         if self.cfg.rollout.sampler == "vllm":
             stop = self._background.cancelled if self._background is not None else None
             return EngineTurns(self.samplers, self._push, cancelled=stop)
-        return LockstepTurns(self._generate)
+        agent = self.cfg.rl.agent
+        assert agent is not None  # turns are an agent's
+        running = min(episodes, agent.max_concurrency or episodes, self.cfg.rollout.max_num_seqs)
+        (sampler,) = self.samplers.samplers  # single-controller: the one JAX sampler
+        assert isinstance(sampler, JaxSampler)
+        return SlotTurns(sampler, slots=1 << max(0, running - 1).bit_length())
 
     def _collect(self, request: InFlight) -> list[Completion]:
         if isinstance(request.result, Future):
@@ -412,8 +424,8 @@ class OnPolicyRun(Loop):
         greedy_params = self.sampling_params(1, 0, temperature=0.0)
         sampled_params = self.sampling_params(k, self.cfg.run.seed)
         if self.agent is not None:  # whole episodes, scored on their final answers
-            greedy = self.agent.run(rows, greedy_params, self._turns())[0]
-            sampled = self.agent.run(rows, sampled_params, self._turns())[0]
+            greedy = self.agent.run(rows, greedy_params, self._turns(len(rows)))[0]
+            sampled = self.agent.run(rows, sampled_params, self._turns(len(rows) * k))[0]
         else:
             prompts = [render_prompt(r, rl) for r in rows]
             greedy, sampled = self._generate(prompts, greedy_params), self._generate(prompts, sampled_params)
