@@ -8,9 +8,9 @@ may call Temper's `calculator` (rollout/calculator.py, the same function, its JS
 `get_json_schema` on both sides), TRL runs it and appends the result; at most `max_turns` model turns (TRL's
 `max_tool_calling_iterations` = max_turns - 1) and `max_turns * max_tokens` completion tokens; the reward is
 `bench_rewards.<--reward>` on the last turn (default `answer_closeness`); one optimizer update (beta = 0), float32
-on CPU, generation with transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does (`<tool_call>{...}
-</tool_call>`), so TRL reads them with its Qwen response template. Times every step with a callback; the reward,
-its per-group spread, and TRL's tool-call counts are written with the times.
+on CPU, generation with transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does
+(`<tool_call>{...}</tool_call>`), so TRL reads them with its Qwen response template. Times every step with a
+callback; the reward, its per-group spread, and TRL's tool-call counts are written with the times.
 """
 
 from __future__ import annotations
