@@ -123,3 +123,27 @@ def test_cudnn_equals_reference():
     ref = attention(*args, mask, "xla")
     out = attention(*args, mask, "cudnn")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_step_against_a_cache_it_only_reads_equals_the_reference(window):
+    """`cached_step`: one query a row against the cache's keys before its position and its own key equals the
+    reference attention over the cache with the new key written at the position (rows at different positions,
+    stale keys after them that must not count, GQA, a sliding window)."""
+    from core.kernels.attention import cached_step, reference, window_mask
+
+    b, s, n, kv, h = 3, 12, 4, 2, 8
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(b, 1, n, h), jnp.float32)
+    cache_k, cache_v = (jnp.asarray(rng.randn(b, s, kv, h), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.randn(b, 1, kv, h), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[0], [4], [11]], jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    written_k = cache_k.at[jnp.arange(b)[:, None], positions].set(k)
+    written_v = cache_v.at[jnp.arange(b)[:, None], positions].set(v)
+    mask = make_mask(positions, slots, sliding_window=window)
+    before = slots[:, None, :] < positions[:, :, None]
+    if window is not None:
+        before &= window_mask(positions, slots, window)
+    want = reference(q, written_k, written_v, mask)
+    np.testing.assert_allclose(cached_step(q, cache_k, cache_v, before, k, v), want, rtol=1e-5, atol=1e-6)

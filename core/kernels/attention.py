@@ -71,6 +71,32 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, n, h)
 
 
+def cached_step(
+    q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask: jax.Array, k: jax.Array, v: jax.Array
+) -> jax.Array:
+    """One query a row (a decode step) against a KV cache it does not write: the keys the cache holds where `mask`
+    allows (before the query's position), and the query's own key `k` / value `v`. q [B, 1, N, H]; cache_k/v
+    [B, S, K, H]; mask [B, 1, S]; k, v [B, 1, K, H]. Returns [B, 1, N, H] in q's dtype.
+
+    The same softmax as `reference` over the cache with the new key written in; written as products and sums
+    over the keys, which XLA:CPU runs several times faster than batched matrix-vector products, and reading the
+    cache only: a step writes its new keys into the cache once, after every layer (`Decoder.with_cache`), not a
+    new copy of each layer's cache."""
+    b, _, n, h = q.shape
+    kv = cache_k.shape[2]
+    qg = q.reshape(b, 1, kv, n // kv, h).astype(jnp.float32)  # [B, 1, K, G, H]
+    scale = h**-0.5
+    scores = (qg * cache_k[:, :, :, None, :].astype(jnp.float32)).sum(-1) * scale  # [B, S, K, G]
+    scores = jnp.where(mask[:, 0][:, :, None, None], scores, _MASKED)
+    own = (qg * k[:, :, :, None, :].astype(jnp.float32)).sum(-1) * scale  # [B, 1, K, G]
+    top = jnp.maximum(scores.max(axis=1, keepdims=True), own)
+    weights, weight_own = jnp.exp(scores - top), jnp.exp(own - top)
+    total = weights.sum(axis=1, keepdims=True) + weight_own  # [B, 1, K, G]
+    out = (weights[..., None] * cache_v[:, :, :, None, :].astype(jnp.float32)).sum(1, keepdims=True)
+    out = (out + weight_own[..., None] * v[:, :, :, None, :].astype(jnp.float32)) / total[..., None]
+    return out.reshape(b, 1, n, h).astype(q.dtype)
+
+
 def causal_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, blocks: int = 4) -> jax.Array:
     """`reference` for self-attention whose mask is causal in row order (q, k and v over the same T tokens; key
     s > t never attends query t): query block i attends the keys of blocks 0..i only.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.config import ModelConfig
-from core.kernels.attention import attention
+from core.kernels.attention import attention, cached_step
 from core.mesh import constrain
 from core.models.compact import Compaction
 from core.models.layers import Dense, RMSNorm, dtype_of, fold
@@ -107,3 +107,11 @@ class Attention(nnx.Module):
         cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype))
         out = attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, self.impl)
         return self.o_proj(out), cache_k, cache_v
+
+    def decode_step(self, x, positions, cache_k, cache_v, mask):
+        """One token a row (x [B, 1, D] at positions [B, 1]) against a KV cache it reads only (cache_k/v
+        [B, S, K, H]; mask [B, 1, S]: the keys before each position): (out [B, 1, D], its key and value
+        [B, 1, K, H], for the caller to write at `positions`)."""
+        q, k, v = self.qkv(x, positions)
+        out = cached_step(q, cache_k, cache_v, mask, k.astype(cache_k.dtype), v.astype(cache_v.dtype))
+        return self.o_proj(out), k.astype(cache_k.dtype), v.astype(cache_v.dtype)

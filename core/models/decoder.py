@@ -65,6 +65,14 @@ class DecoderLayer(nnx.Module):
             return self.mlp(x, valid, routes, replay)
         return self.mlp(x, rng), None, None
 
+    def decode_step(self, x, positions, cache_k, cache_v, mask):
+        """`with_cache` for one token a row, reading the caches only: (the residual stream, the token's key and
+        value, its experts or None)."""
+        h, k, v = self.attn.decode_step(self.input_norm(x), positions, cache_k, cache_v, mask)
+        x = x + h
+        h, _, experts = self._feed_forward(self.post_attn_norm(x))
+        return constrain(x + h, ("batch", "length", "act_embed")), k, v, experts
+
     def with_cache(self, x, positions, cache_k, cache_v, mask):
         """(the residual stream, the caches, the experts each token went to [B, T, k] or None for a dense layer)."""
         h, cache_k, cache_v = self.attn.with_cache(self.input_norm(x), positions, cache_k, cache_v, mask)
@@ -134,9 +142,12 @@ class Decoder(nnx.Module):
 
         Returns final-norm hidden states [B, T, D], the updated caches, and the experts each token was routed to
         in each sparse layer ([B, T, sparse layers, k] int32; None for a dense model: what routing replay reads).
-        Keys at slots after a token's position are masked, so stale slots never leak in.
+        Keys at slots after a token's position are masked, so stale slots never leak in. One token a row (a decode
+        step) reads the caches only and writes its keys into them once, after every layer (`_decode_step`).
         """
         slots = jnp.broadcast_to(jnp.arange(cache_k.shape[2], dtype=jnp.int32), (tokens.shape[0], cache_k.shape[2]))
+        if tokens.shape[1] == 1:
+            return self._decode_step(tokens, positions, cache_k, cache_v, slots)
         mask = make_mask(positions, slots, sliding_window=self.cfg.sliding_window)  # [B, T, S]
         x = self.embed(tokens)
         if self.cfg.scan_layers:
@@ -159,6 +170,39 @@ class Decoder(nnx.Module):
                     chosen.append(experts)
             cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
             routes = jnp.stack(chosen, axis=2) if chosen else None
+        return self.final_norm(x), cache_k, cache_v, routes
+
+    def _decode_step(self, tokens, positions, cache_k, cache_v, slots):
+        """`with_cache` for tokens [B, 1]: each layer attends to the cache's keys before the token's position and to
+        the token's own key (`core.kernels.attention.cached_step`), so no layer copies its cache; the new keys and
+        values of every layer are scattered into the caches at the end, in place."""
+        mask = slots[:, None, :] < positions[:, :, None]  # [B, 1, S]: strictly before (its own key comes apart)
+        if self.cfg.sliding_window is not None:
+            mask &= window_mask(positions, slots, self.cfg.sliding_window)
+        x = self.embed(tokens)
+        if self.cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(h, layer):
+                st, k, v = layer
+                h, k, v, experts = nnx.merge(graphdef, st).decode_step(h, positions, k, v, mask)
+                return h, (k, v, experts)
+
+            x, (new_k, new_v, experts) = jax.lax.scan(body, x, (state, cache_k, cache_v))
+            routes = None if experts is None else jnp.moveaxis(experts, 0, 2)  # [L, B, 1, k] -> [B, 1, L, k]
+        else:
+            ks, vs, chosen = [], [], []
+            for i, layer in enumerate(self.layers):
+                x, k, v, experts = layer.decode_step(x, positions, cache_k[i], cache_v[i], mask)
+                ks.append(k)
+                vs.append(v)
+                if experts is not None:
+                    chosen.append(experts)
+            new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+            routes = jnp.stack(chosen, axis=2) if chosen else None
+        rows = jnp.arange(tokens.shape[0])
+        cache_k = cache_k.at[:, rows, positions[:, 0]].set(new_k[:, :, 0])  # [L, B, K, H] at each row's position
+        cache_v = cache_v.at[:, rows, positions[:, 0]].set(new_v[:, :, 0])
         return self.final_norm(x), cache_k, cache_v, routes
 
     def output_weight(self) -> tuple[jax.Array, str]:
