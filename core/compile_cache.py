@@ -122,6 +122,12 @@ class CompileClock:
             fg, bg = self._backend_calls[0] - self._hits[0], self._backend_calls[1] - self._hits[1]
             return CompileTally(self._seconds[0], fg, self._hits[0], self._seconds[1], bg, self._xla_seconds)
 
+    def add_wait(self, seconds: float) -> None:
+        """Time a step waited for a compilation that another thread was doing (compiled ahead, not ready yet): what
+        JAX's events attribute to that thread."""
+        with self._lock:
+            self._seconds[0] += seconds
+
     def _on_duration(self, event: str, duration_secs: float, **_: str | int) -> None:
         if event not in _TIMED_EVENTS:
             return

@@ -17,7 +17,7 @@ the three per batch (a `Shape`):
 - else the bucket, compiled now: the one compilation a step waits for. Ahead of need, the shape of a batch half as
   large again (`grow`) is compiled next, so that a run whose batches grow finds it ready.
 
-Compiling ahead happens in one background thread (`core.compile_cache.BACKGROUND_PREFIX`, at the lowest CPU
+Compiling ahead happens in one background thread (`core.compile_ahead.BackgroundCompiler`, at the lowest CPU
 priority): a shape it compiles is used once ready and never waited for while another fits. In a JAX process group
 every process must run the same programs, so a shape compiled ahead is used once it is ready on every process (a
 collective decides). Rows grow only where more rows can hold the same sequences (a batch packs several sequences in
@@ -26,12 +26,8 @@ a row); a batch whose every row is its own scored sequence keeps its rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,7 +38,8 @@ import jax
 import numpy as np
 
 from core.batch import PackedBatch, compact_bucket, scored_bucket
-from core.compile_cache import BACKGROUND_PREFIX
+from core.compile_ahead import BackgroundCompiler
+from core.compile_cache import compile_clock
 from core.mesh import row_shards
 from core.packing import round_rows
 
@@ -193,8 +190,7 @@ class ShapePlan:
         self.ready: dict[tuple, set[Shape]] = {}  # family -> shapes compiled
         self.pending: dict[tuple, dict[Shape, Future]] = {}  # family -> shapes being compiled ahead
         self.padded: dict[tuple, dict[Shape, int]] = {}  # family -> bucket -> batches padded into another shape
-        self.waited_s = 0.0  # time steps waited for a shape compiled ahead (compilation time a clock cannot see)
-        self._jobs: queue.Queue | None = None
+        self._compiler = BackgroundCompiler("update")
 
     # ------------------------------------------------------------------ choosing
 
@@ -216,7 +212,7 @@ class ShapePlan:
         if own in pending:  # compiled ahead, not ready yet: wait for it rather than compile it twice
             start = time.perf_counter()
             pending.pop(own).result()
-            self.waited_s += time.perf_counter() - start
+            compile_clock().add_wait(time.perf_counter() - start)
         else:
             self.compile_fn(apply(batch, own, need))
         ready.add(own)
@@ -254,32 +250,9 @@ class ShapePlan:
         if not fits(shape, need):  # a shape no smaller than the batch (rows never shrink below what it holds)
             return
         example = apply(batch, shape, need)
-        future: Future = Future()
-        pending[shape] = future
-        self._queue().put((example, future))
-
-    def _queue(self) -> queue.Queue:
-        if self._jobs is None:
-            self._jobs = queue.Queue()
-            threading.Thread(
-                target=self._work, args=(self._jobs,), name=f"{BACKGROUND_PREFIX}-update", daemon=True
-            ).start()
-        return self._jobs
-
-    def _work(self, jobs: queue.Queue) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # the lowest priority: a step beside it keeps its cores
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            example, future = jobs.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    self.compile_fn(example)
-                    future.set_result(None)
-                except Exception as err:  # the step that needs the shape compiles it itself, and raises there
-                    future.set_exception(err)
+        # A job that fails leaves the shape to the step that needs it, which compiles it and meets the error.
+        pending[shape] = self._compiler.submit(lambda: self.compile_fn(example))
 
     def close(self) -> None:
         """Drop the shapes not yet compiled ahead (the one compiling finishes in its daemon thread)."""
-        for pending in self.pending.values():
-            for future in pending.values():
-                future.cancel()
+        self._compiler.cancel()

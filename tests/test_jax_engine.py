@@ -48,10 +48,13 @@ def drain(turns, reqs, put_at_once=3):
 @pytest.mark.parametrize("temperature,top_k", [(0.0, -1), (1.0, -1), (0.7, 20)])
 def test_each_turn_samples_what_the_sampler_samples_for_it(rollout_model_dir, temperature, top_k):
     """Seven requests of 1-39 prompt tokens and 1-23 new ones through 2 slots (prompts longer than a 16-token
-    prefill chunk, slots taken over by new episodes): the tokens, log-probs and finish reasons of `generate`."""
+    prefill chunk, slots taken over by new episodes, caches that start 32 positions wide and widen): the tokens,
+    log-probs and finish reasons of `generate`."""
     sampler = sampler_for(rollout_model_dir("llama"))
     reqs = requests(0, temperature, top_k)
-    got = drain(SlotTurns(sampler, slots=2, decode_steps=4, chunk=16, prefill_rows=2), reqs)
+    turns = SlotTurns(sampler, slots=2, decode_steps=4, chunk=16, prefill_rows=2, width=32)
+    got = drain(turns, reqs)
+    assert turns.widths == [32, 64, 112] and turns._device[0].shape[2] > 32  # the caches widened on the way
     assert max(len(r.token_ids) for r in reqs) > 16
     for r in reqs:
         want = sampler.generate([r.token_ids], r.params)[0]
@@ -89,15 +92,32 @@ def test_an_episodes_next_turn_reuses_its_cache(rollout_model_dir):
 
 
 def test_new_prompt_shapes_compile_nothing(rollout_model_dir):
-    """After one round, rounds of other prompt lengths, counts and turn budgets run the two programs already
-    compiled."""
+    """After one round, rounds of other prompt lengths, counts and turn budgets run the programs already compiled
+    (the engines of a run share them)."""
+    from rollout.engine_programs import EnginePrograms
+
     sampler = sampler_for(rollout_model_dir("llama"))
-    clock = compile_clock()
-    drain(SlotTurns(sampler, slots=4), requests(1))
+    clock, programs = compile_clock(), EnginePrograms()
+    drain(SlotTurns(sampler, slots=4, programs=programs), requests(1))
     before = clock.read()
     for seed in (2, 3):
-        drain(SlotTurns(sampler, slots=4), requests(seed)[: 3 + seed])
+        drain(SlotTurns(sampler, slots=4, programs=programs), requests(seed)[: 3 + seed])
     assert (clock.read() - before).compiles == 0
+
+
+def test_episodes_that_start_from_one_prompt_share_its_prefill(rollout_model_dir):
+    """Four episodes of one prompt (a GRPO group) and one of another: each prompt is prefilled once and copied to its
+    other episodes' slots, and every episode samples what `generate` samples for it."""
+    sampler = sampler_for(rollout_model_dir("qwen2"))
+    turns = SlotTurns(sampler, slots=8, decode_steps=4, chunk=16)
+    prompt, other = list(range(30, 50)), list(range(60, 71))
+    reqs = [TurnRequest(k, prompt, SamplingParams(temperature=1.0, max_tokens=9, seed=k)) for k in range(4)]
+    reqs.append(TurnRequest(4, other, SamplingParams(temperature=1.0, max_tokens=9, seed=4)))
+    got = drain(turns, reqs, put_at_once=5)
+    assert turns.prefilled == len(prompt) + len(other)
+    for r in reqs:
+        assert got[r.key].token_ids == sampler.generate([r.token_ids], r.params)[0].token_ids, r.key
+    assert len({tuple(got[k].token_ids) for k in range(4)}) > 1  # their own seeds: not one completion copied
 
 
 def test_turns_that_sample_differently_or_do_not_fit_are_refused(rollout_model_dir):

@@ -78,6 +78,7 @@ from rewards.runner import RewardRunner
 from rollout.background import Background
 from rollout.episodes import Episode
 from rollout.group import Pending
+from rollout.engine_programs import EnginePrograms
 from rollout.jax_engine import SlotTurns
 from rollout.jax_sampler import JaxSampler
 from rollout.placement import Placement, reserve
@@ -175,6 +176,7 @@ class OnPolicyRun(Loop):
         )
         super().__init__(cfg, run_dir, start_step, started=started)
         self._trainer_compile = CompileTally()  # the step's, in the trainer's own process (a Ray actor)
+        self._engine_programs = EnginePrograms()  # the JAX sampler's multi-turn programs, shared by every step
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
         self._in_flight: deque[InFlight] = deque(resumed_in_flight)
@@ -278,7 +280,7 @@ class OnPolicyRun(Loop):
         running = min(episodes, agent.max_concurrency or episodes, self.cfg.rollout.max_num_seqs)
         (sampler,) = self.samplers.samplers  # single-controller: the one JAX sampler
         assert isinstance(sampler, JaxSampler)
-        return SlotTurns(sampler, slots=1 << max(0, running - 1).bit_length())
+        return SlotTurns(sampler, slots=1 << max(0, running - 1).bit_length(), programs=self._engine_programs)
 
     def _collect(self, request: InFlight) -> list[Completion]:
         if isinstance(request.result, Future):

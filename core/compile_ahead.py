@@ -1,0 +1,59 @@
+"""Compilation ahead of need: one background thread that compiles, in order, at the lowest CPU priority, while the
+run goes on (a learner's next batch shapes, `core.shape_plan`; the JAX sampler's larger cache windows,
+`rollout.jax_engine`).
+
+    compiler = BackgroundCompiler("update")
+    future = compiler.submit(lambda: step.lower(*abstract_args).compile())
+    ...
+    if future.done(): executable = future.result()      # never waited for while something else will do
+
+The thread is named with `core.compile_cache.BACKGROUND_PREFIX`, so the compile clock counts its time apart (nothing
+waits for it). A job that raises hands its exception to its future: whoever needs the program compiles it in the
+foreground and meets the error there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from core.compile_cache import BACKGROUND_PREFIX
+
+
+class BackgroundCompiler:
+    def __init__(self, name: str):
+        self.name = f"{BACKGROUND_PREFIX}-{name}"
+        self._jobs: queue.Queue | None = None
+        self._futures: list[Future] = []
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        """Run `job` (a compilation) in the background thread after those before it; its future."""
+        future: Future = Future()
+        self._futures.append(future)
+        if self._jobs is None:
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._work, args=(self._jobs,), name=self.name, daemon=True).start()
+        self._jobs.put((job, future))
+        return future
+
+    def _work(self, jobs: queue.Queue) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # the lowest priority: a step beside it keeps its cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            job, future = jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except Exception as err:
+                    future.set_exception(err)
+
+    def cancel(self) -> None:
+        """Drop the jobs not started (the one compiling finishes in its daemon thread)."""
+        for future in self._futures:
+            future.cancel()
+        self._futures = [f for f in self._futures if not f.done()]
