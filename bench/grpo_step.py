@@ -16,11 +16,14 @@ so (`--reward digit_share`, a task-like reward, leaves a few groups flat). Tempe
 time and its breakdown (generate / reward / train / sync) come from its metrics; TRL runs in its own virtual environment
 (`.venv-trl`, created on first use with `pip install trl`) so it never touches
 Temper's dependencies. The first step of each (compilation, warm-up) is left
-out of the means; the median is printed too, because the mean also carries
-any compilation of a new packed-row count (`posttrain/onpolicy/policy_gradient.py`: ~8 s once
-at 100M on 2 cores). Run it as `make bench-grpo` (Temper with huge-page malloc, see
-core/host_memory.py; TRL without, which is faster for it). Goal (issue 6):
-Temper's step <= 0.5x TRL's.
+out of the means; the median is printed too, and so are Temper's compilations in the timed steps (none is the
+goal: `core.shape_plan` compiles the shapes a run grows into ahead), its goodput and its time to the first step.
+Each part of Temper's step is printed beside its floor on this machine (`bench/floors.py`, measured in the same
+process): generation against reading the weights once per decode step (plus the prompts' and samples' FLOPs at
+the matmul peak), the update against its FLOPs (6N + attention per trained token) at the matmul peak plus AdamW's
+bytes (7 x 4N) at the read bandwidth, the weight sync against a copy of the 4N bytes. Run it as `make bench-grpo`
+(Temper with huge-page malloc, see core/host_memory.py; TRL without, which is faster for it). Goals (issue 54):
+Temper's step <= 0.3x TRL's with the JAX sampler, <= 0.4x with vLLM on Ray, at ~100M.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def trl_python() -> Path:
     return python
 
 
-def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
-    """An HF model directory for `size` and a prompts file."""
+def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path, int]:
+    """An HF model directory for `size`, a prompts file, and the model's parameter count."""
     from core.config_loader import load_config
     from core.hf import save_hf
     from core.models import create_model, param_count
@@ -82,7 +85,7 @@ def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path]:
             for r in rows
         )
     )
-    return hf, prompts
+    return hf, prompts, param_count(model)
 
 
 REWARDS = ROOT / "bench" / "bench_rewards.py"
@@ -118,6 +121,7 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
     )
     run_grpo(cfg)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
+    timing = json.loads((run_dir / "run_info.json").read_text())["time"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
     flat = sum(r["zero_variance_groups"] for r in rows)
     if flat:
@@ -141,7 +145,25 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
         "reward_std": mean("reward/std"),
         "zero_variance_groups": flat,
         "flat_group_share": flat / (len(rows) * args.prompts),
+        "trained_tokens": mean("pack/rows") * cfg.rollout.max_model_len * mean("pack/fill"),
+        "timed_compilations": sum(r["compile/compilations"] for r in rows),
+        "timed_compile_s": sum(r["time/compile"] for r in rows),
+        **{k: timing[k] for k in ("goodput", "time_to_first_step_s", "run_compile_s")},
     }
+
+
+def floors_of(size: str, floors, args, ours: dict, params: int) -> dict[str, float]:
+    """The floors of each part of Temper's step at this size (module docstring)."""
+    from core.config import ModelConfig
+    from core.metrics import model_flops_per_token
+
+    model = ModelConfig(**{"family": "qwen2", "vocab_size": 512, "tie_word_embeddings": True, **SIZES[size]})
+    completions = args.prompts * args.generations
+    weights = 4.0 * params
+    decode = args.max_tokens * max(floors.read(weights), floors.flops(2.0 * params * completions))
+    prefill = floors.flops(2.0 * params * args.prompts * 16)  # ~16 prompt tokens each
+    update = floors.flops(model_flops_per_token(model, 128) * ours["trained_tokens"]) + floors.read(7 * weights)
+    return {"generate": decode + prefill, "update": update, "sync": floors.copy(weights)}
 
 
 def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
@@ -199,23 +221,27 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "grpo_step.json"))
     args = p.parse_args()
 
+    from bench.floors import Floors
     from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer
 
-    results = {}
+    floors = Floors.measure()
+    print(floors.line(), flush=True)
+    results: dict = {"floors": vars(floors)}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer = str(
             build_tokenizer([r["text"] for r in reasoning_gym_records("basic_arithmetic", 500, 0)], work / "tok", 512)
         )
         for size in args.sizes:
-            hf, prompts = build(size, work, tokenizer)
+            hf, prompts, params = build(size, work, tokenizer)
             theirs = trl_step(hf, prompts, args, work)
             results[size] = {"trl": theirs}
             for sampler in args.samplers:
                 ours = temper_step(size, sampler, hf, prompts, tokenizer, args, work)
                 ratio = ours["step_s"] / theirs["step_s"]
-                results[size][sampler] = {"temper": ours, "ratio": ratio}
+                floor = floors_of(size, floors, args, ours, params)
+                results[size][sampler] = {"temper": ours, "ratio": ratio, "floors": floor}
                 print(
                     f"{size} [{sampler} sampler]: Temper {ours['step_s']:.2f} s/step (median "
                     f"{ours['median_step_s']:.2f}; generate {ours['generate_s']:.2f}, reward {ours['reward_s']:.2f}, "
@@ -224,6 +250,16 @@ def main() -> None:
                     f"{ours['flat_group_share']:.0%}) | TRL {theirs['step_s']:.2f} s/step (median "
                     f"{theirs['median_step_s']:.2f}; reward {theirs['reward_mean']:.3f} +- {theirs['reward_std']:.3f}, "
                     f"flat groups {theirs['flat_group_share']:.0%}) | ratio {ratio:.2f}",
+                    flush=True,
+                )
+                print(
+                    f"  floors: generate {floor['generate']:.2f} s ({floor['generate'] / ours['generate_s']:.0%} of "
+                    f"Temper's), update {floor['update']:.2f} s ({floor['update'] / ours['update_s']:.0%}), sync "
+                    f"{floor['sync']:.3f} s ({floor['sync'] / max(ours['sync_s'], 1e-9):.0%}) | "
+                    f"{ours['timed_compilations']:.0f} compilations in the timed steps "
+                    f"({ours['timed_compile_s']:.2f} s), "
+                    f"mean / median {ours['step_s'] / ours['median_step_s']:.2f}, goodput {ours['goodput']:.1%}, time "
+                    f"to the first step {ours['time_to_first_step_s']:.1f} s",
                     flush=True,
                 )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,27 +20,12 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def memcpy_gbps(nbytes: int = 1 << 30, repeats: int = 3) -> float:
-    import numpy as np
-
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # touch the destination first: first-touch page faults are not memcpy
-    best = min(_time(lambda: np.copyto(dst, src)) for _ in range(repeats))
-    return nbytes / best / 1e9
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from bench.floors import copy_bandwidth  # noqa: E402
 
 
 def main() -> None:
@@ -80,7 +65,7 @@ def main() -> None:
         )
         shutil.rmtree(hf_dir)
         try:
-            mem = memcpy_gbps()
+            mem = copy_bandwidth() / 1e9
             chunk = args.chunk_mib * 2**20
             first = sync_to_vllm(params, cfg, sampler, chunk)
             warm = sync_to_vllm(params, cfg, sampler, chunk)

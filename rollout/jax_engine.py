@@ -12,7 +12,8 @@ at a time (a turn's new tokens: the whole prompt of a new episode, once for the 
 prompt, copied to the others' slots; the environment's answer of an episode whose earlier turns the slot still
 holds: its cache is reused, never computed again), and `decode` samples up to `decode_steps` tokens in every slot
 with a turn in flight. A decode step reads every slot's whole width, so the caches start narrow (`WIDTH`
-positions) and widen when a slot needs more, the wider programs compiled ahead in the background. Between two
+positions) and widen when a slot needs more, the wider programs compiled ahead in the background once a slot needs
+three quarters of the width. Between two
 decode calls the finished turns go back to the episodes (`take`), whose next turns join the slots at the next call
 while the others decode on: no turn waits for the slowest of a round, as vLLM's continuous batching does it on the
 engines (`rollout.turns.EngineTurns`).
@@ -142,16 +143,16 @@ class SlotTurns:
             for slot in self.state:
                 slot.cached, slot.owner = [], None
             self.home.clear()
-            if self.kind is not None:
-                self._compile_wider()
         return self._device
 
     def _compile_wider(self) -> None:
-        """The programs of every wider cache, compiled in the background while this width's run. (The decode
+        """The programs of the next wider cache, compiled in the background while this width's run. (The decode
         program's sampling settings are the first turn's: an engine samples alike.)"""
         cache_k, _, logits = self._device  # type: ignore[misc]
         params = self.sampler.params
         for narrow, wide in zip(self.widths, self.widths[1:], strict=False):
+            if narrow != cache_k.shape[2]:
+                continue
             shape = lambda width: jax.ShapeDtypeStruct(
                 (*cache_k.shape[:2], width, *cache_k.shape[3:]), cache_k.dtype, sharding=cache_k.sharding
             )
@@ -163,10 +164,13 @@ class SlotTurns:
             self.programs.ahead(decode, self._decode_statics(), params, *caches, *self._decode_inputs())
 
     def _widen_to(self, needed: int) -> None:
-        """Caches of at least `needed` positions a slot."""
+        """Caches of at least `needed` positions a slot; once a slot needs three quarters of the width, the next
+        width's programs are compiled ahead (a run whose episodes stay short never compiles them)."""
         cache_k, cache_v, logits = self._device  # type: ignore[misc]
         width = cache_k.shape[2]
         if needed <= width:
+            if 4 * needed > 3 * width:
+                self._compile_wider()
             return
         wide = next(w for w in self.widths if w >= needed)
         cache_k, cache_v = self.programs(widen, {"width": wide}, cache_k, cache_v)
