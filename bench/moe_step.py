@@ -9,14 +9,19 @@ One Qwen3-MoE model (random weights, saved by transformers): 8 layers, hidden 51
 same rows of random tokens (every token a target, no padding), float32, next-token loss plus the load-balancing
 loss at transformers' default weight (0.001; `output_router_logits=True` on the torch side), AdamW (lr 1e-4,
 no weight decay), one update a step. Temper: `core.learner.Learner` with the pretraining loss, on one device
-(the experts as `model.moe.kernel` picks on CPU: tiled). torch: the model from `from_pretrained`, eager,
-forward, backward, `torch.optim.AdamW` step. The sides alternate step by step in one process (each idle while
-the other runs), after an untimed warm-up step each; medians are reported. Goal (issue 43): Temper <= 0.5x.
+(the experts as `model.moe.kernel` picks on CPU: the tiled form). torch: the model from `from_pretrained`,
+eager, forward, backward, `torch.optim.AdamW` step. The sides alternate step by step in one process (each idle
+while the other runs), after an untimed warm-up step each (Temper's compiles: its time is printed); medians are
+reported, beside the step's floor on this machine (`bench/floors.py`, measured in the same process): its matmul
+FLOPs (6 x the parameters a token is multiplied by, attention included) at the float32 matmul peak, plus AdamW's
+bytes (7 x 4 bytes a parameter) at the read bandwidth. Goals (issue 54): Temper <= 0.5x the torch loop and <= 1.5x
+the floor.
 
-Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the dropless forms (the tiled grouped
-matmul, `ragged_dot`), the capacity-based form at capacity factors 1.0 and 1.25 (a fixed [E, C, D] buffer an
-expert; the share of assignments it drops on these random routes is printed), and the dense reference (every
-expert on every token). `--experts-only` runs this part alone.
+Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the dropless forms (rounds of capacity
+buffers, the tiled grouped matmul, `ragged_dot`), the capacity-based form at capacity factors 1.0 and 1.25 (a fixed
+[E, C, D] buffer an expert; the share of assignments it drops on these random routes is printed), and the dense
+reference (every expert on every token), each beside its active FLOPs' time at the matmul peak (goal: >= 50% of
+it). `--experts-only` runs this part alone.
 """
 
 from __future__ import annotations
@@ -136,7 +141,25 @@ def torch_side(hf: Path):
     return step
 
 
-def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
+def step_floor(hf: Path, tokens: int, floors) -> tuple[float, float]:
+    """(FLOPs of one training step, its floor in seconds: those FLOPs at the matmul peak plus AdamW's bytes at the
+    read bandwidth)."""
+    from core.hf import load_hf
+
+    total, _ = counts(hf)
+    _, cfg = load_hf(hf)
+    moe = cfg.moe
+    assert moe is not None
+    d, h, n, kv, layers = cfg.hidden_size, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
+    attention = d * n * h + 2 * d * kv * h + n * h * d  # q, k, v and o projections
+    per_token = layers * (attention + d * moe.num_experts + moe.experts_per_token * 3 * d * moe.intermediate_size)
+    per_token += d * cfg.vocab_size  # the output head
+    seq = SHAPE["max_position_embeddings"] // 4  # the bench's rows: 256 tokens
+    flops = tokens * (6.0 * per_token + 12.0 * layers * seq * n * h)
+    return flops, floors.flops(flops) + floors.read(7 * 4.0 * total)
+
+
+def experts_alone(batch: int, seq: int, repeats: int = 3, peak: float | None = None) -> dict[str, float]:
     """Forward and backward of one layer's experts on `batch` x `seq` tokens: milliseconds (min of repeats) and
     XLA's temporary memory, per form."""
     from functools import partial
@@ -144,15 +167,16 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
     import jax
     import numpy as np
 
-    from core.models.moe import (
+    from core.kernels.experts import (
         capacity_experts,
         dense_experts,
         expert_capacity,
         grouped_experts,
-        route_topk,
+        rounds_experts,
         tiled_experts,
         within_capacity,
     )
+    from core.models.moe import route_topk
 
     d, f, e = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
     keys = jax.random.split(jax.random.key(0), 5)
@@ -163,7 +187,7 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
     ]
     k = SHAPE["num_experts_per_tok"]
     weights, chosen = route_topk(x @ router, k, True)
-    forms = [("tiled", tiled_experts), ("ragged_dot", grouped_experts)]
+    forms = [("rounds", rounds_experts), ("tiled", tiled_experts), ("ragged_dot", grouped_experts)]
     dropped = {}
     for factor in (1.0, 1.25):
         capacity = expert_capacity(batch * seq, k, e, factor)
@@ -171,6 +195,7 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
         forms.append((name, partial(capacity_experts, capacity=capacity)))
         dropped[name] = 1.0 - float(np.asarray(within_capacity(chosen, e, capacity)).mean())
     forms.append(("dense", dense_experts))
+    active = 3 * 2.0 * batch * seq * k * d * f * 3  # three matmuls, forward and backward (x3), of the k routed
     out = {}
     for name, fn in forms:
         grad = jax.jit(jax.grad(lambda x, a, b, c, fn=fn: fn(x, weights, chosen, a, b, c).sum(), argnums=(0, 1, 2, 3)))
@@ -181,10 +206,11 @@ def experts_alone(batch: int, seq: int, repeats: int = 3) -> dict[str, float]:
             start = time.perf_counter()
             jax.block_until_ready(grad(x, *ws))
             times.append(time.perf_counter() - start)
-        out[name] = {"ms": 1000 * min(times), "temp_mb": temp / 1e6, "dropped": dropped.get(name, 0.0)}
+        share = active / peak / min(times) if peak else float("nan")
+        out[name] = {"ms": 1000 * min(times), "temp_mb": temp / 1e6, "dropped": dropped.get(name, 0.0), "peak": share}
         print(
             f"experts alone, {name:13s} {1000 * min(times):8.1f} ms   temp {temp / 1e6:8.1f} MB   "
-            f"dropped {100 * dropped.get(name, 0.0):5.1f}%",
+            f"dropped {100 * dropped.get(name, 0.0):5.1f}%   active FLOPs at {100 * share:5.1f}% of the matmul peak",
             flush=True,
         )
     return out
@@ -198,29 +224,42 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench_moe.json")
     p.add_argument("--experts-only", action="store_true", help="only the experts alone")
     args = p.parse_args()
+    from bench.floors import Floors
+
+    floors = Floors.measure()
+    print(floors.line(), flush=True)
     if args.experts_only:
-        experts_alone(args.batch, args.seq)
+        experts_alone(args.batch, args.seq, peak=floors.peak_flops)
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = build(Path(tmp))
         total, active = counts(hf)
         print(f"Qwen3-MoE: {total / 1e6:.1f}M parameters, {active / 1e6:.1f}M active; {args.batch} x {args.seq} tokens")
+        flops, floor = step_floor(hf, args.batch * args.seq, floors)
+        print(f"the step's floor: {flops / 1e9:.0f} GFLOP and AdamW's bytes: {floor:.2f} s", flush=True)
         sides = {"temper": temper_side(hf), "torch": torch_side(hf)}
         times: dict[str, list[float]] = {k: [] for k in sides}
         losses: dict[str, list[float]] = {k: [] for k in sides}
+        first: dict[str, float] = {}
         for step in range(args.steps + 1):  # step 0: warm-up (compilation), not counted
             tokens = rows(args.batch, args.seq, step)
             for name, run in sides.items():
                 seconds, loss = run(tokens)
                 if step:
                     times[name].append(seconds)
+                else:
+                    first[name] = seconds
                 losses[name].append(loss)
                 print(f"step {step} {name:6s} {seconds:7.2f} s  loss {loss:.4f}", flush=True)
     medians = {k: statistics.median(v) for k, v in times.items()}
     ratio = medians["temper"] / medians["torch"]
-    print(f"median step: Temper {medians['temper']:.2f} s, torch {medians['torch']:.2f} s: ratio {ratio:.2f}")
-    alone = experts_alone(args.batch, args.seq)
+    print(
+        f"median step: Temper {medians['temper']:.2f} s ({medians['temper'] / floor:.2f}x the floor; its first step, "
+        f"compiling, {first['temper']:.1f} s), torch {medians['torch']:.2f} s ({medians['torch'] / floor:.2f}x): "
+        f"ratio {ratio:.2f}"
+    )
+    alone = experts_alone(args.batch, args.seq, peak=floors.peak_flops)
     result = {
         "params": total,
         "active": active,
@@ -230,6 +269,10 @@ def main() -> None:
         "losses": losses,
         "median_s": medians,
         "ratio": ratio,
+        "floor_s": floor,
+        "step_gflop": flops / 1e9,
+        "first_step_s": first,
+        "floors": vars(floors),
         "experts_alone": alone,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ class MoeConfig(Section):
     # `tiled` (blocks of rows, each of one expert: on CPU, where ragged_dot lowers to masked work on every
     # expert), or `auto`: tiled on CPU, ragged_dot elsewhere. `capacity` (with capacity_factor > 0): a fixed
     # buffer of capacity rows an expert, as GShard and MaxText's dense path compute it.
-    kernel: Literal["auto", "ragged_dot", "tiled", "capacity"] = "auto"
+    kernel: Literal["auto", "ragged_dot", "tiled", "rounds", "capacity"] = "auto"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has the experts instead of the dense MLP."""

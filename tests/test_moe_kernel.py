@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.models.moe import (
+from core.kernels.experts import (
     capacity_experts,
     dense_experts,
     expert_capacity,
     grouped_experts,
-    route_topk,
+    rounds_experts,
     tiled_experts,
     within_capacity,
 )
+from core.models.moe import route_topk
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -49,12 +50,15 @@ KERNELS = {
     "ragged_dot": grouped_experts,
     "tiled, 8-row blocks": lambda *a: tiled_experts(*a, block=8),
     "tiled, 128-row blocks": lambda *a: tiled_experts(*a, block=128),
+    # rounds of 8-row buffers (an even share is 12-36 rows here: several rounds, their last ones partly empty)
+    "rounds, 8-row buffers": lambda *a: rounds_experts(*a, capacity=8),
 }
 
 
 # Every routing on the tiled form with 8-row blocks; the slower forms on a top-1 and a top-3 routing.
 CASES = [("tiled, 8-row blocks", k, n) for k, n in [(1, False), (2, True), (2, False), (3, True)]]
 CASES += [(kernel, k, n) for kernel in ("tiled, 128-row blocks", "ragged_dot") for k, n in [(1, False), (3, True)]]
+CASES += [("rounds, 8-row buffers", k, n) for k, n in [(1, False), (2, True), (3, True)]]
 
 
 @pytest.mark.parametrize("kernel,k,normalize", CASES)
@@ -115,6 +119,25 @@ def test_the_tiled_form_needs_a_fraction_of_the_dense_references_memory():
     tiled, dense = temp(tiled_experts), temp(dense_experts)
     print(f"temporary memory, forward and backward: tiled {tiled / 1e6:.1f} MB, dense reference {dense / 1e6:.1f} MB")
     assert tiled < 0.5 * dense
+
+
+def test_the_rounds_form_is_dropless_however_skewed_the_routing():
+    """A routing that sends every token to one expert (its load 64: 3 rounds of the default 24-row buffers, an even
+    share and a quarter, where a balanced one needs 1) and one that fits one round: both equal the dense reference,
+    outputs and gradients."""
+    x, router, w_gate, w_up, w_down = problem(t=64, e=8)
+
+    def grads(fn, weights, chosen):
+        return jax.grad(lambda *w: fn(x, weights, chosen, *w).sum(), argnums=(0, 1, 2))(w_gate, w_up, w_down)
+
+    for skew in (0.0, 50.0):
+        weights, chosen = route_topk(x @ router + skew * (jnp.arange(8) == 5), 2, True)
+        load = np.bincount(np.asarray(chosen).ravel(), minlength=8).max()
+        assert load == 64 if skew else load <= 24, load
+        args = (x, weights, chosen, w_gate, w_up, w_down)
+        assert steps_apart(rounds_experts(*args), dense_experts(*args)) < 16
+        for g, w in zip(grads(rounds_experts, weights, chosen), grads(dense_experts, weights, chosen), strict=True):
+            assert np.abs(np.asarray(w)).max() > 0 and steps_apart(g, w) < 64
 
 
 # ---------------------------------------------------------------- capacity factor

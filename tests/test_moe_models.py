@@ -17,10 +17,10 @@ from core.config import MeshConfig, ModelConfig, MoeConfig
 from core.errors import CheckpointMismatch
 from core.hf import load_hf, save_hf
 from core.hf_config import UnsupportedHFConfig
+from core.kernels.experts import dense_experts
 from core.losses import nll_loss
 from core.mesh import make_mesh
 from core.models import ModuleTree, create_model
-from core.models.moe import dense_experts
 from core.optim import make_optimizer
 from core.router_loss import RouterTape
 from core.sums import to_host
@@ -400,7 +400,7 @@ def test_a_capacity_factor_drops_past_each_experts_capacity_counting_real_tokens
     NumPy walk of tests/test_moe_kernel.py), and the layer equals the dense reference with the others weighing 0;
     padding takes no capacity; the stats count the dropped assignments (`moe/dropped`). A factor no routing can
     exceed gives the dropless layer's output on the real tokens."""
-    from core.models.moe import expert_capacity
+    from core.kernels.experts import expert_capacity
     from core.router_loss import router_metrics
     from tests.test_moe_kernel import numpy_within_capacity
 
