@@ -76,9 +76,9 @@ from posttrain.trainer import start_trainer
 from rewards.extract import final_answer
 from rewards.runner import RewardRunner
 from rollout.background import Background
+from rollout.engine_programs import EnginePrograms
 from rollout.episodes import Episode
 from rollout.group import Pending
-from rollout.engine_programs import EnginePrograms
 from rollout.jax_engine import SlotTurns
 from rollout.jax_sampler import JaxSampler
 from rollout.placement import Placement, reserve
