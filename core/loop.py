@@ -26,11 +26,7 @@ here, once:
   `time/compile`, `compile/compilations`, `compile/cache_hits`);
 - a profiler trace of `profiler.num_steps` steps from `profiler.start_step`.
 
-`TrainLoop` is the offline kind: `data.*`'s pipeline yields `core.data.DataBatch`es, the method's `prepare` turns
-each into what its loss reads (attaching a frozen model's log-probs, say; default: the batch itself), the learner
-trains on it; the held-out evaluation reports the loss's own sums as means over the split (`Evaluation`). A
-restart on the same `run.run_dir` resumes from the latest checkpoint that restores (parameters, optimizer, step,
-RNG and data-iterator position).
+The offline kind is `core.train_loop.TrainLoop`.
 """
 
 from __future__ import annotations
@@ -38,37 +34,24 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import jax
-import numpy as np
 
-from core.checkpoint import Checkpointer
 from core.compile_cache import CompileTally, compile_clock
 from core.config import Config
-from core.config_loader import save_config
-from core.data import DataBatch
 from core.distributed import any_process
 from core.goodput import Goodput, RunStart
-from core.learner import Learner, NonFiniteLoss, apply_nan_policy
+from core.learner import NonFiniteLoss
 from core.metrics import (
-    MetricsLogger,
-    device_memory,
-    library_versions,
-    model_flops_per_token,
-    peak_flops_per_device,
     plot_curves,
-    read_metrics,
     update_run_info,
 )
-from core.models import param_count
-from core.sums import combine, means
-from core.train import TrainState
 
-__all__ = ["Evaluation", "Hook", "Loop", "NonFiniteLoss", "Plot", "Prepare", "TrainLoop"]
+__all__ = ["Hook", "Loop", "NonFiniteLoss", "Plot"]
 
 H = TypeVar("H")
 
@@ -270,177 +253,3 @@ class _Profiler:
         if self.stop:
             jax.profiler.stop_trace()
             print(f"profiler trace written to {self.dir}", flush=True)
-
-
-# ----------------------------------------------------------------------- offline
-
-
-# (a pipeline's item, the packing groups its rows form: train.micro_batches when training, 1 when evaluating)
-# -> what the method's loss reads.
-Prepare = Callable[[DataBatch, int], Any]
-
-
-def _as_is(data: DataBatch, groups: int) -> Any:
-    return data.batch
-
-
-@dataclass
-class Evaluation:
-    """The held-out evaluation of an offline method: one pass over `batches()`, each prepared as for training,
-    the loss and every sum the loss reports as means over the split (`eval/loss`, `eval/<metric>`), plus what
-    `derive` computes from those means (the perplexity of a next-token loss)."""
-
-    batches: Callable[[], Iterable[DataBatch]]
-    derive: Callable[[dict[str, float]], dict[str, float]] | None = None
-
-
-class TrainLoop(Loop):
-    """The offline kind of run: a dataset's batches, one learner update each."""
-
-    plots = (Plot(("loss", "eval/loss"), "loss.png", "loss"),)
-
-    def __init__(
-        self,
-        cfg: Config,
-        learner: Learner,
-        train_data: Iterable,
-        *,
-        evaluation: Evaluation | None = None,
-        tokenizer_dir: str | None = None,
-        on_batch: Callable[[int, object], None] | None = None,
-        prepare: Prepare = _as_is,
-        hooks: Sequence[Hook] = (),
-        console: dict[str, str] | None = None,
-        started: RunStart | None = None,
-    ):
-        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
-        `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
-        timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
-        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label); `started`: when
-        the run began to be built (`Loop`)."""
-        self.learner = learner
-        self.mesh = learner.mesh
-        self.tokenizer_dir = tokenizer_dir
-        self.evaluation = evaluation
-        self.on_batch = on_batch
-        self.prepare = prepare
-        run_dir = Path(cfg.run.run_dir)
-        save_config(cfg, run_dir)
-        self.data_iter = iter(train_data)
-        self.ckpt = None
-        start = 0
-        if cfg.checkpoint.enabled:
-            self.ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            restored = learner.restore_latest(self.ckpt, cfg, self.data_iter)
-            if restored is not None:
-                start = restored[0]
-                print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
-        super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None, started=started)
-        self.logger = MetricsLogger(run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
-        self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
-        print(device_memory() + " (after model and optimizer load)", flush=True)
-        update_run_info(
-            run_dir,
-            param_count=param_count(learner.model()),
-            flops_per_token=self.flops_per_token,
-            peak_flops_per_device=self.peak_flops,
-            peak_source=peak_source,
-            devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            mesh=dict(self.mesh.shape),
-            versions=library_versions(),
-        )
-        self._window: list[dict] = []
-        self._compiled = False
-
-    @property
-    def state(self) -> TrainState:
-        return self.learner.state
-
-    def train_step(self, step: int) -> None:
-        data = next(self.data_iter)
-        if self.on_batch is not None:
-            self.on_batch(step, data)
-        micro = self.cfg.train.micro_batches
-        start = time.perf_counter()
-        batch = self.prepare(data, micro)
-        prepare_seconds = time.perf_counter() - start
-        if not self._compiled:  # compile time is not step time
-            print(self.learner.compile(batch, micro), flush=True)
-            self._compiled = True
-        start = time.perf_counter()
-        update = self.learner.update(batch, micro)
-        seconds = time.perf_counter() - start + prepare_seconds
-        n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
-        flops = self.flops_per_token * n_tokens / seconds
-        metrics = {
-            **update.metrics(),
-            "skipped": float(not update.finite),
-            "step_seconds": seconds,
-            "tokens_per_s": n_tokens / seconds,
-            "tflops_per_s": flops / 1e12,
-            "mfu": flops / (self.peak_flops * jax.device_count()),
-            **self.step_compile().metrics(),
-        }
-        if step == self.start_step + 1:
-            line = device_memory()
-            print(line + " (after the first step)", flush=True)
-            update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
-        self._window.append(metrics)
-        apply_nan_policy(update, self.cfg.train.nan_policy, f"step {step}")
-
-    def log(self, step: int) -> None:
-        window, self._window = self._window, []
-        if not window:
-            return
-        keys = [k for k in window[0] if k != "skipped"]
-        means_ = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
-        means_["skipped_steps"] = float(sum(m["skipped"] for m in window))
-        means_["learning_rate"] = window[-1].get("learning_rate", 0.0)
-        self.logger.log(step, means_)
-
-    def evaluate(self, step: int) -> None:
-        self.logger.log(step, self.held_out(), console=True)
-
-    def held_out(self) -> dict[str, float]:
-        """`eval/loss` and `eval/<metric>`: the loss's sums over the held-out split, each divided by the summed
-        denominator (a mean per target token, per pair, ...), and what the method derives from them."""
-        assert self.evaluation is not None  # the hook is registered only with one
-        total, denominator, sums = 0.0, 0.0, None
-        for data in self.evaluation.batches():
-            out = self.learner.evaluate(self.prepare(data, 1))
-            total += out.total
-            denominator += out.denominator
-            sums = out.sums if sums is None else combine(sums, out.sums)
-        values = {"loss": total / max(denominator, 1.0), **(means(sums, denominator) if sums is not None else {})}
-        if self.evaluation.derive is not None:
-            values.update(self.evaluation.derive(values))
-        return {f"eval/{k}": v for k, v in values.items()}
-
-    def save(self, step: int) -> None:
-        assert self.ckpt is not None
-        self.learner.save(self.ckpt, self.cfg, self.data_iter)
-
-    def saved_step(self) -> int | None:
-        return None if self.ckpt is None else self.ckpt.latest_step()
-
-    def export(self) -> Path | None:
-        if self.ckpt:
-            self.ckpt.wait()
-        return self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir, self.cfg.checkpoint.init_from)
-
-    def flush_log(self, step: int) -> None:
-        if self._window:
-            self.log(step)
-
-    def summary(self, step: int) -> dict[str, Any]:
-        rows = [r for r in read_metrics(self.run_dir) if "loss" in r] if self.cfg.logging.jsonl else []
-        return {
-            "final_loss": rows[-1]["loss"] if rows else None,
-            "mean_step_seconds": float(np.mean([r["step_seconds"] for r in rows])) if rows else None,
-        }
-
-    def close_logs(self) -> None:
-        if self.ckpt:
-            self.ckpt.wait()
-        self.logger.close()

@@ -15,7 +15,7 @@ parameter of the model, or its LoRA adapters with `model.lora`), and the batch c
 for (`example_batch`). Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the
 tokenizer (`core.tokenizer.run_tokenizer`); the model from `checkpoint.init_from` (its shape wins over `model.*`;
 adapters added with `model.lora`) or a random init; the vocabulary check; the `core.learner.Learner` on the
-method's loss and tree; the `core.loop.TrainLoop` with its checkpoints, exact resume, NaN policy, metrics and
+method's loss and tree; the `core.train_loop.TrainLoop` with its checkpoints, exact resume, NaN policy, metrics and
 Hugging Face export.
 """
 
@@ -34,10 +34,11 @@ from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.goodput import RunStart
 from core.learner import Learner
-from core.loop import Evaluation, Hook, Prepare, TrainLoop, _as_is
+from core.loop import Hook
 from core.models import Decoder, ModuleTree
 from core.models.lora import trainable_filter
 from core.train import LossFn, TrainState
+from core.train_loop import Evaluation, Prepare, TrainLoop, _as_is
 
 
 @dataclass

@@ -38,11 +38,12 @@ from core.batch import PackedBatch
 from core.data import Examples, load_tokenizer, messages_problem, string_fields_problem
 from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
-from core.loop import Hook, TrainLoop
+from core.loop import Hook
 from core.losses import nll_loss
 from core.pretrain import full_rows_batch, next_token_parts
 from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn
+from core.train_loop import TrainLoop
 from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
 

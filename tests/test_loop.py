@@ -13,11 +13,12 @@ import pytest
 from core.config_loader import load_config
 from core.data import DataBatch
 from core.learner import Learner
-from core.loop import Evaluation, NonFiniteLoss, TrainLoop
+from core.loop import NonFiniteLoss
 from core.losses import nll_loss, perplexity
 from core.mesh import make_mesh
 from core.models import create_model
 from core.train import LossOutput
+from core.train_loop import Evaluation, TrainLoop
 from tests.helpers import pipeline
 
 RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]

@@ -37,11 +37,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
-from core.loop import Evaluation
 from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
 from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn
+from core.train_loop import Evaluation
 from posttrain.config import PostTrainConfig
 from posttrain.distill.features import FeatureProjections, feature_projections
 from posttrain.distill.objective import (

@@ -4,7 +4,7 @@
     run.fit()
 
 A `core.run.Method`: the policy starts from `checkpoint.init_from` (or a random init, for tests) and trains with
-`posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.loop.TrainLoop` every offline method uses
+`posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.train_loop.TrainLoop` every offline method uses
 (checkpoints with the data position, exact resume, SIGTERM, NaN policy, HF export). Pairs come from
 `posttrain.dpo.data`. The reference is the starting policy, frozen:
 
@@ -27,10 +27,10 @@ import numpy as np
 from flax import nnx
 
 from core.data import DataBatch
-from core.loop import Evaluation
 from core.models.adapters import adapters_off
 from core.run import Method, MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
+from core.train_loop import Evaluation
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
