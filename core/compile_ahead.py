@@ -9,15 +9,18 @@ run goes on (a learner's next batch shapes, `core.shape_plan`; the JAX sampler's
 
 The thread is named with `core.compile_cache.BACKGROUND_PREFIX`, so the compile clock counts its time apart (nothing
 waits for it). A job that raises hands its exception to its future: whoever needs the program compiles it in the
-foreground and meets the error there.
+foreground and meets the error there. When the process exits, the jobs not started are dropped and the one
+compiling is waited for: a daemon thread stopped inside XLA's compiler aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -30,6 +33,9 @@ class BackgroundCompiler:
         self.name = f"{BACKGROUND_PREFIX}-{name}"
         self._jobs: queue.Queue | None = None
         self._futures: list[Future] = []
+        self._idle = threading.Event()
+        self._idle.set()
+        _compilers.add(self)
 
     def submit(self, job: Callable[[], Any]) -> Future:
         """Run `job` (a compilation) in the background thread after those before it; its future."""
@@ -38,6 +44,7 @@ class BackgroundCompiler:
         if self._jobs is None:
             self._jobs = queue.Queue()
             threading.Thread(target=self._work, args=(self._jobs,), name=self.name, daemon=True).start()
+        self._idle.clear()
         self._jobs.put((job, future))
         return future
 
@@ -46,14 +53,34 @@ class BackgroundCompiler:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             job, future = jobs.get()
+            self._idle.clear()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(job())
                 except Exception as err:
                     future.set_exception(err)
+            if jobs.empty():
+                self._idle.set()
 
     def cancel(self) -> None:
         """Drop the jobs not started (the one compiling finishes in its daemon thread)."""
         for future in self._futures:
             future.cancel()
         self._futures = [f for f in self._futures if not f.done()]
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no job runs or waits (True), or `timeout_s` passed (False)."""
+        return self._idle.wait(timeout_s)
+
+
+_compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()  # this process's, for its exit
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At the process's exit (atexit runs while daemon threads still do): drop every job not started and wait for
+    the ones compiling, at most 10 minutes."""
+    for compiler in list(_compilers):
+        compiler.cancel()
+    for compiler in list(_compilers):
+        compiler.wait_idle(600)

@@ -39,9 +39,9 @@ def pretrain(run_dir: Path, cache: str) -> tuple[subprocess.CompletedProcess, di
 @pytest.mark.integration
 def test_a_second_run_of_a_recipe_loads_every_executable_from_the_cache(tmp_path):
     """The same recipe twice into fresh run directories: the first compiles (no cache hit), the second finds every
-    executable it compiles in the cache (JAX's compile log: each XLA compilation is a cache hit) and waits a
-    fraction of the first's compile time; both record their time to the first step and goodput. With the cache off
-    (`compile.cache_dir=null`) a run compiles again."""
+    executable it compiles in the cache (JAX's compile log: each XLA compilation is a cache hit; the run's summary:
+    no XLA compilation, a fraction of the first's XLA time); both record their time to the first step and
+    goodput."""
     cache = tmp_path / "cache"
     first, first_info = pretrain(tmp_path / "one", str(cache))
     second, second_info = pretrain(tmp_path / "two", str(cache))
@@ -52,18 +52,19 @@ def test_a_second_run_of_a_recipe_loads_every_executable_from_the_cache(tmp_path
     assert len(again) == len(loaded) > 0, (len(again), len(loaded))
     for info in (first_info, second_info):
         assert info["time"]["time_to_first_step_s"] > 0 and 0 < info["time"]["goodput"] <= 1
-    assert second_info["time"]["compile_s"] < 0.5 * first_info["time"]["compile_s"], (first_info, second_info)
+    # What the cache saves is XLA's part: tracing and lowering are Python's, in every process.
+    first_time, second_time = first_info["time"], second_info["time"]
+    assert first_time["run_compilations"] > 0 and second_time["run_compilations"] == 0, (first_time, second_time)
+    assert second_time["run_xla_compile_s"] < 0.25 * first_time["run_xla_compile_s"], (first_time, second_time)
     rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert all(r["compile/compilations"] == 0 for r in steps) and steps[0]["compile/cache_hits"] > 0
 
-    off, _ = pretrain(tmp_path / "three", "null")
-    assert COMPILED.findall(off.stderr) and not LOADED.findall(off.stderr)
-
 
 def test_the_clock_tells_waited_background_and_cached_compilations_apart(tmp_path, monkeypatch):
     """A program compiled in this thread counts as waited for, one compiled in a compile-ahead thread as background,
-    the same program lowered again (a new function) as a cache load."""
+    the same program lowered again (a new function) as a cache load, and again with the cache off as a
+    compilation."""
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     previous = jax.config.jax_compilation_cache_dir
     try:
@@ -89,6 +90,12 @@ def test_the_clock_tells_waited_background_and_cached_compilations_apart(tmp_pat
         background = clock.read() - before
         assert background.compiles == 0 and background.seconds == 0
         assert background.background_compiles == 1 and background.background_seconds > 0
+
+        use_compile_cache(None)  # `compile.cache_dir=null`: the same program compiles again
+        before = clock.read()
+        jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.25)(x).block_until_ready()
+        off = clock.read() - before
+        assert off.compiles == 1 and off.cache_hits == 0
     finally:
         use_compile_cache(previous)
 
@@ -111,3 +118,24 @@ def test_goodput_is_the_productive_share_of_the_steps_wall_time():
     assert s["goodput"] == pytest.approx(0.5) and s["productive_s"] == pytest.approx(2.5)
     assert s["startup_s"] == pytest.approx(10.0) and s["time_to_first_step_s"] == pytest.approx(12.0)
     assert s["compile_s"] == pytest.approx(1.5) and "goodput 50.0%" in meter.line()
+
+
+def test_a_process_that_exits_while_compiling_ahead_exits_cleanly():
+    """A process whose background thread is inside XLA's compiler when it exits waits for that compilation (and
+    drops the ones queued) instead of aborting in its daemon thread (exit code -6, 'FATAL: exception not
+    rethrown', as a resumed run once did)."""
+    script = """
+import time, jax, jax.numpy as jnp
+from core.compile_ahead import BackgroundCompiler
+def step(x, w):
+    for i in range(40):
+        x = jnp.tanh(x @ w) + i
+    return jax.grad(lambda x: (x @ w).sum())(x)
+compiler = BackgroundCompiler("test")
+for n in range(8, 200, 8):
+    compiler.submit(lambda n=n: jax.jit(step).lower(jnp.ones((n, 64)), jnp.ones((64, 64))).compile())
+time.sleep(0.3)
+"""
+    for _ in range(3):  # an exit between two compilations would not show it: three tries
+        res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]

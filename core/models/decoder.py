@@ -149,28 +149,31 @@ class Decoder(nnx.Module):
         if tokens.shape[1] == 1:
             return self._decode_step(tokens, positions, cache_k, cache_v, slots)
         mask = make_mask(positions, slots, sliding_window=self.cfg.sliding_window)  # [B, T, S]
-        x = self.embed(tokens)
+        step = lambda layer, h, k, v: layer.with_cache(h, positions, k, v, mask)
+        x, cache_k, cache_v, routes = self._each_layer(self.embed(tokens), cache_k, cache_v, step)
+        return self.final_norm(x), cache_k, cache_v, routes
+
+    def _each_layer(self, x, cache_k, cache_v, step):
+        """`step(layer, x, layer's cache_k, layer's cache_v) -> (x, k, v, experts)` through every layer (scanned or
+        listed): (x, the layers' k and v stacked [L, ...], the experts [B, T, sparse layers, k] or None)."""
         if self.cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
             def body(h, layer):
                 st, k, v = layer
-                h, k, v, experts = nnx.merge(graphdef, st).with_cache(h, positions, k, v, mask)
+                h, k, v, experts = step(nnx.merge(graphdef, st), h, k, v)
                 return h, (k, v, experts)
 
-            x, (cache_k, cache_v, experts) = jax.lax.scan(body, x, (state, cache_k, cache_v))
-            routes = None if experts is None else jnp.moveaxis(experts, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
-        else:
-            ks, vs, chosen = [], [], []
-            for i, layer in enumerate(self.layers):
-                x, k, v, experts = layer.with_cache(x, positions, cache_k[i], cache_v[i], mask)
-                ks.append(k)
-                vs.append(v)
-                if experts is not None:
-                    chosen.append(experts)
-            cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
-            routes = jnp.stack(chosen, axis=2) if chosen else None
-        return self.final_norm(x), cache_k, cache_v, routes
+            x, (ks, vs, experts) = jax.lax.scan(body, x, (state, cache_k, cache_v))
+            return x, ks, vs, None if experts is None else jnp.moveaxis(experts, 0, 2)  # [L, B, T, k] -> [B, T, L, k]
+        ks, vs, chosen = [], [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v, experts = step(layer, x, cache_k[i], cache_v[i])
+            ks.append(k)
+            vs.append(v)
+            if experts is not None:
+                chosen.append(experts)
+        return x, jnp.stack(ks), jnp.stack(vs), jnp.stack(chosen, axis=2) if chosen else None
 
     def _decode_step(self, tokens, positions, cache_k, cache_v, slots):
         """`with_cache` for tokens [B, 1]: each layer attends to the cache's keys before the token's position and to
@@ -179,27 +182,8 @@ class Decoder(nnx.Module):
         mask = slots[:, None, :] < positions[:, :, None]  # [B, 1, S]: strictly before (its own key comes apart)
         if self.cfg.sliding_window is not None:
             mask &= window_mask(positions, slots, self.cfg.sliding_window)
-        x = self.embed(tokens)
-        if self.cfg.scan_layers:
-            graphdef, state = nnx.split(self.layers)
-
-            def body(h, layer):
-                st, k, v = layer
-                h, k, v, experts = nnx.merge(graphdef, st).decode_step(h, positions, k, v, mask)
-                return h, (k, v, experts)
-
-            x, (new_k, new_v, experts) = jax.lax.scan(body, x, (state, cache_k, cache_v))
-            routes = None if experts is None else jnp.moveaxis(experts, 0, 2)  # [L, B, 1, k] -> [B, 1, L, k]
-        else:
-            ks, vs, chosen = [], [], []
-            for i, layer in enumerate(self.layers):
-                x, k, v, experts = layer.decode_step(x, positions, cache_k[i], cache_v[i], mask)
-                ks.append(k)
-                vs.append(v)
-                if experts is not None:
-                    chosen.append(experts)
-            new_k, new_v = jnp.stack(ks), jnp.stack(vs)
-            routes = jnp.stack(chosen, axis=2) if chosen else None
+        step = lambda layer, h, k, v: layer.decode_step(h, positions, k, v, mask)
+        x, new_k, new_v, routes = self._each_layer(self.embed(tokens), cache_k, cache_v, step)
         rows = jnp.arange(tokens.shape[0])
         cache_k = cache_k.at[:, rows, positions[:, 0]].set(new_k[:, :, 0])  # [L, B, K, H] at each row's position
         cache_v = cache_v.at[:, rows, positions[:, 0]].set(new_v[:, :, 0])
