@@ -24,12 +24,14 @@ LOADED = re.compile(r"Persistent compilation cache hit for '([^']+)'")
 
 
 def pretrain(run_dir: Path, cache: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """A 3-step pretraining run (checkpoint and export included) with JAX's compile log on; its run_info.json."""
+    """A 3-step pretraining run of a one-layer model (checkpoint and export included) with JAX's compile log on; its
+    run_info.json."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
     env.update(JAX_LOG_COMPILES="1", XLA_FLAGS=with_host_device_count(os.environ.get("XLA_FLAGS", ""), 1))
     res = subprocess.run(
         [sys.executable, "-m", "recipes.pretrain", f"run.run_dir={run_dir}", "train.steps=3", "train.log_every=1",
-         "data.num_examples=200", f"compile.cache_dir={cache}"],
+         "data.num_examples=200", "data.seq_len=64", "model.num_layers=1", "model.hidden_size=64",
+         "model.intermediate_size=128", "model.head_dim=16", f"compile.cache_dir={cache}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -39,9 +41,10 @@ def pretrain(run_dir: Path, cache: str) -> tuple[subprocess.CompletedProcess, di
 @pytest.mark.integration
 def test_a_second_run_of_a_recipe_loads_every_executable_from_the_cache(tmp_path):
     """The same recipe twice into fresh run directories: the first compiles (no cache hit), the second finds every
-    executable it compiles in the cache (JAX's compile log: each XLA compilation is a cache hit; the run's summary:
-    no XLA compilation, a fraction of the first's XLA time); both record their time to the first step and
-    goodput."""
+    executable it compiles in the cache (JAX's compile log: each XLA compilation is a cache hit; the run's summary
+    and every step's metrics: no XLA compilation); both record their time to the first step and goodput. How much
+    time the cache saves is the benchmarks' to say (docs/benchmarks.md): under a loaded CI machine, loading 25
+    executables has taken 40% of compiling them."""
     cache = tmp_path / "cache"
     first, first_info = pretrain(tmp_path / "one", str(cache))
     second, second_info = pretrain(tmp_path / "two", str(cache))
@@ -52,10 +55,9 @@ def test_a_second_run_of_a_recipe_loads_every_executable_from_the_cache(tmp_path
     assert len(again) == len(loaded) > 0, (len(again), len(loaded))
     for info in (first_info, second_info):
         assert info["time"]["time_to_first_step_s"] > 0 and 0 < info["time"]["goodput"] <= 1
-    # What the cache saves is XLA's part: tracing and lowering are Python's, in every process.
     first_time, second_time = first_info["time"], second_info["time"]
     assert first_time["run_compilations"] > 0 and second_time["run_compilations"] == 0, (first_time, second_time)
-    assert second_time["run_xla_compile_s"] < 0.25 * first_time["run_xla_compile_s"], (first_time, second_time)
+    assert second_time["run_cache_hits"] >= first_time["run_compilations"], (first_time, second_time)
     rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert all(r["compile/compilations"] == 0 for r in steps) and steps[0]["compile/cache_hits"] > 0
