@@ -43,13 +43,17 @@ DEMO = ROOT / "runs" / "quickstart_tools"
 REWARDS = ROOT / "bench" / "bench_rewards.py"
 
 
-def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: int, sampler: str = "vllm") -> dict:
+def temper_step(
+    args, work: Path, concurrency: int | None, prompts: int, steps: int, sampler: str = "vllm", cache: str = "",
+    tag: str = "",
+) -> dict:  # fmt: skip
+    """`steps` timed steps after a warm-up one; `cache`: a compilation cache directory (empty: the user's default)."""
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import run_grpo
 
-    run_dir = work / f"temper_{sampler}_{concurrency}_{prompts}"
+    run_dir = work / f"temper_{sampler}_{concurrency}_{prompts}{tag}"
     cfg = load_config(
         ROOT / "recipes" / "configs" / "quickstart" / "tools_grpo.yml",
         [
@@ -71,6 +75,7 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
             "optim.learning_rate=1.0e-5",
             f"reward.functions=[{{fn: '{REWARDS}:{args.reward}'}}]",
             "rl.accuracy_fn=null",
+            *([f"compile.cache_dir={cache}"] if cache else []),
         ],
         schema=PostTrainConfig,
     )
@@ -104,6 +109,7 @@ def temper_step(args, work: Path, concurrency: int | None, prompts: int, steps: 
         "goodput": timing["goodput"],
         "time_to_first_step_s": timing["time_to_first_step_s"],
         "run_compile_s": timing["run_compile_s"],
+        "time": timing,
     }
 
 
@@ -125,8 +131,9 @@ def trl_step(args, work: Path) -> dict:
     return {**result, "step_s": sum(times) / len(times), "median_step_s": statistics.median(times)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The workload's options, shared with bench/agent_goodput.py."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=str(DEMO / "sft" / "hf"), help="a tool-calling model (make demo-tools')")
     p.add_argument("--tokenizer", default=str(DEMO / "tokenizer"))
     p.add_argument("--data", default=str(DEMO / "data" / "rl.jsonl"), help="rows with question and answer")
@@ -138,10 +145,19 @@ def main() -> None:
     p.add_argument("--throughput-prompts", type=int, default=16, help="prompts a step for the concurrency figures")
     p.add_argument("--reward", default="answer_closeness", help="a function of bench/bench_rewards.py")
     p.add_argument("--samplers", nargs="+", default=["vllm", "jax"], choices=["vllm", "jax"], help="Temper's sides")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
-    args = p.parse_args()
+    return p
+
+
+def check_model(args) -> None:
     if not Path(args.model, "config.json").exists():
         raise SystemExit(f"no model at {args.model}: run `make demo-tools` first (its fine-tuned model calls the tool)")
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
+    args = p.parse_args()
+    check_model(args)
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
