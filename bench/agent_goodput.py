@@ -1,5 +1,5 @@
 """Goodput of a multi-turn GRPO run on the tools demo's model: 30 steps with an empty compilation cache, then the
-same run again on the cache the first filled.
+same run again, in a new process, on the cache the first filled.
 
     python bench/agent_goodput.py                    # after `make demo-tools`; both samplers
     python bench/agent_goodput.py --samplers jax --run-steps 30
@@ -14,7 +14,9 @@ compiles nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,17 +31,25 @@ def main() -> None:
     p.set_defaults(prompts=8)
     p.add_argument("--run-steps", type=int, default=30, help="steps in each run")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_goodput.json"))
+    p.add_argument("--one", nargs=3, metavar=("SAMPLER", "CACHE", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     check_model(args)
+    if args.one:  # one run, in a process of its own (what a second run of a recipe is)
+        sampler, cache, result = args.one
+        work = Path(result).parent
+        timing = temper_step(args, work, None, args.prompts, args.run_steps - 1, sampler, cache, Path(result).stem)
+        Path(result).write_text(json.dumps(timing["time"]))
+        return
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for sampler in args.samplers:
             cache = work / f"cache_{sampler}"
             for run in ("empty cache", "warm cache"):
-                tag = "_" + run.split()[0]
-                t = temper_step(args, work, None, args.prompts, args.run_steps - 1, sampler, str(cache), tag)["time"]
-                results[f"{sampler} {run}"] = t
+                result = work / f"{sampler}_{run.split()[0]}.json"
+                subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", sampler, str(cache), str(result)],
+                               check=True)  # fmt: skip
+                t = results[f"{sampler} {run}"] = json.loads(result.read_text())
                 print(
                     f"{sampler}, {run}: goodput {t['goodput']:.1%} ({t['productive_s']:.1f} s productive of "
                     f"{t['steps_wall_s']:.1f} s over {args.run_steps} steps; {t['compile_s']:.1f} s waiting for "

@@ -14,11 +14,11 @@ reward `bench_rewards.answer_closeness` on the last turn (1 for the exact answer
 number's relative error: groups rarely score flat, so every step updates; `--reward final_answer` is exact-or-0),
 one optimizer update (no KL), float32, 2 CPU cores. TRL runs
 in its own virtual environment (`.venv-trl`, as bench/grpo_step.py) with transformers `generate`; Temper samples
-with vLLM on Ray, each episode's turns as their own requests, and with the JAX sampler (`--samplers`), every
-waiting turn in one compiled decode loop. Each side's tool calls, tokens a trajectory, reward
-and share of flat groups are printed beside its time, so a step that did less work shows, and so are Temper's
-compilations in the timed steps (XLA's, counted by `core.compile_cache`: none is the goal), the run's goodput and
-its time to the first step. The first step (warm-up) is left out of the means.
+with vLLM on Ray, each episode's turns as their own requests, and with the JAX sampler (`--samplers`), its engine
+(`rollout.jax_engine`) decoding every episode in a slot of its own. Each side's tool calls, tokens a trajectory,
+reward and share of flat groups are printed beside its time, so a step that did less work shows, and so are
+Temper's compilations and loads from the persistent cache in the timed steps (counted by `core.compile_cache`: none
+is the goal), the run's goodput and its time to the first step. The first step (warm-up) is left out of the means.
 Goals (issue 54): no timed step compiles; each side's mean within 1.15x of its median; the JAX sampler's mean
 <= 0.7x TRL's.
 """
@@ -105,6 +105,7 @@ def temper_step(
         "reward_mean": mean("reward/mean"),
         "flat_group_share": sum(r["zero_variance_groups"] for r in rows) / (len(rows) * prompts),
         "timed_compilations": sum(r["compile/compilations"] for r in rows),
+        "timed_cache_loads": sum(r["compile/cache_hits"] for r in rows),  # compiled before, loaded while it waited
         "timed_compile_s": sum(r["time/compile"] for r in rows),
         "goodput": timing["goodput"],
         "time_to_first_step_s": timing["time_to_first_step_s"],
@@ -183,7 +184,8 @@ def main() -> None:
                 f"{o['tool_calls']:.2f} calls, {o['model_tokens'] + o['env_tokens']:.1f} tokens a trajectory, reward "
                 f"{o['reward_mean']:.2f}, flat groups {o['flat_group_share']:.0%}) | ratio to TRL "
                 f"{results['step'][sampler]['ratio']:.2f} | mean / median {o['step_s'] / o['median_step_s']:.2f} | "
-                f"{o['timed_compilations']:.0f} compilations in the timed steps ({o['timed_compile_s']:.2f} s) | "
+                f"{o['timed_compilations']:.0f} compilations and {o['timed_cache_loads']:.0f} cache loads in the timed "
+                f"steps ({o['timed_compile_s']:.2f} s) | "
                 f"goodput {o['goodput']:.1%}, time to the first step {o['time_to_first_step_s']:.1f} s",
                 flush=True,
             )

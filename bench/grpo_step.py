@@ -147,6 +147,7 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
         "flat_group_share": flat / (len(rows) * args.prompts),
         "trained_tokens": mean("pack/rows") * cfg.rollout.max_model_len * mean("pack/fill"),
         "timed_compilations": sum(r["compile/compilations"] for r in rows),
+        "timed_cache_loads": sum(r["compile/cache_hits"] for r in rows),  # compiled before, loaded while it waited
         "timed_compile_s": sum(r["time/compile"] for r in rows),
         **{k: timing[k] for k in ("goodput", "time_to_first_step_s", "run_compile_s")},
     }
@@ -256,7 +257,8 @@ def main() -> None:
                     f"  floors: generate {floor['generate']:.2f} s ({floor['generate'] / ours['generate_s']:.0%} of "
                     f"Temper's), update {floor['update']:.2f} s ({floor['update'] / ours['update_s']:.0%}), sync "
                     f"{floor['sync']:.3f} s ({floor['sync'] / max(ours['sync_s'], 1e-9):.0%}) | "
-                    f"{ours['timed_compilations']:.0f} compilations in the timed steps "
+                    f"{ours['timed_compilations']:.0f} compilations and {ours['timed_cache_loads']:.0f} cache loads in "
+                    f"the timed steps "
                     f"({ours['timed_compile_s']:.2f} s), "
                     f"mean / median {ours['step_s'] / ours['median_step_s']:.2f}, goodput {ours['goodput']:.1%}, time "
                     f"to the first step {ours['time_to_first_step_s']:.1f} s",

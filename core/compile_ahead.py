@@ -40,27 +40,16 @@ class BackgroundCompiler:
     def submit(self, job: Callable[[], Any]) -> Future:
         """Run `job` (a compilation) in the background thread after those before it; its future."""
         future: Future = Future()
-        self._futures.append(future)
+        self._futures = [f for f in self._futures if not f.done()] + [future]  # done ones are their owners' now
         if self._jobs is None:
             self._jobs = queue.Queue()
-            threading.Thread(target=self._work, args=(self._jobs,), name=self.name, daemon=True).start()
+            # The thread holds the queue and the event, never this object: when its owner (a learner's shape plan,
+            # an engine's programs) is collected, the finalizer's None ends the thread.
+            threading.Thread(target=_work, args=(self._jobs, self._idle), name=self.name, daemon=True).start()
+            weakref.finalize(self, self._jobs.put, None).atexit = False  # at exit, _finish_at_exit's to stop
         self._idle.clear()
         self._jobs.put((job, future))
         return future
-
-    def _work(self, jobs: queue.Queue) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # the lowest priority: a step beside it keeps its cores
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            job, future = jobs.get()
-            self._idle.clear()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(job())
-                except Exception as err:
-                    future.set_exception(err)
-            if jobs.empty():
-                self._idle.set()
 
     def cancel(self) -> None:
         """Drop the jobs not started (the one compiling finishes in its daemon thread)."""
@@ -71,6 +60,24 @@ class BackgroundCompiler:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no job runs or waits (True), or `timeout_s` passed (False)."""
         return self._idle.wait(timeout_s)
+
+
+def _work(jobs: queue.Queue, idle: threading.Event) -> None:
+    with contextlib.suppress(AttributeError, OSError):  # the lowest priority: a step beside it keeps its cores
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    while (item := jobs.get()) is not None:
+        job, future = item
+        idle.clear()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except Exception as err:
+                future.set_exception(err)
+        # Nothing of the job stays referenced while the thread waits: its closure holds a learner's whole state.
+        item = job = future = None
+        if jobs.empty():
+            idle.set()
+    idle.set()
 
 
 _compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()  # this process's, for its exit

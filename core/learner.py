@@ -240,6 +240,7 @@ class Learner:
         state, meta, step = restored
         check_frozen(meta.get(FROZEN), self.frozen_record(), f"{checkpointer.directory}/{step}")
         self.state = state
+        self._state_shapes = None  # read again from the restored state (its shardings are the checkpoint's layout)
         return step, meta
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None, init_from: str | None = None) -> Path:

@@ -107,10 +107,11 @@ class MoeConfig(Section):
     router_z_loss_weight: float = Field(0.0, ge=0.0)
     # <= 0: dropless (MaxText's -1); > 0: GShard's capacity factor (1.0: an even share an expert).
     capacity_factor: float = 0.0
-    # The grouped matmul (core.models.moe): `ragged_dot` (jax.lax.ragged_dot: a grouped GEMM on GPU and TPU),
+    # The grouped matmul (core.kernels.experts): `ragged_dot` (jax.lax.ragged_dot: a grouped GEMM on GPU and TPU),
     # `tiled` (blocks of rows, each of one expert: on CPU, where ragged_dot lowers to masked work on every
-    # expert), or `auto`: tiled on CPU, ragged_dot elsewhere. `capacity` (with capacity_factor > 0): a fixed
-    # buffer of capacity rows an expert, as GShard and MaxText's dense path compute it.
+    # expert), `rounds` (dropless capacity rounds, every expert's weights multiplied in place), or `auto`: tiled
+    # on CPU, ragged_dot elsewhere. `capacity` (with capacity_factor > 0): a fixed buffer of capacity rows an
+    # expert, as GShard and MaxText's dense path compute it.
     kernel: Literal["auto", "ragged_dot", "tiled", "rounds", "capacity"] = "auto"
 
     def is_sparse(self, layer: int) -> bool:

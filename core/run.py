@@ -38,7 +38,7 @@ from core.loop import Hook
 from core.models import Decoder, ModuleTree
 from core.models.lora import trainable_filter
 from core.train import LossFn, TrainState
-from core.train_loop import Evaluation, Prepare, TrainLoop, _as_is
+from core.train_loop import Evaluation, Prepare, TrainLoop, as_is
 
 
 @dataclass
@@ -59,7 +59,7 @@ class MethodParts:
 
     train: Iterable[DataBatch]  # training batches, forever; a Grain iterator (its position is checkpointed)
     evaluation: Evaluation | None = None  # the held-out split (None: no data.eval_fraction)
-    prepare: Prepare = _as_is  # (batch, packing groups) -> what the loss reads
+    prepare: Prepare = as_is  # (batch, packing groups) -> what the loss reads
     hooks: Sequence[Hook] = ()  # the method's own cadence (SFT's greedy generations)
     skipped: list[str] = field(default_factory=list)  # rows left out (data.skip_malformed), described
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)

@@ -210,15 +210,25 @@ class ShapePlan:
             return best, apply(batch, best, need)
         pending = self.pending.get(family, {})
         if own in pending:  # compiled ahead, not ready yet: wait for it rather than compile it twice
-            start = time.perf_counter()
-            pending.pop(own).result()
-            compile_clock().add_wait(time.perf_counter() - start)
+            self._wait_for(pending.pop(own), lambda: self.compile_fn(apply(batch, own, need)))
         else:
             self.compile_fn(apply(batch, own, need))
         ready.add(own)
         if self.ahead:
             self._submit(family, grow(own, need, self.row_multiple), batch)
         return own, apply(batch, own, need)
+
+    def _wait_for(self, future: Future, compile_here: Callable[[], None]) -> None:
+        """Wait for a shape compiled ahead; one whose compilation failed is compiled here (meeting its error). The
+        processes of a group then start it together (the background thread skips the learner's barrier)."""
+        start = time.perf_counter()
+        try:
+            future.result()
+        except Exception:
+            compile_here()  # the clock counts this compilation itself
+            return
+        compile_clock().add_wait(time.perf_counter() - start)
+        self.agree(True)
 
     def _within(self, shape: Shape, own: Shape) -> bool:
         return all(a <= self.slack * b for a, b in zip(dataclasses.astuple(shape), dataclasses.astuple(own)))

@@ -14,9 +14,10 @@ and otherwise into the new bucketed size, which it remembers. A bucket that
 keeps being needed is compiled after all: once it has been padded into a
 larger size `patience` times (ski rental: the padding paid by then is about
 what one compilation costs), it gets its own size, so a long run does not pad
-forever and a short run compiles only what it must. Used for the packed row
-counts of the RL update (`posttrain.grpo`) and the JAX sampler's prompt shapes
-(`rollout.jax_sampler`).
+forever and a short run compiles only what it must. Used for the row
+counts of a frozen model's log-prob pass (`posttrain.frozen`) and the JAX
+sampler's prompt shapes (`rollout.jax_sampler`); a learner's update has its
+own plan (`core.shape_plan`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from core.train import TrainState
 Prepare = Callable[[DataBatch, int], Any]
 
 
-def _as_is(data: DataBatch, groups: int) -> Any:
+def as_is(data: DataBatch, groups: int) -> Any:
     return data.batch
 
 
@@ -74,7 +74,7 @@ class TrainLoop(Loop):
         evaluation: Evaluation | None = None,
         tokenizer_dir: str | None = None,
         on_batch: Callable[[int, object], None] | None = None,
-        prepare: Prepare = _as_is,
+        prepare: Prepare = as_is,
         hooks: Sequence[Hook] = (),
         console: dict[str, str] | None = None,
         started: RunStart | None = None,
@@ -160,7 +160,9 @@ class TrainLoop(Loop):
         if not window:
             return
         keys = [k for k in window[0] if k != "skipped"]
-        means_ = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
+        # Compilation is counted per window (a compilation in one step of ten is 1, not 0.1); the rest are means.
+        summed = lambda k: k == "time/compile" or k.startswith("compile/")
+        means_ = {k: float((np.sum if summed(k) else np.mean)([m[k] for m in window if k in m])) for k in keys}
         means_["skipped_steps"] = float(sum(m["skipped"] for m in window))
         means_["learning_rate"] = window[-1].get("learning_rate", 0.0)
         self.logger.log(step, means_)

@@ -28,8 +28,12 @@ from core.batch import CompiledCounts, PackedBatch
 from core.config import ModelConfig
 from core.distributed import CompiledTogether, to_host
 from core.learner import Learner
+from core.mesh import row_shards
 from core.models import Decoder
 from core.models.adapters import adapters_off
+from core.packing import round_rows
+from core.shape_plan import Need, Shape, apply
+from core.shapes import SizeCache
 from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
 
@@ -53,6 +57,7 @@ class LogprobPass:
         self.temperature, self.vocab = temperature, vocab
         self._jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4)), "a log-prob pass")
         self.counts = CompiledCounts()
+        self.rows = SizeCache(round_rows)  # rows a packing group, reused when a batch fits a count compiled before
 
     def __call__(self, model: Decoder, batch: PackedBatch) -> jax.Array:
         graphdef, state = nnx.split(model)
@@ -60,7 +65,14 @@ class LogprobPass:
 
 
 def grouped_logprobs(fn: LogprobPass, model: Decoder, batch: PackedBatch, mesh: Mesh) -> np.ndarray:
-    """[B, C] float32 host log-probs of every target, computed one packing group at a time (`batch.groups`)."""
+    """[B, C] float32 host log-probs of every target, computed one packing group at a time (`batch.groups`). A
+    group's rows are padded with empty ones to a row count the pass has run (the rows an RL batch packs into vary
+    from step to step; the targets, and so the result, do not move)."""
+    need = Need(batch, dict(mesh.shape))
+    if need.rows_vary:
+        multiple = row_shards(need.rows, dict(mesh.shape))
+        rows = round_rows(fn.rows.pick(need.rows), multiple)
+        batch = apply(batch, Shape(rows, need.scored_slots, need.positions(rows)), need)
     placed = place_batch(split_micro_batches(batch, batch.groups, mesh, fn.counts), mesh)
     out = []
     with jax.set_mesh(mesh):

@@ -116,7 +116,8 @@ class EnginePrograms:
     def _key(self, fn: Callable, statics: dict, args: tuple) -> Any:
         specs = jax.tree.map(_spec, args)
         leaves, tree = jax.tree.flatten(specs)
-        return (fn.__name__, tuple(sorted(statics.items())), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+        placed = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+        return (fn.__name__, tuple(sorted(statics.items())), tree, placed)
 
     def _compile(self, fn: Callable, statics: dict, args: tuple) -> Any:
         jitted = jax.jit(partial(fn, **statics), donate_argnums=_DONATE[fn])

@@ -55,6 +55,7 @@ class _Slot:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     last_used: int = 0
+    seed: int = 0  # the turn's sampling seed, drawn once when it is admitted
 
 
 class SlotTurns:
@@ -77,7 +78,8 @@ class SlotTurns:
         self.decode_steps, self.chunk, self.prefill_rows = decode_steps, chunk, prefill_rows
         self.programs = programs or EnginePrograms()
         self.max_len = sampler.max_model_len
-        self.widths = _widths(width, self.max_len + chunk)
+        # The last width holds a turn ending at the model's length plus one call's decode steps or prefill chunk.
+        self.widths = _widths(width, self.max_len + max(chunk, decode_steps + 1))
         self.queue: deque[TurnRequest] = deque()
         self.state = [_Slot() for _ in range(slots)]
         self.home: dict[int, int] = {}  # episode key -> its slot
@@ -222,7 +224,7 @@ class SlotTurns:
                 for start in range(0, len(new), self.chunk):
                     rows.append((index, new[start : start + self.chunk], len(slot.cached) + start))
             slot.cached = ids
-            slot.turn, slot.tokens, slot.logprobs = request, [], []
+            slot.turn, slot.tokens, slot.logprobs, slot.seed = request, [], [], self._seed(request)
             self._clock += 1
             slot.last_used = self._clock
         if rows:
@@ -284,7 +286,7 @@ class SlotTurns:
         for i, slot in enumerate(self.state):
             if slot.turn is not None:
                 done[i], count[i] = False, len(slot.tokens)
-                limits[i], seeds[i] = slot.turn.params.max_tokens, self._seed(slot.turn)
+                limits[i], seeds[i] = slot.turn.params.max_tokens, slot.seed
         return [self._put(x) for x in (lengths, done, count, limits, seeds)]
 
     def _decode(self) -> list[tuple[int, Completion]]:

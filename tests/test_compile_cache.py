@@ -69,6 +69,7 @@ def test_the_clock_tells_waited_background_and_cached_compilations_apart(tmp_pat
     compilation."""
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     previous = jax.config.jax_compilation_cache_dir
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
     try:
         use_compile_cache(str(tmp_path))
         clock = compile_clock()
@@ -100,6 +101,7 @@ def test_the_clock_tells_waited_background_and_cached_compilations_apart(tmp_pat
         assert off.compiles == 1 and off.cache_hits == 0
     finally:
         use_compile_cache(previous)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # the session's, for later tests
 
 
 def test_the_default_cache_is_jaxs_variable_or_the_users_cache(monkeypatch):

@@ -430,3 +430,35 @@ def test_a_capacity_factor_drops_past_each_experts_capacity_counting_real_tokens
     gap = np.abs(np.asarray(y_roomy) - np.asarray(y_free)).reshape(24, -1)
     assert gap[real].max() <= 1e-6 and float(roomy_stats.dropped) == 0  # (padding is not computed: it reads 0)
     assert float(free_stats.dropped) == 0 and router_metrics(free_stats)["moe/dropped"] == 0.0
+
+
+def test_the_rounds_kernel_in_a_layer_equals_the_tiled_one_with_padding_and_gradients():
+    """`model.moe.kernel: rounds` inside an MoE layer (padding tokens masked out, dropless): the tiled layer's output
+    on the real tokens, and the same gradients for the router's and the experts' weights (non-zero)."""
+
+    def layer_of(kernel):
+        cfg = _moe_cfg(num_experts=8, kernel=kernel)
+        return create_model(ModelConfig(**{**cfg.model_dump(), "num_layers": 1, "scan_layers": False}), seed=2)
+
+    x = jax.random.normal(jax.random.key(0), (2, 12, layer_of("tiled").layers[0].mlp.router.shape[0]))
+    valid = jnp.ones((2, 12), bool).at[0, :4].set(False)
+    real = np.asarray(valid)
+
+    def run(kernel):
+        graphdef, state = nnx.split(layer_of(kernel).layers[0].mlp)
+
+        def loss(state):
+            y, stats, _ = nnx.merge(graphdef, state)(x, valid)
+            return (jnp.where(valid[..., None], y, 0.0) ** 2).sum(), (y, stats)
+
+        (_, (y, stats)), grads = jax.value_and_grad(loss, has_aux=True)(state)
+        return np.asarray(y), stats, [np.asarray(g) for g in jax.tree.leaves(grads)]  # router and experts
+
+    y_rounds, stats, g_rounds = run("rounds")
+    y_tiled, _, g_tiled = run("tiled")
+    assert float(stats.dropped) == 0
+    np.testing.assert_allclose(y_rounds[real], y_tiled[real], rtol=1e-5, atol=1e-5)
+    assert len(g_rounds) >= 4
+    for a, b in zip(g_rounds, g_tiled, strict=True):
+        assert np.abs(b).max() > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -187,7 +187,8 @@ def test_the_learner_updates_alike_with_and_without_compiling_ahead(micro):
             updates.append(learner.update(b, micro))
             if ahead:
                 settle(learner.plan)  # the background compilation finishes between steps, as it would during rollouts
-            foreground.setdefault(ahead, []).append((clock.read() - before).compiles)
+            waited = clock.read() - before  # compiled or loaded from the session's cache while the step waited
+            foreground.setdefault(ahead, []).append(waited.compiles + waited.cache_hits)
         results[ahead] = (updates, jax.tree.map(np.asarray, learner.state.params))
     for with_, without in zip(results[True][0], results[False][0]):
         assert with_.applied and with_.grad_norm > 0
@@ -195,5 +196,27 @@ def test_the_learner_updates_alike_with_and_without_compiling_ahead(micro):
         np.testing.assert_allclose(with_.grad_norm, without.grad_norm, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert foreground[False][1] > 0  # the second batch's shape was new: compiled while the step waited
+    assert foreground[False][1] > 0  # the second batch's shape was new: compiled (or loaded) while the step waited
     assert foreground[True][1] == 0  # compiled ahead
+
+
+def test_a_frozen_pass_pads_a_batch_into_rows_it_ran_and_scores_it_the_same():
+    """A reference's or teacher's log-prob pass (`posttrain.frozen.grouped_logprobs`) on a batch packed into fewer
+    rows than one before: padded into the row count it already ran (no new compilation), the same log-probs as the
+    batch scored in its own rows."""
+    from posttrain.frozen import LogprobPass, grouped_logprobs
+
+    model = create_model(ModelConfig(), None, seed=0)
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    long, short = rl_batch([20, 18, 21, 19, 17, 20, 22, 16]), rl_batch([12, 13, 12, 14, 13, 12, 14, 12], seed=1)
+    assert Need(short, {}).rows < Need(long, {}).rows  # the second batch packs into fewer rows
+    shared = LogprobPass(1.0)
+    grouped_logprobs(shared, model, long.packed, mesh)
+    compiled = shared._jitted.jitted._cache_size()
+    got = grouped_logprobs(shared, model, short.packed, mesh)
+    assert shared._jitted.jitted._cache_size() == compiled  # the rows and counts it ran before
+    need = Need(short, {})
+    mine = logprobs_in(model, short, bucket(need, 1), need)
+    mask = np.asarray(short.packed.target_mask) > 0
+    assert np.abs(mine[mask]).min() > 0
+    np.testing.assert_allclose(got[mask], mine[mask], rtol=1e-5, atol=1e-5)
