@@ -173,13 +173,15 @@ class Learner:
         )
         key = _key(abstract)
         with self._compiling:
-            if key in self._executables:
-                return
-        with jax.set_mesh(self.mesh):
-            compiled = self._step.lower(self.state_shapes, abstract, self.rest).compile()
-        with self._compiling:
-            self._executables[key] = compiled
-            self.last_compile = memory_analysis_line(compiled)
+            found = key in self._executables
+        if not found:
+            with jax.set_mesh(self.mesh):
+                compiled = self._step.lower(self.state_shapes, abstract, self.rest).compile()
+            with self._compiling:
+                self._executables[key] = compiled
+                self.last_compile = memory_analysis_line(compiled)
+        # Found or compiled, a foreground call meets the group at the barrier (where a compilation ahead failed on
+        # one process only, the others find the program compiled and wait here for that one).
         if not threading.current_thread().name.startswith(BACKGROUND_PREFIX):
             barrier("a newly compiled update")  # a process group's collectives start together (core.distributed)
 

@@ -219,16 +219,14 @@ class ShapePlan:
         return own, apply(batch, own, need)
 
     def _wait_for(self, future: Future, compile_here: Callable[[], None]) -> None:
-        """Wait for a shape compiled ahead; one whose compilation failed is compiled here (meeting its error). The
-        processes of a group then start it together (the background thread skips the learner's barrier)."""
+        """Wait for a shape compiled ahead. Where it failed on any process of a group, every process compiles it
+        here (meeting the error; the others find it compiled): the group decides together, so its processes run the
+        same collectives and start the program together (the background thread skips the learner's barrier)."""
         start = time.perf_counter()
-        try:
-            future.result()
-        except Exception:
-            compile_here()  # the clock counts this compilation itself
-            return
+        failed = future.exception() is not None  # waits for it
         compile_clock().add_wait(time.perf_counter() - start)
-        self.agree(True)
+        if not self.agree(not failed):
+            compile_here()
 
     def _within(self, shape: Shape, own: Shape) -> bool:
         return all(a <= self.slack * b for a, b in zip(dataclasses.astuple(shape), dataclasses.astuple(own)))
@@ -246,7 +244,7 @@ class ShapePlan:
             future = pending[shape]
             if self.agree(future.done()):
                 pending.pop(shape)
-                if future.exception() is None:  # a failed one is compiled again when a batch needs it
+                if self.agree(future.exception() is None):  # failed anywhere: compiled again when a batch needs it
                     self.ready[family].add(shape)
 
     # ------------------------------------------------------------------ ahead

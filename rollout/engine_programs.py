@@ -116,8 +116,9 @@ class EnginePrograms:
     def _key(self, fn: Callable, statics: dict, args: tuple) -> Any:
         specs = jax.tree.map(_spec, args)
         leaves, tree = jax.tree.flatten(specs)
-        placed = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
-        return (fn.__name__, tuple(sorted(statics.items())), tree, placed)
+        # Shapes and dtypes: the engine places every input alike (replicated on its mesh), and a sharding object
+        # compares by identity, so keying on it would compile equal placements again.
+        return (fn.__name__, tuple(sorted(statics.items())), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
 
     def _compile(self, fn: Callable, statics: dict, args: tuple) -> Any:
         jitted = jax.jit(partial(fn, **statics), donate_argnums=_DONATE[fn])

@@ -161,6 +161,48 @@ def test_a_bucket_padded_often_is_compiled_in_the_background_and_then_used():
         assert len(compiled.foreground) == (1 if agreed else 2)
 
 
+def test_a_shape_whose_compilation_ahead_failed_is_compiled_when_a_batch_needs_it():
+    """The background compilation of the grown shape raises: it is never taken as compiled, and the larger batch
+    compiles the shape it runs in while its step waits. Waiting for a shape still compiling ahead: one that failed,
+    here or on another process of the group (agree False), is compiled in the foreground; one that succeeded
+    everywhere is not."""
+    from concurrent.futures import Future
+
+    small = rl_batch([10] * 8)
+    larger = rl_batch([14, 13, 14, 12, 14, 13, 14, 12])
+
+    class FailsAhead(Recorder):
+        def __call__(self, batch):
+            super().__call__(batch)
+            if threading.current_thread().name.startswith(BACKGROUND_PREFIX):
+                raise RuntimeError("out of memory while compiling ahead")
+
+    compiled = FailsAhead()
+    plan = ShapePlan(compiled, {}, 1, ahead=True)
+    first, _ = plan.shape(small)
+    grown = grow(first, Need(small, {}), 1)
+    settle_failed = [f.exception(timeout=30) for p in plan.pending.values() for f in p.values()]
+    assert settle_failed and all(isinstance(e, RuntimeError) for e in settle_failed)
+    second, _ = plan.shape(larger)
+    assert grown not in plan.ready[Need(larger, {}).family] and second != grown
+    assert len(compiled.foreground) == 2  # the small batch's bucket, then the larger one's
+
+    def finished(error=None):
+        future = Future()
+        future.set_exception(error) if error else future.set_result(None)
+        return future
+
+    for future, agreed, compiles in [
+        (finished(RuntimeError("failed here")), True, 1),
+        (finished(), False, 1),  # failed on another process
+        (finished(), True, 0),
+    ]:
+        calls = []
+        group = ShapePlan(Recorder(), {}, 1, agree=lambda flag, agreed=agreed: flag and agreed)
+        group._wait_for(future, lambda: calls.append(1))
+        assert len(calls) == compiles
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_the_learner_updates_alike_with_and_without_compiling_ahead(micro):
     """Three batches that grow: a learner compiling ahead runs the later ones padded into shapes compiled in the
