@@ -199,7 +199,7 @@ def test_a_shape_whose_compilation_ahead_failed_is_compiled_when_a_batch_needs_i
     ]:
         calls = []
         group = ShapePlan(Recorder(), {}, 1, agree=lambda flag, agreed=agreed: flag and agreed)
-        group._wait_for(future, lambda: calls.append(1))
+        group._wait_for(future, lambda calls=calls: calls.append(1))
         assert len(calls) == compiles
 
 
