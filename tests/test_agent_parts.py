@@ -316,7 +316,9 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
     pool = WorkerPool(1)
     try:
-        env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=10.0)
+        # A roomy limit: the pool's fresh worker imports the environment first, which took over 10 s on a loaded CI
+        # machine (the suite's workers run at nice 19); limits are tested with hanging environments above.
+        env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=120.0)
         call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
         wrong = '<tool_call>\n{"name": "abacus", "arguments": {}}\n</tool_call>'
         sampler = Scripted(tok, [call, wrong, "It is 84."])
