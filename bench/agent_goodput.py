@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.agent_step import ROOT, check_model, parser, temper_step
+from core.goodput import summary_line
 
 
 def main() -> None:
@@ -51,11 +52,7 @@ def main() -> None:
                                check=True)  # fmt: skip
                 t = results[f"{sampler} {run}"] = json.loads(result.read_text())
                 print(
-                    f"{sampler}, {run}: goodput {t['goodput']:.1%} ({t['productive_s']:.1f} s productive of "
-                    f"{t['steps_wall_s']:.1f} s over {args.run_steps} steps; {t['compile_s']:.1f} s waiting for "
-                    f"compilation) | time to the first step {t['time_to_first_step_s']:.1f} s (start-up "
-                    f"{t['startup_s']:.1f} s) | compiled {t['run_compilations']:.0f} programs (XLA "
-                    f"{t['run_xla_compile_s']:.1f} s), loaded {t['run_cache_hits']:.0f} from the cache, "
+                    f"{sampler}, {run}: {summary_line(t, args.run_steps)}; "
                     f"{t['run_background_compile_s']:.1f} s compiling ahead in the background",
                     flush=True,
                 )

@@ -91,13 +91,17 @@ class Goodput:
         }
 
     def line(self, elsewhere: CompileTally | None = None) -> str:
-        s = self.summary(elsewhere)
-        if s["goodput"] is None:
-            return "goodput: no step trained"
-        return (
-            f"goodput {s['goodput']:.1%} ({s['productive_s']:.1f} s productive of {s['steps_wall_s']:.1f} s over "
-            f"{self.steps} steps; {s['compile_s']:.1f} s waiting for compilation); start-up {s['startup_s']:.1f} s, "
-            f"time to the first step {s['time_to_first_step_s']:.1f} s; the run compiled for "
-            f"{s['run_compile_s']:.1f} s (XLA {s['run_xla_compile_s']:.1f} s, {s['run_compilations']:.0f} "
-            f"compilations, {s['run_cache_hits']:.0f} loaded from the cache)"
-        )
+        return summary_line(self.summary(elsewhere), self.steps)
+
+
+def summary_line(s: dict[str, float | None], steps: int) -> str:
+    """One line of a run's time summary (`Goodput.summary`, as `run_info.json["time"]` holds it) over `steps` steps."""
+    if s["goodput"] is None:
+        return "goodput: no step trained"
+    return (
+        f"goodput {s['goodput']:.1%} ({s['productive_s']:.1f} s productive of {s['steps_wall_s']:.1f} s over "
+        f"{steps} steps; {s['compile_s']:.1f} s waiting for compilation); start-up {s['startup_s']:.1f} s, "
+        f"time to the first step {s['time_to_first_step_s']:.1f} s; the run compiled for "
+        f"{s['run_compile_s']:.1f} s (XLA {s['run_xla_compile_s']:.1f} s, {s['run_compilations']:.0f} "
+        f"compilations, {s['run_cache_hits']:.0f} loaded from the cache)"
+    )
