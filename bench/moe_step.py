@@ -8,14 +8,15 @@ One Qwen3-MoE model (random weights, saved by transformers): 8 layers, hidden 51
 (renormalised), vocabulary 8192, untied: 102.8M parameters, 25.8M active a token. Both sides train it on the
 same rows of random tokens (every token a target, no padding), float32, next-token loss plus the load-balancing
 loss at transformers' default weight (0.001; `output_router_logits=True` on the torch side), AdamW (lr 1e-4,
-no weight decay), one update a step. Temper: `core.learner.Learner` with the pretraining loss, on one device
-(the experts as `model.moe.kernel` picks on CPU: the tiled form). torch: the model from `from_pretrained`,
+no weight decay), one update a step. Temper: `core.learner.Learner` with the pretraining loss, on one device (the
+experts as `--kernel` says; `auto`, the default, picks the tiled form on CPU). torch: the model from `from_pretrained`,
 eager, forward, backward, `torch.optim.AdamW` step. The sides alternate step by step in one process (each idle
 while the other runs), after an untimed warm-up step each (Temper's compiles: its time is printed); medians are
 reported, beside the step's floor on this machine (`bench/floors.py`, measured in the same process): its matmul
 FLOPs (6 x the parameters a token is multiplied by, attention included) at the float32 matmul peak, plus AdamW's
 bytes (7 x 4 bytes a parameter) at the read bandwidth. Goals (issue 54): Temper <= 0.5x the torch loop and <= 1.5x
-the floor.
+the floor. Temper's goodput over its own steps and the compilations in its timed steps are printed
+(`bench/timed_steps.py`).
 
 Then the experts alone (one layer's 8 x 256 tokens, forward and backward): the dropless forms (rounds of capacity
 buffers, the tiled grouped matmul, `ragged_dot`), the capacity-based form at capacity factors 1.0 and 1.25 (a fixed
@@ -87,20 +88,25 @@ def rows(batch: int, seq: int, step: int):
     return tokens
 
 
-def temper_side(hf: Path):
+def temper_side(hf: Path, kernel: str, steps):
     import jax
     import numpy as np
+    from flax import nnx
 
     from core.config import OptimConfig
     from core.data import to_data_batch
     from core.hf import load_hf
     from core.learner import Learner
     from core.mesh import single_device_mesh
+    from core.models.moe import MoeBlock
     from core.pretrain import PRETRAINING
 
     mesh = single_device_mesh()
     with jax.set_mesh(mesh):
         model, _ = load_hf(hf, mesh=mesh)
+    for _, module in nnx.iter_graph(model):  # `model.moe.kernel`, set before the step is first traced
+        if isinstance(module, MoeBlock):
+            module.kernel = kernel
     optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
     learner = Learner(model, mesh, PRETRAINING.loss(None), optim, total_updates=1000)
 
@@ -114,9 +120,7 @@ def temper_side(hf: Path):
             "example_ids": np.zeros((b, t), np.int32),
         }
         batch = to_data_batch(data, 1).batch
-        start = time.perf_counter()
-        update = learner.update(batch)
-        return time.perf_counter() - start, float(update.loss)
+        return steps.run(lambda: float(learner.update(batch).loss))  # float(): the step's result is ready
 
     return step
 
@@ -223,8 +227,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="runs/bench_moe.json")
     p.add_argument("--experts-only", action="store_true", help="only the experts alone")
+    p.add_argument("--kernel", default="auto", choices=["auto", "tiled", "rounds"], help="Temper's `model.moe.kernel`")
     args = p.parse_args()
     from bench.floors import Floors
+    from bench.timed_steps import TimedSteps
 
     floors = Floors.measure()
     print(floors.line(), flush=True)
@@ -238,7 +244,8 @@ def main() -> None:
         print(f"Qwen3-MoE: {total / 1e6:.1f}M parameters, {active / 1e6:.1f}M active; {args.batch} x {args.seq} tokens")
         flops, floor = step_floor(hf, args.batch * args.seq, floors)
         print(f"the step's floor: {flops / 1e9:.0f} GFLOP and AdamW's bytes: {floor:.2f} s", flush=True)
-        sides = {"temper": temper_side(hf), "torch": torch_side(hf)}
+        temper_steps = TimedSteps()
+        sides = {"temper": temper_side(hf, args.kernel, temper_steps), "torch": torch_side(hf)}
         times: dict[str, list[float]] = {k: [] for k in sides}
         losses: dict[str, list[float]] = {k: [] for k in sides}
         first: dict[str, float] = {}
@@ -259,12 +266,14 @@ def main() -> None:
         f"compiling, {first['temper']:.1f} s), torch {medians['torch']:.2f} s ({medians['torch'] / floor:.2f}x): "
         f"ratio {ratio:.2f}"
     )
+    print(f"Temper: {temper_steps.line()}")
     alone = experts_alone(args.batch, args.seq, peak=floors.peak_flops)
     result = {
         "params": total,
         "active": active,
         "batch": args.batch,
         "seq": args.seq,
+        "kernel": args.kernel,
         "times": times,
         "losses": losses,
         "median_s": medians,
@@ -272,6 +281,7 @@ def main() -> None:
         "floor_s": floor,
         "step_gflop": flops / 1e9,
         "first_step_s": first,
+        "temper_steps": temper_steps.summary(),
         "floors": vars(floors),
         "experts_alone": alone,
     }
