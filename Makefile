@@ -13,7 +13,7 @@ EXTRAS ?= cpu,dev
 HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
 demo demo-dpo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
-.PHONY: install test test-fast lint demo demo-dpo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent clean
+.PHONY: install test test-gpu test-fast lint demo demo-dpo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent clean
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ test: $(STAMP)
 	wait $$serial; src=$$?; rm -rf $$cache; \
 	echo "== the serial tests (runs/test-serial.log):"; cat runs/test-serial.log; \
 	test $$rc -eq 0 && test $$src -eq 0
+
+test-gpu: $(STAMP)  # the gpu_only tests, on a machine with a GPU (they skip elsewhere)
+	$(PY) -m pytest -q -m gpu_only
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" -n 2

@@ -21,18 +21,28 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="temper-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # the fast compiles above are cached too
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import jax
 import pytest
 
-jax.config.update("jax_default_matmul_precision", "highest")
+from tests.platforms import jax_platforms
+
+
+def pytest_configure(config):
+    # JAX's platforms are chosen here, before any test module imports JAX: `-m gpu_only` leaves JAX to find a GPU.
+    platforms = jax_platforms(config.getoption("markexpr") or "", os.environ)
+    if platforms is not None:
+        os.environ["JAX_PLATFORMS"] = platforms
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _platforms() -> set[str]:
+    import jax
+
     try:
         return {d.platform for d in jax.devices()}
     except RuntimeError:
