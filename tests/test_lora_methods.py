@@ -145,12 +145,55 @@ def test_offline_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path, ari
     before = frozen_base(learner)
     update = learner.update(batch, cfg.train.micro_batches)
     assert update.applied and update.grad_norm > 0 and same(before, learner.rest)
+    # After the update the adapters are no longer zero, so "adapters off" and "adapters on" differ: the next
+    # batch's reference must still be the base's log-probs, not the trained policy's.
+    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    model = learner.model()
+    base = FrozenModel.copy_of(adapters_off(model), learner.mesh, "base").logprobs(batch.packed).sum(axis=-1)
+    policy = FrozenModel.copy_of(model, learner.mesh, "policy").logprobs(batch.packed).sum(axis=-1)
+    assert np.abs(policy - base).max() > 1e-4  # the check below can tell the two apart
+    np.testing.assert_allclose(np.asarray(batch.ref_chosen), base[0::2], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(batch.ref_rejected), base[1::2], rtol=1e-5)
+    # and a reference built now, with the adapters trained (as a resumption builds it), is the base too
+    assert_reads_the_base(FrozenModel.start_of(learner), model, learner.mesh, batch.packed)
 
 
 def _policy_model(cfg):
     mesh = single_device_mesh()
     with jax.set_mesh(mesh):
         return create_model(cfg.model, mesh, seed=0), mesh
+
+
+def assert_reads_the_base(reference, policy, mesh, packed) -> None:
+    """`reference`'s log-probs on `packed` are the base's (`policy` with its adapters off), which differ from the
+    policy's own (so that the check can fail)."""
+    from core.models.adapters import adapters_off
+    from posttrain.frozen import FrozenModel
+
+    base = FrozenModel.copy_of(adapters_off(policy), mesh, "base").logprobs(packed)
+    own = FrozenModel.copy_of(policy, mesh, "policy").logprobs(packed)
+    assert np.abs(own - base).max() > 1e-4
+    np.testing.assert_allclose(reference.logprobs(packed), base, rtol=1e-5, atol=1e-6)
+
+
+def test_a_reference_built_while_the_adapters_are_trained_is_still_the_base(arithmetic_tokenizer):
+    """A run that starts from trained adapters (a PEFT adapter, or a resumption): online DPO's reference, built
+    when the adapters are already non-zero, is the base, not the policy (TRL's reference for a PEFT model)."""
+    from posttrain.dpo.online import OnlineDPOLearner
+    from posttrain.dpo.pairs import Pair, build_pair_batch
+
+    cfg = load_config("recipes/configs/dpo_online_tiny.yml", LORA, schema=PostTrainConfig)
+    model, mesh = _policy_model(cfg)
+    adapters = nnx.state(model, nnx.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(adapters))))
+    trained = lambda a: jax.device_put(0.05 * jax.random.normal(next(keys), a.shape, a.dtype), a.sharding)
+    nnx.update(model, jax.tree.map(trained, adapters))
+    learner = OnlineDPOLearner(cfg, model, mesh, total_steps=1)
+    rng = np.random.default_rng(0)
+    ids = lambda n: tuple(int(x) for x in rng.integers(3, 500, n))
+    pairs = [Pair(i, ids(4), ids(5), ids(3)) for i in range(4)]
+    batch = build_pair_batch(pairs, slots=len(pairs), row_len=64, groups=1)
+    assert_reads_the_base(learner.reference, learner.learner.model(), mesh, batch.packed)
 
 
 def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_reference(arithmetic_tokenizer):
@@ -176,6 +219,8 @@ def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_re
     stats = learner.train(batch)
     # policy == reference at the first update (B = 0): DPO's sigmoid loss is log 2
     assert abs(stats.metrics["loss"] - np.log(2)) < 1e-4 and stats.metrics["grad_norm"] > 0
+    # After it the adapters are not zero: the reference must still read the base, not the trained policy.
+    assert_reads_the_base(learner.reference, learner.learner.model(), mesh, batch.packed)
 
     grpo_cfg = load_config("recipes/configs/grpo_tiny.yml", [*LORA, "rl.loss.beta=0.1"], schema=PostTrainConfig)
     model, mesh = _policy_model(grpo_cfg)
