@@ -112,6 +112,37 @@ def test_offline_topk_matches_numpy(kind, mode):
     assert float(out.sums.student_mass) / mask.sum() == pytest.approx(mass, rel=1e-5)
 
 
+def test_a_saturated_students_tail_bucket_comes_from_its_logits_outside_the_topk():
+    """Tail mode through the objective where the student's top-k mass rounds to 1 in float32 (a low temperature):
+    its tail bucket is its log-mass outside the k, from its logits (`student_tail`), as in float64 NumPy; not the
+    floor that 1 - sum_k would give (the loss-level test's gradient, turned around, in tests/test_distill_losses.py)."""
+    student = create_model(STUDENT, None, seed=0)
+    packed = to_data_batch(rows(), 1).batch
+    zs = full_logits(student, packed)
+    mask = np.asarray(packed.target_mask) > 0
+    k = 8
+    order = np.argsort(-zs, -1)
+    ids = order[..., :k].astype(np.int32)  # the dump's ids: the student's own top-k (the saturated case)
+    ranked = np.take_along_axis(zs, order, -1)
+    t = float((ranked[..., k - 1] - ranked[..., k])[mask].min()) / 20  # every slot's tail below e^-20 at T
+    logq = log_softmax(zs / t)
+    logq_k = np.take_along_axis(logq, ids, -1)
+    outside = np.ones_like(zs, bool)
+    np.put_along_axis(outside, ids, False, -1)
+    rest = np.where(outside, logq, -np.inf)
+    top_rest = rest.max(-1, keepdims=True)
+    tail_q = np.log(np.exp(rest - top_rest).sum(-1)) + top_rest[..., 0]  # log-mass outside the k, in float64
+    assert (tail_q[mask] < -20 + 1e-6).all()  # the branch: 1 - sum_k is below float32's resolution at 1
+    assert (np.float32(1) - np.exp(logq_k.astype(np.float32)).sum(-1, dtype=np.float32))[mask].max() < 1e-6
+    p_k = np.full(k, 0.99 / k)  # the teacher: 1% outside its top-k
+    logp = np.broadcast_to(np.log(p_k), ids.shape).astype(np.float32)
+    settings = DistillSettings(kind="forward", mode="tail", dump_temperature=t, unit_temperature=False)
+    got, _ = objective_value(settings, student, make_batch(packed, 0.0, t, teacher_ids=ids, teacher_logp=logp))
+    kd = (p_k * (np.log(p_k) - logq_k)).sum(-1) + 0.01 * (np.log(0.01) - tail_q)
+    want = (t * t * kd)[mask].mean()
+    assert got == pytest.approx(want, rel=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["forward", "jsd"])  # reverse: the kernel's own tests and online top-k below
 def test_online_full_vocabulary_matches_numpy(kind):
     student, teacher = create_model(STUDENT, None, seed=0), create_model(TEACHER, None, seed=1)
