@@ -5,6 +5,7 @@
     floors.read(412e6)       # seconds reading 412 MB takes at the measured read bandwidth
     floors.copy(412e6)       # seconds copying 412 MB takes (np.copyto into a warm buffer)
     floors.line()            # the three rates, for a benchmark's output
+    rows_matmul_rate(16, 768, 3072)   # FLOP/s of a 16-row matmul: what a decode step's kernels reach
 
 A figure beside its floor says how far it is from the machine, not from a peer: a target a floor rules out is
 answered with that floor.
@@ -32,6 +33,18 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     from core.metrics import measure_matmul_peak
 
     return max(measure_matmul_peak(n, repeats=repeats), measure_matmul_peak(2 * n, repeats=2))
+
+
+def rows_matmul_rate(rows: int, d: int, f: int, repeats: int = 20) -> float:
+    """FLOP/s of a float32 [rows, d] x [d, f] matmul under XLA: the shape of a decode step's projections, whose
+    few rows XLA:CPU's GEMM runs far below the square peak (a kernel's limit, not the machine's)."""
+    import jax
+    import jax.numpy as jnp
+
+    x, w = jnp.ones((rows, d), jnp.float32), jnp.ones((d, f), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(x, w).block_until_ready()
+    return 2.0 * rows * d * f / _best(lambda: matmul(x, w).block_until_ready(), repeats)
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:

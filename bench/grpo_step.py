@@ -19,11 +19,12 @@ Temper's dependencies. The first step of each (compilation, warm-up) is left
 out of the means; the median is printed too, and so are Temper's compilations in the timed steps (none is the
 goal: `core.shape_plan` compiles the shapes a run grows into ahead), its goodput and its time to the first step.
 Each part of Temper's step is printed beside its floor on this machine (`bench/floors.py`, measured in the same
-process): generation against reading the weights once per decode step (plus the prompts' and samples' FLOPs at
-the matmul peak), the update against its FLOPs (6N + attention per trained token) at the matmul peak plus AdamW's
-bytes (7 x 4N) at the read bandwidth, the weight sync against a copy of the 4N bytes. Run it as `make bench-grpo`
-(Temper with huge-page malloc, see core/host_memory.py; TRL without, which is faster for it). Goals (issue 54):
-Temper's step <= 0.3x TRL's with the JAX sampler, <= 0.4x with vLLM on Ray, at ~100M.
+process): generation against reading the weights once per decode step (plus the prompts' and samples' FLOPs at the
+matmul peak; and, beside it, the same FLOPs at the rate XLA's GEMM reaches at a decode step's shape, a matmul with
+one row a completion, measured here), the update against its FLOPs (6N + attention per trained token) at the matmul
+peak plus AdamW's bytes (7 x 4N) at the read bandwidth, the weight sync against a copy of the 4N bytes. Run it as
+`make bench-grpo` (Temper with huge-page malloc, see core/host_memory.py; TRL without, which is faster for it).
+Goals (issue 54): Temper's step <= 0.3x TRL's with the JAX sampler, <= 0.4x with vLLM on Ray, at ~100M.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def temper_step(size: str, sampler: str, hf: Path, prompts: Path, tokenizer: str
 
 def floors_of(size: str, floors, args, ours: dict, params: int) -> dict[str, float]:
     """The floors of each part of Temper's step at this size (module docstring)."""
+    from bench.floors import rows_matmul_rate
     from core.config import ModelConfig
     from core.metrics import model_flops_per_token
 
@@ -164,7 +166,17 @@ def floors_of(size: str, floors, args, ours: dict, params: int) -> dict[str, flo
     decode = args.max_tokens * max(floors.read(weights), floors.flops(2.0 * params * completions))
     prefill = floors.flops(2.0 * params * args.prompts * 16)  # ~16 prompt tokens each
     update = floors.flops(model_flops_per_token(model, 128) * ours["trained_tokens"]) + floors.read(7 * weights)
-    return {"generate": decode + prefill, "update": update, "sync": floors.copy(weights)}
+    # What XLA:CPU's GEMM reaches at a decode step's shape (its rows: the completions), measured here: the
+    # generation's time if every decode matmul ran at that rate (a kernel's bound, above the machine's floor).
+    rate = rows_matmul_rate(completions, model.hidden_size, model.intermediate_size)
+    kernel = args.max_tokens * 2.0 * params * completions / rate + prefill
+    return {
+        "generate": decode + prefill,
+        "update": update,
+        "sync": floors.copy(weights),
+        "generate_kernel": kernel,
+        "decode_matmul_flops": rate,
+    }
 
 
 def trl_step(hf: Path, prompts: Path, args, work: Path) -> dict:
@@ -255,7 +267,9 @@ def main() -> None:
                 )
                 print(
                     f"  floors: generate {floor['generate']:.2f} s ({floor['generate'] / ours['generate_s']:.0%} of "
-                    f"Temper's), update {floor['update']:.2f} s ({floor['update'] / ours['update_s']:.0%}), sync "
+                    f"Temper's; {floor['generate_kernel']:.2f} s at the {args.prompts * args.generations}-row matmul's "
+                    f"{floor['decode_matmul_flops'] / 1e9:.0f} GFLOP/s measured here), "
+                    f"update {floor['update']:.2f} s ({floor['update'] / ours['update_s']:.0%}), sync "
                     f"{floor['sync']:.3f} s ({floor['sync'] / max(ours['sync_s'], 1e-9):.0%}) | "
                     f"{ours['timed_compilations']:.0f} compilations and {ours['timed_cache_loads']:.0f} cache loads in "
                     f"the timed steps "

@@ -88,18 +88,47 @@ def rows(batch: int, seq: int, step: int):
     return tokens
 
 
+def batch_of(tokens):
+    """The pretraining batch of [B, T] tokens: one sequence a row, every token a target."""
+    import numpy as np
+
+    from core.data import to_data_batch
+
+    b, t = tokens.shape
+    data = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        "segment_ids": np.ones((b, t), np.int32),
+        "loss_mask": np.ones((b, t), np.int32),
+        "example_ids": np.zeros((b, t), np.int32),
+    }
+    return to_data_batch(data, 1).batch
+
+
+def learner_step(model, mesh, steps):
+    """`step(tokens) -> (seconds, loss)`: one AdamW update of `model` (the bench's optimizer and loss), timed in
+    `steps` (`bench/timed_steps.py`)."""
+    from core.config import OptimConfig
+    from core.learner import Learner
+    from core.pretrain import PRETRAINING
+
+    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
+    learner = Learner(model, mesh, PRETRAINING.loss(None), optim, total_updates=1000)
+
+    def step(tokens) -> tuple[float, float]:
+        batch = batch_of(tokens)
+        return steps.run(lambda: float(learner.update(batch).loss))  # float(): the step's result is ready
+
+    return step
+
+
 def temper_side(hf: Path, kernel: str, steps):
     import jax
-    import numpy as np
     from flax import nnx
 
-    from core.config import OptimConfig
-    from core.data import to_data_batch
     from core.hf import load_hf
-    from core.learner import Learner
     from core.mesh import single_device_mesh
     from core.models.moe import MoeBlock
-    from core.pretrain import PRETRAINING
 
     mesh = single_device_mesh()
     with jax.set_mesh(mesh):
@@ -107,22 +136,87 @@ def temper_side(hf: Path, kernel: str, steps):
     for _, module in nnx.iter_graph(model):  # `model.moe.kernel`, set before the step is first traced
         if isinstance(module, MoeBlock):
             module.kernel = kernel
-    optim = OptimConfig(name="adamw", learning_rate=1e-4, schedule="constant", weight_decay=0.0)
-    learner = Learner(model, mesh, PRETRAINING.loss(None), optim, total_updates=1000)
+    return learner_step(model, mesh, steps)
 
-    def step(tokens) -> tuple[float, float]:
-        b, t = tokens.shape
-        data = {
-            "tokens": tokens,
-            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-            "segment_ids": np.ones((b, t), np.int32),
-            "loss_mask": np.ones((b, t), np.int32),
-            "example_ids": np.zeros((b, t), np.int32),
-        }
-        batch = to_data_batch(data, 1).batch
-        return steps.run(lambda: float(learner.update(batch).loss))  # float(): the step's result is ready
 
-    return step
+def step_parts(hf: Path, batch: int, seq: int, floors, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Where the MoE step's time goes, each part beside its floor (FLOPs at the matmul peak plus bytes at the read
+    bandwidth), measured by whole steps of models that differ from it in one part: the same model with one dense
+    MLP of the active width (2 x 448) in place of the experts; the same with a negligible MLP (width 8: attention,
+    embeddings, the output head and its loss, AdamW); and AdamW alone over the MoE's parameters. Medians of
+    `repeats` steps after a compiling one."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from bench.timed_steps import TimedSteps
+    from core.config import ModelConfig
+    from core.hf import load_hf
+    from core.mesh import single_device_mesh
+    from core.metrics import model_flops_per_token
+    from core.models import create_model, param_count
+
+    moe_model, cfg = load_hf(hf)
+    assert cfg.moe is not None
+    active = cfg.moe.experts_per_token * cfg.moe.intermediate_size
+    mesh = single_device_mesh()
+    out = {}
+    for name, width in (("dense MLP of the active width", active), ("no MLP (width 8)", 8)):
+        dense = ModelConfig(**{**cfg.model_dump(), "family": "qwen3", "moe": None, "intermediate_size": width})
+        with jax.set_mesh(mesh):
+            model = create_model(dense, mesh, seed=0)
+        steps = TimedSteps()
+        step = learner_step(model, mesh, steps)
+        for i in range(repeats + 1):
+            step(rows(batch, seq, i))
+        flops = batch * seq * model_flops_per_token(dense, seq)
+        floor = floors.flops(flops) + floors.read(7 * 4.0 * param_count(model))
+        out[name] = {"s": statistics.median(steps.seconds[1:]), "floor_s": floor}
+    # AdamW alone: the moments' update over every parameter of the MoE model (zero gradients: the same bytes)
+    params = [jnp.asarray(p) for p in jax.tree.leaves(nnx.state(moe_model, nnx.Param))]
+    adamw = optax.adamw(1e-4, weight_decay=0.0)
+
+    def update(grads, state, params):  # the moments and the parameters, read and written: 7 x 4 bytes each
+        updates, state = adamw.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    adamw_step = jax.jit(update, donate_argnums=(1, 2))
+    grads, state = jax.tree.map(jnp.zeros_like, params), adamw.init(params)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        params, state = jax.block_until_ready(adamw_step(grads, state, params))
+        times.append(time.perf_counter() - start)
+    total = sum(x.size for x in params)
+    out["AdamW alone, the MoE's parameters"] = {
+        "s": statistics.median(times[1:]),
+        "floor_s": floors.read(7 * 4.0 * total),
+    }
+    for name, part in out.items():
+        print(
+            f"part: {name:36s} {part['s']:6.2f} s  floor {part['floor_s']:5.2f} s  ({part['s'] / part['floor_s']:.2f}x)"
+        )
+    return out
+
+
+def where_the_step_goes(step: float, parts: dict, alone: dict, kernel: str, total: int, layers: int) -> dict:
+    """The MoE step as the sum of its parts: the model without an MLP (attention, embeddings, the head, AdamW over
+    its own parameters), the experts alone (`kernel`'s form) in every layer, AdamW over the experts' parameters
+    (its share of AdamW alone over the whole model), and what is left (router, sort, combine, fusion)."""
+    import jax
+
+    form = "tiled" if kernel == "auto" and jax.default_backend() == "cpu" else kernel
+    rest = parts["no MLP (width 8)"]["s"]
+    experts = layers * alone[form]["ms"] / 1000
+    expert_params = layers * 3 * SHAPE["num_experts"] * SHAPE["hidden_size"] * SHAPE["moe_intermediate_size"]
+    adamw = parts["AdamW alone, the MoE's parameters"]["s"] * expert_params / total
+    out = {"no_mlp_s": rest, "experts_s": experts, "experts_adamw_s": adamw, "left_s": step - rest - experts - adamw}
+    print(
+        f"the MoE step {step:.2f} s = no MLP {rest:.2f} + experts ({form}) x {layers} layers {experts:.2f} + AdamW on "
+        f"the experts {adamw:.2f} + the rest (router, sort, combine) {out['left_s']:.2f} s"
+    )
+    return out
 
 
 def torch_side(hf: Path):
@@ -259,6 +353,8 @@ def main() -> None:
                     first[name] = seconds
                 losses[name].append(loss)
                 print(f"step {step} {name:6s} {seconds:7.2f} s  loss {loss:.4f}", flush=True)
+        del sides
+        parts = step_parts(hf, args.batch, args.seq, floors)
     medians = {k: statistics.median(v) for k, v in times.items()}
     ratio = medians["temper"] / medians["torch"]
     print(
@@ -268,6 +364,7 @@ def main() -> None:
     )
     print(f"Temper: {temper_steps.line()}")
     alone = experts_alone(args.batch, args.seq, peak=floors.peak_flops)
+    breakdown = where_the_step_goes(medians["temper"], parts, alone, args.kernel, total, SHAPE["num_hidden_layers"])
     result = {
         "params": total,
         "active": active,
@@ -284,6 +381,8 @@ def main() -> None:
         "temper_steps": temper_steps.summary(),
         "floors": vars(floors),
         "experts_alone": alone,
+        "parts": parts,
+        "breakdown": breakdown,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -91,13 +91,21 @@ def test_pretraining_a_mixtral_from_scratch_learns(tmp_path, arithmetic_tokenize
             "train.log_every=4",
             "train.eval_every=0",
             "checkpoint.enabled=false",
-            "checkpoint.export_hf=false",
         ],
     )
-    assert cfg.model.family == "mixtral" and cfg.model.moe is not None
-    build_run(cfg, PRETRAINING).fit()
+    assert cfg.model.family == "mixtral" and cfg.model.moe is not None and cfg.checkpoint.export_hf
+    run = build_run(cfg, PRETRAINING)
+    run.fit()
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and all(k in rows[-1] for k in ROUTER)
+    # the export: transformers' Mixtral, loaded from it, gives the trained model's logits
+    tokens = np.random.RandomState(0).randint(3, 500, (2, 24))
+    ours = np.asarray(run.loop.learner.model()(tokens.astype(np.int32)))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(ours - ref).max() <= 1e-4
 
 
 def test_offline_dpo_on_an_moe_policy_adds_the_policys_router_term_only(tmp_path, arithmetic_tokenizer):
@@ -168,6 +176,48 @@ def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_
     learner.train(batch)
     metrics = learner.train(batch).metrics
     assert metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)
+
+
+@pytest.mark.parametrize("regime", ["offline", "online"])
+def test_offline_and_online_distillation_into_an_moe_student(tmp_path, arithmetic_tokenizer, rollout_model_dir, regime):
+    """Offline (an MoE teacher's top-k dump) and online (the MoE teacher in the step) distillation into a Qwen3-MoE
+    student: an update applies with a non-zero gradient, and the loss the step reports is the distillation loss
+    plus the student's weighted load-balancing term alone (the frozen teacher's routers add nothing)."""
+    from posttrain.distill.method import DISTILL
+
+    teacher = rollout_model_dir("qwen3_moe", seed=1)
+    common = [
+        f"distill.teacher={teacher}",
+        "data.num_examples=32",
+        "train.batch_size=4",
+        "checkpoint.enabled=false",
+        "checkpoint.export_hf=false",
+        *QWEN3_MOE,
+        "model.hidden_size=64",
+        "model.head_dim=16",
+        "model.moe.load_balance_weight=0.05",
+    ]
+    if regime == "offline":
+        from recipes.distill_logits import main as dump
+
+        topk = f"distill.logits_dir={tmp_path / 'topk'}"
+        dump_cfg = [*common, topk, f"run.run_dir={tmp_path / 'dump'}", f"data.tokenizer_dir={arithmetic_tokenizer}"]
+        assert dump(["recipes/configs/distill_tiny.yml", *dump_cfg]) == 0
+        overrides = [*common, topk, "distill.regime=offline"]
+    else:
+        overrides = [*common, "distill.regime=online"]
+    cfg = _run_cfg("recipes/configs/distill_tiny.yml", tmp_path / "run", arithmetic_tokenizer, *overrides)
+    assert cfg.model.moe is not None
+    run = build_run(cfg, DISTILL)
+    learner = run.loop.learner
+    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    update = learner.update(batch, cfg.train.micro_batches)
+    metrics = update.metrics()
+    assert update.applied and update.grad_norm > 0 and all(k in metrics for k in ROUTER)
+    assert metrics["moe/load_balance_loss"] > 0
+    distill_only = metrics["loss"] - 0.05 * metrics["moe/load_balance_loss"]
+    assert abs(distill_only - metrics["kd"]) < 1e-4, metrics  # alpha 0, T 1: the loss is the divergence
+    run.parts.closers and [close() for close in run.parts.closers]
 
 
 @pytest.mark.parametrize("mode", ["replay", "off"])

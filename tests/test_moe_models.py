@@ -229,6 +229,7 @@ def test_a_frozen_moe_model_in_the_tree_adds_nothing():
         (dict(family="qwen3_moe", moe=dict(dense_layers=[0])), "set model.scan_layers=false"),
         (dict(family="mixtral", scan_layers=False, moe=dict(sparse_step=2)), "every Mixtral layer is sparse"),
         (dict(family="qwen3_moe", moe=dict(), lora=dict()), "model.lora on a mixture-of-experts"),
+        (dict(family="qwen3_moe", moe=dict(num_experts=1, experts_per_token=1)), "moe.num_experts"),
     ],
 )
 def test_configs_that_cannot_be_built_are_refused(kwargs, words):
@@ -242,6 +243,7 @@ def test_configs_that_cannot_be_built_are_refused(kwargs, words):
     [
         (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
         (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        (dict(num_experts=1, num_experts_per_tok=1), "num_experts"),
     ],
 )
 def test_hf_configs_the_code_cannot_serve_are_refused(moe_dir, tmp_path, change, words):
@@ -462,3 +464,44 @@ def test_the_rounds_kernel_in_a_layer_equals_the_tiled_one_with_padding_and_grad
     for a, b in zip(g_rounds, g_tiled, strict=True):
         assert np.abs(b).max() > 0
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _routed_completions(n: int = 2, layers: int = 2, k: int = 2):
+    from rollout.sampler import Completion
+
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        prompt, tokens = [5, 6, 7], [int(x) for x in rng.integers(3, 60, 4)]
+        routes = rng.integers(0, 4, (len(prompt) + len(tokens), layers, k)).astype(np.int32)
+        out.append(Completion(prompt, tokens, [-1.0] * len(tokens), "stop", "", routes=routes))
+    return out
+
+
+def test_routes_that_do_not_cover_their_tokens_are_refused_naming_the_completion():
+    """A completion's routes must hold one entry a prompt and completion token: short ones are refused (before,
+    the packed batch would have replayed the wrong tokens' experts)."""
+    import dataclasses
+
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+
+    comps = _routed_completions()
+    batch = build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8, replay=True)
+    assert batch.packed.routes is not None and batch.packed.replay  # whole routes reach the batch
+    comps[1] = dataclasses.replace(comps[1], routes=comps[1].routes[:-1])  # one token short
+    with pytest.raises(ValueError, match=r"completion 1: routes of shape \(6, 2, 2\) .* \(expected \(7, 2, 2\)\)"):
+        build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8, replay=True)
+
+
+def test_a_replayed_batch_without_routes_is_refused():
+    """Replay with a completion that came without routes is refused, counting them; without replay the batch is
+    built without routes (nothing to compare)."""
+    import dataclasses
+
+    from posttrain.onpolicy.policy_gradient import build_rl_batch
+
+    comps = _routed_completions()
+    comps[0] = dataclasses.replace(comps[0], routes=None)
+    with pytest.raises(ValueError, match="rl.router_replay=replay, but 1 of 2 completions came without routes"):
+        build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8, replay=True)
+    assert build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8).packed.routes is None
