@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-# Most tests run in two worker processes (pytest-xdist): most of their time is XLA compiling, one core each. The
+# Most tests run in three worker processes (pytest-xdist): most of their time is XLA compiling, one core each. The
 # `serial` ones (each starts a Ray cluster, vLLM engines) run one at a time beside them: they spend much of their
-# time waiting on their actors, so the three streams share the 2 cores. The two workers run at the lowest
+# time waiting on their actors, so the four streams share the 2 cores. The workers run at the lowest
 # priority (nice 19): Ray runs its actors at nice 15, and at the shell's priority the workers would starve them
 # (the serial chain, the longest, would wait for the workers to finish). The serial output goes to
 # runs/test-serial.log and is printed at the end; both sessions share one JAX compilation cache.

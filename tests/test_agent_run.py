@@ -1,5 +1,6 @@
-"""Multi-turn rollouts with a real sampler: token in / token out on shipped chat templates, and GRPO trained on
-whole trajectories with the calculator tool."""
+"""Multi-turn rollouts with the JAX sampler: token in / token out on shipped chat templates (Qwen2.5, Qwen3,
+Llama 3.1), online DPO and on-policy distillation trained on whole trajectories, and agent configs refused before
+anything starts. Async GRPO with an agent on vLLM is in tests/test_grpo_e2e.py."""
 
 from __future__ import annotations
 

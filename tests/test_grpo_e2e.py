@@ -1,4 +1,6 @@
-"""GRPO end to end: the real vLLM sampler on Ray (sync and async), a killed sampler, kill -9 and resume."""
+"""GRPO end to end: the staleness bound, kill -9 and an exact resume with the JAX sampler (LoRA), and async
+multi-turn GRPO on a vLLM engine on Ray that survives a lost Ray head and resumes exactly as a Ray job (a killed
+sampler's restart is in tests/test_trainer_group.py)."""
 
 from __future__ import annotations
 
