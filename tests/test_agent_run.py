@@ -4,6 +4,8 @@ anything starts. Async GRPO with an agent on vLLM is in tests/test_grpo_e2e.py."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -69,41 +71,27 @@ def stopping_model(path, tokenizer, arch: str, share: float = 0.15, stop: str | 
     return path
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2_5", "qwen2"), ("qwen3", "qwen3"), ("llama3_1", "llama")])
-def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory, tmp_path, family, arch):
-    """Episodes of three turns with the JAX sampler (temperature 1, float32) on the family's shipped template:
-    the trainer's log-prob of every token the model produced, read from the trajectory as the trainer's batch
-    holds it (prompt, turns and the template's tokens for the environment's messages in between), equals the
-    sampler's own; the environment's tokens are not trained."""
+def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, tolerance: float) -> None:
+    """Episodes of up to three turns on `turns` (temperature 1) with `Chatter`: the trainer's log-prob of every token
+    the model produced, read from the trajectory as the trainer's batch holds it (prompt, turns and the template's
+    tokens for the environment's messages in between), is the sampler's own within `tolerance`, token by token;
+    the environment's tokens are not trained."""
     from core.hf import load_hf
     from core.targets import target_logprobs
     from posttrain.onpolicy.policy_gradient import build_rl_batch
     from rewards.pool import WorkerPool
     from rollout.environment import EnvironmentRunner
     from rollout.episodes import EpisodeLimits, run_episodes
-    from rollout.jax_engine import SlotTurns
-    from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
     from rollout.tool_parsing import ToolParsers
-    from tests.test_chat import make_tokenizer
 
-    tok = make_tokenizer(tmp_path_factory, family)
-    model, _ = load_hf(stopping_model(tmp_path / "model", tok, arch))
-    sampler = JaxSampler(model, tok.name_or_path, max_model_len=512, seed=0)
     pool = WorkerPool(1)
     try:
         env = EnvironmentRunner(f"{__file__}:Chatter", {}, pool, timeout_s=30.0)
         rows = [{"prompt": q} for q in ("What is 2 + 3?", "Add 10 and 7.", "Say hello.", "Count to three.")]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
-        episodes = run_episodes(
-            SlotTurns(sampler, slots=4),
-            env,
-            tok,
-            rows,
-            EpisodeLimits(3, 24, 512),
-            params,
-            ToolParsers("hermes", tok),
-        )
+        limits = EpisodeLimits(3, 24, 512)
+        episodes = run_episodes(turns, env, tok, rows, limits, params, ToolParsers("hermes", tok))
     finally:
         pool.close()
     multi = [e for e in episodes if e.turns >= 2]
@@ -113,8 +101,8 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
     batch = build_rl_batch(
         completions, np.zeros(len(completions)), np.ones(len(completions), bool), row_len=512, max_tokens=longest
     )
-    trainer, _ = target_logprobs(model, batch.packed, temperature=1.0, entropy=False)
-    trainer = np.asarray(trainer)
+    model, _ = load_hf(model_path)
+    trainer = np.asarray(target_logprobs(model, batch.packed, temperature=1.0, entropy=False)[0])
     gaps = []
     for i, c in enumerate(completions):
         own = np.asarray(c.sampled)
@@ -123,7 +111,131 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
         assert np.all(np.asarray(batch.loss_mask)[i, : len(own)][~own] == 0)
         gaps.append(np.abs(got - want).max())
     # float32, the same weights, other summation orders (the sampler's decode steps, the trainer's packed rows).
-    assert max(gaps) < 1e-4, gaps
+    assert max(gaps) < tolerance, gaps
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_5", "qwen2"), ("qwen3", "qwen3"), ("llama3_1", "llama")])
+def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory, tmp_path, family, arch):
+    """The JAX sampler's slots (float32) on the family's shipped template."""
+    from core.hf import load_hf
+    from rollout.jax_engine import SlotTurns
+    from rollout.jax_sampler import JaxSampler
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, family)
+    path = stopping_model(tmp_path / "model", tok, arch)
+    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=512, seed=0)
+    assert_trained_tokens_carry_the_samplers_log_probs(SlotTurns(sampler, slots=4), tok, path, 1e-4)
+
+
+CALL = '\n{"name": "calculator", "arguments": {"expression": "12 + 30"}}\n'  # one added token: the call's JSON
+
+
+def scripted_model(path, tokenizer, arch: str, successors: dict[int, int], scale: float = 60.0):
+    """A tiny random `arch` model whose next token depends on the current token alone, by `successors` (a -> b):
+    every layer's attention output and MLP down projection are zero, so the last hidden state is the token's own
+    embedding, and b's output row points along a's embedding after the final norm. A deterministic agent, served
+    by any sampler from its Hugging Face files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model(path, arch, hidden_size=128, head_dim=32, max_position_embeddings=512, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for a, b in successors.items():
+            h = model.model.norm(model.model.embed_tokens.weight[a])
+            model.lm_head.weight[b] = scale * h / h.norm() ** 2  # logit of b after a: `scale`; others ~N(0, 1)
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(tmp_path):
+    """`rl.agent={environment: tools, environment_kwargs: {tools: [calculator]}}` on a real sampler: a scripted
+    model calls the calculator in every turn (Qwen2.5's template and Hermes calls: `<tool_call>`, the JSON, then
+    `</tool_call>`); each call is parsed, run, and its result comes back as a `tool` message whose tokens sit
+    between the turns, untrained; an episode runs its three turns."""
+    from core.chat import chat_prompt_ids
+    from core.hf import load_hf
+    from rewards.pool import WorkerPool
+    from rollout.environment import EnvironmentRunner
+    from rollout.episodes import EpisodeLimits, run_episodes
+    from rollout.jax_engine import SlotTurns
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+    from rollout.tool_parsing import ToolParsers
+    from tests.chat_families import FAMILIES, chat_tokenizer
+
+    spec = {**FAMILIES["qwen2_5"], "added": ["<tool_call>", "</tool_call>", CALL]}
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec=spec)
+    start, body, end = (tok.convert_tokens_to_ids(t) for t in ("<tool_call>", CALL, "</tool_call>"))
+    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]  # the generation prompt's
+    path = scripted_model(
+        tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
+    )
+    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=512, seed=0)
+    pool = WorkerPool(1)
+    try:
+        env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=30.0)
+        rows = [{"prompt": "What is 12 + 30?"}, {"prompt": "Add 12 and 30."}]
+        episodes = run_episodes(
+            SlotTurns(sampler, slots=2),
+            env,
+            tok,
+            rows,
+            EpisodeLimits(3, 16, 512),
+            SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=5),
+            ToolParsers("hermes", tok),
+        )
+    finally:
+        pool.close()
+    for e in episodes:
+        assert e.error is None and e.turns == 3 and e.tool_calls == 3 and e.tool_errors == 0, e
+        assert [t for t, own in zip(e.token_ids, e.sampled, strict=True) if own] == [
+            start,
+            body,
+            end,
+            tok.eos_token_id,
+        ] * 3
+        replies = tok.decode([t for t, own in zip(e.token_ids, e.sampled, strict=True) if not own])
+        assert replies.count("42") >= 2, replies  # the calculator's result after the turns' calls
+
+
+@pytest.mark.integration
+@pytest.mark.serial
+@pytest.mark.parametrize("family,arch", [("qwen3", "qwen3"), ("llama3_1", "llama")])
+def test_every_trained_token_carries_vllms_own_log_prob(tmp_path_factory, tmp_path, family, arch):
+    """A vLLM engine on Ray (float32), each turn its own request as a run sends it (`EngineTurns`), on Qwen3's
+    and Llama 3.1's shipped templates (Qwen2.5's on vLLM is in tests/test_grpo_e2e.py)."""
+    import shutil
+
+    import ray
+
+    from rollout.config import RolloutConfig
+    from rollout.group import SamplerGroup
+    from rollout.ray import ensure_ray
+    from rollout.turns import EngineTurns
+    from rollout.vllm_actor import RemoteVLLMSampler
+    from tests.test_chat import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory, family)
+    path = stopping_model(tmp_path / "model", tok, arch)
+    for f in Path(tok.name_or_path).iterdir():  # the engine reads the tokenizer from the model's directory
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    ensure_ray(num_cpus=2)
+    cfg = RolloutConfig(max_model_len=512, max_num_seqs=8, kv_cache_gib=0.25, dtype="float32")
+    sampler = RemoteVLLMSampler.start(str(path), cfg, seed=0, timeout_s=300)
+    try:
+        turns = EngineTurns(SamplerGroup([sampler]), push=lambda s: None)
+        assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, path, 1e-4)
+    finally:
+        sampler.shutdown()
+        ray.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------- GRPO
