@@ -141,7 +141,9 @@ def scripted_model(path, tokenizer, arch: str, successors: dict[int, int], scale
 
     from core.tiny import save_tiny_hf_model
 
-    save_tiny_hf_model(path, arch, hidden_size=128, head_dim=32, max_position_embeddings=512, vocab_size=len(tokenizer))
+    save_tiny_hf_model(
+        path, arch, hidden_size=128, head_dim=32, max_position_embeddings=2048, vocab_size=len(tokenizer)
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -177,7 +179,7 @@ def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(t
     path = scripted_model(
         tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
     )
-    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=512, seed=0)
+    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=2048, seed=0)  # the tools' schema: ~700
     pool = WorkerPool(1)
     try:
         env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=30.0)
@@ -187,7 +189,7 @@ def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(t
             env,
             tok,
             rows,
-            EpisodeLimits(3, 16, 512),
+            EpisodeLimits(3, 16, 2048),
             SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=5),
             ToolParsers("hermes", tok),
         )
