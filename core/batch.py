@@ -36,7 +36,7 @@ static, so each new count compiles the step again: a learner passes its `Compile
 count already compiled for a batch that fits it (a short run compiles what it must, not one step per bucket).
 
 Methods add their own per-target or per-sequence arrays beside it in a typed
-batch of their own (`TrainBatch`: `posttrain.onpolicy.policy_gradient.RLBatch`,
+batch of their own (`TrainBatch`: `posttrain.onpolicy.rl_batch.RLBatch`,
 `posttrain.dpo.pairs.PairBatch`); `core.targets.target_logprobs` turns a
 `PackedBatch` and a model into `[B, C]` log-probs.
 """
@@ -102,7 +102,7 @@ class PackedBatch:
 
 class TrainBatch(Protocol):
     """What every method's batch is: its sequences as a `PackedBatch` (`.packed`), with the method's own per-target
-    or per-sequence arrays beside it (`posttrain.onpolicy.policy_gradient.RLBatch`, `posttrain.dpo.pairs.PairBatch`).
+    or per-sequence arrays beside it (`posttrain.onpolicy.rl_batch.RLBatch`, `posttrain.dpo.pairs.PairBatch`).
     A registered pytree dataclass, so that `core.train` splits, places and scores it like any other."""
 
     @property

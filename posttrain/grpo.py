@@ -24,13 +24,12 @@ from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.policy_gradient import (
     PolicyGradientLearner,
-    RLBatch,
-    build_rl_batch,
     completion_tokens,
     mini_batch,
     policy_update_learner,
     updates_per_step,
 )
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rewards.runner import RewardBatch

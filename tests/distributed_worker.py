@@ -44,7 +44,8 @@ from posttrain.distill.objective import (  # noqa: E402
 )
 from posttrain.dpo.objective import preference_objective  # noqa: E402
 from posttrain.dpo.pairs import Pair, build_pair_batch  # noqa: E402
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch  # noqa: E402
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner  # noqa: E402
+from posttrain.onpolicy.rl_batch import build_rl_batch  # noqa: E402
 from posttrain.sft import SFT  # noqa: E402
 from rollout.sampler import Completion  # noqa: E402
 from tests.helpers import recording_sgd  # noqa: E402

@@ -372,7 +372,7 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
 
 
 def test_the_trainers_batch_trains_on_the_models_tokens_only():
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
 
     sampled = [True, True, False, False, False, True, True]
     c = Completion([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [-1.0] * 7, "stop", "", sampled=sampled)

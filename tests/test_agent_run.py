@@ -78,7 +78,7 @@ def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, t
     the environment's tokens are not trained."""
     from core.hf import load_hf
     from core.targets import target_logprobs
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rewards.pool import WorkerPool
     from rollout.environment import EnvironmentRunner
     from rollout.episodes import EpisodeLimits, run_episodes

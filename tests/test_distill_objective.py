@@ -391,7 +391,7 @@ def test_a_batch_packed_for_other_micro_batches_reads_other_rows_and_is_refused(
     The learner now refuses the mismatch, naming both counts."""
     from core.batch import with_groups
     from posttrain.distill.onpolicy import check_config as gkd_check
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(9)

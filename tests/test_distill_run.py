@@ -342,8 +342,8 @@ def _gkd_probe(run):
     dataset step), packed for one micro-batch, alpha 0 and T = 1."""
     from core.data import load_tokenizer
     from posttrain.distill.objective import DistillBatch
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
     from posttrain.onpolicy.prompts import render_prompt
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from posttrain.onpolicy.step import Scored
     from rollout.sampler import Completion, encode_prompts
 

@@ -342,7 +342,7 @@ def _rl_batch(rows=8, t=20, seed=0, vocab=512, groups=1, pack=True):
     """Prompt + completion sequences of unequal lengths through `build_rl_batch` (packed `groups` ways, pairs
     sharing their prompt, or one per row), with sampler / old / ref log-probs; the first two completions are a
     zero-variance group (no policy tokens, KL tokens)."""
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(seed)

@@ -13,8 +13,8 @@ from core.data import MalformedRow
 from core.packing import round_rows
 from core.shapes import SizeCache
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.policy_gradient import build_rl_batch
 from posttrain.onpolicy.prompts import PromptStream, columns_of, prompt_rows, render_prompt
+from posttrain.onpolicy.rl_batch import build_rl_batch
 from rollout.placement import placement_bundles
 from rollout.sampler import Completion
 from tests.helpers import recording_sgd

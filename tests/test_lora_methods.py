@@ -201,7 +201,8 @@ def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_re
     adapters off, sharing the base's arrays; each step trains the adapters alone."""
     from posttrain.dpo.online import OnlineDPOLearner
     from posttrain.dpo.pairs import Pair, build_pair_batch
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
+    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(0)
@@ -239,7 +240,7 @@ def distill_batch(loss: str):
     """8 sampled completions of one prompt as on-policy distillation's batch: the RL batch for the sampled-token
     loss, a `DistillBatch` (alpha 0, temperature 1) for GKD."""
     from posttrain.distill.objective import DistillBatch
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(1)

@@ -137,7 +137,8 @@ def test_grpo_and_online_dpo_learners_step_an_moe_policy(arithmetic_tokenizer):
     update with a non-zero gradient and logs the router metrics."""
     from posttrain.dpo.online import OnlineDPOLearner
     from posttrain.dpo.pairs import Pair, build_pair_batch
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
+    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(0)

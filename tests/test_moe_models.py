@@ -483,7 +483,7 @@ def test_routes_that_do_not_cover_their_tokens_are_refused_naming_the_completion
     the packed batch would have replayed the wrong tokens' experts)."""
     import dataclasses
 
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
 
     comps = _routed_completions()
     batch = build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8, replay=True)
@@ -498,7 +498,7 @@ def test_a_replayed_batch_without_routes_is_refused():
     built without routes (nothing to compare)."""
     import dataclasses
 
-    from posttrain.onpolicy.policy_gradient import build_rl_batch
+    from posttrain.onpolicy.rl_batch import build_rl_batch
 
     comps = _routed_completions()
     comps[0] = dataclasses.replace(comps[0], routes=None)

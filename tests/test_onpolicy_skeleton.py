@@ -14,7 +14,8 @@ import pytest
 
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, build_rl_batch
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+from posttrain.onpolicy.rl_batch import build_rl_batch
 from posttrain.onpolicy.run import OnPolicyRun
 from posttrain.onpolicy.step import Scored, StepData
 

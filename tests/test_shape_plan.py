@@ -16,7 +16,7 @@ from core.models import create_model
 from core.shape_plan import Need, Shape, ShapePlan, apply, bucket, grow
 from core.targets import target_logprobs
 from core.train import split_micro_batches
-from posttrain.onpolicy.policy_gradient import build_rl_batch
+from posttrain.onpolicy.rl_batch import build_rl_batch
 from rollout.sampler import Completion
 
 SGD = OptimConfig(name="sgd", learning_rate=0.1, schedule="constant", grad_clip_norm=None)

@@ -48,7 +48,8 @@ from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.learner import PolicyLearner, TrainStats
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, RLBatch, build_rl_batch, completion_tokens
+from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, completion_tokens
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
 from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
