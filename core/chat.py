@@ -34,162 +34,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from core.errors import UserError
-
-
-class ChatTemplateError(UserError, ValueError):
-    """A conversation the tokenizer's chat template cannot render into assistant spans."""
-
-
-# A probe conversation, rendered once per template to learn which special token closes an assistant turn.
-_PROBE_USER, _PROBE_REPLY = "Probe question 7?", "Probe reply 7."
-_PROBE_ARGUMENT, _PROBE_RESULT = "probe-argument-7", "probe-result-7"
-
-
-def _calling_turn(names: Sequence[str]) -> dict:
-    """A probe assistant turn that calls the functions `names` (each with one argument, `_PROBE_ARGUMENT`)."""
-    calls = [{"type": "function", "function": {"name": n, "arguments": {"x": _PROBE_ARGUMENT}}} for n in names]
-    return {"role": "assistant", "content": "", "tool_calls": calls}
-
-
-_closers_cache: dict[tuple, _Closing] = {}
-
-
-def _render(
-    tokenizer: Any, messages: Sequence[dict], generation_prompt: bool, tools: Sequence[dict] | None = None
-) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
-    except Exception as err:  # jinja's TemplateError, the template's raise_exception(...), an undefined field
-        reason = str(err).splitlines()[0] if str(err) else ""
-        raise ChatTemplateError(f"the chat template cannot render it ({type(err).__name__}: {reason})") from None
-
-
-def _tool_call_closer(tokenizer: Any, specials: re.Pattern | None) -> set[str]:
-    """The special token that ends a turn of tool calls when the tools' results follow (empty where the template
-    writes no calls, or no special token follows them). Probed with two calls where the template writes two: a
-    token it writes between the calls closes one call (Kimi's `<|tool_call_end|>`), not the turn. A closing tag
-    whose opening tag the call has (`</tool_call>` after `<tool_call>`, were they special) is part of the call as
-    parsers read it; EOS always ends the turn."""
-    if specials is None:
-        return set()
-    user = {"role": "user", "content": _PROBE_USER}
-    result = {"role": "tool", "name": "probe_tool", "content": _PROBE_RESULT}
-    for calls in (2, 1):
-        try:
-            text = _render(tokenizer, [user, _calling_turn(["probe_tool"] * calls), result], False)
-        except ChatTemplateError:
-            continue
-        first, last, ends = text.find(_PROBE_ARGUMENT), text.rfind(_PROBE_ARGUMENT), text.find(_PROBE_RESULT)
-        if first < 0 or ends < 0 or text.count(_PROBE_ARGUMENT) != calls:
-            continue
-        between = {m.group() for m in specials.finditer(text, first, last)}  # written per call
-        opened = text[text.find(_PROBE_USER) : last]
-        for found in specials.finditer(text, last + len(_PROBE_ARGUMENT), ends):
-            token = found.group()
-            if token == tokenizer.eos_token:
-                return {token}
-            if token in between or (token.startswith("</") and "<" + token[2:] in opened):
-                continue
-            return {token}
-        return set()
-    return set()
-
-
-def _atomic_tokens(tokenizer: Any) -> list[str]:
-    """Every special or added token's text, longest first (none of them is ever split by the tokenizer)."""
-    found = {t for t in tokenizer.all_special_tokens if t}
-    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content}
-    return sorted(found, key=len, reverse=True)
-
-
-def _special_tokens(tokenizer: Any) -> list[str]:
-    found = {t for t in tokenizer.all_special_tokens if t}
-    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content}
-    return sorted(found, key=len, reverse=True)
-
-
-def end_of_turn_tokens(tokenizer: Any) -> tuple[str, ...]:
-    """The tokens that close an assistant turn in this template's renderings: EOS, the first special token the
-    template writes after an assistant reply, as the last message and followed by a user turn, and after a turn
-    that calls a tool and is followed by the tool's result (gpt-oss's `<|call|>`, GLM's `<|observation|>`)
-    (cached per template). Where SFT's targets of a turn end."""
-    return _closing(tokenizer).closers
-
-
-def turn_stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The tokens a sampled assistant turn ends on: EOS, the token closing a reply that is the conversation's last
-    message (or, where the template writes none there, the one before the next user turn: GLM's `<|user|>`), and
-    the one closing a tool-calling turn (gpt-oss's `<|call|>`, GLM's `<|observation|>`). The tokenizer's EOS alone
-    misses a base model's tokenizer whose EOS is `<|endoftext|>` while its template closes turns with
-    `<|im_end|>`; every closer would stop gpt-oss after its analysis channel (`<|end|>`, where its history's turns
-    end) and Cohere2 before the EOS its turns end with."""
-    ids = set()
-    for token in _closing(tokenizer).stops:
-        found = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(found, int) and found != tokenizer.unk_token_id:
-            ids.add(found)
-    return tuple(sorted(ids))
-
-
-def written_turn_ends(tokenizer: Any) -> frozenset[str]:
-    """The turn ends the template itself writes, after a reply or a turn of tool calls (not a base model's EOS,
-    which a ChatML template never writes): the ones a conversation can go on after."""
-    return _closing(tokenizer).written
-
-
-@dataclass(frozen=True)
-class _Closing:
-    closers: tuple[str, ...]  # longest first
-    then_eos: frozenset[str]  # closers the template follows with EOS after a reply a user turn follows
-    stops: frozenset[str]  # what generation stops on (`turn_stop_ids`)
-    written: frozenset[str]  # the turn ends the template itself writes (after a reply, a call)
-    in_history: dict[str, str]  # a final reply's closer -> the one the history writes instead (gpt-oss)
-
-
-def _closing(tokenizer: Any) -> _Closing:
-    """How this template ends assistant turns (probe conversations rendered once per template)."""
-    specials = _special_tokens(tokenizer)
-    eos = tokenizer.eos_token
-    key = (tokenizer.chat_template, eos, tuple(specials))
-    if key not in _closers_cache:
-        found_after: dict[int, str] = {}  # probe length -> the first special token after the reply
-        then_eos: set[str] = set()
-        user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
-        pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
-        for probe in ([user, reply], [user, reply, user]):
-            try:
-                text = _render(tokenizer, probe, False)
-            except ChatTemplateError:
-                continue
-            at = text.find(_PROBE_REPLY)
-            found = pattern.search(text, at + len(_PROBE_REPLY)) if pattern is not None and at >= 0 else None
-            if found is not None:
-                found_after[len(probe)] = found.group()
-                if len(probe) == 3 and eos and found.group() != eos and text.startswith(eos, found.end()):
-                    then_eos.add(found.group())
-        final, history = found_after.get(2), found_after.get(3)  # after a last reply, and one a user turn follows
-        calling = _tool_call_closer(tokenizer, pattern)
-        written = set(found_after.values()) | calling
-        base = {eos} if eos else set()
-        last = final or history
-        stops = base | calling | ({last} - then_eos if last else set())
-        _closers_cache[key] = _Closing(
-            tuple(sorted(base | written, key=len, reverse=True)),
-            frozenset(then_eos),
-            frozenset(stops),
-            frozenset(written),
-            {final: history} if final and history and final != history else {},
-        )
-    return _closers_cache[key]
+from core.chat_template import (
+    PROBE_ARGUMENT,
+    PROBE_REPLY,
+    PROBE_USER,
+    ChatTemplateError,
+    atomic_tokens,
+    calling_turn,
+    closing,
+    render_template,
+)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -215,8 +71,8 @@ def _turn_start(
 ) -> int | None:
     """Where assistant message i begins in `text` (see the module docstring), or None when the rendering of the
     conversation before it is not part of `text`."""
-    prompt = _render(tokenizer, messages[:i], True, tools)
-    bare = _render(tokenizer, messages[:i], False, tools) if i else ""
+    prompt = render_template(tokenizer, messages[:i], True, tools)
+    bare = render_template(tokenizer, messages[:i], False, tools) if i else ""
     generation = _token_boundary(prompt, _common_prefix(prompt, bare), atomic)  # where the generation prompt begins
     agree = _token_boundary(prompt, _common_prefix(prompt, text), atomic)
     return agree if agree >= generation and agree >= cursor else None
@@ -281,11 +137,11 @@ def assistant_char_spans(
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json: chat_template)")
     messages = _with_argument_objects(messages)
-    text = _render(tokenizer, messages, False, tools)
-    atomic = _atomic_tokens(tokenizer)
-    closing_of = _closing(tokenizer)
+    text = render_template(tokenizer, messages, False, tools)
+    atomic = atomic_tokens(tokenizer)
+    closing_of = closing(tokenizer)
     closers, then_eos = closing_of.closers, closing_of.then_eos
-    closing = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
+    closer_pattern = re.compile("|".join(re.escape(c) for c in closers)) if closers else None
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
@@ -320,9 +176,9 @@ def assistant_char_spans(
             content_end = where[1]
         else:
             content_end = start
-        first = closing.search(text, content_end) if closing is not None else None
+        first = closer_pattern.search(text, content_end) if closer_pattern is not None else None
         calls_end = _past_tool_calls(text, message, content_end, first.start() if first else len(text))
-        close = closing.search(text, calls_end) if closing is not None else None
+        close = closer_pattern.search(text, calls_end) if closer_pattern is not None else None
         following = next((m for m in messages[i + 1 :] if m["role"] != "assistant"), None)
         boundary = _find_content(text, following.get("content") or "", calls_end) if following else None
         if close is None or (boundary is not None and boundary[0] < close.start()):
@@ -381,7 +237,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict], tools: Sequence[di
     """The conversation rendered with a generation prompt (and the JSON schemas of the `tools` it offers, as the
     template renders them), tokenized as a sampler does: what the model is given to continue with an assistant
     turn."""
-    return _encode(tokenizer, _render(tokenizer, messages, True, tools))[0]
+    return _encode(tokenizer, render_template(tokenizer, messages, True, tools))[0]
 
 
 def continuation_ids(
@@ -404,14 +260,14 @@ def continuation_ids(
     the template writes otherwise in the history, gpt-oss's final `<|return|>`, what follows the closer it writes
     there, `<|end|>`). A template that does not close an assistant turn with `stop_token`, or cannot render the
     messages, is a `ChatTemplateError` naming it."""
-    reply = {"role": "assistant", "content": _PROBE_REPLY}
+    reply = {"role": "assistant", "content": PROBE_REPLY}
     if not called:
-        return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+        return _continuation(tokenizer, messages, stop_token, tools, reply, PROBE_REPLY)
     try:  # the turn as it was, calling those functions; where the template cannot write calls, as a reply
-        return _continuation(tokenizer, messages, stop_token, tools, _calling_turn(called), _PROBE_ARGUMENT)
+        return _continuation(tokenizer, messages, stop_token, tools, calling_turn(called), PROBE_ARGUMENT)
     except ChatTemplateError as as_calls:
         try:
-            return _continuation(tokenizer, messages, stop_token, tools, reply, _PROBE_REPLY)
+            return _continuation(tokenizer, messages, stop_token, tools, reply, PROBE_REPLY)
         except ChatTemplateError as as_reply:
             raise ChatTemplateError(f"after a turn of tool calls: {as_calls}; after a reply: {as_reply}") from None
 
@@ -421,12 +277,12 @@ def _continuation(
 ) -> list[int]:
     roles = ", ".join(repr(m.get("role")) for m in messages)
     try:
-        after = _render(tokenizer, [{"role": "user", "content": _PROBE_USER}, reply, *messages], True, tools)
+        after = render_template(tokenizer, [{"role": "user", "content": PROBE_USER}, reply, *messages], True, tools)
     except ChatTemplateError as err:
         raise ChatTemplateError(f"messages ({roles}) after an assistant turn: {err}") from None
     at = after.rfind(marker)  # the probe turn's (last) call, or its reply
     close = after.find(stop_token, at + len(marker)) if at >= 0 else -1
-    rewritten = _closing(tokenizer).in_history.get(stop_token)
+    rewritten = closing(tokenizer).in_history.get(stop_token)
     if close < 0 and at >= 0 and rewritten is not None:
         # A final reply's end that the history writes otherwise (gpt-oss's `<|return|>` becomes `<|end|>`): the
         # sampled token stays, and what follows is what the template writes after the token it puts there.

@@ -114,7 +114,7 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
     chosen = held_out_prompts(run.records, examples, cfg.data.format, cfg.sft.eval_generations)
     if not chosen or not cfg.train.eval_every:
         return []
-    from core.chat import turn_stop_ids
+    from core.chat_template import turn_stop_ids
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
 

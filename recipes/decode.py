@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, tokenizer, model = _hf_dir_and_tokenizer(Path(args.model_dir), args.tokenizer, tmp)
         if args.chat:  # a reply ends where the template ends a turn, not only on EOS
-            from core.chat import turn_stop_ids
+            from core.chat_template import turn_stop_ids
             from core.data import load_tokenizer
 
             params = dataclasses.replace(params, stop_token_ids=turn_stop_ids(load_tokenizer(tokenizer)))

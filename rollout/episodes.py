@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from core.chat import ChatTemplateError, chat_prompt_ids, continuation_ids
+from core.chat import chat_prompt_ids, continuation_ids
+from core.chat_template import ChatTemplateError
 from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolParsers

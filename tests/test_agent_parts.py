@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from core.chat import ChatTemplateError, chat_prompt_ids, continuation_ids
+from core.chat import chat_prompt_ids, continuation_ids
+from core.chat_template import ChatTemplateError
 from rewards.pool import Call, WorkerPool
 from rollout.calculator import calculator
 from rollout.environment import EnvFailure, Environment, EnvironmentRunner, EnvReply, EnvStart
@@ -180,7 +181,7 @@ def test_a_calling_turn_ends_where_the_template_ends_it_and_the_result_follows_i
     `<|call|>`, GLM's `<|observation|>`, ChatML's `<|im_end|>`, Llama's `<|eot_id|>`), then extended by
     `continuation_ids` with the call's name: exactly the template's rendering of the call and its result. gpt-oss
     names the function in the result's header: without the call, its template refuses the result."""
-    from core.chat import turn_stop_ids
+    from core.chat_template import turn_stop_ids
 
     tok = make_tokenizer(tmp_path_factory, family)
     tools = [tool_schema(calculator)]

@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.chat import (
-    ChatTemplateError,
-    chat_prompt_ids,
-    end_of_turn_tokens,
-    render_chat,
-    split_last_turn,
-    turn_stop_ids,
-)
+from core.chat import chat_prompt_ids, render_chat, split_last_turn
+from core.chat_template import ChatTemplateError, end_of_turn_tokens, turn_stop_ids
 from tests.chat_families import FAMILIES, QWEN_SPECIALS, SHIPPED, chat_tokenizer
 
 SYSTEM, Q1, Q2 = "You add numbers.", "What is 2 + 3?", "And 10 + 7?"

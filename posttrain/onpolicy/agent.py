@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core.chat import ChatTemplateError, continuation_ids, turn_stop_ids, written_turn_ends
+from core.chat import continuation_ids
+from core.chat_template import ChatTemplateError, turn_stop_ids, written_turn_ends
 from core.config_loader import ConfigError
 from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig

@@ -55,7 +55,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.chat import turn_stop_ids
+from core.chat_template import turn_stop_ids
 from core.compile_cache import CompileTally, use_compile_cache
 from core.config import ModelConfig
 from core.config_loader import save_config
