@@ -207,7 +207,7 @@ def offline(args, work: Path) -> dict:
     import numpy as np
     from flax import nnx
 
-    from core.checkpoint import load_model_from
+    from core.checkpoint_models import load_model_from
     from core.config import MeshConfig, OptimConfig
     from core.data import to_data_batch
     from core.learner import Learner

@@ -214,16 +214,16 @@ class Learner:
         step: int | None = None,
     ) -> int:
         """A checkpoint of the trainable state (and the data position, `extra`); its meta records where the trained
-        model sits in the tree (`core.checkpoint.TRAINED_MODEL`) and what the frozen part was
-        (`core.checkpoint.FROZEN`: the state it does not hold)."""
-        from core.checkpoint import FROZEN, TRAINED_MODEL
+        model sits in the tree (`core.checkpoint_models.TRAINED_MODEL`) and what the frozen part was
+        (`core.checkpoint_models.FROZEN`: the state it does not hold)."""
+        from core.checkpoint_models import FROZEN, TRAINED_MODEL
 
         meta = {**(extra or {}), TRAINED_MODEL: self.model_path, FROZEN: self.frozen_record()}
         return checkpointer.save(self.state, data_iterator, cfg, meta, step=step)
 
     def frozen_record(self) -> dict[str, list[float]]:
-        """`core.checkpoint.frozen_fingerprint` of the frozen state, computed once (it never changes)."""
-        from core.checkpoint import frozen_fingerprint
+        """`core.checkpoint_models.frozen_fingerprint` of the frozen state, computed once (it never changes)."""
+        from core.checkpoint_models import frozen_fingerprint
 
         if self._frozen_record is None:
             self._frozen_record = frozen_fingerprint(self.rest)
@@ -237,7 +237,7 @@ class Learner:
             restored = checkpointer.restore_latest(self.state, data_iterator, cfg)
         if restored is None:
             return None
-        from core.checkpoint import FROZEN, check_frozen
+        from core.checkpoint_models import FROZEN, check_frozen
 
         state, meta, step = restored
         check_frozen(meta.get(FROZEN), self.frozen_record(), f"{checkpointer.directory}/{step}")

@@ -263,7 +263,7 @@ def model_with_adapters(init_from: str, lora: LoraConfig, mesh, seed: int, dtype
     run (merged first if it has adapters of its own), or a PEFT adapter directory (its base, and its adapters'
     values as the starting point; they must be adapters of `lora`'s shape). The base's shape wins over the run's
     model section."""
-    from core.checkpoint import load_model_from
+    from core.checkpoint_models import load_model_from
     from core.hub import resolve_model
     from core.models.adapters import add_adapters, merged_model
 

@@ -139,7 +139,7 @@ def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str
 
 def build_run(cfg: Config, method: Method) -> Run:
     """Everything `method` trains with, ready to `fit`."""
-    from core.checkpoint import initial_model
+    from core.checkpoint_models import initial_model
     from core.data import load_tokenizer
     from core.mesh import make_mesh
     from core.metrics import device_memory

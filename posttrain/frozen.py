@@ -8,7 +8,7 @@
 A frozen model is either the learner's starting point (a reference: a copy of its starting parameters; for a
 model with LoRA adapters the same model with its adapters off, TRL's reference for a PEFT model, which shares the
 base's arrays and costs no second copy) or read from any checkpoint with the shape it was saved with (an HF
-directory, a Hub id, a Temper run: `core.checkpoint.load_model_from`; a teacher larger or smaller than the
+directory, a Hub id, a Temper run: `core.checkpoint_models.load_model_from`; a teacher larger or smaller than the
 learner, `cfg` its model config). Log-probs are computed live, per batch, by one jitted pass over the packed
 batch's targets (`core.targets.target_logprobs`), a packing group (one micro-batch's rows) at a time so that
 memory stays that of one micro-batch; `posttrain.token_store` keeps values computed once instead.
@@ -123,7 +123,7 @@ class FrozenModel:
         """A model read from `path` (an HF directory, a Hub model id, a Temper run or checkpoint) with its own
         shape, placed on `mesh` by its logical axes; its log-probs over its first `vocab` tokens (a teacher over
         its student's vocabulary). Reading never imports code the directory names."""
-        from core.checkpoint import load_model_from
+        from core.checkpoint_models import load_model_from
 
         with jax.set_mesh(mesh):
             model = load_model_from(path, mesh, dtype=dtype)

@@ -53,7 +53,8 @@ class LocalTrainer:
         """`learner_class(cfg, model, mesh, total_steps)`: the method's learner."""
         import jax
 
-        from core.checkpoint import Checkpointer, initial_model
+        from core.checkpoint import Checkpointer
+        from core.checkpoint_models import initial_model
         from core.mesh import make_mesh, split_devices
         from core.peft import adapter_base
 

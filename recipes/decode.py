@@ -42,7 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def _hf_dir_and_tokenizer(model_dir: Path, tokenizer: str | None, tmp: str):
     """An HF directory to serve and the tokenizer to use, exporting a Temper checkpoint if needed."""
-    from core.checkpoint import load_checkpoint_model
+    from core.checkpoint_models import load_checkpoint_model
     from core.hf import save_hf
 
     if (model_dir / "config.json").exists():

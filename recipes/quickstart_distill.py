@@ -43,7 +43,7 @@ def greedy_accuracy(hf_dir: str | Path, rl_source: str, tokenizer: str, prompts:
     """Held-out greedy accuracy of the model in `hf_dir` on the quickstart's GRPO eval split (math_verify)."""
     import jax
 
-    from core.checkpoint import load_model_from
+    from core.checkpoint_models import load_model_from
     from core.config_loader import load_config
     from core.mesh import make_mesh
     from posttrain.config import PostTrainConfig

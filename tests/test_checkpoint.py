@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from core.checkpoint import Checkpointer, CheckpointMismatch, load_params, save_params
+from core.checkpoint import Checkpointer, CheckpointMismatch
+from core.checkpoint_models import load_params, save_params
 from core.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig
 from core.mesh import make_mesh
 from core.models import abstract_sharded_state, create_model
@@ -196,7 +197,7 @@ def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
 def test_loading_a_checkpoint_runs_no_code_from_the_run_directory(tmp_path):
     """A run directory is not trusted: its saved config names a reward plugin (here one that leaves a marker when
     imported, then one that is gone); loading the model reads the config as data and imports nothing."""
-    from core.checkpoint import load_checkpoint_model, load_model_from
+    from core.checkpoint_models import load_checkpoint_model, load_model_from
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
 
@@ -268,7 +269,7 @@ def test_the_frozen_fingerprint_holds_across_meshes_and_tells_other_weights_apar
     shape and scale is refused by name."""
     from jax.sharding import NamedSharding
 
-    from core.checkpoint import check_frozen, frozen_fingerprint
+    from core.checkpoint_models import check_frozen, frozen_fingerprint
 
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal((2048, 512)) * 0.02).astype(np.float32)

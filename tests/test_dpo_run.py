@@ -79,7 +79,7 @@ def test_precomputed_reference_equals_live(tmp_path, arithmetic_tokenizer):
     other weights, recompute."""
     from flax import nnx
 
-    from core.checkpoint import initial_model
+    from core.checkpoint_models import initial_model
     from core.mesh import make_mesh
     from posttrain.dpo.data import PairLayout, pair_pipeline
     from posttrain.dpo.objective import with_reference

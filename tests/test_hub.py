@@ -77,7 +77,7 @@ def hub(tmp_path, monkeypatch, tiny_hf_dir, arithmetic_tokenizer):
 
 
 def test_a_model_by_hub_id_loads_from_the_cache(hub, tiny_hf_dir):
-    from core.checkpoint import load_model_from
+    from core.checkpoint_models import load_model_from
     from core.hf import load_hf
     from core.hub import resolve_model
     from core.tokenizer import tokenizer_for_run

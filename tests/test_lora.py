@@ -135,7 +135,7 @@ def test_peft_loads_the_exported_adapter_onto_the_transformers_base_with_the_sam
     import transformers
     from peft import PeftModel
 
-    from core.checkpoint import initial_model
+    from core.checkpoint_models import initial_model
     from core.config import Config, RunConfig
     from core.learner import ADAPTER_DIR
 
@@ -174,7 +174,7 @@ def test_a_run_starts_from_a_peft_adapter_and_refuses_one_of_another_shape(tmp_p
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel, get_peft_model
 
-    from core.checkpoint import initial_model
+    from core.checkpoint_models import initial_model
     from core.config import CheckpointConfig, Config
 
     base_dir = tiny_hf_dir("llama")
@@ -223,7 +223,8 @@ def test_a_run_starts_from_a_peft_adapter_and_refuses_one_of_another_shape(tmp_p
 def test_a_lora_checkpoint_holds_the_adapters_and_loads_back_onto_its_base(tmp_path, tiny_hf_dir):
     """A LoRA run's checkpoint holds its adapters (and their optimizer state), not the base; a later run reading
     it (`checkpoint.init_from` the run) gets the adapted model: its base from the run's own `init_from`."""
-    from core.checkpoint import Checkpointer, initial_model, load_model_from
+    from core.checkpoint import Checkpointer
+    from core.checkpoint_models import initial_model, load_model_from
     from core.config import CheckpointConfig, Config
     from tests.helpers import saved_tensors
 
@@ -256,7 +257,8 @@ def test_a_distillation_checkpoint_loads_back_as_its_student(tmp_path, tiny_hf_d
     """A distillation run's tree (the student, its feature projections, a teacher) checkpoints the student's
     trainable part and the projections; `load_model_from` on the run reads the student back (from where the tree
     held it; with LoRA, onto its base), with its logits."""
-    from core.checkpoint import Checkpointer, initial_model, load_model_from
+    from core.checkpoint import Checkpointer
+    from core.checkpoint_models import initial_model, load_model_from
     from core.config import CheckpointConfig, Config
     from core.models.lora import trainable_filter
     from posttrain.distill.features import feature_projections

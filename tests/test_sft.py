@@ -274,7 +274,7 @@ def test_sft_recipe_from_chats_to_an_hf_export(tmp_path, qwen_chat):
     import torch
     import transformers
 
-    from core.checkpoint import load_checkpoint_model
+    from core.checkpoint_models import load_checkpoint_model
     from core.metrics import read_metrics
     from recipes.sft import main
 

@@ -47,7 +47,7 @@ def load_teacher(cfg, mesh, student_vocab: int, student: str):
     against the student's (`check_teacher_vocab`)."""
     import jax
 
-    from core.checkpoint import load_model_from
+    from core.checkpoint_models import load_model_from
 
     path = str(cfg.distill.teacher)
     with jax.set_mesh(mesh):
