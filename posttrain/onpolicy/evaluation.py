@@ -4,7 +4,7 @@ pass@k is the probability that at least one of k completions drawn without
 replacement from the n sampled ones is correct (Chen et al., 2021):
     pass@k = 1 - C(n - c, k) / C(n, k)
 maj@k: the most frequent final answer among k samples (ties: the first one
-seen) is correct.
+seen) is correct. `held_out_metrics` scores a run's held-out completions with its accuracy function.
 """
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from math import comb
+from typing import Any
 
 import numpy as np
+
+from posttrain.onpolicy.prompts import columns_of, prompt_text
+from rewards.extract import final_answer
+from rollout.sampler import Completion
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,3 +57,20 @@ def eval_metrics(
             np.mean([majority_correct(sampled_answers[i * k : (i + 1) * k], sampled_ok[i]) for i in range(n)])
         ),
     }
+
+
+def held_out_metrics(
+    rows: Sequence[dict], rl: Any, greedy: Sequence[Completion], sampled: Sequence[Completion], rewards: Any
+) -> dict[str, float]:
+    """`eval_metrics` of a run's held-out `rows`: one greedy completion a row and `rl.eval_samples` sampled ones
+    (row-major), correct where `rl.accuracy_fn` (scored by the run's `rewards.runner.RewardRunner`) is > 0."""
+    k = rl.eval_samples
+    texts = [prompt_text(r, rl) for r in rows]
+    ok_greedy = rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
+    ok_sampled = (
+        rewards.score_fn(
+            rl.accuracy_fn, [t for t in texts for _ in range(k)], [c.text for c in sampled], columns_of(rows, k)
+        )
+        > 0
+    ).reshape(-1, k)
+    return eval_metrics(ok_greedy, ok_sampled, [final_answer(c.text) for c in sampled])

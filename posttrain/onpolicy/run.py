@@ -12,19 +12,10 @@ hosts (`learner_class`), what it checks of the config (`check`) and how long its
 GRPO (`posttrain.grpo`) makes group advantages into a policy-gradient `RLBatch`; online DPO
 (`posttrain.dpo.online`) makes best / worst pairs.
 
-Modes (`rollout.sampler`):
-- `vllm`: the trainer is a Ray actor and `rollout.rollout_data_parallelism`
-  vLLM samplers are Ray actors, all in one placement group; weights stream
-  from the trainer actor to the sampler actors after every update.
-- `jax`: single controller: the trainer and a native JAX sampler share this
-  process on disjoint sub-meshes (`mesh.trainer_devices_fraction` /
-  `sampler_devices_fraction`; a sampler fraction of 0 shares the trainer's
-  devices); weights move by `jax.device_put`, a chunk at a time.
-
-Sync mode (`rl.off_policy_steps = 0`) trains on completions of the current
-policy. Async mode (`off_policy_steps = d > 0`, vLLM only) keeps d batches
-in flight: samplers generate the next batches while the trainer trains, so
-a completion is at most d policy versions old (checked every step).
+Modes (`rollout.sampler`, [grpo.md](../../docs/grpo.md)): `vllm`, the trainer and the samplers Ray actors in one
+placement group, weights streamed after every update; `jax`, single controller, trainer and sampler in this process
+on disjoint sub-meshes. Sync (`rl.off_policy_steps = 0`) trains on the current policy's completions; async (`d > 0`,
+vLLM) keeps d batches in flight, each at most d policy versions old (checked every step).
 
 The run is a `core.loop.Loop`, the one loop the offline methods run in too: its hooks, NaN policy, SIGTERM and
 end are that loop's; what is this run's is where batches come from (`train_step`: sample, score, the method's
@@ -37,12 +28,9 @@ run resumes exactly where an uninterrupted one would be; the end exports a Huggi
 curves. The tokenizer is the offline methods' (`core.tokenizer.run_tokenizer`: `data.tokenizer_dir`, the initial
 checkpoint's, else one trained on the prompt rows), checked before Ray or an engine starts.
 
-Failures: a reward function that fails on an item drops that item's group
-(`reward/failed_groups`); a sampler that fails is restarted and its share
-redone once (`sampler_restarts`); a dead trainer actor stops the run with
-`TrainerUnavailable`; a non-finite loss follows `train.nan_policy` (skip:
-counted in `skipped_updates`; abort: the loop writes a checkpoint, then
-`NonFiniteLoss`). Each of these is a message, not a traceback, from the recipe.
+Failures (the table in docs/grpo.md): a failed reward item drops its group, a failed sampler is restarted and its
+share redone once, a dead trainer stops the run (`TrainerUnavailable`), a non-finite loss follows
+`train.nan_policy`; each a message, not a traceback, from the recipe.
 """
 
 from __future__ import annotations
@@ -67,23 +55,30 @@ from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_config, check_policy, check_staleness, check_tokenizer_template
-from posttrain.onpolicy.evaluation import eval_metrics
+from posttrain.onpolicy.evaluation import held_out_metrics
 from posttrain.onpolicy.learner import LearnerFactory
-from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_rows, prompt_text, render_prompt
-from posttrain.onpolicy.step import InFlight, Scored, StepData, StepTimes, scored_metrics, step_line
-from posttrain.onpolicy.workers import release, start_samplers
+from posttrain.onpolicy.prompts import PromptBatch, PromptStream, prompt_rows, render_prompt
+from posttrain.onpolicy.step import (
+    InFlight,
+    Scored,
+    StepData,
+    StepTimes,
+    restored_position,
+    sampling_params,
+    saved_position,
+    score,
+    scored_metrics,
+    step_line,
+)
+from posttrain.onpolicy.workers import episode_turns, release, start_samplers, workers_to_release
 from posttrain.trainer import start_trainer
-from rewards.extract import final_answer
 from rewards.runner import RewardRunner
 from rollout.background import Background
 from rollout.engine_programs import EnginePrograms
-from rollout.episodes import Episode
 from rollout.group import Pending
-from rollout.jax_engine import SlotTurns
-from rollout.jax_sampler import JaxSampler
 from rollout.placement import Placement, reserve
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
-from rollout.turns import EngineTurns, Turns
+from rollout.turns import Turns
 from rollout.weight_sync import SyncStats
 
 
@@ -153,17 +148,7 @@ class OnPolicyRun(Loop):
         restored = self.trainer.restore_latest()
         if restored is not None:
             step, meta = restored
-            self.stream.set_state(meta["prompt_stream"])
-            start_step = int(meta["rl_step"])
-            self._requests = int(meta["requests"])
-            resumed_in_flight = [
-                InFlight(
-                    self.stream.batch(f["indices"]),
-                    [Completion.from_record(c) for c in f["completions"]],
-                    None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
-                )
-                for f in meta.get("in_flight", [])
-            ]
+            start_step, self._requests, resumed_in_flight = restored_position(meta, self.stream)
             print(
                 f"resumed from {run_dir / 'checkpoints' / str(step)} at step {start_step} "
                 f"(policy version {meta['policy_version']})",
@@ -235,17 +220,7 @@ class OnPolicyRun(Loop):
     # ------------------------------------------------------------------ steps
 
     def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            n=n,
-            temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_tokens,
-            logprobs=True,
-            seed=seed,
-            stop_token_ids=self.turn_stops,
-        )
+        return sampling_params(self.cfg.rollout, self.turn_stops, n, seed, temperature)
 
     def _submit(self, prompts: PromptBatch) -> InFlight:
         # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
@@ -270,17 +245,8 @@ class OnPolicyRun(Loop):
         return self.samplers.collect(self.samplers.submit(prompts, params), self._push)
 
     def _turns(self, episodes: int) -> Turns:
-        """How `episodes` episodes' turns reach the samplers: each its own request on the vLLM engines, or slots of
-        the JAX sampler's continuous batching (as many as episodes run at once, to a power of two)."""
-        if self.cfg.rollout.sampler == "vllm":
-            stop = self._background.cancelled if self._background is not None else None
-            return EngineTurns(self.samplers, self._push, cancelled=stop)
-        agent = self.cfg.rl.agent
-        assert agent is not None  # turns are an agent's
-        running = min(episodes, agent.max_concurrency or episodes, self.cfg.rollout.max_num_seqs)
-        (sampler,) = self.samplers.samplers  # single-controller: the one JAX sampler
-        assert isinstance(sampler, JaxSampler)
-        return SlotTurns(sampler, slots=1 << max(0, running - 1).bit_length(), programs=self._engine_programs)
+        stop = self._background.cancelled if self._background is not None else None
+        return episode_turns(self.cfg, self.samplers, self._push, episodes, stop, self._engine_programs)
 
     def _collect(self, request: InFlight) -> list[Completion]:
         if isinstance(request.result, Future):
@@ -292,22 +258,7 @@ class OnPolicyRun(Loop):
         return request.result
 
     def _score(self, request: InFlight) -> Scored:
-        """A collected request's rewards (none without reward functions or an environment's) and correctness
-        (none without an accuracy function)."""
-        rows, completions = request.prompts.rows, self._collect(request)
-        g = self.cfg.rl.batch.num_generations
-        prompts = [prompt_text(r, self.cfg.rl) for r in rows for _ in range(g)]
-        texts = [c.text for c in completions]
-        columns = columns_of(rows, g)
-        rewards = None
-        if self.rewards.functions:
-            rewards = self.rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
-        correct = None
-        if self.cfg.rl.accuracy_fn is not None:
-            correct = self.rewards.score_fn(self.cfg.rl.accuracy_fn, prompts, texts, columns, reuse=rewards)
-        if request.episodes is not None and self.agent is not None:
-            rewards = self.agent.rewards(request.episodes, rewards)
-        return Scored(rows, completions, rewards, correct, request.episodes)
+        return score(request, self._collect(request), self.cfg.rl, self.rewards, self.agent)
 
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
@@ -376,25 +327,7 @@ class OnPolicyRun(Loop):
         print(self._last_line, flush=True)
 
     def save(self, step: int) -> None:
-        # Completions still in flight (async) are collected and stored with the checkpoint (their prompts as
-        # indices into the training rows), so a resumed run trains on exactly what an uninterrupted one would.
-        stored = [
-            {
-                "indices": r.prompts.indices,
-                "completions": [c.record() for c in self._collect(r)],
-                "episodes": None if r.episodes is None else [e.record() for e in r.episodes],
-            }
-            for r in self._in_flight
-        ]
-        self.trainer.save(
-            step,
-            {
-                "rl_step": step,
-                "prompt_stream": self.stream.get_state(),
-                "requests": self._requests,
-                "in_flight": stored,
-            },
-        )
+        self.trainer.save(step, saved_position(step, self.stream, self._requests, self._in_flight, self._collect))
         self._saved = step
 
     def saved_step(self) -> int | None:
@@ -431,15 +364,7 @@ class OnPolicyRun(Loop):
         else:
             prompts = [render_prompt(r, rl) for r in rows]
             greedy, sampled = self._generate(prompts, greedy_params), self._generate(prompts, sampled_params)
-        texts = [prompt_text(r, rl) for r in rows]
-        ok_greedy = self.rewards.score_fn(rl.accuracy_fn, texts, [c.text for c in greedy], columns_of(rows, 1)) > 0
-        ok_sampled = (
-            self.rewards.score_fn(
-                rl.accuracy_fn, [t for t in texts for _ in range(k)], [c.text for c in sampled], columns_of(rows, k)
-            )
-            > 0
-        ).reshape(-1, k)
-        result = eval_metrics(ok_greedy, ok_sampled, [final_answer(c.text) for c in sampled])
+        result = held_out_metrics(rows, rl, greedy, sampled, self.rewards)
         if step is not None:
             self.metrics.log(step, result, console=False)
             print(
@@ -457,13 +382,7 @@ class OnPolicyRun(Loop):
         if self._background is not None:  # before the pool and samplers it uses go
             self._background.close(timeout_s)
         self.rewards.close()
-        steps = [(f"sampler {i}", s.stop) for i, s in enumerate(self.samplers.samplers)]
-        steps.append(("trainer", self.trainer.close))
-        if self.placement is not None:
-            steps.append(("placement groups", self.placement.remove))
-            steps.append(("trainer actors", self.trainer.kill))
-
-        release(steps, timeout_s)
+        release(workers_to_release(self.samplers, self.trainer, self.placement), timeout_s)
 
 
 def run_to_end(run: OnPolicyRun) -> RunSummary:

@@ -1,19 +1,21 @@
 """What one on-policy step carries and what it reports: the request in flight, the scored completions, the method's
-batch, the step's timings, its metrics and its console line."""
+batch, the step's timings, its metrics and its console line; and where a resumed run's steps start from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from core.batch import TrainBatch
-from posttrain.onpolicy.prompts import PromptBatch
+from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_text
 from rewards.runner import RewardBatch
 from rollout.episodes import Episode
 from rollout.group import Pending
-from rollout.sampler import Completion
+from rollout.sampler import Completion, SamplingParams
 
 
 @dataclass
@@ -107,4 +109,74 @@ def step_line(step: int, m: dict[str, float], method: str) -> str:
         f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
         f"{method}{failed} | "
         f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
+    )
+
+
+def score(request: InFlight, completions: list[Completion], rl: Any, rewards: Any, agent: Any) -> Scored:
+    """A collected request's rewards (none without reward functions or an environment's: the `agent`'s episodes
+    add theirs) and correctness (none without `rl.accuracy_fn`), by the run's `rewards.runner.RewardRunner`."""
+    rows = request.prompts.rows
+    g = rl.batch.num_generations
+    prompts = [prompt_text(r, rl) for r in rows for _ in range(g)]
+    texts = [c.text for c in completions]
+    columns = columns_of(rows, g)
+    scores = None
+    if rewards.functions:
+        scores = rewards.score(prompts, texts, columns, completion_ids=[c.token_ids for c in completions])
+    correct = None
+    if rl.accuracy_fn is not None:
+        correct = rewards.score_fn(rl.accuracy_fn, prompts, texts, columns, reuse=scores)
+    if request.episodes is not None and agent is not None:
+        scores = agent.rewards(request.episodes, scores)
+    return Scored(rows, completions, scores, correct, request.episodes)
+
+
+def restored_position(meta: dict, stream: PromptStream) -> tuple[int, int, list[InFlight]]:
+    """From a checkpoint's meta: (the step to resume at, the generation requests so far, which seed the sampler,
+    and the requests that were in flight, their completions and episodes as stored); `stream` is set to where it
+    was."""
+    stream.set_state(meta["prompt_stream"])
+    in_flight = [
+        InFlight(
+            stream.batch(f["indices"]),
+            [Completion.from_record(c) for c in f["completions"]],
+            None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
+        )
+        for f in meta.get("in_flight", [])
+    ]
+    return int(meta["rl_step"]), int(meta["requests"]), in_flight
+
+
+def saved_position(
+    step: int, stream: PromptStream, requests: int, in_flight: Sequence[InFlight], collect: Callable
+) -> dict:
+    """What a checkpoint's meta holds of the run's position (`restored_position` reads it back): the step, the
+    prompt stream's state, the request counter, and the requests still in flight (async), collected (`collect`)
+    and stored with their prompts as indices into the training rows, so that a resumed run trains on exactly what
+    an uninterrupted one would."""
+    stored = [
+        {
+            "indices": r.prompts.indices,
+            "completions": [c.record() for c in collect(r)],
+            "episodes": None if r.episodes is None else [e.record() for e in r.episodes],
+        }
+        for r in in_flight
+    ]
+    return {"rl_step": step, "prompt_stream": stream.get_state(), "requests": requests, "in_flight": stored}
+
+
+def sampling_params(
+    rollout: Any, stops: Sequence[int], n: int, seed: int, temperature: float | None = None
+) -> SamplingParams:
+    """A step's sampling: `rollout.*` (its temperature unless `temperature`), `n` samples a prompt, the sampler's
+    log-probs, ending on `stops` (the template's end of turn) as well as EOS."""
+    return SamplingParams(
+        n=n,
+        temperature=rollout.temperature if temperature is None else temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_tokens=rollout.max_tokens,
+        logprobs=True,
+        seed=seed,
+        stop_token_ids=tuple(stops),
     )

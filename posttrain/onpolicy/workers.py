@@ -16,9 +16,13 @@ from pathlib import Path
 from core.config import ModelConfig
 from posttrain.config import PostTrainConfig
 from posttrain.trainer import TrainerHandle
+from rollout.engine_programs import EnginePrograms
 from rollout.group import SamplerGroup
+from rollout.jax_engine import SlotTurns
+from rollout.jax_sampler import JaxSampler
 from rollout.placement import Placement, start_vllm_sampler
 from rollout.sampler import Sampler
+from rollout.turns import EngineTurns, Turns
 from rollout.weight_sync import SyncStats
 
 
@@ -95,3 +99,37 @@ def release(steps: Sequence[tuple[str, Callable[[], object]]], timeout_s: float)
             f"of the clean-up to Ray",
             flush=True,
         )
+
+
+def episode_turns(
+    cfg: PostTrainConfig,
+    samplers: SamplerGroup,
+    push: Callable[[Sampler], SyncStats],
+    episodes: int,
+    cancelled: threading.Event | None,
+    programs: EnginePrograms,
+) -> Turns:
+    """How `episodes` episodes' turns reach the samplers: each its own request on the vLLM engines (`cancelled`: set
+    when the run stops), or slots of the JAX sampler's continuous batching (as many as episodes run at once, to a
+    power of two; `programs`: its compiled programs, shared by every step)."""
+    if cfg.rollout.sampler == "vllm":
+        return EngineTurns(samplers, push, cancelled=cancelled)
+    agent = cfg.rl.agent
+    assert agent is not None  # turns are an agent's
+    running = min(episodes, agent.max_concurrency or episodes, cfg.rollout.max_num_seqs)
+    (sampler,) = samplers.samplers  # single-controller: the one JAX sampler
+    assert isinstance(sampler, JaxSampler)
+    return SlotTurns(sampler, slots=1 << max(0, running - 1).bit_length(), programs=programs)
+
+
+def workers_to_release(
+    samplers: SamplerGroup, trainer: TrainerHandle, placement: Placement | None
+) -> list[tuple[str, Callable[[], object]]]:
+    """What a run releases at its end, in order (`release`): each sampler, the trainer, then on Ray the placement
+    groups and the trainer's actors."""
+    steps: list[tuple[str, Callable[[], object]]] = [(f"sampler {i}", s.stop) for i, s in enumerate(samplers.samplers)]
+    steps.append(("trainer", trainer.close))
+    if placement is not None:
+        steps.append(("placement groups", placement.remove))
+        steps.append(("trainer actors", trainer.kill))
+    return steps
