@@ -5,7 +5,7 @@
     floors.read(412e6)       # seconds reading 412 MB takes at the measured read bandwidth
     floors.copy(412e6)       # seconds copying 412 MB takes (np.copyto into a warm buffer)
     floors.line()            # the three rates, for a benchmark's output
-    rows_matmul_rate(16, 768, 3072)   # FLOP/s of a 16-row matmul: what a decode step's kernels reach
+    rows_matmul_rate(16, 768, 2560)   # FLOP/s of a 16-row matmul: what a decode step's kernels reach
 
 A figure beside its floor says how far it is from the machine, not from a peer: a target a floor rules out is
 answered with that floor.
