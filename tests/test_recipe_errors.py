@@ -276,14 +276,14 @@ START_CASES = {
 def test_what_a_run_cannot_do_is_refused_before_anything_loads(case, files, capsys, tmp_path, monkeypatch):
     """Each of these once started a real run, or failed after Ray and the samplers had started: now one error
     line, before any model, teacher or cluster loads."""
-    import core.checkpoint
+    import core.checkpoint_models
     import posttrain.distill.teacher
     import rollout.ray
 
     def started(*args, **kwargs):
         raise AssertionError("a model, a teacher or Ray was started before the mistake was reported")
 
-    for module, name in ((core.checkpoint, "initial_model"), (posttrain.distill.teacher, "load_teacher")):
+    for module, name in ((core.checkpoint_models, "initial_model"), (posttrain.distill.teacher, "load_teacher")):
         monkeypatch.setattr(module, name, started)
     monkeypatch.setattr(rollout.ray, "ensure_ray", started)
     module, argv, fragment = START_CASES[case]
