@@ -99,9 +99,9 @@ class Learner:
         base = trainable_filter(self.model_cfg) if trainable is None else trainable
         self.trainable = trainable_paths(base, optim.trainable_regex)
         self.schedule = make_schedule(optim, total_updates)
-        self.graphdef, params, self.rest = split_modules(modules, self.trainable)
-        if optim.trainable_regex is not None and not jax.tree.leaves(params):
+        if optim.trainable_regex is not None and not jax.tree.leaves(nnx.state(modules, self.trainable)):
             raise ValueError(f"optim.trainable_regex {optim.trainable_regex!r} matches no parameter")
+        self.graphdef, params, self.rest = split_modules(modules, self.trainable)
         with jax.set_mesh(mesh):
             self.tx = tx or make_optimizer(optim, total_updates, params)
             self.state = init_train_state(params, self.tx, seed)
