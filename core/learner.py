@@ -37,7 +37,7 @@ from core.distributed import CompiledTogether, any_process, barrier
 from core.errors import TemperError
 from core.models import Decoder, ModuleTree, trained_model
 from core.models.lora import trainable_filter
-from core.optim import make_optimizer, make_schedule
+from core.optim import make_optimizer, make_schedule, trainable_paths
 from core.shape_plan import ShapePlan
 from core.sums import to_host
 from core.train import (
@@ -96,8 +96,11 @@ class Learner:
         the shapes a run is likely to need next in a background thread (`core.shape_plan`, `compile.ahead`)."""
         self.mesh = mesh
         self.model_cfg = trained_model(modules).cfg
-        self.trainable = trainable_filter(self.model_cfg) if trainable is None else trainable
+        base = trainable_filter(self.model_cfg) if trainable is None else trainable
+        self.trainable = trainable_paths(base, optim.trainable_regex)
         self.schedule = make_schedule(optim, total_updates)
+        if optim.trainable_regex is not None and not jax.tree.leaves(nnx.state(modules, self.trainable)):
+            raise ValueError(f"optim.trainable_regex {optim.trainable_regex!r} matches no parameter")
         self.graphdef, params, self.rest = split_modules(modules, self.trainable)
         with jax.set_mesh(mesh):
             self.tx = tx or make_optimizer(optim, total_updates, params)

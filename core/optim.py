@@ -3,8 +3,8 @@
 - AdamW with weight decay masked off norms and biases; SGD; Muon (optax.contrib)
   on projection matrices with Adam for embeddings, norms and biases.
 - Schedules: constant, cosine, WSD (warmup-stable-decay), each with linear warm-up.
-- `trainable_regex`: only matching parameter paths train; the rest get zero
-  updates through `optax.set_to_zero`, which keeps no state for them.
+- `trainable_regex` is not the optimizer's: it narrows what trains (`trainable_paths`, a filter the learner
+  splits the module tree with), so the rest is frozen state with no gradient, no moments and no checkpoint.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def _muon_dims(params: nnx.State) -> Any:
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> optax.GradientTransformation:
     """The full transformation over the trainable state `params` (a method's module tree cut by its trainable
-    filter: a model's parameters, its LoRA adapters, a model and modules trained with it): clip -> optimizer (with
-    schedule) -> freezing mask."""
+    filter: a model's parameters, its LoRA adapters, a model and modules trained with it, narrowed by
+    `trainable_regex`): clip -> optimizer (with schedule)."""
     schedule = make_schedule(cfg, total_steps)
     decay_mask = _map_paths(params, _is_decayed)
     if cfg.name == "adamw":
@@ -96,20 +96,16 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: nnx.State) -> opt
             muon_weight_dimension_numbers=_muon_dims(params),
         )
     chain = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
-    tx = optax.chain(*chain, opt)
-    if cfg.trainable_regex is None:
-        return tx
-    labels = trainable_labels(params, cfg.trainable_regex)
-    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+    return optax.chain(*chain, opt)
 
 
-def trainable_labels(params: nnx.State, regex: str) -> Any:
-    """'train' for parameters whose dotted path matches `regex` (re.search), else 'frozen'."""
+def trainable_paths(trainable: Any, regex: str | None) -> Any:
+    """The filter of what trains: `trainable` (a method's, e.g. every parameter or the LoRA adapters), narrowed by
+    `optim.trainable_regex` to the parameters whose dotted path in the module tree matches it (re.search)."""
+    if regex is None:
+        return trainable
     pattern = re.compile(regex)
-    labels = _map_paths(params, lambda p: "train" if pattern.search(p) else "frozen")
-    if "train" not in jax.tree.leaves(labels):
-        raise ValueError(f"optim.trainable_regex {regex!r} matches no parameter")
-    return labels
+    return nnx.All(trainable, lambda path, _: bool(pattern.search(".".join(map(str, path)))))
 
 
 def global_norm(tree: Any) -> jax.Array:

@@ -6,13 +6,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from core.config import ModelConfig, OptimConfig
 from core.models import create_model
-from core.optim import make_optimizer, make_schedule, trainable_labels
+from core.optim import make_optimizer, make_schedule, trainable_paths
 
 
 def lr(cfg, total, steps):
@@ -77,30 +76,45 @@ def test_weight_decay_skips_norms_and_biases():
             np.testing.assert_allclose(np.asarray(u[...]), -0.1 * 0.5 * np.asarray(flat_p[path][...]), rtol=1e-6)
 
 
-def test_freezing_is_exact_and_stateless():
-    _model, params = tiny_params()
-    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.", schedule="constant")
-    tx = make_optimizer(c, 10, params)
-    state = tx.init(params)
-    new = params
-    for i in range(3):
-        updates, state = tx.update(grads_like(params, i), state, new)
-        new = optax.apply_updates(new, updates)
-    labels = dict(nnx.to_flat_state(trainable_labels(params, r"mlp\.")))
-    for path, before in nnx.to_flat_state(params):
-        after = dict(nnx.to_flat_state(new))[path]
-        same = np.array_equal(np.asarray(before[...]), np.asarray(after[...]))
-        assert same == (labels[path] == "frozen"), path
-    # frozen parameters carry no optimizer moments
-    n_state = sum(x.size for x in jax.tree.leaves(state))
-    n_trainable = sum(int(np.prod(v.shape)) for p, v in nnx.to_flat_state(params) if labels[p] == "train")
-    assert n_state < 3 * n_trainable  # mu + nu (+ counters) for trainable params only
+def _regex_learner(regex: str):
+    from core.learner import Learner
+    from core.losses import nll_loss
+    from core.mesh import single_device_mesh
+
+    model, _ = tiny_params()
+    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=regex, schedule="constant")
+    return Learner(model, single_device_mesh(), nll_loss, c, total_updates=3)
+
+
+def test_trainable_regex_is_the_learners_filter_frozen_parameters_get_no_gradient_or_state():
+    """`optim.trainable_regex` narrows what trains: the learner's trainable state holds the matching parameters
+    alone (no gradient buffer, no moment for the rest, and a checkpoint holds only them); an update moves them and
+    leaves every other parameter as it was."""
+    from tests.test_train_step import make_batch, packed
+
+    learner = _regex_learner(r"mlp\.")
+    trained = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(learner.params)]
+    frozen = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(learner.rest)]
+    assert trained and all("mlp." in p for p in trained), trained
+    assert any("attn" in p for p in frozen) and not any("mlp." in p for p in frozen), frozen
+    moments = [leaf for leaf in jax.tree.leaves(learner.state.opt_state) if leaf.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(learner.params))
+    before = jax.tree.map(np.asarray, learner.rest)
+    trained_before = jax.tree.map(np.asarray, learner.params)
+    update = learner.update(packed(make_batch(rows=4, t=12)), 1)
+    assert update.applied and update.grad_norm > 0
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(learner.rest), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    moved = [
+        not np.array_equal(x, np.asarray(y))
+        for x, y in zip(jax.tree.leaves(trained_before), jax.tree.leaves(learner.params))
+    ]
+    assert all(moved)
 
 
 def test_trainable_regex_matching_nothing():
-    _, params = tiny_params()
     with pytest.raises(ValueError, match="matches no parameter"):
-        trainable_labels(params, "nothing_like_this")
+        _regex_learner("nothing_like_this")
 
 
 @pytest.mark.parametrize("name", ["sgd", "muon"])
@@ -113,33 +127,22 @@ def test_other_optimizers_step(name):
 
 def test_trainable_regex_reads_the_paths_of_a_module_tree():
     """In a method's module tree (a model and a feature projection trained with it) `trainable_regex` matches each
-    parameter's path in the tree: `mlp\\.|projections` trains the model's MLPs and the projection with AdamW, and
-    the rest of the model does not move; one clip covers the whole tree."""
+    parameter's path in the tree: `mlp\\.|projections` trains the model's MLPs and the projection, nothing else
+    of the model."""
     from posttrain.distill.features import feature_projections
     from posttrain.distill.objective import DistillModules, trainable
 
     model, _ = tiny_params()
     tree = DistillModules(model, feature_projections([(1, 1)], 64, 32, seed=0))
-    params = nnx.state(tree, trainable(nnx.Param))
-    c = OptimConfig(name="adamw", learning_rate=0.1, trainable_regex=r"mlp\.|projections", schedule="constant")
-    tx = make_optimizer(c, 10, params)
-    grads = jax.tree.map(jnp.ones_like, params)
-    updates, _ = tx.update(grads, tx.init(params), params)
-    new = optax.apply_updates(params, updates)
-    kernel = np.asarray(params["projections"]["kernels"][0][...])
-    # AdamW's first step moves every entry by lr (sign of the gradient) plus the decay
-    moved = np.asarray(new["projections"]["kernels"][0][...]) - kernel
-    np.testing.assert_allclose(moved, -0.1 - 0.1 * c.weight_decay * kernel, rtol=1e-4, atol=1e-6)
-    frozen = np.asarray(params["model"]["embed"]["embedding"][...])
-    np.testing.assert_array_equal(np.asarray(new["model"]["embed"]["embedding"][...]), frozen)
-    trained = [p for p, _ in nnx.to_flat_state(params) if "mlp" in ".".join(map(str, p))]
-    before, after = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(new))
-    assert trained and all(not np.array_equal(before[p][...], after[p][...]) for p in trained)
-
-    # One clip at optim.grad_clip_norm over every trainable parameter (SGD shows it: AdamW's first step does not
-    # depend on the scale).
-    sgd = OptimConfig(name="sgd", learning_rate=0.1, schedule="constant", grad_clip_norm=1.0)
-    tx = make_optimizer(sgd, 10, params)
-    updates, _ = tx.update(grads, tx.init(params), params)
-    norm = np.sqrt(sum(x.size for x in jax.tree.leaves(params)))  # of the all-ones gradient of the whole tree
+    params = nnx.state(tree, trainable_paths(trainable(nnx.Param), r"mlp\.|projections"))
+    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(params)]
+    assert any(p.startswith("projections.") for p in paths) and any(p.startswith("model.") for p in paths)
+    assert all(p.startswith("projections.") or ".mlp." in p for p in paths), paths
+    # One clip at optim.grad_clip_norm over every trainable parameter of the tree (SGD shows it: AdamW's first step
+    # does not depend on the scale).
+    whole = nnx.state(tree, trainable(nnx.Param))
+    tx = make_optimizer(OptimConfig(name="sgd", learning_rate=0.1, schedule="constant", grad_clip_norm=1.0), 10, whole)
+    grads = jax.tree.map(jnp.ones_like, whole)
+    updates, _ = tx.update(grads, tx.init(whole), whole)
+    norm = np.sqrt(sum(x.size for x in jax.tree.leaves(whole)))  # of the all-ones gradient of the whole tree
     np.testing.assert_allclose(np.asarray(updates["projections"]["kernels"][0]), -0.1 / norm, rtol=1e-5)
