@@ -183,14 +183,12 @@ def step_parts(hf: Path, batch: int, seq: int, floors, repeats: int = 3) -> dict
 
     adamw_step = jax.jit(update, donate_argnums=(1, 2))
     grads, state = jax.tree.map(jnp.zeros_like, params), adamw.init(params)
-    times = []
+    adamw_steps = TimedSteps()
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        params, state = jax.block_until_ready(adamw_step(grads, state, params))
-        times.append(time.perf_counter() - start)
+        _, (params, state) = adamw_steps.run(lambda *a: jax.block_until_ready(adamw_step(*a)), grads, state, params)
     total = sum(x.size for x in params)
     out["AdamW alone, the MoE's parameters"] = {
-        "s": statistics.median(times[1:]),
+        "s": statistics.median(adamw_steps.seconds[1:]),
         "floor_s": floors.read(7 * 4.0 * total),
     }
     for name, part in out.items():
