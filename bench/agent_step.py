@@ -51,7 +51,8 @@ def temper_step(
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import run_grpo
+    from posttrain.fit import fit
+    from posttrain.grpo import GRPO
 
     run_dir = work / f"temper_{sampler}_{concurrency}_{prompts}{tag}"
     cfg = load_config(
@@ -79,7 +80,7 @@ def temper_step(
         ],
         schema=PostTrainConfig,
     )
-    run_grpo(cfg)
+    fit(cfg, GRPO)
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
     timing = json.loads((run_dir / "run_info.json").read_text())["time"]
     mean = lambda k: sum(r[k] for r in rows) / len(rows)

@@ -88,7 +88,8 @@ def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
     from core.metrics import read_metrics
     from core.sources import reasoning_gym_records
     from posttrain.config import PostTrainConfig
-    from posttrain.distill.onpolicy import run_onpolicy_distill
+    from posttrain.distill.onpolicy import ON_POLICY_DISTILL
+    from posttrain.fit import fit
 
     student = save_model(PAIRS[size][0], work / f"student_{size}", tokenizer, seed=0)
     teacher = save_model(PAIRS[size][1], work / f"teacher_{size}", tokenizer, seed=1)
@@ -154,7 +155,7 @@ def onpolicy(args, work: Path, tokenizer: str, size: str) -> dict:
             ],
             schema=PostTrainConfig,
         )
-        run_onpolicy_distill(cfg)
+        fit(cfg, ON_POLICY_DISTILL)
         steps = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]
         ours = [r["time/step_s"] for r in steps]
         means = {k: statistics.mean(r[k] for r in steps) for k in ("time/generate_s", "time/train_s", "time/sync_s")}

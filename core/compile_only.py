@@ -23,8 +23,8 @@ from core.batch import TrainBatch
 from core.config import Config
 from core.learner import Learner
 from core.mesh import make_mesh
+from core.method import Method
 from core.models import Decoder, abstract_sharded_state
-from core.run import Method
 from core.train import batch_shards
 
 
@@ -71,7 +71,7 @@ def compile_method(cfg: Config, method: Method) -> str:
         mesh,
         method.loss(cfg),
         cfg.optim,
-        cfg.train.steps,
+        cfg.train.steps * method.updates_per_step(cfg),
         cfg.run.seed,
         trainable=method.trainable(cfg),
     )

@@ -21,7 +21,8 @@ from core.config import Config
 from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, to_data_batch, tokenize_examples
 from core.loop import Hook
 from core.losses import nll_loss, perplexity
-from core.run import Method, MethodParts, RunContext, check_rows
+from core.method import Method
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 from core.train_loop import Evaluation
 

@@ -4,19 +4,14 @@
                                         # posttrain.distill.method.DISTILL
     run.fit()
 
-A method is a `Method` subclass that writes only what is its own: its loss (`loss`, the `core.train` contract),
-its parts given the built run (`parts(RunContext) -> MethodParts`: the training pipeline, the held-out evaluation,
-`prepare` (frozen models' values attached to a batch) and hooks of its own), and where it departs from the
-defaults: the config it checks (`check`, before anything starts; `check_tokenizer`, against the run's tokenizer
-before the model loads), the text a tokenizer would be trained on (`tokenizer_texts`), the module tree it trains
-(`modules`: by default the model, else a `core.models.ModuleTree` holding it beside modules trained with it and
-frozen models) and what in that tree trains (`trainable`: by default every
-parameter of the model, or its LoRA adapters with `model.lora`), and the batch compile-only compiles its update
-for (`example_batch`). Everything else is here, once: the mesh from `mesh.*`; the rows of `data.source`; the
-tokenizer (`core.tokenizer.run_tokenizer`); the model from `checkpoint.init_from` (its shape wins over `model.*`;
-adapters added with `model.lora`) or a random init; the vocabulary check; the `core.learner.Learner` on the
-method's loss and tree; the `core.train_loop.TrainLoop` with its checkpoints, exact resume, NaN policy, metrics and
-Hugging Face export.
+A method is a `core.method.Method` (the one contract every method writes): its loss, module tree and trainable
+filter, what it checks, and here its parts given the built run (`parts(RunContext) -> MethodParts`: the training
+pipeline, the held-out evaluation, `prepare` (frozen models' values attached to a batch) and hooks of its own),
+and the batch compile-only compiles its update for (`example_batch`). Everything else is here, once: the mesh
+from `mesh.*`; the rows of `data.source`; the tokenizer (`core.tokenizer.run_tokenizer`); the model from
+`checkpoint.init_from` (its shape wins over `model.*`; adapters added with `model.lora`) or a random init; the
+vocabulary check; the `core.learner.Learner` on the method's loss and tree; the `core.train_loop.TrainLoop` with
+its checkpoints, exact resume, NaN policy, metrics and Hugging Face export.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ from core.data import DataBatch
 from core.goodput import RunStart
 from core.learner import Learner
 from core.loop import Hook
-from core.models import Decoder, ModuleTree
-from core.models.lora import trainable_filter
-from core.train import LossFn, TrainState
+from core.method import Method
+from core.train import TrainState
 from core.train_loop import Evaluation, Prepare, TrainLoop, as_is
 
 
@@ -65,46 +59,6 @@ class MethodParts:
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)
     console: dict[str, str] = field(default_factory=dict)  # metric -> label: the method's own on the console line
     closers: list[Callable[[], None]] = field(default_factory=list)  # what it started, stopped when the run ends
-
-
-class Method:
-    """An offline method (`core.pretrain.PRETRAINING`, `posttrain.sft.SFT`, `posttrain.dpo.offline.DPO`,
-    `posttrain.distill.method.DISTILL`): override what is the method's own."""
-
-    name: str = "a method"  # what the run calls it ("SFT", "DPO")
-
-    def check(self, cfg: Any) -> None:
-        """Raise `ConfigError` for a config this method cannot run (before anything is loaded)."""
-
-    def check_tokenizer(self, cfg: Any, tokenizer: Any) -> None:
-        """Raise `ConfigError` for a config the run's tokenizer rules out (a top-k above its vocabulary), before
-        the model loads."""
-
-    def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
-        """The text a tokenizer is trained on when the run has none: every string field of the rows."""
-        return (v for r in records for v in r.values() if isinstance(v, str))
-
-    def loss(self, cfg: Any) -> LossFn:
-        raise NotImplementedError(f"{self.name} has no loss")
-
-    def modules(self, cfg: Any, model: Any, mesh: Mesh) -> Decoder | ModuleTree:
-        """The module tree the method trains (`core.train`): the model itself, or a `core.models.ModuleTree`
-        holding it as `.model` beside what its loss also reads (modules trained with it, frozen models), on
-        `mesh`."""
-        return model
-
-    def trainable(self, cfg: Any) -> Any:
-        """What trains in `modules` (a Flax NNX filter): every parameter of the model, or its LoRA adapters."""
-        return trainable_filter(cfg.model)
-
-    def parts(self, run: RunContext) -> MethodParts:
-        raise NotImplementedError(f"{self.name} has no parts")
-
-    def example_batch(self, cfg: Any, row_multiple: int) -> Any:
-        """A training batch of the configured shapes (full rows; a row count divisible by `row_multiple`, the
-        data-parallel size) from the method's own batch builder: what `core.compile_only` compiles the update
-        for."""
-        raise ConfigError(f"train.compile_only is not offered for {self.name}")
 
 
 @dataclass

@@ -1,15 +1,16 @@
 """GRPO / GSPO (and the DAPO, Dr.GRPO and RLOO variants) as a method of the on-policy run.
 
-    summary = run_grpo(cfg)          # python -m recipes.grpo CONFIG.yml [key=value ...]
+    summary = fit(cfg, GRPO)         # python -m recipes.grpo CONFIG.yml [key=value ...]
 
 What is GRPO's own: each prompt's `rl.batch.num_generations` completions form a group, scored by the reward
 functions; their group-relative advantages (`posttrain.advantages.group_advantages`: group_norm, drgrpo, rloo)
 weight every token of their completion; DAPO's dynamic sampling (`rl.batch.dynamic_sampling`) drops groups
 without reward variance and refills the batch. The batch is the policy-gradient `RLBatch` and the update the
-clipped objective of `posttrain.onpolicy.policy_gradient` (GRPO's per-token ratio or GSPO's sequence ratio,
-`rl.algorithm`), hosted by the trainer; the sampling, rewards, weight sync, evaluation and checkpoints are the
-on-policy run's (`posttrain.onpolicy.run.OnPolicyRun`). A group a reward function failed on trains not at all
-(`reward/failed_groups`); a group whose rewards are all equal carries no policy signal (`zero_variance_groups`).
+clipped objective of `posttrain.onpolicy.policy_gradient.PolicyGradient` (GRPO's per-token ratio or GSPO's
+sequence ratio, `rl.algorithm`), run by the trainer; the sampling, rewards, weight sync, evaluation and
+checkpoints are the on-policy run's (`posttrain.onpolicy.run.OnPolicyRun`). A group a reward function failed on
+trains not at all (`reward/failed_groups`); a group whose rewards are all equal carries no policy signal
+(`zero_variance_groups`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,9 @@ from core.config_loader import ConfigError
 from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.checks import check_graded_groups
-from posttrain.onpolicy.policy_gradient import (
-    PolicyGradientLearner,
-    completion_tokens,
-    mini_batch,
-    policy_update_learner,
-    updates_per_step,
-)
+from posttrain.onpolicy.method import SampleContext
+from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens, mini_batch, updates_per_step
 from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rewards.runner import RewardBatch
 from rollout.sampler import Completion
@@ -50,69 +45,97 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
 
 
-class GRPORun(OnPolicyRun):
-    """Group advantages of each prompt's completions, DAPO's dynamic sampling, an `RLBatch` for the
-    `PolicyGradientLearner`."""
+class GRPOMethod(PolicyGradient):
+    """Group advantages of each prompt's completions and DAPO's dynamic sampling make an `RLBatch`, trained by the
+    clipped policy-gradient update."""
 
-    learner_class = PolicyGradientLearner
+    name = "GRPO"
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
 
-    def _prepare(self, scored: Scored) -> StepData:
+    def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
         assert scored.rewards is not None  # GRPO has reward functions (checked)
-        adv = self._advantages(scored.rewards)
+        adv = advantages(cfg, scored.rewards)
         rounds = 1
-        if self.cfg.rl.batch.dynamic_sampling:
-            scored, adv, rounds = self._refill(scored, adv)
+        if cfg.rl.batch.dynamic_sampling:
+            scored, adv, rounds = refill(cfg, scored, adv, ctx.more)
         metrics = {
             "zero_variance_groups": float(adv.zero_variance_groups),
             "reward/failed_groups": float(adv.failed_groups),
             "sampling_rounds": float(rounds),
         }
-        return StepData(self._batch(scored, adv), scored, metrics)
+        return StepData(rl_batch(cfg, scored.completions, adv, ctx.row_len, ctx.row_multiple), scored, metrics)
 
-    def _batch(self, scored: Scored, adv: Advantages) -> RLBatch:
-        return rl_batch(self.cfg, scored.completions, adv, self.row_len, self.row_multiple)
+    def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> RLBatch:
+        """`train.compile_only`: the first mini-batch of an `RLBatch` built as `from_samples` builds it, of
+        `rl.batch.prompts_per_step` prompts of `rollout.max_model_len - max_tokens` tokens, each with
+        `num_generations` completions of `rollout.max_tokens`, advantages with variance, pi_old's and the
+        reference's log-probs when the step reads them."""
+        rl, rollout = cfg.rl.batch, cfg.rollout
+        rng = np.random.default_rng(0)
 
-    def _advantages(self, rewards: RewardBatch) -> Advantages:
-        rl = self.cfg.rl
-        return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
+        def tokens(n: int) -> list[int]:
+            return [int(t) for t in rng.integers(1, cfg.model.vocab_size, size=n)]
 
-    def _refill(self, scored: Scored, adv: Advantages) -> tuple[Scored, Advantages, int]:
-        """DAPO dynamic sampling: keep groups with reward variance, draw more prompts until the batch is full.
+        prompts = [tokens(rollout.max_model_len - rollout.max_tokens) for _ in range(rl.prompts_per_step)]
+        completions = [
+            Completion(p, tokens(rollout.max_tokens), [-1.0] * rollout.max_tokens, "stop", "")
+            for p in prompts
+            for _ in range(rl.num_generations)
+        ]
+        adv = group_advantages(rng.normal(size=len(completions)), rl.num_generations, cfg.rl.advantage.estimator)
+        batch = rl_batch(cfg, completions, adv, self.row_length(cfg), row_multiple)
+        zeros = np.zeros_like(batch.sampler_logp)
+        several = updates_per_step(cfg) > 1
+        batch = batch.replace(old_logp=zeros if several else None, ref_logp=zeros if cfg.rl.loss.beta else None)
+        return mini_batch(batch, 0, rl.mini_batches)
 
-        Groups are picked from the scored batches as they are (no second scoring)."""
-        g, want = self.cfg.rl.batch.num_generations, self.cfg.rl.batch.prompts_per_step
-        batches = [scored]  # every batch drawn this step
-        first = adv.keep.reshape(-1, g)[:, 0]
-        picks = [(0, i) for i in range(len(scored.rows)) if first[i]]  # (batch, group) in training order
-        rounds = 1
-        while len(picks) < want and rounds < self.cfg.rl.batch.max_sampling_rounds:
-            more = self._score(self._submit(next(self.stream)))
-            assert more.rewards is not None
-            batches.append(more)
-            ok = self._advantages(more.rewards).keep.reshape(-1, g)[:, 0]
-            picks += [(len(batches) - 1, i) for i in range(len(more.rows)) if ok[i]][: want - len(picks)]
-            rounds += 1
-        if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
-            picks += [(0, i) for i in range(len(scored.rows)) if not first[i]][: want - len(picks)]
-        items = [(batches[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
-        rewards = RewardBatch.concat([src.rewards.take(idx) for src, idx in items])  # type: ignore[union-attr]
-        correct = None
-        if scored.correct is not None:
-            correct = np.concatenate([src.correct[idx] for src, idx in items])  # type: ignore[index]
-        episodes = None
-        if scored.episodes is not None:  # multi-turn rollouts: the picked groups' episodes
-            episodes = [src.episodes[j] for src, idx in items for j in idx]  # type: ignore[index]
-        kept = Scored(
-            [batches[b].rows[i] for b, i in picks],
-            [src.completions[j] for src, idx in items for j in idx],
-            rewards,
-            correct,
-            episodes,
-        )
-        return kept, self._advantages(rewards), rounds
+
+GRPO = GRPOMethod()
+
+
+def advantages(cfg: PostTrainConfig, rewards: RewardBatch) -> Advantages:
+    rl = cfg.rl
+    return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
+
+
+def refill(
+    cfg: PostTrainConfig, scored: Scored, adv: Advantages, more: Callable[[], Scored]
+) -> tuple[Scored, Advantages, int]:
+    """DAPO dynamic sampling: keep groups with reward variance, draw more prompts (`more`: another request,
+    sampled and scored) until the batch is full. Groups are picked from the scored batches as they are (no second
+    scoring)."""
+    g, want = cfg.rl.batch.num_generations, cfg.rl.batch.prompts_per_step
+    batches = [scored]  # every batch drawn this step
+    first = adv.keep.reshape(-1, g)[:, 0]
+    picks = [(0, i) for i in range(len(scored.rows)) if first[i]]  # (batch, group) in training order
+    rounds = 1
+    while len(picks) < want and rounds < cfg.rl.batch.max_sampling_rounds:
+        extra = more()
+        assert extra.rewards is not None
+        batches.append(extra)
+        ok = advantages(cfg, extra.rewards).keep.reshape(-1, g)[:, 0]
+        picks += [(len(batches) - 1, i) for i in range(len(extra.rows)) if ok[i]][: want - len(picks)]
+        rounds += 1
+    if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
+        picks += [(0, i) for i in range(len(scored.rows)) if not first[i]][: want - len(picks)]
+    items = [(batches[b], np.arange(i * g, (i + 1) * g)) for b, i in picks]
+    rewards = RewardBatch.concat([src.rewards.take(idx) for src, idx in items])  # type: ignore[union-attr]
+    correct = None
+    if scored.correct is not None:
+        correct = np.concatenate([src.correct[idx] for src, idx in items])  # type: ignore[index]
+    episodes = None
+    if scored.episodes is not None:  # multi-turn rollouts: the picked groups' episodes
+        episodes = [src.episodes[j] for src, idx in items for j in idx]  # type: ignore[index]
+    kept = Scored(
+        [batches[b].rows[i] for b, i in picks],
+        [src.completions[j] for src, idx in items for j in idx],
+        rewards,
+        correct,
+        episodes,
+    )
+    return kept, advantages(cfg, rewards), rounds
 
 
 def rl_batch(
@@ -144,40 +167,3 @@ def rl_batch(
         kl_keep=adv.trainable if rl.loss.kl_every_token else None,
         replay=rl.router_replay == "replay",
     )
-
-
-def compile_step(cfg: PostTrainConfig) -> str:
-    """`train.compile_only=true`: GRPO's update as its trainer runs it (`policy_update_learner`, the first
-    mini-batch of an `RLBatch` built as `GRPORun` builds it) on abstract parameters, compiled for `cfg.mesh`.
-    The batch: `rl.batch.prompts_per_step` prompts of `rollout.max_model_len - max_tokens` tokens, each with
-    `num_generations` completions of `rollout.max_tokens`, advantages with variance, pi_old's and the reference's
-    log-probs when the step reads them; XLA's memory analysis."""
-    from core.compile_only import compile_update, sharded_abstract_model
-    from core.mesh import make_mesh
-    from core.train import batch_shards
-
-    mesh = make_mesh(cfg.mesh)
-    learner = policy_update_learner(cfg, sharded_abstract_model(cfg, mesh), mesh, cfg.train.steps)
-    rl, rollout = cfg.rl.batch, cfg.rollout
-    rng = np.random.default_rng(0)
-
-    def tokens(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(1, cfg.model.vocab_size, size=n)]
-
-    prompts = [tokens(rollout.max_model_len - rollout.max_tokens) for _ in range(rl.prompts_per_step)]
-    completions = [
-        Completion(p, tokens(rollout.max_tokens), [-1.0] * rollout.max_tokens, "stop", "")
-        for p in prompts
-        for _ in range(rl.num_generations)
-    ]
-    adv = group_advantages(rng.normal(size=len(completions)), rl.num_generations, cfg.rl.advantage.estimator)
-    batch = rl_batch(cfg, completions, adv, rl.pack_length or rollout.max_model_len, batch_shards(mesh))
-    zeros = np.zeros_like(batch.sampler_logp)
-    batch = batch.replace(
-        old_logp=zeros if updates_per_step(cfg) > 1 else None, ref_logp=zeros if cfg.rl.loss.beta else None
-    )
-    return compile_update(cfg, learner, mini_batch(batch, 0, rl.mini_batches), "GRPO")
-
-
-def run_grpo(cfg: PostTrainConfig) -> RunSummary:
-    return run_to_end(GRPORun(cfg))

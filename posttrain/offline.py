@@ -1,7 +1,7 @@
 """An offline method's run (pretraining, SFT, DPO, offline and online distillation): in this process, or as a JAX
 process group of Ray actors.
 
-    result = fit(cfg, SFT)        # python -m recipes.sft CONFIG.yml placement.trainer_processes=2
+    summary = fit_offline(cfg, SFT)     # posttrain.fit.fit(cfg, SFT): python -m recipes.sft CONFIG.yml
 
 With `placement.trainer_processes` = 1 (the default) this is `core.run.build_run(cfg, method).fit()` here. With
 N > 1 the run is N Ray actors, one JAX process each (`posttrain.process_group`), in the trainer's placement group
@@ -22,20 +22,13 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.config import Config
-from core.run import Method, build_run
-
-
-@dataclass(frozen=True)
-class FitResult:
-    """What a finished offline run reports."""
-
-    run_dir: str
-    steps: int  # train steps taken, skipped non-finite ones included
+from core.method import Method
+from core.run import build_run
+from posttrain.fit import RunSummary
 
 
 class OfflineProcess:
@@ -44,13 +37,15 @@ class OfflineProcess:
     def __init__(self, cfg: Config, method: Method):
         self.cfg, self.method = cfg, method
 
-    def fit(self) -> FitResult:
+    def fit(self) -> RunSummary:
         run = build_run(self.cfg, self.method)
-        state = run.fit()
-        return FitResult(str(run.cfg.run.run_dir), int(state.step))
+        steps = int(run.fit().step)  # skipped non-finite ones included
+        run_dir = Path(run.cfg.run.run_dir)
+        hf_dir = run_dir / "hf" if run.cfg.checkpoint.export_hf else None
+        return RunSummary(run_dir, steps, steps, None, hf_dir)
 
 
-def fit(cfg: Config, method: Method) -> FitResult:
+def fit_offline(cfg: Config, method: Method) -> RunSummary:
     """Train `method` to `train.steps` (resuming from `run.run_dir`), in this process or in a process group."""
     if cfg.placement.trainer_processes == 1:
         return OfflineProcess(cfg, method).fit()

@@ -40,8 +40,9 @@ from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook
 from core.losses import nll_loss
+from core.method import Method
 from core.pretrain import full_rows_batch, next_token_parts
-from core.run import Method, MethodParts, RunContext, check_rows
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from core.train_loop import TrainLoop
 from posttrain.config import PostTrainConfig

@@ -1,13 +1,13 @@
 """The on-policy trainer as a process-independent service: in this process, or as a group of Ray actors, one typed
 handle.
 
-    trainer = start_trainer(cfg, run_dir, PolicyGradientLearner, placement)  # in-process (placement None) or actors
-    metrics = trainer.train(rl_batch)               # one step of the method's learner
-    trainer = start_trainer(cfg, run_dir, OnlineDPOLearner, placement)       # another method's learner
-    metrics = trainer.train(pair_batch)
+    trainer = start_trainer(cfg, run_dir, GRPO, placement)  # in-process (placement None) or actors
+    stats = trainer.train(rl_batch)                 # one step of the method (core.method_learner.MethodLearner)
+    trainer = start_trainer(cfg, run_dir, ONLINE_DPO, placement)       # another method
+    stats = trainer.train(pair_batch)
     trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
-The trainer is one class, `LocalTrainer`, hosting one method's `posttrain.onpolicy.learner.PolicyLearner`, used
+The trainer is one class, `LocalTrainer`, hosting one method's `core.method_learner.MethodLearner`, used
 directly (single-controller mode, with the JAX sampler on another sub-mesh of the same process) or in Ray actors
 that own the trainer's devices, one per bundle of the run's trainer placement group (`rollout.placement`). With
 `placement.trainer_processes` > 1 the actors are one JAX process group (`posttrain.process_group`: `jax.distributed`,
@@ -31,8 +31,8 @@ from typing import Any
 
 from core.batch import TrainBatch
 from core.compile_cache import CompileTally, compile_clock, use_compile_cache
+from core.method import Method, TrainStats
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.learner import LearnerFactory, TrainStats
 from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
 from rollout.sampler import Sampler
 from rollout.weight_sync import SyncStats
@@ -41,21 +41,21 @@ __all__ = ["LocalTrainer", "TrainerHandle", "TrainerUnavailable", "start_trainer
 
 
 class LocalTrainer:
-    """The policy learner plus its checkpoints and weight sync; the methods the RL driver calls."""
+    """The method's learner plus its checkpoints and weight sync; the methods the RL driver calls."""
 
     def __init__(
         self,
         cfg_json: dict,
         run_dir: str,
-        learner_class: LearnerFactory,
+        method: Method,
         devices_fraction: tuple[float, float] | None = None,
     ):
-        """`learner_class(cfg, model, mesh, total_steps)`: the method's learner."""
         import jax
 
         from core.checkpoint import Checkpointer
         from core.checkpoint_models import initial_model
         from core.mesh import make_mesh, split_devices
+        from core.method_learner import MethodLearner
         from core.peft import adapter_base
 
         cfg = PostTrainConfig.model_validate(cfg_json)
@@ -65,7 +65,7 @@ class LocalTrainer:
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
         self.mesh = make_mesh(cfg.mesh, trainer_devices)
         model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
-        self.learner = learner_class(self.cfg, model, self.mesh, cfg.train.steps)
+        self.learner = MethodLearner(self.cfg, method, model, self.mesh)
         self.adapter_base = adapter_base(cfg.checkpoint.init_from)  # what synced adapters name as their base
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
@@ -211,14 +211,14 @@ class TrainerHandle:
         return self.local_trainer
 
 
-def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, learner_class: LearnerFactory, placement=None):
-    """The trainer (hosting `learner_class`) in this process (`placement` None), or as `placement.trainer_processes`
+def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, method: Method, placement=None):
+    """The trainer (hosting `method`'s learner) in this process (`placement` None), or as `placement.trainer_processes`
     Ray actors, one in each bundle of `placement.trainer` (a `rollout.placement.Placement`), joined as one JAX
     process group when there are several."""
     cfg_json = cfg.model_dump(mode="json")
     if placement is None:
         fractions = (cfg.mesh.trainer_devices_fraction, cfg.mesh.sampler_devices_fraction)
-        local = LocalTrainer(cfg_json, str(run_dir), learner_class, fractions)
+        local = LocalTrainer(cfg_json, str(run_dir), method, fractions)
         return TrainerHandle(run_dir, local=local)
-    args = (cfg_json, str(run_dir), learner_class, None)
+    args = (cfg_json, str(run_dir), method, None)
     return TrainerHandle(run_dir, group=start_group(placement.trainer, cfg.placement, run_dir, LocalTrainer, args))

@@ -32,13 +32,14 @@ def main(argv: list[str]) -> int:
         "compile the student's SFT step (python -m recipes.sft train.compile_only=true) or its GRPO step",
     )
     if cfg.distill.regime == "on_policy":
-        from posttrain.distill.onpolicy import run_onpolicy_distill
+        from posttrain.distill.onpolicy import ON_POLICY_DISTILL
+        from posttrain.fit import fit
 
-        summary = run_onpolicy_distill(cfg)
+        summary = fit(cfg, ON_POLICY_DISTILL)
         print(f"done: {summary.steps} steps; run directory {cfg.run.run_dir}")
         return 0
     from posttrain.distill.method import DISTILL
-    from posttrain.offline import fit
+    from posttrain.fit import fit
 
     result = fit(cfg, DISTILL)  # here, or in a process group (placement.trainer_processes)
     print(f"done: run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, generations.jsonl, hf/)")

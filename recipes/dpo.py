@@ -34,13 +34,14 @@ def main(argv: list[str]) -> int:
             "online DPO (it starts samplers and a Ray cluster)",
             "compile its update with dpo.online=false (the same preference objective on pairs of data.seq_len)",
         )
-        from posttrain.dpo.online import run_online_dpo
+        from posttrain.dpo.online import ONLINE_DPO
+        from posttrain.fit import fit
 
-        summary = run_online_dpo(cfg)
+        summary = fit(cfg, ONLINE_DPO)
         print(f"done: {summary.steps} steps; run directory {summary.run_dir} (metrics.jsonl, reward.png, hf/)")
         return 0
     from posttrain.dpo.offline import DPO
-    from posttrain.offline import fit
+    from posttrain.fit import fit
 
     if cfg.train.compile_only:
         from core.compile_only import compile_method, request_devices

@@ -30,15 +30,16 @@ def main(argv: list[str]) -> int:
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
     if cfg.train.compile_only:
-        from core.compile_only import request_devices
-        from posttrain.grpo import compile_step
+        from core.compile_only import compile_method, request_devices
+        from posttrain.grpo import GRPO
 
         request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_step(cfg)
+        compile_method(cfg, GRPO)
         return 0
-    from posttrain.grpo import run_grpo
+    from posttrain.fit import fit
+    from posttrain.grpo import GRPO
 
-    summary = run_grpo(cfg)
+    summary = fit(cfg, GRPO)
     print(
         f"done: {summary.steps} steps, policy version {summary.policy_version}; run directory {summary.run_dir}"
         + (f"; final eval {summary.final_eval}" if summary.final_eval else "")

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, DEFAULT_CONFIG)
     from core.compile_only import compile_method, request_devices
     from core.pretrain import PRETRAINING
-    from posttrain.offline import fit
+    from posttrain.fit import fit
 
     if cfg.train.compile_only:
         request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query

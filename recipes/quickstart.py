@@ -223,8 +223,9 @@ def main(argv: list[str]) -> int:
     print(f"== 5/5 {METHODS[args.method]} (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
-    from posttrain.dpo.online import OnlineDPORun
-    from posttrain.grpo import GRPORun
+    from posttrain.dpo.online import ONLINE_DPO
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     stage = out / args.method
     overrides = [
@@ -238,7 +239,7 @@ def main(argv: list[str]) -> int:
     ]
     cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
-    run = GRPORun(cfg) if args.method == "grpo" else OnlineDPORun(cfg)
+    run = OnPolicyRun(cfg, GRPO if args.method == "grpo" else ONLINE_DPO)
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))

@@ -181,15 +181,11 @@ def run(out: Path, teacher_run: Path, seed: int) -> dict:
 
         overrides = [f"run.run_dir={out / name}", f"data.source={rl}", start_from, *common, *extra]
         cfg = load_config(CONFIGS / config, overrides, schema=PostTrainConfig)
-        if name == "on_policy":
-            from posttrain.distill.onpolicy import OnPolicyDistillRun as Run
-        else:
-            from posttrain.grpo import GRPORun as Run  # type: ignore[assignment]
-        method = Run(cfg)
-        try:
-            summary = method.run()
-        finally:
-            method.close()
+        from posttrain.distill.onpolicy import ON_POLICY_DISTILL
+        from posttrain.fit import fit
+        from posttrain.grpo import GRPO
+
+        summary = fit(cfg, ON_POLICY_DISTILL if name == "on_policy" else GRPO)
         per_step = cfg.rl.batch.prompts_per_step * cfg.rl.batch.num_generations
         assert summary.hf_dir is not None
         return {**accuracy_of(summary.hf_dir), "tokens": trained_tokens(out / name, sampled=True, per_step=per_step)}

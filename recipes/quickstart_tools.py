@@ -179,7 +179,8 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
     """One GRPO arm from the fine-tuned model: its held-out accuracy before and after (kept for a resumed arm)."""
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     stage = out / name
     overrides = [
@@ -194,7 +195,7 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
         overrides.append("rl.agent=null")
     cfg = load_config(CONFIGS / "tools_grpo.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"
-    run = GRPORun(cfg)
+    run = OnPolicyRun(cfg, GRPO)
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))

@@ -24,7 +24,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft_tiny.yml"
 
 def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
-    from posttrain.offline import fit
+    from posttrain.fit import fit
     from posttrain.sft import SFT
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)

@@ -31,6 +31,7 @@ from core.config_loader import load_config  # noqa: E402
 from core.data import to_data_batch  # noqa: E402
 from core.learner import Learner  # noqa: E402
 from core.mesh import make_mesh  # noqa: E402
+from core.method_learner import MethodLearner  # noqa: E402
 from core.models import create_model  # noqa: E402
 from core.pretrain import PRETRAINING  # noqa: E402
 from core.train import batch_shards, place_batch, split_micro_batches  # noqa: E402
@@ -44,7 +45,7 @@ from posttrain.distill.objective import (  # noqa: E402
 )
 from posttrain.dpo.objective import preference_objective  # noqa: E402
 from posttrain.dpo.pairs import Pair, build_pair_batch  # noqa: E402
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner  # noqa: E402
+from posttrain.grpo import GRPO  # noqa: E402
 from posttrain.onpolicy.rl_batch import build_rl_batch  # noqa: E402
 from posttrain.sft import SFT  # noqa: E402
 from rollout.sampler import Completion  # noqa: E402
@@ -187,7 +188,7 @@ offline_step(
 )
 
 # GRPO: the policy learner's whole step (its pi_old pass, the clipped objective), one update on 16 completions.
-grpo = load_config("recipes/configs/grpo_tiny.yml", ["train.micro_batches=2"], schema=PostTrainConfig)
+grpo = load_config("recipes/configs/grpo_tiny.yml", ["train.micro_batches=2", "train.steps=1"], schema=PostTrainConfig)
 rng = np.random.default_rng(1)
 prompts = [list(rng.integers(3, 512, rng.integers(2, 9))) for _ in range(4)]
 comps = []
@@ -199,7 +200,7 @@ rl_batch = build_rl_batch(comps, adv, keep, row_len=32, max_tokens=6, groups=2, 
 check_placement("grpo", rl_batch, 2)
 with jax.set_mesh(MESH):
     model = create_model(grpo.model, MESH, seed=0)
-policy = PolicyGradientLearner(grpo, model, MESH, total_steps=1, tx=recording_sgd(0.1))
+policy = MethodLearner(grpo, GRPO, model, MESH, tx=recording_sgd(0.1))
 metrics = policy.train(rl_batch).metrics
 assert np.isfinite(metrics["loss"]), metrics
 record("grpo", metrics["loss"], policy.learner.state.opt_state)

@@ -264,7 +264,8 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
 
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
-    from posttrain.distill.onpolicy import OnPolicyDistillRun
+    from posttrain.distill.onpolicy import ON_POLICY_DISTILL
+    from posttrain.onpolicy.run import OnPolicyRun
     from rollout.ray import ensure_ray
 
     ensure_ray(num_cpus=2)
@@ -281,7 +282,7 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
             ),
             schema=PostTrainConfig,
         )
-        run = OnPolicyDistillRun(cfg)
+        run = OnPolicyRun(cfg, ON_POLICY_DISTILL)
         try:
             summary = run.run()
         finally:
@@ -367,7 +368,8 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
     start."""
     from core.config_loader import ConfigError, load_config
     from posttrain.config import PostTrainConfig
-    from posttrain.distill.onpolicy import OnPolicyDistillRun, check_config
+    from posttrain.distill.onpolicy import ON_POLICY_DISTILL, check_config
+    from posttrain.onpolicy.run import OnPolicyRun
 
     overrides = onpolicy_overrides(
         tmp_path / "run",
@@ -383,7 +385,7 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
         "checkpoint.export_hf=false",
     )
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
-    run = OnPolicyDistillRun(cfg)
+    run = OnPolicyRun(cfg, ON_POLICY_DISTILL)
     try:
         # One fixed probe, measured before and after: the forward KL to the teacher on the dataset's completions of
         # the held-out prompts (the steps' own KLs mix sampled and dataset batches, which differ in kind).

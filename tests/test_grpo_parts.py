@@ -224,14 +224,15 @@ def _jax_config(tmp_path, tokenizer, *overrides):
     )
 
 
-def _jax_run(tmp_path, tokenizer, *overrides, run_class=None):
-    """A two-step run without checkpoints (`run_class`: a GRPORun subclass that records what it builds)."""
-    from posttrain.grpo import GRPORun
+def _jax_run(tmp_path, tokenizer, *overrides, method=None):
+    """A two-step run without checkpoints (`method`: a GRPO that records what it builds)."""
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     cfg = _jax_config(
         tmp_path, tokenizer, "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides
     )
-    return (run_class or GRPORun)(cfg)
+    return OnPolicyRun(cfg, method or GRPO)
 
 
 @pytest.mark.integration
@@ -277,15 +278,15 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
 def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, arithmetic_tokenizer):
     """A reward function that fails on a group's items: that group has no policy or KL token in the batch the
     trainer gets, and the step counts it (reward/failed_groups); the other groups train."""
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPOMethod
 
     batches = []
 
-    class Recording(GRPORun):
-        def _batch(self, scored, adv):
-            batch = super()._batch(scored, adv)
-            batches.append(batch)
-            return batch
+    class Recording(GRPOMethod):
+        def from_samples(self, cfg, scored, ctx):
+            data = super().from_samples(cfg, scored, ctx)
+            batches.append(data.batch)
+            return data
 
     run = _jax_run(
         tmp_path,
@@ -293,7 +294,7 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
         "rl.loss.beta=0.05",
         "reward.functions=[{fn: tests.reward_plugins:fails_on_first_prompt}]",
         "rl.accuracy_fn=tests.reward_plugins:char_count",
-        run_class=Recording,
+        method=Recording(),
     )
     cfg = run.cfg
     try:
@@ -319,17 +320,18 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     import jax
 
     from core.learner import NonFiniteLoss
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPO, GRPOMethod
+    from posttrain.onpolicy.run import OnPolicyRun
 
-    class NaNAtStep2(GRPORun):
+    class NaNAtStep2(GRPOMethod):
         calls = 0
 
-        def _batch(self, scored, adv):
-            batch = super()._batch(scored, adv)
+        def from_samples(self, cfg, scored, ctx):
+            data = super().from_samples(cfg, scored, ctx)
             NaNAtStep2.calls += 1
             if NaNAtStep2.calls == 2:
-                batch.advantages[:] = np.nan
-            return batch
+                data.batch.advantages[:] = np.nan
+            return data
 
     cfg = _jax_config(
         tmp_path,
@@ -348,7 +350,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
         params[step] = jax.tree.map(np.asarray, run.trainer.local().learner.learner.params)
         seen[step] = metrics
 
-    run = NaNAtStep2(cfg)
+    run = OnPolicyRun(cfg, NaNAtStep2())
     try:
         if policy == "skip":
             run.run(on_step=record)
@@ -363,10 +365,10 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
         assert same(params[1], params[2]) and not same(params[2], params[3])
         return
     message = str(err.value)
-    assert "RL step 2, update 1 of 1" in message and "is not finite" in message
+    assert "GRPO step 2, update 1 of 1" in message and "is not finite" in message
     assert f"Checkpoint {tmp_path / 'run' / 'checkpoints' / '2'}" in message and "train.nan_policy=skip" in message
     assert sorted(seen) == [1]  # step 2 never completed
-    again = GRPORun(cfg)  # the same command resumes past the bad batch
+    again = OnPolicyRun(cfg, GRPO)  # the same command resumes past the bad batch
     try:
         assert again.start_step == 2
         resumed = jax.tree.map(np.asarray, again.trainer.local().learner.learner.params)
@@ -398,8 +400,9 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
     import jax
 
     from core.mesh import single_device_mesh
+    from core.method_learner import MethodLearner
     from core.models import create_model
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from posttrain.grpo import GRPO
 
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
@@ -409,6 +412,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
             "train.micro_batches=2",
             "rl.loss.beta=0.05",
             "rollout.max_tokens=6",
+            "train.steps=1",
         ],
         schema=PostTrainConfig,
     )
@@ -440,7 +444,7 @@ def test_learner_takes_the_same_gradients_on_packed_and_unpacked_rows():
         mesh = single_device_mesh()
         with jax.set_mesh(mesh):
             model = create_model(cfg.model, mesh, seed=0)
-        learner = PolicyGradientLearner(cfg, model, mesh, total_steps=1, tx=recording_sgd(0.1))
+        learner = MethodLearner(cfg, GRPO, model, mesh, tx=recording_sgd(0.1))
         core, updates = learner.learner, []
         update = core.update
 

@@ -170,7 +170,8 @@ def test_grpo_from_a_hub_model_takes_its_tokenizer(hub):
     `data.tokenizer_dir`, the snapshot's own tokenizer (one GRPO step, the JAX sampler in this process)."""
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     prompts = hub.parent / "prompts.jsonl"
     prompts.write_text(
@@ -191,7 +192,7 @@ def test_grpo_from_a_hub_model_takes_its_tokenizer(hub):
         ],
         schema=PostTrainConfig,
     )
-    run = GRPORun(cfg)
+    run = OnPolicyRun(cfg, GRPO)
     try:
         assert run.tokenizer_dir == str(hub / "models--temper-tests--tiny-qwen2" / "snapshots" / COMMIT)
         assert run.run().policy_version == 1

@@ -179,40 +179,42 @@ def assert_reads_the_base(reference, policy, mesh, packed) -> None:
 def test_a_reference_built_while_the_adapters_are_trained_is_still_the_base(arithmetic_tokenizer):
     """A run that starts from trained adapters (a PEFT adapter, or a resumption): online DPO's reference, built
     when the adapters are already non-zero, is the base, not the policy (TRL's reference for a PEFT model)."""
-    from posttrain.dpo.online import OnlineDPOLearner
+    from core.method_learner import MethodLearner
+    from posttrain.dpo.online import ONLINE_DPO
     from posttrain.dpo.pairs import Pair, build_pair_batch
 
-    cfg = load_config("recipes/configs/dpo_online_tiny.yml", LORA, schema=PostTrainConfig)
+    cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*LORA, "train.steps=1"], schema=PostTrainConfig)
     model, mesh = _policy_model(cfg)
     adapters = nnx.state(model, nnx.LoRAParam)
     keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(adapters))))
     trained = lambda a: jax.device_put(0.05 * jax.random.normal(next(keys), a.shape, a.dtype), a.sharding)
     nnx.update(model, jax.tree.map(trained, adapters))
-    learner = OnlineDPOLearner(cfg, model, mesh, total_steps=1)
+    learner = MethodLearner(cfg, ONLINE_DPO, model, mesh)
     rng = np.random.default_rng(0)
     ids = lambda n: tuple(int(x) for x in rng.integers(3, 500, n))
     pairs = [Pair(i, ids(4), ids(5), ids(3)) for i in range(4)]
     batch = build_pair_batch(pairs, slots=len(pairs), row_len=64, groups=1)
-    assert_reads_the_base(learner.reference, learner.learner.model(), mesh, batch.packed)
+    assert_reads_the_base(learner.attach.reference, learner.learner.model(), mesh, batch.packed)
 
 
 def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_reference(arithmetic_tokenizer):
     """The on-policy learners with LoRA: online DPO's and GRPO's (with a KL term) reference is the policy with its
     adapters off, sharing the base's arrays; each step trains the adapters alone."""
-    from posttrain.dpo.online import OnlineDPOLearner
+    from core.method_learner import MethodLearner
+    from posttrain.dpo.online import ONLINE_DPO
     from posttrain.dpo.pairs import Pair, build_pair_batch
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from posttrain.grpo import GRPO
     from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(0)
     ids = lambda n: tuple(int(x) for x in rng.integers(3, 500, n))
-    dpo_cfg = load_config("recipes/configs/dpo_online_tiny.yml", LORA, schema=PostTrainConfig)
+    dpo_cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*LORA, "train.steps=2"], schema=PostTrainConfig)
     model, mesh = _policy_model(dpo_cfg)
-    learner = OnlineDPOLearner(dpo_cfg, model, mesh, total_steps=2)
+    learner = MethodLearner(dpo_cfg, ONLINE_DPO, model, mesh)
     adapters_only(learner.learner)
-    assert learner.reference is not None
-    ref_base = nnx.state(learner.reference.model, nnx.Not(nnx.LoRAParam))
+    reference = learner.attach.reference
+    ref_base = nnx.state(reference.model, nnx.Not(nnx.LoRAParam))
     for a, b in zip(jax.tree.leaves(ref_base), jax.tree.leaves(learner.learner.rest)):
         assert a is b  # the reference reads the policy's own frozen base
     pairs = [Pair(i, ids(4), ids(5), ids(3)) for i in range(dpo_cfg.rl.batch.prompts_per_step)]
@@ -221,11 +223,13 @@ def test_online_dpo_and_grpo_learners_train_adapters_against_the_adapters_off_re
     # policy == reference at the first update (B = 0): DPO's sigmoid loss is log 2
     assert abs(stats.metrics["loss"] - np.log(2)) < 1e-4 and stats.metrics["grad_norm"] > 0
     # After it the adapters are not zero: the reference must still read the base, not the trained policy.
-    assert_reads_the_base(learner.reference, learner.learner.model(), mesh, batch.packed)
+    assert_reads_the_base(reference, learner.learner.model(), mesh, batch.packed)
 
-    grpo_cfg = load_config("recipes/configs/grpo_tiny.yml", [*LORA, "rl.loss.beta=0.1"], schema=PostTrainConfig)
+    grpo_cfg = load_config(
+        "recipes/configs/grpo_tiny.yml", [*LORA, "rl.loss.beta=0.1", "train.steps=2"], schema=PostTrainConfig
+    )
     model, mesh = _policy_model(grpo_cfg)
-    learner = PolicyGradientLearner(grpo_cfg, model, mesh, total_steps=2)
+    learner = MethodLearner(grpo_cfg, GRPO, model, mesh)
     adapters_only(learner.learner)
     comps = [Completion(list(ids(4)), list(ids(5)), [-3.0] * 5, "stop", "") for _ in range(8)]
     batch = build_rl_batch(comps, rng.normal(size=8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
@@ -256,17 +260,18 @@ def distill_batch(loss: str):
 def test_on_policy_distillation_trains_the_students_adapters(tmp_path, arithmetic_tokenizer, rollout_model_dir, loss):
     """On-policy distillation's learners (the sampled-token reverse KL, and GKD with the teacher in the step) on a
     student with LoRA: the adapters train, the teacher and the student's base do not."""
-    from posttrain.distill.onpolicy import distill_learner
+    from core.method_learner import MethodLearner
+    from posttrain.distill.onpolicy import ON_POLICY_DISTILL
 
     teacher = rollout_model_dir("llama", seed=1)
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
         [*LORA, f"distill.teacher={teacher}", f"distill.on_policy_loss={loss}", "model.hidden_size=128",
-         "model.head_dim=32"],
+         "model.head_dim=32", "train.steps=2"],
         schema=PostTrainConfig,
     )  # fmt: skip
     model, mesh = _policy_model(cfg)
-    learner = distill_learner(cfg, model, mesh, total_steps=2)
+    learner = MethodLearner(cfg, ON_POLICY_DISTILL, model, mesh)
     adapters_only(learner.learner)
     batch = distill_batch(loss)
     if loss == "gkd":

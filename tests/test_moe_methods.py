@@ -135,26 +135,29 @@ def test_offline_dpo_on_an_moe_policy_adds_the_policys_router_term_only(tmp_path
 def test_grpo_and_online_dpo_learners_step_an_moe_policy(arithmetic_tokenizer):
     """GRPO (with a KL reference: a frozen MoE copy) and online DPO on a Qwen3-MoE policy: each step applies its
     update with a non-zero gradient and logs the router metrics."""
-    from posttrain.dpo.online import OnlineDPOLearner
+    from core.method_learner import MethodLearner
+    from posttrain.dpo.online import ONLINE_DPO
     from posttrain.dpo.pairs import Pair, build_pair_batch
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from posttrain.grpo import GRPO
     from posttrain.onpolicy.rl_batch import build_rl_batch
     from rollout.sampler import Completion
 
     rng = np.random.default_rng(0)
     ids = lambda n: tuple(int(x) for x in rng.integers(3, 500, n))
-    grpo_cfg = load_config("recipes/configs/grpo_tiny.yml", [*QWEN3_MOE, "rl.loss.beta=0.1"], schema=PostTrainConfig)
+    grpo_cfg = load_config(
+        "recipes/configs/grpo_tiny.yml", [*QWEN3_MOE, "rl.loss.beta=0.1", "train.steps=2"], schema=PostTrainConfig
+    )
     model, mesh = _policy_model(grpo_cfg)
-    learner = PolicyGradientLearner(grpo_cfg, model, mesh, total_steps=2)
+    learner = MethodLearner(grpo_cfg, GRPO, model, mesh)
     comps = [Completion(list(ids(4)), list(ids(5)), [-3.0] * 5, "stop", "") for _ in range(8)]
     batch = build_rl_batch(comps, rng.normal(size=8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
     for _ in range(2):
         metrics = learner.train(batch).metrics
     assert metrics["kl"] > 0 and metrics["grad_norm"] > 0 and all(k in metrics for k in ROUTER)
 
-    dpo_cfg = load_config("recipes/configs/dpo_online_tiny.yml", QWEN3_MOE, schema=PostTrainConfig)
+    dpo_cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*QWEN3_MOE, "train.steps=2"], schema=PostTrainConfig)
     model, mesh = _policy_model(dpo_cfg)
-    dpo = OnlineDPOLearner(dpo_cfg, model, mesh, total_steps=2)
+    dpo = MethodLearner(dpo_cfg, ONLINE_DPO, model, mesh)
     pairs = [Pair(i, ids(4), ids(5), ids(3)) for i in range(dpo_cfg.rl.batch.prompts_per_step)]
     stats = dpo.train(build_pair_batch(pairs, slots=len(pairs), row_len=64, groups=dpo_cfg.train.micro_batches))
     assert stats.metrics["grad_norm"] > 0 and all(k in stats.metrics for k in ROUTER)
@@ -162,17 +165,24 @@ def test_grpo_and_online_dpo_learners_step_an_moe_policy(arithmetic_tokenizer):
 
 @pytest.mark.parametrize("loss", ["sampled", "gkd"])
 def test_on_policy_distillation_from_an_moe_teacher_into_an_moe_student(rollout_model_dir, loss):
-    from posttrain.distill.onpolicy import distill_learner
+    from core.method_learner import MethodLearner
+    from posttrain.distill.onpolicy import ON_POLICY_DISTILL
 
     teacher = rollout_model_dir("qwen3_moe", seed=1)
     assert load_hf(teacher)[1].moe is not None
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
-        [*QWEN3_MOE, f"distill.teacher={teacher}", f"distill.on_policy_loss={loss}", "model.hidden_size=128"],
+        [
+            *QWEN3_MOE,
+            f"distill.teacher={teacher}",
+            f"distill.on_policy_loss={loss}",
+            "model.hidden_size=128",
+            "train.steps=2",
+        ],
         schema=PostTrainConfig,
     )
     model, mesh = _policy_model(cfg)
-    learner = distill_learner(cfg, model, mesh, total_steps=2)
+    learner = MethodLearner(cfg, ON_POLICY_DISTILL, model, mesh)
     batch = distill_batch(loss)
     learner.train(batch)
     metrics = learner.train(batch).metrics
@@ -228,7 +238,8 @@ def test_grpo_trains_with_the_samplers_routes_only_with_replay(tmp_path, arithme
     layer) counts as routed differently from the shifted routes, and the log-probs stay the sampler's. With replay
     the trainer runs the shifted experts: its log-probs leave the sampler's (and past the first sparse layer its own
     top-k is taken on other hidden states, so a few pairs happen to agree)."""
-    from posttrain.grpo import run_grpo
+    from posttrain.fit import fit
+    from posttrain.grpo import GRPO
     from rollout.jax_sampler import JaxSampler
 
     generate = JaxSampler.generate
@@ -257,7 +268,7 @@ def test_grpo_trains_with_the_samplers_routes_only_with_replay(tmp_path, arithme
         ],
         schema=PostTrainConfig,
     )
-    run_grpo(cfg)
+    fit(cfg, GRPO)
     rows = [r for r in read_metrics(tmp_path) if "reward/mean" in r]
     assert len(rows) == 2
     for r in rows:
@@ -289,7 +300,8 @@ def test_replay_on_a_dense_policy_is_refused_before_any_sampler_starts(tmp_path,
     """The recipe's policy is a dense Qwen2: replay is refused once the trainer holds it, naming the key (before, at
     the first batch, after the samplers had started and generated)."""
     from core.config_loader import ConfigError
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     cfg = _run_cfg(
         "recipes/configs/grpo_tiny.yml",
@@ -299,7 +311,7 @@ def test_replay_on_a_dense_policy_is_refused_before_any_sampler_starts(tmp_path,
         "rl.router_replay=replay",
     )
     with pytest.raises(ConfigError, match="rl.router_replay=replay, but the policy \\(family 'qwen2'\\) is dense"):
-        GRPORun(cfg)
+        OnPolicyRun(cfg, GRPO)
 
 
 def test_recording_vllms_routes_refuses_a_compiled_engine_and_a_completion_it_did_not_record():
@@ -344,7 +356,8 @@ def test_async_grpo_replays_vllms_routes_and_resumes_on_them_exactly(tmp_path, a
 
     import ray
 
-    from posttrain.grpo import run_grpo
+    from posttrain.fit import fit
+    from posttrain.grpo import GRPO
     from rollout.ray import ensure_ray
 
     cfg = _run_cfg(
@@ -363,10 +376,10 @@ def test_async_grpo_replays_vllms_routes_and_resumes_on_them_exactly(tmp_path, a
     )
     ensure_ray(num_cpus=2)
     try:
-        run_grpo(cfg)
+        fit(cfg, GRPO)
         first = [r for r in read_metrics(tmp_path) if "reward/mean" in r]
         shutil.rmtree(tmp_path / "checkpoints" / "3")
-        run_grpo(cfg)
+        fit(cfg, GRPO)
     finally:
         ray.shutdown()
     rows = [r for r in read_metrics(tmp_path) if "reward/mean" in r]

@@ -60,7 +60,7 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
     import transformers
 
     from core.metrics import read_metrics
-    from posttrain.offline import fit
+    from posttrain.fit import fit
     from posttrain.sft import SFT
 
     tokenizer_dir, _ = qwen_chat
@@ -121,7 +121,7 @@ def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill
 
     from core.metrics import read_metrics
     from posttrain.dpo.offline import DPO
-    from posttrain.offline import fit
+    from posttrain.fit import fit
     from posttrain.process_group import TrainerUnavailable
     from tests.test_dpo_run import dpo_config
 

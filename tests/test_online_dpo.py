@@ -114,7 +114,8 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, ar
     """Real Ray, real vLLM, a reward a random tiny model can learn (share of digits): pairs of its own best and
     worst samples raise the reward over 8 steps; the weights reach the sampler after every update. (Resuming is
     the on-policy run's, tested with GRPO and on-policy distillation.)"""
-    from posttrain.dpo.online import OnlineDPORun
+    from posttrain.dpo.online import ONLINE_DPO
+    from posttrain.onpolicy.run import OnPolicyRun
 
     cfg = load_config(
         TINY,
@@ -134,7 +135,7 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, ar
         ],
         schema=PostTrainConfig,
     )
-    run = OnlineDPORun(cfg)
+    run = OnPolicyRun(cfg, ONLINE_DPO)
     try:
         summary = run.run()
         assert run.samplers.samplers[0].policy_version == run.trainer.version() == summary.steps == 8
@@ -160,8 +161,8 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, ar
 def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_tokenizer):
     """A reward that never varies gives no pair: the step logs its ties, trains nothing and syncs nothing; the
     policy version stays 0 (JAX sampler, one process)."""
-    from posttrain.dpo.online import OnlineDPORun
-    from posttrain.onpolicy.run import run_to_end
+    from posttrain.dpo.online import ONLINE_DPO
+    from posttrain.onpolicy.run import OnPolicyRun, run_to_end
 
     cfg = load_config(
         TINY,
@@ -177,7 +178,7 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
         ],
         schema=PostTrainConfig,
     )
-    run = OnlineDPORun(cfg)
+    run = OnPolicyRun(cfg, ONLINE_DPO)
     summary = run_to_end(run)
     assert summary.policy_version == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -186,12 +187,11 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
 
 
 def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
-    """`OnlineDPORun._prepare` on a step whose one pair is as long as vLLM allows (a 512-token prompt, its best sample
+    """`ONLINE_DPO.from_samples` on a step whose one pair is as long as vLLM allows (a 512-token prompt, its best sample
     filling max_model_len with it, its worst max_tokens long), with the GSM8K 1.5B config's limits: the pair lays
     out whole in one row of `row_length()`, where rows of max_model_len (the old layout) raised mid-run."""
-    from types import SimpleNamespace
-
-    from posttrain.dpo.online import OnlineDPORun
+    from posttrain.dpo.online import ONLINE_DPO
+    from posttrain.onpolicy.method import SampleContext
     from posttrain.onpolicy.step import Scored
     from rewards.runner import RewardBatch
 
@@ -205,8 +205,7 @@ def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
         ],
         schema=PostTrainConfig,
     )
-    run = SimpleNamespace(cfg=cfg, row_multiple=1)  # what _prepare and row_length read of a run
-    run.row_len = OnlineDPORun.row_length(run)
+    row_len = ONLINE_DPO.row_length(cfg)
     prompt = list(range(3, 515))
     samples = [
         Completion(prompt, [7] * 768, None, "length", "a"),
@@ -216,7 +215,7 @@ def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
     ]
     rewards = np.array([1.0, 0.5, 0.2, 0.0], np.float32)
     scored = Scored([{"question": "q"}], samples, RewardBatch(rewards, {"r": rewards}, {"r": rewards != rewards}), None)
-    data = OnlineDPORun._prepare(run, scored)
+    data = ONLINE_DPO.from_samples(cfg, scored, SampleContext(1, row_len, 1, "", more=lambda: scored))
     assert data.metrics["pairs"] == 1 and data.batch is not None
     segment = np.asarray(data.batch.packed.segment_ids)
-    assert run.row_len == 2048 and segment.shape[1] == 2048 and int((segment > 0).sum()) == 512 + 768 + 768
+    assert row_len == 2048 and segment.shape[1] == 2048 and int((segment > 0).sum()) == 512 + 768 + 768

@@ -14,34 +14,34 @@ import pytest
 
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+from posttrain.onpolicy.method import SampleContext
+from posttrain.onpolicy.policy_gradient import PolicyGradient
 from posttrain.onpolicy.rl_batch import build_rl_batch
 from posttrain.onpolicy.run import OnPolicyRun
 from posttrain.onpolicy.step import Scored, StepData
 
 
-class PerTokenRun(OnPolicyRun):
+class PerToken(PolicyGradient):
     """A method of its own: every sampled token's advantage is minus its sampled log-prob (a stand-in for a
     teacher's per-token signal), no reward functions, one completion a prompt."""
 
-    learner_class = PolicyGradientLearner
     batches: ClassVar[list] = []
     terminate_at: ClassVar[int] = 0
 
-    def _prepare(self, scored: Scored) -> StepData:
+    def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
         assert scored.rewards is None and scored.correct is None  # nothing was scored: there is nothing to score with
         advantages = [-np.asarray(c.logprobs, np.float32) for c in scored.completions]
         batch = build_rl_batch(
             scored.completions,
             advantages,
             np.ones(len(scored.completions), bool),
-            row_len=self.row_len,
-            max_tokens=self.cfg.rollout.max_tokens,
-            groups=self.cfg.train.micro_batches,
-            row_multiple=self.row_multiple,
+            row_len=ctx.row_len,
+            max_tokens=cfg.rollout.max_tokens,
+            groups=cfg.train.micro_batches,
+            row_multiple=ctx.row_multiple,
         )
-        PerTokenRun.batches.append((scored.completions, batch))
-        if len(PerTokenRun.batches) == PerTokenRun.terminate_at:  # the process is told to stop mid-step
+        PerToken.batches.append((scored.completions, batch))
+        if len(PerToken.batches) == PerToken.terminate_at:  # the process is told to stop mid-step
             os.kill(os.getpid(), signal.SIGTERM)
         return StepData(batch, scored, {"advantage/mean": float(np.mean(np.concatenate(advantages)))})
 
@@ -67,10 +67,10 @@ def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_p
         ],
         schema=PostTrainConfig,
     )
-    PerTokenRun.terminate_at = 2
+    PerToken.terminate_at = 2
     summaries = []
     for _ in range(2):  # stopped at step 2, then the same command again
-        run = PerTokenRun(cfg)
+        run = OnPolicyRun(cfg, PerToken())
         try:
             summaries.append(run.run())
         finally:
@@ -80,8 +80,8 @@ def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_p
     assert [(s.steps, s.policy_version) for s in summaries] == [(2, 2), (3, 3)]  # each step trained and synced
     assert summaries[1].final_eval == {}  # no accuracy function: nothing to evaluate with
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "3"]
-    assert len(PerTokenRun.batches) == 3
-    completions, batch = PerTokenRun.batches[0]
+    assert len(PerToken.batches) == 3
+    completions, batch = PerToken.batches[0]
     assert len(completions) == 4  # one sample a prompt
     mask = np.asarray(batch.packed.target_mask) > 0
     for i, c in enumerate(completions):  # the advantages reached the batch token by token

@@ -77,7 +77,8 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
     import ray
     from ray.cluster_utils import Cluster
 
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import OnPolicyRun
     from posttrain.trainer import TrainerUnavailable
     from rollout.ray import quiet_fork_exec
 
@@ -110,7 +111,7 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
             killed["samplers"] = (run.samplers.dropped, len(run.samplers.samplers))
             os.kill(killed["pid"], signal.SIGKILL)
 
-    run = GRPORun(cfg)
+    run = OnPolicyRun(cfg, GRPO)
     try:
         assert bundle_nodes(run.placement.trainer) == [node_a, node_a]  # PACK: the group on one node
         assert sorted(bundle_nodes(run.placement.samplers)) == sorted([node_b, node_c])  # SPREAD: one a node
@@ -137,7 +138,7 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
             killed["sampler"] = run.samplers.samplers[0].handle
             ray.kill(killed["sampler"])
 
-    run = GRPORun(cfg)
+    run = OnPolicyRun(cfg, GRPO)
     try:
         assert run.start_step == 2
         summary = run.run(on_step=kill_a_sampler)

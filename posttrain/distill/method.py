@@ -37,9 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
+from core.method import Method
 from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
-from core.run import Method, MethodParts, RunContext, check_rows
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from core.train_loop import Evaluation
 from posttrain.config import PostTrainConfig

@@ -1,7 +1,8 @@
 """On-policy distillation: the student samples, the teacher scores every sampled token, the student learns from
-the per-token reverse KL with the policy-gradient update (a method of `posttrain.onpolicy.run.OnPolicyRun`).
+the per-token reverse KL with the policy-gradient update (a method of the on-policy run,
+`posttrain.onpolicy.run.OnPolicyRun`).
 
-    summary = run_onpolicy_distill(cfg)     # python -m recipes.distill CONFIG.yml distill.regime=on_policy
+    summary = fit(cfg, ON_POLICY_DISTILL)   # python -m recipes.distill CONFIG.yml distill.regime=on_policy
 
 Each step samples `rl.batch.prompts_per_step` prompts x `rl.batch.num_generations` completions (one is enough)
 from the current student with the rollout machinery GRPO uses (vLLM samplers on Ray, or the JAX sampler;
@@ -34,23 +35,27 @@ gkd, the objective's `kd`, `kl` (forward KL at T = 1) and `nll`, and `on_policy`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
 from core.config_loader import ConfigError
+from core.learner import Learner
 from core.loop import Plot
+from core.method import Attach, TrainStats, unchanged
+from core.models.lora import trainable_filter
+from core.train import Update
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillModules, distill_objective, schedules, trainable
 from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher_tokenizer_matches
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
-from posttrain.onpolicy.learner import PolicyLearner, TrainStats
-from posttrain.onpolicy.policy_gradient import PolicyGradientLearner, completion_tokens
+from posttrain.onpolicy.method import SampleContext
+from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens
 from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
 
@@ -119,181 +124,165 @@ def _student(cfg: PostTrainConfig) -> str:
     return str(cfg.checkpoint.init_from or "a random init")
 
 
-class OnPolicyDistillLearner(PolicyGradientLearner):
-    """The policy-gradient learner with a teacher beside it: the reverse-KL advantages are made here, where the
-    teacher is."""
+class OnPolicyDistillMethod(PolicyGradient):
+    """Completions of the student and the policy-gradient update, one advantage per token (the teacher's, made in
+    the trainer, where the teacher is); or, with gkd, a `DistillBatch` of sampled or dataset completions and the
+    distillation objective with the teacher in the step."""
 
-    def __init__(
-        self,
-        cfg: PostTrainConfig,
-        model,
-        mesh: Mesh,
-        total_steps: int,
-        tx: optax.GradientTransformation | None = None,
-    ):
-        super().__init__(cfg, model, mesh, total_steps, tx)
-        path, vocab = str(cfg.distill.teacher), self.learner.model_cfg.vocab_size
-        self.teacher = FrozenModel.load(path, mesh, "teacher", self.temperature, cfg.distill.teacher_dtype, vocab)
-        assert self.teacher.cfg is not None
-        check_teacher_vocab(self.teacher.cfg.vocab_size, self.learner.model_cfg.vocab_size, path, _student(cfg))
+    name = "on-policy distillation"
 
-    def train(self, batch: RLBatch) -> TrainStats:
-        mask = np.asarray(batch.packed.target_mask) > 0
-        teacher = self.teacher.logprobs(batch.packed)
-        sampler = np.asarray(batch.sampler_logp, np.float32)
-        kl_adv = np.asarray(reverse_kl_advantages(jnp.asarray(sampler), jnp.asarray(teacher))) * mask
-        stats = super().train(batch.replace(advantages=np.asarray(batch.advantages, np.float32) + kl_adv))
-        n = max(int(mask.sum()), 1)
-        reverse_kl = float(-(kl_adv[mask]).sum() / n)
-        metrics = {**stats.metrics, "reverse_kl": reverse_kl, "teacher_logp": float(teacher[mask].sum() / n)}
-        return TrainStats(metrics, f"rkl {reverse_kl:.4f} | {stats.line}")
+    def check(self, cfg: PostTrainConfig) -> None:
+        check_config(cfg)
 
+    def check_tokenizer(self, cfg: PostTrainConfig, tokenizer) -> None:
+        if cfg.distill.on_policy_loss == "gkd":
+            from posttrain.distill.method import check_top_k
 
-class GKDLearner(PolicyLearner[DistillBatch]):
-    """The student trained on the distillation objective with the teacher in the step (GKD): one update a step."""
+            check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
+        mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), tokenizer, tokenizer.name_or_path)
+        if mismatch:
+            raise ConfigError(mismatch)
 
-    def __init__(
-        self,
-        cfg: PostTrainConfig,
-        model,
-        mesh: Mesh,
-        total_steps: int,
-        tx: optax.GradientTransformation | None = None,
-    ):
-        from core.learner import Learner
-        from core.models.lora import trainable_filter
-        from posttrain.distill.method import settings
-
-        super().__init__(cfg, mesh)
-        teacher = load_teacher(cfg, mesh, model.cfg.vocab_size, _student(cfg))
-        online = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"regime": "online"})})
-        objective = distill_objective(settings(online), model.cfg)
-        self.learner = Learner(
-            DistillModules(model, teacher=teacher),
-            mesh,
-            objective,
-            cfg.optim,
-            total_steps,
-            cfg.run.seed,
-            tx,
-            trainable=trainable(trainable_filter(model.cfg)),
-            compile_ahead=cfg.compile.ahead,
-        )
-
-    def train(self, batch: DistillBatch) -> TrainStats:
-        update = self.learner.update(batch, self.cfg.train.micro_batches)
-        self._applied(update, f"step {self.version + 1}")
-        self.version += 1
-        out = update.metrics()
-        out.update(skipped_updates=float(self.skipped_updates), empty_updates=float(self.empty_updates))
-        return TrainStats(out, f"kd {out['kd']:.4f} | kl {out['kl']:.4f}")
-
-
-def distill_learner(cfg: PostTrainConfig, model, mesh: Mesh, total_steps: int) -> PolicyLearner:
-    """The on-policy learner `distill.on_policy_loss` names (a `LearnerFactory`)."""
-    if cfg.distill.on_policy_loss == "gkd":
-        return GKDLearner(cfg, model, mesh, total_steps)
-    return OnPolicyDistillLearner(cfg, model, mesh, total_steps)
-
-
-class OnPolicyDistillRun(OnPolicyRun):
-    """Completions of the student, one advantage per token (made in the trainer), an `RLBatch`; or, with gkd, a
-    `DistillBatch` of sampled or dataset completions."""
-
-    learner_class = staticmethod(distill_learner)
-
-    @property
-    def plots(self) -> tuple[Plot, ...]:  # type: ignore[override]
+    def plots(self, cfg: PostTrainConfig) -> tuple[Plot, ...]:
         """What the stage minimises (the reverse KL on its samples; GKD's divergence and forward KL), then accuracy."""
-        if self.cfg.distill.on_policy_loss == "gkd":
+        if cfg.distill.on_policy_loss == "gkd":
             divergence = Plot(("kd", "kl"), "divergence.png", "divergence to the teacher (per token)")
         else:
             divergence = Plot(("reverse_kl",), "reverse_kl.png", "KL(student || teacher) on its samples (per token)")
         return (divergence, Plot(("accuracy", "eval/pass@1"), "accuracy.png", "accuracy"))
 
-    def check(self, cfg: PostTrainConfig) -> None:
-        check_config(cfg)
+    # ------------------------------------------------------------------ what trains
 
-    def check_tokenizer(self, tokenizer_dir: str) -> None:
-        from core.data import load_tokenizer
+    def modules(self, cfg: PostTrainConfig, model, mesh: Mesh):
+        if cfg.distill.on_policy_loss != "gkd":
+            return model
+        return DistillModules(model, teacher=load_teacher(cfg, mesh, model.cfg.vocab_size, _student(cfg)))
 
-        super().check_tokenizer(tokenizer_dir)
-        if self.cfg.distill.on_policy_loss == "gkd":
-            from posttrain.distill.method import check_top_k
+    def trainable(self, cfg: PostTrainConfig):
+        if cfg.distill.on_policy_loss != "gkd":
+            return super().trainable(cfg)
+        return trainable(trainable_filter(cfg.model))
 
-            check_top_k(self.cfg.distill.top_k, "distill.top_k", load_tokenizer(tokenizer_dir))
-        teacher = str(self.cfg.distill.teacher)
-        mismatch = teacher_tokenizer_matches(teacher, load_tokenizer(tokenizer_dir), tokenizer_dir)
-        if mismatch:
-            raise ConfigError(mismatch)
+    def loss(self, cfg: PostTrainConfig):
+        if cfg.distill.on_policy_loss != "gkd":
+            return super().loss(cfg)
+        from posttrain.distill.method import settings
 
-    def _prepare(self, scored: Scored) -> StepData:
-        if not hasattr(self, "_step_index"):
-            self._step_index = self.start_step
-        self._step_index += 1
-        if self.cfg.distill.on_policy_loss == "gkd":
-            return self._gkd_batch(scored, self._step_index)
-        return self._sampled_batch(scored)
+        online = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"regime": "online"})})
+        return distill_objective(settings(online), cfg.model)
 
-    def _gkd_batch(self, scored: Scored, step: int) -> StepData:
-        d, rl = self.cfg.distill, self.cfg.rl
-        on_policy = bool(np.random.default_rng(sample_seed(self.cfg.run.seed, step)).random() < d.lmbda)
-        if not on_policy:
-            scored = Scored(scored.rows, self._dataset_completions(scored), None, None)
-        packed = build_rl_batch(
-            scored.completions,
-            np.zeros(len(scored.completions), np.float32),
-            np.ones(len(scored.completions), bool),
-            row_len=self.row_len,
-            max_tokens=completion_tokens(self.cfg),
-            groups=self.cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
-            row_multiple=self.row_multiple,
-            share_prompts=rl.batch.share_prompts,
-        ).packed
-        batch = DistillBatch(packed, **schedules(d, step - 1, self.cfg.train.steps, packed.target_ids.shape[0]))
-        return StepData(batch, scored, {"on_policy": float(on_policy)})
-
-    def _dataset_completions(self, scored: Scored) -> list[Completion]:
-        """The dataset's completion of each sampled completion's prompt (`distill.completion_template`), cut to
-        `rollout.max_tokens` tokens."""
-        from core.data import load_tokenizer
-        from core.encoding import encode_completion
-
-        if not hasattr(self, "_tokenizer"):
-            self._tokenizer = load_tokenizer(self.tokenizer_dir)
-        per_row = len(scored.completions) // len(scored.rows)
-        out = []
-        for i, c in enumerate(scored.completions):
-            text = self.cfg.distill.completion_template.format(**scored.rows[i // per_row])  # checked at start
-            ids = encode_completion(self._tokenizer, text)[: self.cfg.rollout.max_tokens]
-            out.append(Completion(c.prompt_ids, ids, [0.0] * len(ids), "stop", text, c.policy_version))
-        return out
-
-    def _sampled_batch(self, scored: Scored) -> StepData:
-        completions, d = scored.completions, self.cfg.distill
-        reward = np.zeros(len(completions), np.float32)
-        metrics: dict[str, float] = {}
-        if scored.rewards is not None and d.reward_weight > 0:
-            rl = self.cfg.rl
-            adv = group_advantages(
-                scored.rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps
-            )
-            reward = d.reward_weight * np.asarray(adv.values, np.float32)
-            metrics["zero_variance_groups"] = float(adv.zero_variance_groups)
-        # The reward part per token; the trainer adds the teacher's.
-        advantages = [np.full(len(c.token_ids), reward[i], np.float32) for i, c in enumerate(completions)]
-        batch = build_rl_batch(
-            completions,
-            advantages,
-            np.ones(len(completions), bool),
-            row_len=self.row_len,
-            max_tokens=completion_tokens(self.cfg),
-            groups=self.cfg.rl.batch.mini_batches * self.cfg.train.micro_batches,
-            row_multiple=self.row_multiple,
-            share_prompts=self.cfg.rl.batch.share_prompts,
+    def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach:
+        """The sampled-token loss: the policy-gradient update's values, and each token's reverse-KL advantage
+        (the teacher's log-prob of it against the sampler's) added to the reward's. GKD: the teacher is in the
+        step."""
+        if cfg.distill.on_policy_loss == "gkd":
+            return unchanged
+        policy = super().attach(cfg, learner)
+        path, vocab, temperature = (
+            str(cfg.distill.teacher),
+            learner.model_cfg.vocab_size,
+            cfg.rollout.temperature or 1.0,
         )
-        return StepData(batch, scored, metrics)
+        teacher = FrozenModel.load(path, learner.mesh, "teacher", temperature, cfg.distill.teacher_dtype, vocab)
+        assert teacher.cfg is not None
+        check_teacher_vocab(teacher.cfg.vocab_size, vocab, path, _student(cfg))
+
+        def attach(batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+            mask = np.asarray(batch.packed.target_mask) > 0
+            teacher_logp = teacher.logprobs(batch.packed)
+            sampler = np.asarray(batch.sampler_logp, np.float32)
+            kl_adv = np.asarray(reverse_kl_advantages(jnp.asarray(sampler), jnp.asarray(teacher_logp))) * mask
+            batch, attached = policy(batch.replace(advantages=np.asarray(batch.advantages, np.float32) + kl_adv))
+            n = max(int(mask.sum()), 1)
+            measured = {
+                "reverse_kl": float(-(kl_adv[mask]).sum() / n),
+                "teacher_logp": float(teacher_logp[mask].sum() / n),
+            }
+            return batch, {**attached, **measured}
+
+        return attach
+
+    def updates(self, cfg: PostTrainConfig, learner: Learner, batch) -> Iterator[tuple[Update, str]]:
+        if cfg.distill.on_policy_loss == "gkd":  # one update a step (checked), as TRL's GKDTrainer
+            yield learner.update(batch, cfg.train.micro_batches), ""
+        else:
+            yield from super().updates(cfg, learner, batch)
+
+    def report(self, cfg: PostTrainConfig, updates: list[Update], attached: dict[str, float]) -> TrainStats:
+        if cfg.distill.on_policy_loss == "gkd":
+            out = updates[-1].metrics()
+            return TrainStats(out, f"kd {out['kd']:.4f} | kl {out['kl']:.4f}")
+        stats = super().report(cfg, updates, attached)
+        return TrainStats(stats.metrics, f"rkl {attached['reverse_kl']:.4f} | {stats.line}")
+
+    # ------------------------------------------------------------------ the batch
+
+    def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
+        if cfg.distill.on_policy_loss == "gkd":
+            return gkd_batch(cfg, scored, ctx)
+        return sampled_batch(cfg, scored, ctx)
 
 
-def run_onpolicy_distill(cfg: PostTrainConfig) -> RunSummary:
-    return run_to_end(OnPolicyDistillRun(cfg))
+ON_POLICY_DISTILL = OnPolicyDistillMethod()
+
+
+def gkd_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
+    """GKD's batch: the sampled completions with probability `distill.lmbda` (drawn from the run seed and the
+    step: the same on resume), else the dataset's completions of the same prompts."""
+    d, rl = cfg.distill, cfg.rl
+    on_policy = bool(np.random.default_rng(sample_seed(cfg.run.seed, ctx.step)).random() < d.lmbda)
+    if not on_policy:
+        scored = Scored(scored.rows, dataset_completions(cfg, scored, ctx.tokenizer()), None, None)
+    packed = build_rl_batch(
+        scored.completions,
+        np.zeros(len(scored.completions), np.float32),
+        np.ones(len(scored.completions), bool),
+        row_len=ctx.row_len,
+        max_tokens=completion_tokens(cfg),
+        groups=cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
+        row_multiple=ctx.row_multiple,
+        share_prompts=rl.batch.share_prompts,
+    ).packed
+    batch = DistillBatch(packed, **schedules(d, ctx.step - 1, cfg.train.steps, packed.target_ids.shape[0]))
+    return StepData(batch, scored, {"on_policy": float(on_policy)})
+
+
+def dataset_completions(cfg: PostTrainConfig, scored: Scored, tokenizer) -> list[Completion]:
+    """The dataset's completion of each sampled completion's prompt (`distill.completion_template`), cut to
+    `rollout.max_tokens` tokens."""
+    from core.encoding import encode_completion
+
+    per_row = len(scored.completions) // len(scored.rows)
+    out = []
+    for i, c in enumerate(scored.completions):
+        text = cfg.distill.completion_template.format(**scored.rows[i // per_row])  # checked at start
+        ids = encode_completion(tokenizer, text)[: cfg.rollout.max_tokens]
+        out.append(Completion(c.prompt_ids, ids, [0.0] * len(ids), "stop", text, c.policy_version))
+    return out
+
+
+def sampled_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
+    """The sampled-token loss's batch: the reward's group advantage per token (`distill.reward_weight`; the
+    trainer adds the teacher's)."""
+    completions, d = scored.completions, cfg.distill
+    reward = np.zeros(len(completions), np.float32)
+    metrics: dict[str, float] = {}
+    if scored.rewards is not None and d.reward_weight > 0:
+        rl = cfg.rl
+        adv = group_advantages(
+            scored.rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps
+        )
+        reward = d.reward_weight * np.asarray(adv.values, np.float32)
+        metrics["zero_variance_groups"] = float(adv.zero_variance_groups)
+    advantages = [np.full(len(c.token_ids), reward[i], np.float32) for i, c in enumerate(completions)]
+    batch = build_rl_batch(
+        completions,
+        advantages,
+        np.ones(len(completions), bool),
+        row_len=ctx.row_len,
+        max_tokens=completion_tokens(cfg),
+        groups=cfg.rl.batch.mini_batches * cfg.train.micro_batches,
+        row_multiple=ctx.row_multiple,
+        share_prompts=cfg.rl.batch.share_prompts,
+    )
+    return StepData(batch, scored, metrics)

@@ -27,8 +27,9 @@ import numpy as np
 from flax import nnx
 
 from core.data import DataBatch
+from core.method import Method
 from core.models.adapters import adapters_off
-from core.run import Method, MethodParts, RunContext, check_rows
+from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 from core.train_loop import Evaluation
 from posttrain.config import PostTrainConfig

@@ -1,6 +1,6 @@
 """Online DPO: pairs built from the policy's own samples, graded by the reward functions, trained on at once.
 
-    summary = run_to_end(OnlineDPORun(cfg))     # python -m recipes.dpo CONFIG.yml dpo.online=true
+    summary = fit(cfg, ONLINE_DPO)      # python -m recipes.dpo CONFIG.yml dpo.online=true
 
 A method of the on-policy run (`posttrain.onpolicy.run.OnPolicyRun`: vLLM samplers on Ray or the JAX sampler,
 reward functions, weight sync after every update, evaluation, checkpoints and exact resume): the samplers draw
@@ -23,22 +23,21 @@ no pair the samplers can produce fails to fit.
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 import numpy as np
-import optax
-from jax.sharding import Mesh
 
 from core.config_loader import ConfigError
 from core.learner import Learner
+from core.method import Attach, TrainStats, unchanged
+from core.train import LossFn, Update
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
 from posttrain.onpolicy.checks import check_graded_groups
-from posttrain.onpolicy.learner import PolicyLearner, TrainStats
+from posttrain.onpolicy.method import SampleContext, SamplingMethod
 from posttrain.onpolicy.policy_gradient import completion_tokens
-from posttrain.onpolicy.run import OnPolicyRun, RunSummary, run_to_end
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion
 
@@ -81,78 +80,61 @@ def best_worst_pairs(
     return pairs, left_out
 
 
-class OnlineDPOLearner(PolicyLearner[PairBatch]):
-    """The policy and the frozen reference (none for reference-free losses); one update per step."""
+@dataclass
+class ReferenceValues:
+    """The reference's sequence log-probs of both sides of every pair, attached to a pair batch."""
 
-    def __init__(
-        self,
-        cfg: PostTrainConfig,
-        model,
-        mesh: Mesh,
-        total_steps: int,
-        tx: optax.GradientTransformation | None = None,
-    ):
-        super().__init__(cfg, mesh)
-        self.learner = Learner(
-            model,
-            mesh,
-            preference_objective(cfg.dpo),
-            cfg.optim,
-            total_updates=total_steps,
-            seed=cfg.run.seed,
-            tx=tx,
-            compile_ahead=cfg.compile.ahead,
-        )
-        self.reference = FrozenModel.start_of(self.learner) if needs_reference(cfg.dpo) else None
+    reference: FrozenModel
 
-    def train(self, batch: PairBatch) -> TrainStats:
-        micro = self.cfg.train.micro_batches
-        start = time.perf_counter()
-        if self.reference is not None:
-            batch = with_reference(batch, self.reference)
-        update = self.learner.update(batch, micro)
-        self._applied(update, f"online DPO step {self.version + 1}")
-        self.version += 1
-        out = update.metrics()
-        out.update(
-            skipped_updates=float(self.skipped_updates),
-            empty_updates=float(self.empty_updates),
-            **{"time/update_s": time.perf_counter() - start},
-        )
-        # the share of pairs whose chosen completion gets the higher implicit reward
-        return TrainStats(out, f"pref acc {out['rewards/accuracies']:.3f}")
+    def __call__(self, batch: PairBatch) -> tuple[PairBatch, dict[str, float]]:
+        return with_reference(batch, self.reference), {}
 
 
-class OnlineDPORun(OnPolicyRun):
-    learner_class = OnlineDPOLearner
+class OnlineDPOMethod(SamplingMethod[PairBatch]):
+    """Best / worst pairs of each prompt's samples, one DPO update a step against the frozen starting policy (none
+    for reference-free losses)."""
+
+    name = "online DPO"
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
 
-    def row_length(self) -> int:
+    def row_length(self, cfg: PostTrainConfig) -> int:
         """A pair's prompt and both completions: `rollout.max_model_len + rollout.max_tokens` (or
         `rl.batch.pack_length`, checked to be at least that)."""
-        return self.cfg.rl.batch.pack_length or pair_length(self.cfg)
+        return cfg.rl.batch.pack_length or pair_length(cfg)
 
-    def _prepare(self, scored: Scored) -> StepData:
+    def loss(self, cfg: PostTrainConfig) -> LossFn:
+        return preference_objective(cfg.dpo)
+
+    def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[PairBatch]:
+        return ReferenceValues(FrozenModel.start_of(learner)) if needs_reference(cfg.dpo) else unchanged
+
+    def report(self, cfg: PostTrainConfig, updates: list[Update], attached: dict[str, float]) -> TrainStats:
+        out = updates[-1].metrics()
+        # the share of pairs whose chosen completion gets the higher implicit reward
+        return TrainStats(out, f"pref acc {out['rewards/accuracies']:.3f}")
+
+    def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
         assert scored.rewards is not None  # online DPO has reward functions (checked)
-        k = self.cfg.rl.batch.num_generations
-        pairs, left_out = best_worst_pairs(
-            scored.completions, scored.rewards.total, k, self.cfg.dpo.missing_eos_penalty
-        )
+        k = cfg.rl.batch.num_generations
+        pairs, left_out = best_worst_pairs(scored.completions, scored.rewards.total, k, cfg.dpo.missing_eos_penalty)
         metrics = {"pairs": float(len(pairs)), **{f"pairs/{k}": float(v) for k, v in left_out.items()}}
         line = f"pairs {len(pairs)} (ties {left_out['ties']})"
         batch = None
         if pairs:
             batch = build_pair_batch(
                 pairs,
-                slots=self.cfg.rl.batch.prompts_per_step,
-                row_len=self.row_len,
-                groups=self.cfg.train.micro_batches,
-                pack=self.cfg.rl.batch.pack_sequences,
-                row_multiple=self.row_multiple,
+                slots=cfg.rl.batch.prompts_per_step,
+                row_len=ctx.row_len,
+                groups=cfg.train.micro_batches,
+                pack=cfg.rl.batch.pack_sequences,
+                row_multiple=ctx.row_multiple,
             )
         return StepData(batch, scored, metrics, line)
+
+
+ONLINE_DPO = OnlineDPOMethod()
 
 
 def pair_length(cfg: PostTrainConfig) -> int:
@@ -182,7 +164,3 @@ def check_config(cfg: PostTrainConfig) -> None:
             f"to rollout.max_model_len ({cfg.rollout.max_model_len}) and the second completion up to "
             f"{completion_tokens(cfg)} tokens; set it to at least {pair_length(cfg)} or 0"
         )
-
-
-def run_online_dpo(cfg: PostTrainConfig) -> RunSummary:
-    return run_to_end(OnlineDPORun(cfg))

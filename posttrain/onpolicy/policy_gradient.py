@@ -1,22 +1,21 @@
-"""The policy-gradient update every sampling method trains with: its batch, its objective, its learner.
+"""The policy-gradient update every sampling method trains with: its objective, its statistics, its method.
 
-    batch = build_rl_batch(completions, advantages, keep, row_len=128, max_tokens=16, groups=4)
-    learner = PolicyGradientLearner(cfg, model, mesh, total_steps=cfg.train.steps)
-    stats = learner.train(batch)        # one step: pi_old / reference passes, then the clipped updates
+    class GRPO(PolicyGradient): ...     # posttrain.grpo: where the batch comes from (group advantages)
+    stats = MethodLearner(cfg, GRPO, model, mesh).train(batch)   # pi_old / reference passes, the clipped updates
 
 The batch (`RLBatch`, `build_rl_batch`) is `posttrain.onpolicy.rl_batch`'s.
 
-The learner (`PolicyGradientLearner`): one step is `rl.batch.num_iterations` passes over the batch, each cut into
-`rl.batch.mini_batches` optimizer updates (each accumulated over `train.micro_batches`), on a
-`core.learner.Learner` whose loss is `policy_objective` (`posttrain.losses.policy`: clipping, TIS, the KL term).
-The reference (`rl.loss.beta` > 0) is a `posttrain.frozen.FrozenModel`, a frozen copy of the starting policy;
-pi_old's log-probs come from the update's own forward pass when the step has one update (held constant by a
-stop-gradient: no extra pass), else from one pass up front. Its statistics come back typed (`PolicyStats`).
+The update (`PolicyGradient`, a `core.method.Method`): one step is `rl.batch.num_iterations` passes over the batch,
+each cut into `rl.batch.mini_batches` optimizer updates (each accumulated over `train.micro_batches`), with the loss
+`policy_objective` (`posttrain.losses.policy`: clipping, TIS, the KL term). The reference (`rl.loss.beta` > 0) is
+a `posttrain.frozen.FrozenModel`, a frozen copy of the starting policy; pi_old's log-probs come from the update's
+own forward pass when the step has one update (held constant by a stop-gradient: no extra pass), else from one
+pass up front. Its statistics come back typed (`PolicyStats`).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -24,11 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh
 
 from core.batch import with_groups
 from core.learner import Learner
+from core.method import Attach, TrainStats
 from core.models.moe import check_routes
 from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
@@ -37,7 +35,7 @@ from core.train import LossOutput, Update
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
-from posttrain.onpolicy.learner import PolicyLearner, TrainStats
+from posttrain.onpolicy.method import SamplingMethod
 from posttrain.onpolicy.rl_batch import RLBatch
 
 # ------------------------------------------------------------------ the objective
@@ -191,7 +189,7 @@ def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
     return with_groups(part, groups // mini_batches)
 
 
-# ------------------------------------------------------------------ the learner
+# ------------------------------------------------------------------ the method's update
 
 
 def updates_per_step(cfg: PostTrainConfig) -> int:
@@ -199,70 +197,59 @@ def updates_per_step(cfg: PostTrainConfig) -> int:
     return cfg.rl.batch.num_iterations * cfg.rl.batch.mini_batches
 
 
-def policy_update_learner(
-    cfg: PostTrainConfig, model, mesh: Mesh, total_steps: int, tx: optax.GradientTransformation | None = None
-) -> Learner:
-    """The learner of the clipped policy objective, its schedule over every update of `total_steps` RL steps (what
-    `PolicyGradientLearner` trains with, and `posttrain.grpo.compile_step` compiles)."""
-    return Learner(
-        model,
-        mesh,
-        policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0),
-        cfg.optim,
-        total_updates=total_steps * updates_per_step(cfg),
-        seed=cfg.run.seed,
-        tx=tx,
-        compile_ahead=cfg.compile.ahead,
-    )
+@dataclass
+class PolicyValues:
+    """What the policy-gradient update attaches to a rollout batch: pi_old's log-probs when the step makes several
+    updates (one update's own forward pass gives them: `policy_objective` holds them constant), and the
+    reference's (`rl.loss.beta` > 0: the starting policy, frozen); a sampler's routes are checked against the
+    model that replays them."""
 
+    learner: Learner
+    reference: FrozenModel | None
+    policy_logprobs: LogprobPass
+    several_updates: bool
 
-class PolicyGradientLearner(PolicyLearner[RLBatch]):
-    """The policy, its reference (rl.loss.beta > 0) and the clipped update schedule of one rollout batch."""
-
-    def __init__(
-        self,
-        cfg: PostTrainConfig,
-        model,
-        mesh: Mesh,
-        total_steps: int,
-        tx: optax.GradientTransformation | None = None,
-    ):
-        """`tx` replaces the optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
-        super().__init__(cfg, mesh)
-        self.updates_per_step = updates_per_step(cfg)
-        self.temperature = cfg.rollout.temperature or 1.0
-        self.settings = loss_settings(cfg)
-        self.learner = policy_update_learner(cfg, model, mesh, total_steps, tx)
-        # The reference is the starting policy, frozen (beta = 0: none at all).
-        self.reference = FrozenModel.start_of(self.learner, temperature=self.temperature) if cfg.rl.loss.beta else None
-        self._policy_logprobs = LogprobPass(self.temperature)
-
-    def train(self, batch: RLBatch) -> TrainStats:
-        """One step on a rollout batch; returns its metrics (`PolicyStats`, and the update counts)."""
-        rl, micro = self.cfg.rl.batch, self.cfg.train.micro_batches
+    def __call__(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+        model = self.learner.model()
         if batch.packed.routes is not None:  # a sampler's routes: ones this model can replay, or refused here
-            check_routes(np.asarray(batch.packed.routes), self.learner.model().cfg, "the sampler's routes")
-        # One update per batch starts at pi_old, so the step's own forward pass gives pi_old's log-probs
-        # (objective: stop_gradient(logp)); more updates need them fixed up front, one extra pass.
-        targets = np.asarray(batch.packed.target_mask) > 0
-        if self.updates_per_step > 1:
-            old = grouped_logprobs(self._policy_logprobs, self.learner.model(), batch.packed, self.mesh)
+            check_routes(np.asarray(batch.packed.routes), model.cfg, "the sampler's routes")
+        if self.several_updates:
+            targets = np.asarray(batch.packed.target_mask) > 0
+            old = grouped_logprobs(self.policy_logprobs, model, batch.packed, self.learner.mesh)
             batch = batch.replace(old_logp=old * targets)
         if self.reference is not None:
             batch = batch.replace(ref_logp=self.reference.logprobs(batch.packed))
-        collected: list[Update] = []
-        start = time.perf_counter()
-        for u in range(self.updates_per_step):
-            update = self.learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), micro)
-            self._applied(update, f"RL step {self.version + 1}, update {u + 1} of {self.updates_per_step}")
-            collected.append(update)
-        self.version += 1
-        stats = PolicyStats.summarise(collected, rl.num_iterations, self.settings)
-        metrics = {
-            **stats.metrics(),
-            **pooled_router_metrics([u.router for u in collected]),
-            "skipped_updates": float(self.skipped_updates),
-            "empty_updates": float(self.empty_updates),
-            "time/update_s": time.perf_counter() - start,
-        }
+        return batch, {}
+
+
+class PolicyGradient(SamplingMethod[RLBatch]):
+    """The clipped policy-gradient update of a rollout batch, what every sampling method's trainer runs (GRPO, the
+    sampled-token on-policy distillation): the policy objective, pi_old's and the reference's log-probs attached,
+    `rl.batch.num_iterations` x `mini_batches` updates, their `PolicyStats`. Where the batch comes from is the
+    subclass's."""
+
+    name = "RL"
+
+    def loss(self, cfg: PostTrainConfig):
+        return policy_objective(loss_settings(cfg), cfg.rollout.temperature or 1.0)
+
+    def updates_per_step(self, cfg: PostTrainConfig) -> int:
+        return updates_per_step(cfg)
+
+    def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[RLBatch]:
+        temperature = cfg.rollout.temperature or 1.0
+        reference = FrozenModel.start_of(learner, temperature=temperature) if cfg.rl.loss.beta else None
+        return PolicyValues(learner, reference, LogprobPass(temperature), updates_per_step(cfg) > 1)
+
+    def updates(self, cfg: PostTrainConfig, learner: Learner, batch: RLBatch) -> Iterator[tuple[Update, str]]:
+        rl, n = cfg.rl.batch, updates_per_step(cfg)
+        for u in range(n):
+            yield (
+                learner.update(mini_batch(batch, u % rl.mini_batches, rl.mini_batches), cfg.train.micro_batches),
+                (f"update {u + 1} of {n}"),
+            )
+
+    def report(self, cfg: PostTrainConfig, updates: list[Update], attached: dict[str, float]) -> TrainStats:
+        stats = PolicyStats.summarise(updates, cfg.rl.batch.num_iterations, loss_settings(cfg))
+        metrics = {**stats.metrics(), **pooled_router_metrics([u.router for u in updates]), **attached}
         return TrainStats(metrics, f"clip {stats.clip_fraction:.3f} | gap {stats.mismatch_gap_mean:.2e}")

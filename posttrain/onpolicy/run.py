@@ -1,16 +1,16 @@
 """The on-policy run: sample -> score -> the method's batch -> train -> sync weights, on Ray or in one process.
 
-    summary = run_to_end(posttrain.grpo.GRPORun(cfg))           # python -m recipes.grpo CONFIG.yml [key=value ...]
-    summary = run_to_end(posttrain.dpo.online.OnlineDPORun(cfg))  # the same run, another method
+    summary = run_to_end(OnPolicyRun(cfg, posttrain.grpo.GRPO))     # python -m recipes.grpo CONFIG.yml
+    summary = run_to_end(OnPolicyRun(cfg, posttrain.dpo.online.ONLINE_DPO))   # the same run, another method
 
 `OnPolicyRun` drives three parts through typed interfaces: samplers (`rollout.group.SamplerGroup` of
 `rollout.sampler.Sampler`s), reward functions (`rewards.runner.RewardRunner`; optional: a method may need none)
-and the trainer (`posttrain.trainer.TrainerHandle`, hosting the method's
-`posttrain.onpolicy.learner.PolicyLearner`). A method is a subclass that says what it makes of each step's
-scored completions (`_prepare` -> `StepData`, its batch any `core.batch.TrainBatch`), which learner the trainer
-hosts (`learner_class`), what it checks of the config (`check`) and how long its packed rows are (`row_length`):
-GRPO (`posttrain.grpo`) makes group advantages into a policy-gradient `RLBatch`; online DPO
-(`posttrain.dpo.online`) makes best / worst pairs.
+and the trainer (`posttrain.trainer.TrainerHandle`, hosting the method's `core.method_learner.MethodLearner`). The
+method is a `posttrain.onpolicy.method.SamplingMethod`: what it checks of the config (`check`), what it makes of
+each step's scored completions (`from_samples` -> `StepData`, its batch any `core.batch.TrainBatch`), how long
+its packed rows are (`row_length`), and what trains and how (its `core.method.Method` part, in the trainer): GRPO
+(`posttrain.grpo`) makes group advantages into a policy-gradient `RLBatch`; online DPO (`posttrain.dpo.online`)
+makes best / worst pairs.
 
 Modes (`rollout.sampler`, [grpo.md](../../docs/grpo.md)): `vllm`, the trainer and the samplers Ray actors in one
 placement group, weights streamed after every update; `jax`, single controller, trainer and sampler in this process
@@ -38,9 +38,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 from core.chat_template import turn_stop_ids
@@ -53,15 +52,15 @@ from core.loop import Hook, Loop, Plot
 from core.metrics import MetricsLogger
 from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
+from posttrain.fit import RunSummary
 from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_config, check_policy, check_staleness, check_tokenizer_template
 from posttrain.onpolicy.evaluation import held_out_metrics
-from posttrain.onpolicy.learner import LearnerFactory
+from posttrain.onpolicy.method import SampleContext, SamplingMethod
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, prompt_rows, render_prompt
 from posttrain.onpolicy.step import (
     InFlight,
     Scored,
-    StepData,
     StepTimes,
     restored_position,
     sampling_params,
@@ -82,29 +81,15 @@ from rollout.turns import Turns
 from rollout.weight_sync import SyncStats
 
 
-@dataclass
-class RunSummary:
-    """What a finished run reports: its directory, the steps taken, the policy version, the last held-out
-    evaluation and the Hugging Face export."""
-
-    run_dir: Path
-    steps: int
-    policy_version: int
-    final_eval: dict | None
-    hf_dir: Path | None
-
-
 class OnPolicyRun(Loop):
     """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
-    method; a method (`posttrain.grpo.GRPORun`, `posttrain.dpo.online.OnlineDPORun`) turns scored completions into
-    its batch (`_prepare`), hosts its learner in the trainer (`learner_class`) and checks its config (`check`).
-    The loop itself (hooks, NaN policy, SIGTERM, the end) is `core.loop.Loop`'s, as the offline methods'."""
+    method (`posttrain.grpo.GRPO`, `posttrain.dpo.online.ONLINE_DPO`, ...): the method turns scored completions
+    into its batch (`from_samples`) and says what trains and how (the trainer hosts it). The loop itself (hooks,
+    NaN policy, SIGTERM, the end) is `core.loop.Loop`'s, as the offline methods'."""
 
     cfg: PostTrainConfig
-    learner_class: LearnerFactory
-    plots = (Plot(("reward/mean", "accuracy", "eval/pass@1"), "reward.png", "reward / accuracy"),)
 
-    def __init__(self, cfg: PostTrainConfig):
+    def __init__(self, cfg: PostTrainConfig, method: SamplingMethod):
         started = RunStart.now()
         use_compile_cache(cfg.compile.cache_dir)  # the JAX sampler's, in this process (the trainer's: its own)
         # The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread
@@ -112,17 +97,19 @@ class OnPolicyRun(Loop):
         self._trainer_lock = threading.Lock()
         self._background: Background | None = None
         check_config(cfg)
-        self.check(cfg)
+        method.check(cfg)
+        self.method = method
         run_dir = Path(cfg.run.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         save_config(cfg, run_dir)
         rl, rollout = cfg.rl, cfg.rollout
         self.cfg = cfg
-        self.row_len = self.row_length()
+        self.row_len = method.row_length(cfg)
         self.train_rows, self.eval_rows = prompt_rows(cfg)
-        self.tokenizer_dir = run_tokenizer(cfg, lambda: self.tokenizer_texts(self.train_rows))
-        self.check_tokenizer(self.tokenizer_dir)
+        self.tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(self.train_rows))
+        check_tokenizer_template(self.tokenizer_dir, rl.use_chat_template)
+        method.check_tokenizer(cfg, load_tokenizer(self.tokenizer_dir))
         # Chat prompts and episodes: a completion (a turn) ends on the template's end of turn, not only on EOS.
         chat = rl.use_chat_template or rl.agent is not None
         self.turn_stops = turn_stop_ids(load_tokenizer(self.tokenizer_dir)) if chat else ()
@@ -138,7 +125,7 @@ class OnPolicyRun(Loop):
 
             ensure_ray()
             self.placement = reserve(cfg)
-        self.trainer = start_trainer(cfg, run_dir, self.learner_class, self.placement)
+        self.trainer = start_trainer(cfg, run_dir, method, self.placement)
         check_vocab(self.trainer.model_config()["vocab_size"], self.tokenizer_dir)
         check_policy(cfg, ModelConfig.model_validate(self.trainer.model_config()))
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
@@ -172,26 +159,9 @@ class OnPolicyRun(Loop):
         self._last_metrics: dict[str, float] = {}
         self._hf_dir: Path | None = None
 
-    # ---------------------------------------------------------------- the method's
-
-    def check(self, cfg: PostTrainConfig) -> None:
-        """Raise `ConfigError` for what this method cannot run (before anything starts)."""
-
-    def check_tokenizer(self, tokenizer_dir: str) -> None:
-        """Raise `ConfigError` for a tokenizer this method cannot run with (before Ray or an engine starts)."""
-        check_tokenizer_template(tokenizer_dir, self.cfg.rl.use_chat_template)
-
-    def tokenizer_texts(self, rows: list[dict]) -> Iterable[str]:
-        """The text a tokenizer is trained on when the run has none: every string field of the prompt rows."""
-        return (v for r in rows for v in r.values() if isinstance(v, str))
-
-    def row_length(self) -> int:
-        """Tokens per packed trainer row: `rl.batch.pack_length`, else `rollout.max_model_len` (a prompt and its
-        completions fit in it, the prompt once)."""
-        return self.cfg.rl.batch.pack_length or self.cfg.rollout.max_model_len
-
-    def _prepare(self, scored: Scored) -> StepData:
-        raise NotImplementedError  # each method's
+    @property
+    def plots(self) -> Sequence[Plot]:  # type: ignore[override]
+        return self.method.plots(self.cfg)
 
     # ---------------------------------------------------------------- weights
 
@@ -284,7 +254,14 @@ class OnPolicyRun(Loop):
         with self._trainer_lock:
             version = self.trainer.version()
         staleness = check_staleness(completions, version, rl.off_policy_steps)
-        data = self._prepare(self._score(request))
+        ctx = SampleContext(
+            step,
+            self.row_len,
+            self.row_multiple,
+            self.tokenizer_dir,
+            lambda: self._score(self._submit(next(self.stream))),
+        )
+        data = self.method.from_samples(self.cfg, self._score(request), ctx)
         batch = data.batch
         reward_s = time.perf_counter() - t1
         t2 = time.perf_counter()

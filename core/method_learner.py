@@ -1,0 +1,104 @@
+"""A method's learner, as a trainer hosts it: built from the method, one step at a time, checkpointed, exported.
+
+    learner = MethodLearner(cfg, GRPO, model, mesh)      # the method's tree, filter and loss on a core.learner.Learner
+    stats = learner.train(batch)                        # attach -> the method's updates -> its TrainStats
+    learner.save(checkpointer, step, extra)             # the state, the policy version and `extra`
+
+What every method shares once it has a batch, whatever the batch came from: the `core.learner.Learner` on the
+method's module tree (`Method.modules`), trainable filter (`Method.trainable`) and loss, its schedule over
+`train.steps` x `Method.updates_per_step`; what `Method.attach` puts on each batch (frozen models' values); the
+method's updates, each under `train.nan_policy` (`core.learner.apply_nan_policy`: `abort` raises `NonFiniteLoss`
+before the next update, `skip` counts it); the policy version (steps trained: what samplers tag their completions
+with); checkpoints that restore it; the Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import optax
+from jax.sharding import Mesh
+
+from core.checkpoint import Checkpointer
+from core.learner import Learner, apply_nan_policy
+from core.method import Method, TrainStats
+from core.train import Update, batch_shards
+
+POLICY_VERSION = "policy_version"  # the checkpoint meta's key
+
+
+class MethodLearner:
+    """The method's `Learner`, its attached values and its step (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        method: Method,
+        model: Any,
+        mesh: Mesh,
+        tx: optax.GradientTransformation | None = None,
+    ):
+        """`model`: the initial model on `mesh` (`core.checkpoint_models.initial_model`); `tx` replaces the
+        optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
+        self.cfg, self.method, self.mesh = cfg, method, mesh
+        self.learner = Learner(
+            method.modules(cfg, model, mesh),
+            mesh,
+            method.loss(cfg),
+            cfg.optim,
+            total_updates=cfg.train.steps * method.updates_per_step(cfg),
+            seed=cfg.run.seed,
+            tx=tx,
+            trainable=method.trainable(cfg),
+            compile_ahead=cfg.compile.ahead,
+        )
+        self.attach = method.attach(cfg, self.learner)
+        self.version = 0  # steps trained (what samplers tag their completions with)
+        self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)
+        self.empty_updates = 0  # updates with nothing to learn from: no optimizer step
+
+    def model(self):
+        """The trained model as it is now (a `core.models.Decoder`; no copy)."""
+        return self.learner.model()
+
+    def batch_shards(self) -> int:
+        """The data-parallel size: packed row counts are made a multiple of it."""
+        return batch_shards(self.mesh)
+
+    def train(self, batch: Any) -> TrainStats:
+        """One step on `batch`: the attached values, the method's updates, its report (with the update counts and
+        the time the updates took)."""
+        start = time.perf_counter()
+        batch, attached = self.attach(batch)
+        collected: list[Update] = []
+        for update, where in self.method.updates(self.cfg, self.learner, batch):
+            at = f"{self.method.name} step {self.version + 1}" + (f", {where}" if where else "")
+            if not apply_nan_policy(update, self.cfg.train.nan_policy, at):
+                self.skipped_updates += 1
+            self.empty_updates += int(update.empty)
+            collected.append(update)
+        self.version += 1
+        stats = self.method.report(self.cfg, collected, attached)
+        counts = {
+            "skipped_updates": float(self.skipped_updates),
+            "empty_updates": float(self.empty_updates),
+            "time/update_s": time.perf_counter() - start,
+        }
+        return TrainStats({**stats.metrics, **counts}, stats.line)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
+        self.learner.save(checkpointer, self.cfg, extra={**extra, POLICY_VERSION: self.version}, step=step)
+
+    def restore_latest(self, checkpointer: Checkpointer) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
+        restored = self.learner.restore_latest(checkpointer, self.cfg)
+        if restored is not None:
+            self.version = int(restored[1][POLICY_VERSION])
+        return restored
+
+    def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        return self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from)
