@@ -339,10 +339,11 @@ def test_on_policy_resume_after_kill_9_redoes_the_same_steps(tmp_path, arithmeti
 
 
 def _gkd_probe(run):
-    """A GKD batch of the dataset's completions of the first 8 held-out prompts (what `_gkd_batch` builds on a
+    """A GKD batch of the dataset's completions of the first 8 held-out prompts (what `gkd_batch` builds on a
     dataset step), packed for one micro-batch, alpha 0 and T = 1."""
     from core.data import load_tokenizer
     from posttrain.distill.objective import DistillBatch
+    from posttrain.distill.onpolicy import dataset_completions
     from posttrain.onpolicy.prompts import render_prompt
     from posttrain.onpolicy.rl_batch import build_rl_batch
     from posttrain.onpolicy.step import Scored
@@ -352,7 +353,7 @@ def _gkd_probe(run):
     tokenizer = load_tokenizer(run.tokenizer_dir)
     prompts = encode_prompts(tokenizer, [render_prompt(r, run.cfg.rl) for r in rows])
     fake = Scored(rows, [Completion(list(p), [], [], "stop", "") for p in prompts], None, None)
-    completions = run._dataset_completions(fake)
+    completions = dataset_completions(run.cfg, fake, tokenizer)
     n = len(completions)
     packed = build_rl_batch(
         completions, np.zeros(n), np.ones(n, bool), row_len=run.row_len, max_tokens=run.cfg.rollout.max_tokens
