@@ -12,7 +12,7 @@ dropout) on the seven projections:
   `model.lora` adapters; TRL: `SFTTrainer(peft_config=LoraConfig(...))`, bf16 off, with and without its default
   gradient checkpointing; the plain loop: `peft.get_peft_model` + AdamW on the adapters, eager. Peers run in the
   TRL environment (`.venv-trl`). Full-parameter Temper SFT on the same rows is timed beside them.
-- GRPO: `PolicyGradientLearner.train` (the trainer's whole step: pi_old's pass, the clipped update) on one
+- GRPO: `MethodLearner(cfg, GRPO, ...).train` (the trainer's whole step: pi_old's pass, the clipped update) on one
   rollout batch (8 prompts x 8 completions, 64 + 128 tokens, advantages with variance), LoRA against full.
 - Memory: XLA's memory analysis of the compiled SFT update (arguments: parameters and optimizer moments; temp),
   and the trainable, optimizer-state and checkpoint bytes, LoRA against full; the frozen base's bytes with QLoRA
@@ -138,7 +138,7 @@ def peer(mode: str, hf: Path, data: Path, args, work: Path) -> dict:
 
 
 def grpo_step(hf: Path, args, rank: int) -> dict:
-    """`PolicyGradientLearner.train` on one rollout batch (8 prompts x 8 completions of 128 tokens after 64)."""
+    """GRPO's `MethodLearner.train` on one rollout batch (8 prompts x 8 completions of 128 tokens after 64)."""
     import jax
     import numpy as np
 
@@ -149,7 +149,8 @@ def grpo_step(hf: Path, args, rank: int) -> dict:
     from posttrain.advantages import group_advantages
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import rl_batch
-    from posttrain.onpolicy.policy_gradient import PolicyGradientLearner
+    from core.method_learner import MethodLearner
+    from posttrain.grpo import GRPO
     from rollout.sampler import Completion
 
     cfg = load_config(
@@ -168,8 +169,8 @@ def grpo_step(hf: Path, args, rank: int) -> dict:
         model, model_cfg = load_hf(hf, mesh=mesh)
         if rank:
             model = add_adapters(model, lora_cfg(rank), mesh, seed=0)
-    cfg = cfg.model_copy(update={"model": model.cfg})
-    learner = PolicyGradientLearner(cfg, model, mesh, total_steps=args.steps + 1)
+    cfg = cfg.model_copy(update={"model": model.cfg, "train": cfg.train.model_copy(update={"steps": args.steps + 1})})
+    learner = MethodLearner(cfg, GRPO, model, mesh)
     rng = np.random.default_rng(0)
     vocab = model_cfg.vocab_size
     times = []

@@ -1,4 +1,4 @@
-"""Pretraining: the next-token loss over documents, the core engine's own method (`core.run.Method`).
+"""Pretraining: the next-token loss over documents, the core engine's own method (`core.method.Method`).
 
     run = build_run(cfg, PRETRAINING)      # python -m recipes.pretrain CONFIG.yml
     run.fit()

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: the next-token loss on the completion or the assistant turns (`core.run.Method`).
+"""Supervised fine-tuning: the next-token loss on the completion or the assistant turns (`core.method.Method`).
 
     run = build_run(cfg, SFT)        # python -m recipes.sft CONFIG.yml [key=value ...]
     run.fit()

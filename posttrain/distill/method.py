@@ -1,4 +1,4 @@
-"""Offline and online distillation as a method of the one skeleton (`core.run.Method`, built by `build_run`).
+"""Offline and online distillation as a method of the one skeleton (`core.method.Method`, built by `build_run`).
 
     run = build_run(cfg, DISTILL)       # python -m recipes.distill CONFIG.yml distill.regime=offline|online
     run.fit()

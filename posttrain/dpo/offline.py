@@ -3,7 +3,7 @@
     run = build_run(cfg, DPO)          # python -m recipes.dpo CONFIG.yml [key=value ...]
     run.fit()
 
-A `core.run.Method`: the policy starts from `checkpoint.init_from` (or a random init, for tests) and trains with
+A `core.method.Method`: the policy starts from `checkpoint.init_from` (or a random init, for tests) and trains with
 `posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.train_loop.TrainLoop` every offline method uses
 (checkpoints with the data position, exact resume, SIGTERM, NaN policy, HF export). Pairs come from
 `posttrain.dpo.data`. The reference is the starting policy, frozen:
