@@ -145,12 +145,11 @@ def grpo_step(hf: Path, args, rank: int) -> dict:
     from core.config_loader import load_config
     from core.hf import load_hf
     from core.mesh import single_device_mesh
+    from core.method_learner import MethodLearner
     from core.models.adapters import add_adapters
     from posttrain.advantages import group_advantages
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import rl_batch
-    from core.method_learner import MethodLearner
-    from posttrain.grpo import GRPO
+    from posttrain.grpo import GRPO, rl_batch
     from rollout.sampler import Completion
 
     cfg = load_config(
