@@ -89,11 +89,14 @@ class Learner:
         tx: optax.GradientTransformation | None = None,
         trainable: Any = None,
         compile_ahead: bool = False,
+        optimizer: Callable[[nnx.State], optax.GradientTransformation] | None = None,
     ):
         """`modules`: the method's module tree (on `mesh`); `trainable`: the filter of what trains (None: the
         trained model's own, `core.models.lora.trainable_filter`: every parameter, or its LoRA adapters). `tx`
-        replaces the optimizer `optim` describes (e.g. one that records gradients, in tests). `compile_ahead`: compile
-        the shapes a run is likely to need next in a background thread (`core.shape_plan`, `compile.ahead`)."""
+        replaces the optimizer `optim` describes (e.g. one that records gradients, in tests); `optimizer(params)`
+        builds it over the trainable state instead (a method whose parts each have their own). `compile_ahead`:
+        compile the shapes a run is likely to need next in a background thread (`core.shape_plan`,
+        `compile.ahead`)."""
         self.mesh = mesh
         self.model_cfg = trained_model(modules).cfg
         base = trainable_filter(self.model_cfg) if trainable is None else trainable
@@ -103,7 +106,9 @@ class Learner:
             raise ValueError(f"optim.trainable_regex {optim.trainable_regex!r} matches no parameter")
         self.graphdef, params, self.rest = split_modules(modules, self.trainable)
         with jax.set_mesh(mesh):
-            self.tx = tx or make_optimizer(optim, total_updates, params)
+            if tx is None:
+                tx = optimizer(params) if optimizer is not None else make_optimizer(optim, total_updates, params)
+            self.tx = tx
             self.state = init_train_state(params, self.tx, seed)
         self._step = jit_train_step(make_train_step(self.graphdef, loss_fn, self.tx, self.schedule), self.state)
         self._executables: dict[Any, Callable] = {}

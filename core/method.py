@@ -26,14 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 from core.compile_cache import CompileTally
 from core.config_loader import ConfigError
 from core.models import Decoder, ModuleTree
 from core.models.lora import trainable_filter
+from core.optim import make_optimizer
 from core.train import LossFn, Update
 
 if TYPE_CHECKING:
@@ -99,6 +103,11 @@ class Method(Generic[B]):
         """Optimizer updates a step makes (the learning-rate schedule runs over `train.steps` times this)."""
         return 1
 
+    def optimizer(self, cfg: Any, total_updates: int, params: nnx.State) -> optax.GradientTransformation:
+        """The optimizer over the trainable state `params`: `optim.*`'s; a method whose trainable parts each have
+        their own (a critic's learning rate and warm-up) builds it here."""
+        return make_optimizer(cfg.optim, total_updates, params)
+
     # ------------------------------------------------------------------ how a batch trains
 
     def attach(self, cfg: Any, learner: Learner) -> Attach[B]:
@@ -115,6 +124,10 @@ class Method(Generic[B]):
     def report(self, cfg: Any, updates: list[Update], attached: dict[str, float]) -> TrainStats:
         """The step's metrics from its updates and what `attach` measured; by default the last update's."""
         return TrainStats({**updates[-1].metrics(), **attached})
+
+    def export_beside(self, cfg: Any, learner: Learner, hf_dir: Path, tokenizer_dir: str | None) -> None:
+        """What the run's end exports beside the trained model's Hugging Face directory `hf_dir` (a critic, in a
+        directory of its own); by default nothing."""
 
     # ------------------------------------------------------------------ a dataset's batches (offline methods)
 

@@ -43,16 +43,18 @@ class MethodLearner:
         """`model`: the initial model on `mesh` (`core.checkpoint_models.initial_model`); `tx` replaces the
         optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
         self.cfg, self.method, self.mesh = cfg, method, mesh
+        total = cfg.train.steps * method.updates_per_step(cfg)
         self.learner = Learner(
             method.modules(cfg, model, mesh),
             mesh,
             method.loss(cfg),
             cfg.optim,
-            total_updates=cfg.train.steps * method.updates_per_step(cfg),
+            total_updates=total,
             seed=cfg.run.seed,
             tx=tx,
             trainable=method.trainable(cfg),
             compile_ahead=cfg.compile.ahead,
+            optimizer=lambda params: method.optimizer(cfg, total, params),
         )
         self.attach = method.attach(cfg, self.learner)
         self.version = 0  # steps trained (what samplers tag their completions with)
@@ -101,4 +103,11 @@ class MethodLearner:
         return restored
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        """The trained model alone, as a Hugging Face directory (what a sampler starts from)."""
         return self.learner.export_hf(path, tokenizer_dir, self.cfg.checkpoint.init_from)
+
+    def export(self, path: str | Path, tokenizer_dir: str | None) -> Path:
+        """The run's export: the trained model at `path`, and what the method exports beside it."""
+        out = self.export_hf(path, tokenizer_dir)
+        self.method.export_beside(self.cfg, self.learner, Path(out), tokenizer_dir)
+        return out

@@ -121,8 +121,9 @@ class LocalTrainer:
         return self.learner.restore_latest(self.checkpointer)
 
     def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
+        """The run's export: the policy at `path` and what its method exports beside it."""
         self.checkpointer.wait()
-        return str(self.learner.export_hf(path, tokenizer_dir))
+        return str(self.learner.export(path, tokenizer_dir))
 
     def close(self) -> None:
         self.checkpointer.close()
