@@ -303,6 +303,20 @@ class DistillConfig(Section):
         return start, start if end is None else end, getattr(self, f"{name}_schedule")
 
 
+# ---------------------------------------------------------------------------- ppo
+
+
+class PPOConfig(Section):
+    """`ppo`: PPO with a critic (`posttrain.ppo`, docs/ppo.md); the policy's clipped objective is `rl.loss`'s."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # GAE's discount over a completion's tokens
+    lam: float = Field(0.95, ge=0.0, le=1.0)  # GAE's lambda
+    value_clip: float | None = Field(0.2, gt=0.0)  # the clipped value loss's range around the old values; None: off
+    critic_learning_rate: float | None = Field(None, gt=0.0)  # None: optim.learning_rate (the same schedule)
+    critic_warmup_steps: int = Field(0, ge=0)  # the first steps train the critic alone
+    whiten_advantages: bool = True  # advantages normalised over the step's tokens (verl, OpenRLHF)
+
+
 # ------------------------------------------------------------------------- root
 
 
@@ -315,6 +329,7 @@ class PostTrainConfig(Config):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
 
     def check_at_load(self, source: str) -> None:
         """The core's checks, and every reward function resolves (imported once: a typo fails at load)."""

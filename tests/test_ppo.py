@@ -1,0 +1,179 @@
+"""PPO with a critic: GAE and the clipped value loss against NumPy references written from their definitions, the
+critic's learning rate and warm-up on a real step, and the exported critic against transformers' own
+token-classification model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.config_loader import ConfigError, load_config
+from posttrain.config import PostTrainConfig
+from posttrain.ppo import gae, last_token_rewards, value_loss, whiten
+
+PPO_TINY = "recipes/configs/ppo_tiny.yml"
+
+
+def gae_reference(rewards, values, mask, gamma, lam):
+    """GAE (Schulman et al., 2016) by its definition, row by row over the listed steps: the episode ends after
+    the last one (the next value is 0)."""
+    adv = np.zeros_like(rewards, dtype=np.float64)
+    for b in range(rewards.shape[0]):
+        steps = [t for t in range(rewards.shape[1]) if mask[b, t]]
+        running = 0.0
+        for k in reversed(range(len(steps))):
+            t = steps[k]
+            next_value = values[b, steps[k + 1]] if k + 1 < len(steps) else 0.0
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            running = delta + gamma * lam * running
+            adv[b, t] = running
+    return adv, (adv + values) * mask
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_its_definition_with_masks_and_episode_ends(gamma, lam):
+    """Rows of different lengths (their episodes end there), holes where an environment wrote tokens (not steps:
+    skipped), a row with no step at all; per-token rewards anywhere."""
+    rng = np.random.default_rng(0)
+    b, t = 6, 9
+    lengths = [9, 5, 1, 0, 7, 3]
+    mask = np.array([[j < n for j in range(t)] for n in lengths])
+    mask[4, 2:4] = False  # an environment's tokens inside the episode
+    rewards = rng.normal(size=(b, t)) * mask
+    values = rng.normal(size=(b, t)) * mask
+    adv, ret = (np.asarray(x) for x in gae(rewards, values, mask, gamma, lam))
+    ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+    assert np.abs(adv[4, 1] - ref_adv[4, 1]) < 1e-5 and adv[4, 2] == 0.0  # the step before the hole bootstraps past it
+
+
+def test_gae_with_gamma_and_lambda_one_is_the_reward_to_go_less_the_value():
+    """A terminal reward R with gamma = lambda = 1: A_t = R - V_t (Monte Carlo)."""
+    values = np.array([[0.5, 0.2, 0.1, 0.0]])
+    mask = np.array([[1, 1, 1, 0]], bool)
+    rewards = last_token_rewards(np.array([1.0], np.float32), mask)
+    assert rewards.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    adv, ret = (np.asarray(x) for x in gae(rewards, values, mask, 1.0, 1.0))
+    np.testing.assert_allclose(adv, [[0.5, 0.8, 0.9, 0.0]], atol=1e-6)
+    np.testing.assert_allclose(ret, [[1.0, 1.0, 1.0, 0.0]], atol=1e-6)
+
+
+def test_last_token_rewards_land_on_each_rows_last_step():
+    mask = np.array([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], bool)
+    out = last_token_rewards(np.array([2.0, 3.0, -1.0], np.float32), mask)
+    assert out.tolist() == [[0, 0, 0, 2.0, 0], [0] * 5, [-1.0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("clip", [0.2, None])
+def test_value_loss_matches_numpy(clip):
+    rng = np.random.default_rng(1)
+    values, old, returns = rng.normal(size=(3, 3, 7))
+    mask = rng.random((3, 7)) > 0.3
+    total, clipped = (float(x) for x in value_loss(values, old, returns, mask.astype(np.float32), clip))
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        expected, decided = 0.5 * (unclipped * mask).sum(), 0.0
+    else:
+        clipped_sq = (np.clip(values, old - clip, old + clip) - returns) ** 2
+        expected = 0.5 * (np.maximum(unclipped, clipped_sq) * mask).sum()
+        decided = float(((clipped_sq > unclipped) * mask).sum())
+        assert decided > 0  # the clip decided some tokens: the branch ran
+    assert total == pytest.approx(expected, rel=1e-5) and clipped == decided
+
+
+def test_whiten_over_the_masked_tokens():
+    x = np.array([[1.0, 2.0, 3.0, 100.0]])
+    mask = np.array([[1, 1, 1, 0]], bool)
+    out = whiten(x, mask)
+    assert out[0, 3] == 0.0 and abs(out[0, :3].mean()) < 1e-6 and abs(out[0, :3].std() - 1.0) < 1e-5
+
+
+def test_ppo_config_is_checked_before_anything_starts():
+    from posttrain.ppo import PPO
+
+    cfg = load_config(PPO_TINY, ["rl.algorithm=gspo"], schema=PostTrainConfig)
+    with pytest.raises(ConfigError, match="rl.loss.loss_agg must be token-mean"):
+        PPO.check(cfg)
+    cfg = load_config(PPO_TINY, ["reward.functions=[]"], schema=PostTrainConfig)
+    with pytest.raises(ConfigError, match="PPO needs reward.functions"):
+        PPO.check(cfg)
+    with pytest.raises(ConfigError, match="ppo.nope"):
+        load_config(PPO_TINY, ["ppo.nope=1"], schema=PostTrainConfig)
+
+
+def _batch(cfg, rng, n=8):
+    """A PPO batch of `n` completions of one prompt, rewards 0 or 1, as `PPO.from_samples` makes it."""
+    from posttrain.onpolicy.method import SampleContext
+    from posttrain.onpolicy.step import Scored
+    from posttrain.ppo import PPO
+    from rewards.runner import RewardBatch
+    from rollout.sampler import Completion
+
+    comps = [
+        Completion([5, 6, 7], [int(x) for x in rng.integers(3, 500, 6)], list(-rng.uniform(4, 6, 6)), "stop", "")
+        for _ in range(n)
+    ]
+    rewards = (np.arange(n) % 2).astype(np.float32)
+    scored = Scored([{"question": "q"}], comps, RewardBatch(rewards, {"r": rewards}, {"r": rewards != rewards}), None)
+    return PPO.from_samples(cfg, scored, SampleContext(1, 32, 1, "", more=lambda: scored)).batch
+
+
+def _learner(*overrides):
+    import jax
+
+    from core.mesh import single_device_mesh
+    from core.method_learner import MethodLearner
+    from core.models import create_model
+    from posttrain.ppo import PPO
+
+    cfg = load_config(PPO_TINY, ["train.steps=4", *overrides], schema=PostTrainConfig)
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model = create_model(cfg.model, mesh, seed=0)
+    return MethodLearner(cfg, PPO, model, mesh), cfg
+
+
+def _parts(learner):
+    import jax
+    from flax import nnx
+
+    tree = learner.learner.modules()
+    policy = jax.tree.map(np.asarray, nnx.state(tree.model, nnx.Param))
+    head = {k: np.asarray(v[...]) for k, v in nnx.state(tree.critic.value_head).items()}
+    backbone = jax.tree.map(np.asarray, nnx.state(tree.critic.backbone, nnx.Param))
+    return policy, head, backbone
+
+
+def _largest_change(a, b):
+    import jax
+
+    return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_the_critic_warms_up_alone_at_its_own_learning_rate():
+    """ppo.critic_warmup_steps=1, ppo.critic_learning_rate 10x optim's: step 1 moves the critic (its head by
+    Adam's first step, ~its learning rate) and leaves the policy as it was; step 2 moves the policy (by ~optim's
+    learning rate). The value loss starts at 0.5 * mean(R^2) (every value 0; gamma = lambda = 1: every return is
+    R) and goes down; the zero-initialised head passes the gradient to the backbone from step 2."""
+    learner, cfg = _learner(
+        "optim.learning_rate=1.0e-3", "ppo.critic_learning_rate=1.0e-2", "ppo.critic_warmup_steps=1",
+        "optim.weight_decay=0.0", "ppo.lam=1.0",
+    )  # fmt: skip
+    batch = _batch(cfg, np.random.default_rng(0))
+    policy0, head0, _ = _parts(learner)
+    first = learner.train(batch).metrics
+    policy1, head1, backbone1 = _parts(learner)
+    assert _largest_change(policy0, policy1) == 0.0  # the policy waits for the critic
+    assert abs(float(np.abs(head1["bias"] - head0["bias"]).max()) - 1.0e-2) < 1.0e-3  # the critic's own rate
+    assert float(np.abs(head1["kernel"] - head0["kernel"]).max()) > 1e-3
+    mask = np.asarray(batch.loss_mask) > 0
+    returns = np.where(mask, np.asarray(batch.rewards)[:, None], 0.0)  # gamma 1: every step's return is R
+    expected = 0.5 * float((returns**2)[mask].mean())
+    assert first["value_loss"] == pytest.approx(expected, rel=1e-4) and first["value/mean"] == 0.0
+    second = learner.train(batch).metrics
+    policy2, _, backbone2 = _parts(learner)
+    assert 5e-4 < _largest_change(policy1, policy2) < 2e-3  # optim's learning rate, after the warm-up
+    assert _largest_change(backbone1, backbone2) > 0
+    assert second["value_loss"] < first["value_loss"]
+    assert second["grad_norm"] > 0 and np.isfinite(second["loss"])
