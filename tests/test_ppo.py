@@ -177,3 +177,33 @@ def test_the_critic_warms_up_alone_at_its_own_learning_rate():
     assert _largest_change(backbone1, backbone2) > 0
     assert second["value_loss"] < first["value_loss"]
     assert second["grad_norm"] > 0 and np.isfinite(second["loss"])
+
+
+def test_the_exported_critic_is_transformers_token_classification_model(tmp_path):
+    """After two steps (the head is no longer zero), the critic exported beside the policy reads in
+    `transformers.AutoModelForTokenClassification` (one label) and gives the critic's values: the logit at the
+    position before each completion token."""
+    import jax
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from posttrain.ppo import PPO
+
+    learner, cfg = _learner("optim.learning_rate=1.0e-2")
+    batch = _batch(cfg, np.random.default_rng(0))
+    for _ in range(2):
+        learner.train(batch)
+    PPO.export_beside(cfg, learner.learner, tmp_path / "hf", None)
+    critic = learner.learner.modules().critic
+    with jax.set_mesh(learner.mesh):
+        ours = np.asarray(jax.jit(lambda c, p: c.values(p))(critic, batch.packed))
+    assert np.abs(ours).max() > 1e-3  # values the check can tell apart
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf" / "critic", torch_dtype=torch.float32)
+    assert hf.config.num_labels == 1 and type(hf).__name__ == "Qwen2ForTokenClassification"
+    packed = batch.packed
+    for row in range(2):
+        mask = np.asarray(packed.target_mask)[row] > 0
+        tokens = [5, 6, 7] + [int(t) for t in np.asarray(packed.target_ids)[row][mask]]
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0, :, 0].numpy()
+        np.testing.assert_allclose(ours[row][mask], logits[2 : 2 + int(mask.sum())], rtol=1e-4, atol=1e-4)
