@@ -33,7 +33,7 @@ LEARNABLE = [
 @pytest.mark.serial
 def test_ppo_on_ray_with_vllm_and_a_trainer_group_learns_the_reward(tmp_path, arithmetic_tokenizer):
     """Real Ray, real vLLM, the trainer as 2 JAX processes (fsdp 2): the reward (share of digits) goes up over 8
-    steps, each step's weights reach the sampler, the critic's value loss goes down, and the end exports the policy
+    steps, each step's weights reach the sampler, the critic's values follow the returns, and the end exports the policy
     and, apart, the critic (transformers reads it with its head)."""
     import ray
     from transformers import AutoModelForTokenClassification
@@ -77,7 +77,9 @@ def test_ppo_on_ray_with_vllm_and_a_trainer_group_learns_the_reward(tmp_path, ar
     print(f"reward: steps 1-2 {first:.3f}, steps 7-8 {last:.3f}; value loss {steps[0]['value_loss']:.4f} -> "
           f"{steps[-1]['value_loss']:.4f}")  # fmt: skip
     assert last > first + 0.2
-    assert steps[-1]["value/explained_variance"] > steps[0]["value/explained_variance"]
+    # The critic follows the returns as they move: its error at the end is under half its largest.
+    error = [abs(m["value/mean"] - m["returns/mean"]) for m in steps]
+    assert error[-1] < 0.5 * max(error), error
     assert all(m["mismatch/logp_gap_mean"] < 1e-3 for m in steps)  # the sampler holds the trainer's weights
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "run" / "hf" / "critic")
     assert critic.config.num_labels == 1 and (tmp_path / "run" / "hf" / "config.json").exists()
