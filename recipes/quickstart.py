@@ -74,9 +74,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), else runs/quickstart_METHOD")
     p.add_argument(
         "--method",
-        choices=("grpo", "dpo", "distill", "tools"),
+        choices=("grpo", "dpo", "ppo", "distill", "tools"),
         default="grpo",
-        help="stage 5: GRPO or online DPO; distill: the GRPO model distilled into a smaller student "
+        help="stage 5: GRPO, online DPO or PPO (with a critic); distill: the GRPO model distilled into a smaller student "
         "(recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
         "(recipes/quickstart_tools.py)",
     )
@@ -110,7 +110,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-METHODS = {"grpo": "GRPO", "dpo": "online DPO"}
+METHODS = {"grpo": "GRPO", "dpo": "online DPO", "ppo": "PPO"}
 
 
 def report(summary: dict) -> None:
@@ -226,6 +226,7 @@ def main(argv: list[str]) -> int:
     from posttrain.dpo.online import ONLINE_DPO
     from posttrain.grpo import GRPO
     from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.ppo import PPO
 
     stage = out / args.method
     overrides = [
@@ -239,7 +240,7 @@ def main(argv: list[str]) -> int:
     ]
     cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
-    run = OnPolicyRun(cfg, GRPO if args.method == "grpo" else ONLINE_DPO)
+    run = OnPolicyRun(cfg, {"grpo": GRPO, "dpo": ONLINE_DPO, "ppo": PPO}[args.method])
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))
