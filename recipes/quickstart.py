@@ -76,8 +76,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--method",
         choices=("grpo", "dpo", "ppo", "distill", "tools"),
         default="grpo",
-        help="stage 5: GRPO, online DPO or PPO (with a critic); distill: the GRPO model distilled into a smaller student "
-        "(recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
+        help="stage 5: GRPO, online DPO or PPO (with a critic); distill: the GRPO model distilled into a smaller "
+        "student (recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
         "(recipes/quickstart_tools.py)",
     )
     p.add_argument("--teacher-run", default="runs/quickstart", help="--method distill: the GRPO quickstart to distil")
