@@ -225,6 +225,7 @@ def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
     from posttrain.dpo.online import ONLINE_DPO
     from posttrain.grpo import GRPO
+    from posttrain.onpolicy.method import SamplingMethod
     from posttrain.onpolicy.run import OnPolicyRun
     from posttrain.ppo import PPO
 
@@ -240,7 +241,8 @@ def main(argv: list[str]) -> int:
     ]
     cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
-    run = OnPolicyRun(cfg, {"grpo": GRPO, "dpo": ONLINE_DPO, "ppo": PPO}[args.method])
+    methods: dict[str, SamplingMethod] = {"grpo": GRPO, "dpo": ONLINE_DPO, "ppo": PPO}
+    run = OnPolicyRun(cfg, methods[args.method])
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))
