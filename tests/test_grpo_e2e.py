@@ -85,14 +85,34 @@ def run_until(cmd, env, run_dir, checkpoint, step, timeout_s=400):
     raise AssertionError(f"the run ended or stalled before step {step}: " + "".join(proc.communicate()[1:])[-3000:])
 
 
-def assert_redone_steps_match(before_kill, after, resumed_from):
+REDONE_KEYS = ("reward/mean", "loss", "completion_length/mean", "policy_version", "mismatch/logp_gap_mean")
+
+
+def assert_redone_steps_match(before_kill, after, resumed_from, keys=REDONE_KEYS):
     """Steps resumed_from+1 .. the last logged before the kill were redone; they log what they logged before."""
     redone = [m for m in before_kill if m["step"] > resumed_from]
     assert redone, "nothing to compare: the kill came right after the checkpoint"
     for old in redone:
         new = after[old["step"] - 1]
-        for key in ("reward/mean", "loss", "completion_length/mean", "policy_version", "mismatch/logp_gap_mean"):
+        for key in keys:
             assert new[key] == pytest.approx(old[key], abs=1e-6), (old["step"], key)
+
+
+def kill_9_and_resume(cmd, run_dir, steps, checkpoint=2):
+    """Run the recipe `cmd`, SIGKILL its process group one step after checkpoint `checkpoint`, then run the same
+    command to its end: (the step rows logged before the kill, the step rows after, which are each of 1..`steps`
+    once, in order)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = run_until(cmd, env, run_dir, checkpoint=checkpoint, step=checkpoint + 1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before_kill, _ = metric_rows(run_dir)
+    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {checkpoint}" in resumed.stdout
+    after, _ = metric_rows(run_dir)
+    assert [m["step"] for m in after] == list(range(1, steps + 1))  # each step once, in order: no gap, no repeat
+    return before_kill, after
 
 
 def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path, arithmetic_tokenizer):
@@ -104,16 +124,7 @@ def test_resume_after_kill_9_redoes_the_same_steps_with_the_jax_sampler(tmp_path
     lora = ["model.lora.rank=4", "model.lora.alpha=16", "optim.learning_rate=1.0e-2"]
     short = ["train.steps=4", "checkpoint.every_steps=2"]
     cmd = recipe_command(run_dir, arithmetic_tokenizer, "rollout.sampler=jax", *short, *lora)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = run_until(cmd, env, run_dir, checkpoint=2, step=3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before_kill, _ = metric_rows(run_dir)
-    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "at step 2" in resumed.stdout
-    after, _ = metric_rows(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 5))  # each step once, in order: no gap, no repeat
+    before_kill, after = kill_9_and_resume(cmd, run_dir, steps=4)
     assert_redone_steps_match(before_kill, after, 2)
     # the sampler serves the adapted policy (its adapters moved: a sampler left on the base would drift away)
     assert all(m["mismatch/logp_gap_mean"] < 1e-5 for m in after), [m["mismatch/logp_gap_mean"] for m in after]

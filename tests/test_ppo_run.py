@@ -4,9 +4,6 @@ checkpoint holds both)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
-from tests.test_grpo_e2e import metric_rows, run_until
+from tests.test_grpo_e2e import assert_redone_steps_match, kill_9_and_resume, metric_rows
 
 pytestmark = pytest.mark.integration
 
@@ -96,20 +93,8 @@ def test_ppo_resumes_exactly_after_kill_9_with_the_jax_sampler_and_lora(tmp_path
         f"data.tokenizer_dir={arithmetic_tokenizer}", "rollout.sampler=jax", *LEARNABLE, "model.lora.rank=4",
         "model.lora.alpha=16", "train.steps=4", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = run_until(cmd, env, run_dir, checkpoint=2, step=3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before_kill, _ = metric_rows(run_dir)
-    resumed = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "at step 2" in resumed.stdout
-    after, _ = metric_rows(run_dir)
-    assert [m["step"] for m in after] == list(range(1, 5))
-    redone = [m for m in before_kill if m["step"] > 2]
-    assert redone
-    for old in redone:
-        new = after[old["step"] - 1]
-        for key in ("reward/mean", "loss", "value_loss", "value/mean", "returns/mean", "policy_version"):
-            assert new[key] == pytest.approx(old[key], abs=1e-6), (old["step"], key)
+    before_kill, after = kill_9_and_resume(cmd, run_dir, steps=4)
+    assert_redone_steps_match(
+        before_kill, after, 2, ("reward/mean", "loss", "value_loss", "value/mean", "returns/mean", "policy_version")
+    )
     assert after[-1]["value/mean"] != 0.0  # the critic's values moved from the zero head: resuming restored them
