@@ -310,13 +310,19 @@ class PPOMethod(PolicyGradient):
         config["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in config["architectures"]]
         config["num_labels"] = 1
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        weights = out / "model.safetensors"
-        if weights.exists():  # one file (a sharded critic's head would go in its index: not written yet)
-            tensors = load_file(str(weights))
-            dtype = next(iter(tensors.values())).dtype
-            tensors["score.weight"] = np.asarray(head["kernel"][...]).T.astype(dtype)
-            tensors["score.bias"] = np.asarray(head["bias"][...]).astype(dtype)
-            save_file(tensors, str(weights), metadata={"format": "pt"})
+        dtype = jnp.dtype(critic.backbone.cfg.param_dtype)
+        score = {
+            "score.weight": np.asarray(head["kernel"][...]).T.astype(dtype),
+            "score.bias": np.asarray(head["bias"][...]).astype(dtype),
+        }
+        weights, index = out / "model.safetensors", out / "model.safetensors.index.json"
+        if weights.exists():  # one file: the head joins it
+            save_file({**load_file(str(weights)), **score}, str(weights), metadata={"format": "pt"})
+        else:  # sharded: the head is a shard of its own, named in the index
+            save_file(score, str(out / "score.safetensors"), metadata={"format": "pt"})
+            table = json.loads(index.read_text())
+            table["weight_map"].update({name: "score.safetensors" for name in score})
+            index.write_text(json.dumps(table, indent=2))
 
 
 def _policy_part(update: Update) -> Update:

@@ -179,15 +179,22 @@ def test_the_critic_warms_up_alone_at_its_own_learning_rate():
     assert second["grad_norm"] > 0 and np.isfinite(second["loss"])
 
 
-def test_the_exported_critic_is_transformers_token_classification_model(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_exported_critic_is_transformers_token_classification_model(tmp_path, monkeypatch, sharded):
     """After two steps (the head is no longer zero), the critic exported beside the policy reads in
     `transformers.AutoModelForTokenClassification` (one label) and gives the critic's values: the logit at the
-    position before each completion token."""
+    position before each completion token. Sharded (small shards): the head is a shard of its own in the index."""
+    import functools
+
     import jax
     import torch
     from transformers import AutoModelForTokenClassification
 
+    import core.hf
     from posttrain.ppo import PPO
+
+    if sharded:
+        monkeypatch.setattr(core.hf, "save_hf", functools.partial(core.hf.save_hf, max_shard_bytes=200_000))
 
     learner, cfg = _learner("optim.learning_rate=1.0e-2")
     batch = _batch(cfg, np.random.default_rng(0))
@@ -198,6 +205,7 @@ def test_the_exported_critic_is_transformers_token_classification_model(tmp_path
     with jax.set_mesh(learner.mesh):
         ours = np.asarray(jax.jit(lambda c, p: c.values(p))(critic, batch.packed))
     assert np.abs(ours).max() > 1e-3  # values the check can tell apart
+    assert (tmp_path / "hf" / "critic" / "model.safetensors.index.json").exists() == sharded
     hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf" / "critic", torch_dtype=torch.float32)
     assert hf.config.num_labels == 1 and type(hf).__name__ == "Qwen2ForTokenClassification"
     packed = batch.packed
