@@ -66,13 +66,15 @@ def compile_method(cfg: Config, method: Method) -> str:
     """An offline method's update (`method.loss`) on its own example batch, compiled; XLA's memory analysis."""
     mesh = make_mesh(cfg.mesh)
     model = sharded_abstract_model(cfg, mesh)
+    total = cfg.train.steps * method.updates_per_step(cfg)
     learner = Learner(
         method.modules(cfg, model, mesh),
         mesh,
         method.loss(cfg),
         cfg.optim,
-        cfg.train.steps * method.updates_per_step(cfg),
+        total,
         cfg.run.seed,
         trainable=method.trainable(cfg),
+        optimizer=lambda params: method.optimizer(cfg, total, params),
     )
     return compile_update(cfg, learner, method.example_batch(cfg, batch_shards(mesh)), method.name)

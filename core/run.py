@@ -119,15 +119,17 @@ def build_run(cfg: Config, method: Method) -> Run:
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
+    total = cfg.train.steps * method.updates_per_step(cfg)
     learner = Learner(
         method.modules(cfg, model, mesh),
         mesh,
         method.loss(cfg),
         cfg.optim,
-        total_updates=cfg.train.steps,
+        total_updates=total,
         seed=cfg.run.seed,
         trainable=method.trainable(cfg),
         compile_ahead=cfg.compile.ahead,
+        optimizer=lambda params: method.optimizer(cfg, total, params),  # the method's, as on-policy
     )
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
     if parts.skipped:

@@ -1,6 +1,6 @@
 """PPO with a critic: a value model beside the policy, GAE advantages, the clipped value loss.
 
-    summary = fit(cfg, PPO)         # python -m recipes.grpo recipes/configs/ppo_tiny.yml (the sampling recipe)
+    summary = fit(cfg, PPO)         # python -m recipes.ppo [recipes/configs/ppo_tiny.yml] [key=value ...]
 
 A `posttrain.onpolicy.policy_gradient.PolicyGradient` method (the samplers, rewards, weight sync, the clipped
 policy objective `rl.loss.*`, `rl.batch.num_iterations` x `mini_batches` updates: everything GRPO trains with),
@@ -236,6 +236,11 @@ class PPOMethod(PolicyGradient):
                 f"PPO sums its value loss over the policy loss's tokens: rl.loss.loss_agg must be token-mean, not "
                 f"{cfg.rl.loss.loss_agg!r}"
             )
+        if cfg.rl.batch.dynamic_sampling:
+            raise ConfigError(
+                "rl.batch.dynamic_sampling drops groups whose rewards do not vary (GRPO's advantages): PPO's "
+                "advantages come from its critic, so set rl.batch.dynamic_sampling=false"
+            )
         if cfg.model.moe is not None:
             raise ConfigError("PPO's critic is a dense policy's copy: model.moe is not offered with PPO yet")
         updates = cfg.rl.batch.mini_batches * cfg.train.micro_batches
@@ -322,6 +327,7 @@ class PPOMethod(PolicyGradient):
             save_file(score, str(out / "score.safetensors"), metadata={"format": "pt"})
             table = json.loads(index.read_text())
             table["weight_map"].update({name: "score.safetensors" for name in score})
+            table["metadata"]["total_size"] += sum(int(v.nbytes) for v in score.values())
             index.write_text(json.dumps(table, indent=2))
 
 

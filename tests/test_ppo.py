@@ -98,6 +98,9 @@ def test_ppo_config_is_checked_before_anything_starts():
     cfg = load_config(PPO_TINY, ["reward.functions=[]"], schema=PostTrainConfig)
     with pytest.raises(ConfigError, match="PPO needs reward.functions"):
         PPO.check(cfg)
+    cfg = load_config(PPO_TINY, ["rl.batch.dynamic_sampling=true"], schema=PostTrainConfig)
+    with pytest.raises(ConfigError, match="set rl.batch.dynamic_sampling=false"):
+        PPO.check(cfg)
     with pytest.raises(ConfigError, match="ppo.nope"):
         load_config(PPO_TINY, ["ppo.nope=1"], schema=PostTrainConfig)
 
