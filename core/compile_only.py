@@ -24,6 +24,7 @@ from core.config import Config
 from core.learner import Learner
 from core.mesh import make_mesh
 from core.method import Method
+from core.method_learner import build_learner
 from core.models import Decoder, abstract_sharded_state
 from core.train import batch_shards
 
@@ -66,15 +67,5 @@ def compile_method(cfg: Config, method: Method) -> str:
     """An offline method's update (`method.loss`) on its own example batch, compiled; XLA's memory analysis."""
     mesh = make_mesh(cfg.mesh)
     model = sharded_abstract_model(cfg, mesh)
-    total = cfg.train.steps * method.updates_per_step(cfg)
-    learner = Learner(
-        method.modules(cfg, model, mesh),
-        mesh,
-        method.loss(cfg),
-        cfg.optim,
-        total,
-        cfg.run.seed,
-        trainable=method.trainable(cfg),
-        optimizer=lambda params: method.optimizer(cfg, total, params),
-    )
+    learner = build_learner(cfg, method, model, mesh, compile_ahead=False)
     return compile_update(cfg, learner, method.example_batch(cfg, batch_shards(mesh)), method.name)

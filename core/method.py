@@ -15,8 +15,8 @@ builds it builds from `cfg`). It says
   `modules` (the module tree: the model, or a `core.models.ModuleTree` holding it beside modules trained with it
   and frozen models), `trainable` (a Flax NNX filter: every parameter of the model, or its LoRA adapters),
   `loss`, `updates_per_step` (how many optimizer updates a step makes: the schedule counts them);
-- how a batch trains: `attach` builds, once beside the learner, what puts frozen models' values on a batch (a
-  reference's log-probs, a teacher's advantages) with the metrics they give; `updates` turns one batch into its
+- how a batch trains: `attach` builds, once beside the learner, what puts frozen models' values on a batch (their
+  log-probs, values made from them) with the metrics they give; `updates` turns one batch into its
   optimizer updates (GRPO's iterations x mini-batches; by default one, accumulated over `train.micro_batches`);
   `report` makes the step's typed `TrainStats` from them;
 - where its batches come from: a dataset (`parts`, `core.run.build_run`) or the samplers (`posttrain.onpolicy`).
@@ -105,7 +105,7 @@ class Method(Generic[B]):
 
     def optimizer(self, cfg: Any, total_updates: int, params: nnx.State) -> optax.GradientTransformation:
         """The optimizer over the trainable state `params`: `optim.*`'s; a method whose trainable parts each have
-        their own (a critic's learning rate and warm-up) builds it here."""
+        their own (a learning rate or a start of its own per part) builds it here."""
         return make_optimizer(cfg.optim, total_updates, params)
 
     # ------------------------------------------------------------------ how a batch trains
@@ -126,8 +126,8 @@ class Method(Generic[B]):
         return TrainStats({**updates[-1].metrics(), **attached})
 
     def export_beside(self, cfg: Any, learner: Learner, hf_dir: Path, tokenizer_dir: str | None) -> None:
-        """What the run's end exports beside the trained model's Hugging Face directory `hf_dir` (a critic, in a
-        directory of its own); by default nothing."""
+        """What the run's end exports beside the trained model's Hugging Face directory `hf_dir` (another trained
+        module of its tree, in a directory of its own); by default nothing."""
 
     # ------------------------------------------------------------------ a dataset's batches (offline methods)
 

@@ -29,6 +29,32 @@ from core.train import Update, batch_shards
 POLICY_VERSION = "policy_version"  # the checkpoint meta's key
 
 
+def build_learner(
+    cfg: Any,
+    method: Method,
+    model: Any,
+    mesh: Mesh,
+    tx: optax.GradientTransformation | None = None,
+    compile_ahead: bool | None = None,
+) -> Learner:
+    """The `Learner` of `method` on `model`: its module tree, loss, trainable filter and optimizer, the schedule
+    over `train.steps` x `Method.updates_per_step` (every run kind builds it here). `compile_ahead`: None reads
+    `compile.ahead`."""
+    total = cfg.train.steps * method.updates_per_step(cfg)
+    return Learner(
+        method.modules(cfg, model, mesh),
+        mesh,
+        method.loss(cfg),
+        cfg.optim,
+        total_updates=total,
+        seed=cfg.run.seed,
+        tx=tx,
+        trainable=method.trainable(cfg),
+        compile_ahead=cfg.compile.ahead if compile_ahead is None else compile_ahead,
+        optimizer=lambda params: method.optimizer(cfg, total, params),
+    )
+
+
 class MethodLearner:
     """The method's `Learner`, its attached values and its step (module docstring)."""
 
@@ -43,19 +69,7 @@ class MethodLearner:
         """`model`: the initial model on `mesh` (`core.checkpoint_models.initial_model`); `tx` replaces the
         optimizer `cfg.optim` describes (e.g. one that records gradients, in tests)."""
         self.cfg, self.method, self.mesh = cfg, method, mesh
-        total = cfg.train.steps * method.updates_per_step(cfg)
-        self.learner = Learner(
-            method.modules(cfg, model, mesh),
-            mesh,
-            method.loss(cfg),
-            cfg.optim,
-            total_updates=total,
-            seed=cfg.run.seed,
-            tx=tx,
-            trainable=method.trainable(cfg),
-            compile_ahead=cfg.compile.ahead,
-            optimizer=lambda params: method.optimizer(cfg, total, params),
-        )
+        self.learner = build_learner(cfg, method, model, mesh, tx)
         self.attach = method.attach(cfg, self.learner)
         self.version = 0  # steps trained (what samplers tag their completions with)
         self.skipped_updates = 0  # non-finite loss or gradient (train.nan_policy=skip)

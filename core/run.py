@@ -31,6 +31,7 @@ from core.goodput import RunStart
 from core.learner import Learner
 from core.loop import Hook
 from core.method import Method
+from core.method_learner import build_learner
 from core.train import TrainState
 from core.train_loop import Evaluation, Prepare, TrainLoop, as_is
 
@@ -119,18 +120,7 @@ def build_run(cfg: Config, method: Method) -> Run:
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
-    total = cfg.train.steps * method.updates_per_step(cfg)
-    learner = Learner(
-        method.modules(cfg, model, mesh),
-        mesh,
-        method.loss(cfg),
-        cfg.optim,
-        total_updates=total,
-        seed=cfg.run.seed,
-        trainable=method.trainable(cfg),
-        compile_ahead=cfg.compile.ahead,
-        optimizer=lambda params: method.optimizer(cfg, total, params),  # the method's, as on-policy
-    )
+    learner = build_learner(cfg, method, model, mesh)
     parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
     if parts.skipped:
         print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
