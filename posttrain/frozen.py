@@ -82,6 +82,13 @@ def grouped_logprobs(fn: LogprobPass, model: Decoder, batch: PackedBatch, mesh: 
     return np.concatenate(out).astype(np.float32)
 
 
+def copied(model: Decoder, mesh: Mesh) -> Decoder:
+    """`model` with its own copy of every array, on `mesh` (what a learner donates stays the learner's)."""
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+
+
 @dataclass
 class FrozenModel:
     """A model whose parameters never change, on the trainer mesh, and its jitted log-prob pass."""
@@ -95,10 +102,7 @@ class FrozenModel:
     @classmethod
     def copy_of(cls, model: Decoder, mesh: Mesh, name: str, temperature: float = 1.0) -> FrozenModel:
         """A frozen copy of `model`'s parameters (a learner's next update donates its own buffers)."""
-        graphdef, state = nnx.split(model)
-        with jax.set_mesh(mesh):
-            copied = jax.tree.map(jnp.copy, state)
-        return cls(name, nnx.merge(graphdef, copied), mesh, LogprobPass(temperature), model.cfg)
+        return cls(name, copied(model, mesh), mesh, LogprobPass(temperature), model.cfg)
 
     @classmethod
     def start_of(cls, learner: Learner, name: str = "reference", temperature: float = 1.0) -> FrozenModel:

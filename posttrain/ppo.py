@@ -51,7 +51,7 @@ from core.targets import target_states
 from core.train import LossOutput, Update
 from posttrain.advantages import Advantages
 from posttrain.config import PostTrainConfig
-from posttrain.frozen import LogprobPass, grouped_logprobs
+from posttrain.frozen import LogprobPass, copied, grouped_logprobs
 from posttrain.grpo import rl_batch
 from posttrain.onpolicy.method import SampleContext
 from posttrain.onpolicy.policy_gradient import PolicyGradient, UpdateSums, loss_settings, policy_objective
@@ -253,10 +253,7 @@ class PPOMethod(PolicyGradient):
     # ------------------------------------------------------------------ what trains
 
     def modules(self, cfg: PostTrainConfig, model: Decoder, mesh: Mesh) -> PPOModules:
-        graphdef, state = nnx.split(model)
-        with jax.set_mesh(mesh):
-            backbone = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # the policy's starting weights
-        return PPOModules(model, Critic(backbone, mesh, cfg.run.seed))
+        return PPOModules(model, Critic(copied(model, mesh), mesh, cfg.run.seed))  # the policy's starting weights
 
     def trainable(self, cfg: PostTrainConfig) -> Any:
         """The policy's and the critic's backbone's own (every parameter, or their LoRA adapters), and the head."""

@@ -215,7 +215,7 @@ def test_the_longest_pair_the_samplers_can_produce_trains_in_one_row():
     ]
     rewards = np.array([1.0, 0.5, 0.2, 0.0], np.float32)
     scored = Scored([{"question": "q"}], samples, RewardBatch(rewards, {"r": rewards}, {"r": rewards != rewards}), None)
-    data = ONLINE_DPO.from_samples(cfg, scored, SampleContext(1, row_len, 1, "", more=lambda: scored))
+    data = ONLINE_DPO.from_samples(cfg, scored, SampleContext(1, row_len, 1, None, more=lambda: scored))
     assert data.metrics["pairs"] == 1 and data.batch is not None
     segment = np.asarray(data.batch.packed.segment_ids)
     assert row_len == 2048 and segment.shape[1] == 2048 and int((segment > 0).sum()) == 512 + 768 + 768

@@ -119,7 +119,7 @@ def _batch(cfg, rng, n=8):
     ]
     rewards = (np.arange(n) % 2).astype(np.float32)
     scored = Scored([{"question": "q"}], comps, RewardBatch(rewards, {"r": rewards}, {"r": rewards != rewards}), None)
-    return PPO.from_samples(cfg, scored, SampleContext(1, 32, 1, "", more=lambda: scored)).batch
+    return PPO.from_samples(cfg, scored, SampleContext(1, 32, 1, None, more=lambda: scored)).batch
 
 
 def _learner(*overrides):

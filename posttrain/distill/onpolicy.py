@@ -232,7 +232,7 @@ def gkd_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepD
     d, rl = cfg.distill, cfg.rl
     on_policy = bool(np.random.default_rng(sample_seed(cfg.run.seed, ctx.step)).random() < d.lmbda)
     if not on_policy:
-        scored = Scored(scored.rows, dataset_completions(cfg, scored, ctx.tokenizer()), None, None)
+        scored = Scored(scored.rows, dataset_completions(cfg, scored, ctx.tokenizer), None, None)
     packed = build_rl_batch(
         scored.completions,
         np.zeros(len(scored.completions), np.float32),

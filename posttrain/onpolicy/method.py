@@ -34,13 +34,8 @@ class SampleContext:
     step: int  # the step being trained (1-based)
     row_len: int  # tokens a packed trainer row holds (`SamplingMethod.row_length`)
     row_multiple: int  # the trainer's data-parallel size: packed row counts are a multiple of it
-    tokenizer_dir: str
+    tokenizer: Any  # the run's, read once
     more: Callable[[], Scored]  # another request of the prompt stream's next prompts, sampled and scored
-
-    def tokenizer(self) -> Any:
-        from core.data import load_tokenizer
-
-        return load_tokenizer(self.tokenizer_dir)
 
 
 class SamplingMethod(Method[B]):

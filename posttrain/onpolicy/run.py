@@ -109,10 +109,11 @@ class OnPolicyRun(Loop):
         self.train_rows, self.eval_rows = prompt_rows(cfg)
         self.tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(self.train_rows))
         check_tokenizer_template(self.tokenizer_dir, rl.use_chat_template)
-        method.check_tokenizer(cfg, load_tokenizer(self.tokenizer_dir))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)  # read once: the checks, the stops, the method's batches
+        method.check_tokenizer(cfg, self.tokenizer)
         # Chat prompts and episodes: a completion (a turn) ends on the template's end of turn, not only on EOS.
         chat = rl.use_chat_template or rl.agent is not None
-        self.turn_stops = turn_stop_ids(load_tokenizer(self.tokenizer_dir)) if chat else ()
+        self.turn_stops = turn_stop_ids(self.tokenizer) if chat else ()
         self.stream = PromptStream(
             self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
@@ -258,7 +259,7 @@ class OnPolicyRun(Loop):
             step,
             self.row_len,
             self.row_multiple,
-            self.tokenizer_dir,
+            self.tokenizer,
             lambda: self._score(self._submit(next(self.stream))),
         )
         data = self.method.from_samples(self.cfg, self._score(request), ctx)
