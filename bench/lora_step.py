@@ -149,7 +149,8 @@ def grpo_step(hf: Path, args, rank: int) -> dict:
     from core.models.adapters import add_adapters
     from posttrain.advantages import group_advantages
     from posttrain.config import PostTrainConfig
-    from posttrain.grpo import GRPO, rl_batch
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.policy_gradient import rl_batch
     from rollout.sampler import Completion
 
     cfg = load_config(

@@ -24,8 +24,8 @@ from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.method import SampleContext
-from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens, mini_batch, updates_per_step
-from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
+from posttrain.onpolicy.policy_gradient import PolicyGradient, mini_batch, rl_batch, updates_per_step
+from posttrain.onpolicy.rl_batch import RLBatch
 from posttrain.onpolicy.step import Scored, StepData
 from rewards.runner import RewardBatch
 from rollout.sampler import Completion
@@ -136,34 +136,3 @@ def refill(
         episodes,
     )
     return kept, advantages(cfg, rewards), rounds
-
-
-def rl_batch(
-    cfg: PostTrainConfig,
-    completions: list[Completion],
-    adv: Advantages,
-    row_len: int,
-    row_multiple: int,
-    choose_rows: Callable[[int], int] | None = None,
-) -> RLBatch:
-    """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts a multiple
-    of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled)."""
-    rl = cfg.rl
-    if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
-        longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
-        row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
-    return build_rl_batch(
-        completions,
-        adv.values,
-        adv.keep,
-        row_len=row_len,
-        max_tokens=completion_tokens(cfg),
-        groups=rl.batch.mini_batches * cfg.train.micro_batches,
-        row_multiple=row_multiple,
-        pack=rl.batch.pack_sequences,
-        share_prompts=rl.batch.share_prompts,
-        mask_truncated=rl.loss.mask_truncated,
-        choose_rows=choose_rows,
-        kl_keep=adv.trainable if rl.loss.kl_every_token else None,
-        replay=rl.router_replay == "replay",
-    )

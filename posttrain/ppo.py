@@ -52,9 +52,8 @@ from core.train import LossOutput, Update
 from posttrain.advantages import Advantages
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import LogprobPass, copied, grouped_logprobs
-from posttrain.grpo import rl_batch
 from posttrain.onpolicy.method import SampleContext
-from posttrain.onpolicy.policy_gradient import PolicyGradient, UpdateSums, loss_settings, policy_objective
+from posttrain.onpolicy.policy_gradient import PolicyGradient, UpdateSums, loss_settings, policy_objective, rl_batch
 from posttrain.onpolicy.rl_batch import RLBatch
 from posttrain.onpolicy.step import Scored, StepData
 

@@ -15,7 +15,7 @@ pass up front. Its statistics come back typed (`PolicyStats`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -32,11 +32,13 @@ from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
 from core.train import LossOutput, Update
+from posttrain.advantages import Advantages
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.method import SamplingMethod
-from posttrain.onpolicy.rl_batch import RLBatch
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
+from rollout.sampler import Completion
 
 # ------------------------------------------------------------------ the objective
 
@@ -195,6 +197,37 @@ def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:
 def updates_per_step(cfg: PostTrainConfig) -> int:
     """Optimizer updates on each rollout batch: `rl.batch.num_iterations` passes of `mini_batches` each."""
     return cfg.rl.batch.num_iterations * cfg.rl.batch.mini_batches
+
+
+def rl_batch(
+    cfg: PostTrainConfig,
+    completions: list[Completion],
+    adv: Advantages,
+    row_len: int,
+    row_multiple: int,
+    choose_rows: Callable[[int], int] | None = None,
+) -> RLBatch:
+    """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts a multiple
+    of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled)."""
+    rl = cfg.rl
+    if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
+        longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+        row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
+    return build_rl_batch(
+        completions,
+        adv.values,
+        adv.keep,
+        row_len=row_len,
+        max_tokens=completion_tokens(cfg),
+        groups=rl.batch.mini_batches * cfg.train.micro_batches,
+        row_multiple=row_multiple,
+        pack=rl.batch.pack_sequences,
+        share_prompts=rl.batch.share_prompts,
+        mask_truncated=rl.loss.mask_truncated,
+        choose_rows=choose_rows,
+        kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        replay=rl.router_replay == "replay",
+    )
 
 
 @dataclass
