@@ -330,6 +330,15 @@ def to_data_batch(rows: dict[str, np.ndarray], micro_batches: int) -> DataBatch:
 # ---------------------------------------------------------------- pipelines
 
 
+def epochs(n: int, *, seed: int, shuffle: bool = True) -> grain.MapDataset:
+    """Indices 0..n-1 forever, each epoch a fresh permutation of them (seeded) or in order: every training
+    pipeline's order (rows, pairs, prompts)."""
+    ds = grain.MapDataset.range(n)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
+
+
 @dataclass
 class Pipeline:
     """A batched Grain dataset of one split, and the source rows it holds."""
@@ -365,11 +374,8 @@ def make_pipeline(
     if not usable:
         raise DataSourceError(f"{examples.source}: the {split} split is empty (data.eval_fraction={cfg.eval_fraction})")
     by_row = examples.by_row
-    ds = grain.MapDataset.source(usable)
-    if split == "train":
-        if cfg.shuffle:
-            ds = ds.shuffle(seed=cfg.seed)
-        ds = ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
+    order = epochs(len(usable), seed=cfg.seed, shuffle=cfg.shuffle) if split == "train" else None
+    ds = grain.MapDataset.source(usable) if order is None else order.map(lambda k: usable[k])
     it = ds.map(lambda i: _element(i, by_row[i])).to_iter_dataset()
     if cfg.packing and split == "train":
         lengths = {"tokens": cfg.seq_len, "loss_mask": cfg.seq_len, "example_ids": cfg.seq_len}

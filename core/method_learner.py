@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from core.checkpoint import Checkpointer
 from core.learner import Learner, apply_nan_policy
 from core.method import Method, TrainStats
-from core.train import Update, batch_shards
+from core.train import LossOutput, Update, batch_shards
 
 POLICY_VERSION = "policy_version"  # the checkpoint meta's key
 
@@ -104,16 +104,26 @@ class MethodLearner:
         }
         return TrainStats({**stats.metrics, **counts}, stats.line)
 
+    def evaluate(self, batch: Any) -> LossOutput:
+        """The loss's output on a held-out batch (one packing group) with the attached values, no update."""
+        return self.learner.evaluate(self.attach(batch)[0])
+
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, checkpointer: Checkpointer, step: int, extra: dict) -> None:
-        self.learner.save(checkpointer, self.cfg, extra={**extra, POLICY_VERSION: self.version}, step=step)
+    def save(self, checkpointer: Checkpointer, step: int, extra: dict, data_iterator: Any = None) -> None:
+        """A checkpoint at `step` of the state, the policy version, `extra` and a dataset's position
+        (`data_iterator`: `core.batch_source.DatasetSource.state`)."""
+        meta = {**extra, POLICY_VERSION: self.version}
+        self.learner.save(checkpointer, self.cfg, data_iterator, extra=meta, step=step)
 
-    def restore_latest(self, checkpointer: Checkpointer) -> tuple[int, dict] | None:
-        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None."""
-        restored = self.learner.restore_latest(checkpointer, self.cfg)
+    def restore_latest(self, checkpointer: Checkpointer, data_iterator: Any = None) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores whole (a corrupt one is moved aside), or None; the
+        dataset's position into `data_iterator`."""
+        restored = self.learner.restore_latest(checkpointer, self.cfg, data_iterator)
         if restored is not None:
-            self.version = int(restored[1][POLICY_VERSION])
+            step, meta = restored
+            # A dataset run's checkpoint from before the one trainer has no version: it trained one per step.
+            self.version = int(meta.get(POLICY_VERSION, step))
         return restored
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None) -> Path:

@@ -1,4 +1,4 @@
-"""One builder for every offline method: mesh, tokenizer, model, learner, loop, evaluation, export.
+"""One builder for every dataset method: mesh, tokenizer, model, trainer, source, loop, evaluation, export.
 
     run = build_run(cfg, method)        # core.pretrain.PRETRAINING, posttrain.sft.SFT, posttrain.dpo.offline.DPO,
                                         # posttrain.distill.method.DISTILL
@@ -6,12 +6,13 @@
 
 A method is a `core.method.Method` (the one contract every method writes): its loss, module tree and trainable
 filter, what it checks, and here its parts given the built run (`parts(RunContext) -> MethodParts`: the training
-pipeline, the held-out evaluation, `prepare` (frozen models' values attached to a batch) and hooks of its own),
-and the batch compile-only compiles its update for (`example_batch`). Everything else is here, once: the mesh
-from `mesh.*`; the rows of `data.source`; the tokenizer (`core.tokenizer.run_tokenizer`); the model from
+pipeline, the held-out evaluation, `prepare` (what the loss reads of a pipeline item, from data the run holds) and
+hooks of its own), and the batch compile-only compiles its update for (`example_batch`). Everything else is here,
+once: the mesh from `mesh.*`; the rows of `data.source`; the tokenizer (`core.tokenizer.run_tokenizer`); the model from
 `checkpoint.init_from` (its shape wins over `model.*`; adapters added with `model.lora`) or a random init; the
-vocabulary check; the `core.learner.Learner` on the method's loss and tree; the `core.train_loop.TrainLoop` with
-its checkpoints, exact resume, NaN policy, metrics and Hugging Face export.
+vocabulary check; the method's trainer (`core.method_learner.MethodLearner`, as an on-policy run's: its learner,
+attached values, updates, NaN policy and export); its pipeline as a `core.batch_source.DatasetSource`; the
+`core.train_loop.TrainLoop` with its checkpoints, exact resume and metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from core.batch_source import DatasetSource, Prepare, as_is
 from core.compile_cache import use_compile_cache
 from core.config import Config, resolve_mesh_shape
 from core.config_loader import ConfigError
@@ -31,9 +33,9 @@ from core.goodput import RunStart
 from core.learner import Learner
 from core.loop import Hook
 from core.method import Method
-from core.method_learner import build_learner
+from core.method_learner import MethodLearner
 from core.train import TrainState
-from core.train_loop import Evaluation, Prepare, TrainLoop, as_is
+from core.train_loop import Evaluation, TrainLoop
 
 
 @dataclass
@@ -54,7 +56,9 @@ class MethodParts:
 
     train: Iterable[DataBatch]  # training batches, forever; a Grain iterator (its position is checkpointed)
     evaluation: Evaluation | None = None  # the held-out split (None: no data.eval_fraction)
-    prepare: Prepare = as_is  # (batch, packing groups) -> what the loss reads
+    # (batch, packing groups) -> what the loss reads, from data the run holds (stored values gathered by example
+    # id); a frozen model's values are `Method.attach`'s
+    prepare: Prepare = as_is
     hooks: Sequence[Hook] = ()  # the method's own cadence (SFT's greedy generations)
     skipped: list[str] = field(default_factory=list)  # rows left out (data.skip_malformed), described
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)
@@ -120,8 +124,8 @@ def build_run(cfg: Config, method: Method) -> Run:
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
     if cfg.mesh.debug_sharding:
         print(parameter_summary(model))
-    learner = build_learner(cfg, method, model, mesh)
-    parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, learner))
+    trainer = MethodLearner(cfg, method, model, mesh)
+    parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, trainer.learner))
     if parts.skipped:
         print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
     for note in parts.notes:
@@ -129,11 +133,10 @@ def build_run(cfg: Config, method: Method) -> Run:
     print(device_memory() + f" (after model init: {method.name})")
     loop = TrainLoop(
         cfg,
-        learner,
-        parts.train,
+        trainer,
+        DatasetSource(parts.train, parts.prepare, cfg.train.micro_batches),
         evaluation=parts.evaluation,
         tokenizer_dir=tokenizer_dir,
-        prepare=parts.prepare,
         hooks=parts.hooks,
         console=parts.console,
         started=started,

@@ -1,13 +1,14 @@
-"""The offline kind of run: a dataset pipeline's batches, one `core.learner.Learner` update each, in the one loop
-(`core.loop.Loop`).
+"""The dataset kind of run: a dataset's batches (`core.batch_source.DatasetSource`), one step of the method's
+trainer (`core.method_learner.MethodLearner`) each, in the one loop (`core.loop.Loop`).
 
-    loop = TrainLoop(cfg, learner, train_data, evaluation=Evaluation(...), prepare=..., hooks=[...])
+    loop = TrainLoop(cfg, MethodLearner(cfg, SFT, model, mesh), DatasetSource(pipeline), evaluation=Evaluation(...))
     loop.fit()
 
-`data.*`'s pipeline yields `core.data.DataBatch`es, the method's `prepare` turns each into what its loss reads
-(attaching a frozen model's log-probs, say; default: the batch itself), the learner trains on it; the held-out
-evaluation reports the loss's own sums as means over the split (`Evaluation`). A restart on the same `run.run_dir`
-resumes from the latest checkpoint that restores (parameters, optimizer, step, RNG and data-iterator position).
+The source yields what the method's loss reads; the trainer attaches its frozen models' values
+(`Method.attach`), makes the method's updates (each under `train.nan_policy`) and reports; the held-out evaluation
+reports the loss's own sums as means over the split (`Evaluation`); the end exports the model and what the method
+exports beside it. A restart on the same `run.run_dir` resumes from the latest checkpoint that restores
+(parameters, optimizer, step, RNG, policy version and the data iterator's position).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from core.batch_source import DatasetSource
 from core.checkpoint import Checkpointer
 from core.config import Config
 from core.config_loader import save_config
 from core.data import DataBatch
 from core.goodput import RunStart
-from core.learner import Learner, apply_nan_policy
 from core.loop import Hook, Loop, Plot
+from core.method_learner import MethodLearner
 from core.metrics import (
     MetricsLogger,
     device_memory,
@@ -41,18 +43,10 @@ from core.models import param_count
 from core.sums import combine, means
 from core.train import TrainState
 
-# (a pipeline's item, the packing groups its rows form: train.micro_batches when training, 1 when evaluating)
-# -> what the method's loss reads.
-Prepare = Callable[[DataBatch, int], Any]
-
-
-def as_is(data: DataBatch, groups: int) -> Any:
-    return data.batch
-
 
 @dataclass
 class Evaluation:
-    """The held-out evaluation of an offline method: one pass over `batches()`, each prepared as for training,
+    """The held-out evaluation of a dataset method: one pass over `batches()`, each prepared as for training,
     the loss and every sum the loss reports as means over the split (`eval/loss`, `eval/<metric>`), plus what
     `derive` computes from those means (the perplexity of a next-token loss)."""
 
@@ -61,43 +55,41 @@ class Evaluation:
 
 
 class TrainLoop(Loop):
-    """The offline kind of run: a dataset's batches, one learner update each."""
+    """The dataset kind of run: a dataset's batches, one step of the method's trainer each."""
 
     plots = (Plot(("loss", "eval/loss"), "loss.png", "loss"),)
 
     def __init__(
         self,
         cfg: Config,
-        learner: Learner,
-        train_data: Iterable,
+        trainer: MethodLearner,
+        source: DatasetSource,
         *,
         evaluation: Evaluation | None = None,
         tokenizer_dir: str | None = None,
         on_batch: Callable[[int, object], None] | None = None,
-        prepare: Prepare = as_is,
         hooks: Sequence[Hook] = (),
         console: dict[str, str] | None = None,
         started: RunStart | None = None,
     ):
-        """`on_batch(step, data_batch)` sees every batch before its step (data inspection, debugging);
-        `prepare(data_batch, groups)` turns it into what the learner trains on (default: its `.batch`), inside the
-        timed step (DPO attaches the reference's log-probs there); `hooks` run after the built-in log, eval and
-        checkpoint hooks; `console` names the method's metrics the console line shows (key -> label); `started`: when
-        the run began to be built (`Loop`)."""
-        self.learner = learner
-        self.mesh = learner.mesh
+        """`on_batch(step, data_batch)` sees every pipeline item before its step (data inspection, debugging);
+        the source's `prepare` runs inside the timed step; `hooks` run after the built-in log, eval and checkpoint
+        hooks; `console` names the method's metrics the console line shows (key -> label); `started`: when the run
+        began to be built (`Loop`)."""
+        self.trainer = trainer
+        self.learner = trainer.learner  # the core.learner.Learner: the model, its state
+        self.mesh = trainer.mesh
         self.tokenizer_dir = tokenizer_dir
         self.evaluation = evaluation
         self.on_batch = on_batch
-        self.prepare = prepare
+        self.source = source
         run_dir = Path(cfg.run.run_dir)
         save_config(cfg, run_dir)
-        self.data_iter = iter(train_data)
         self.ckpt = None
         start = 0
         if cfg.checkpoint.enabled:
             self.ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            restored = learner.restore_latest(self.ckpt, cfg, self.data_iter)
+            restored = trainer.restore_latest(self.ckpt, source.state)
             if restored is not None:
                 start = restored[0]
                 print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
@@ -108,7 +100,7 @@ class TrainLoop(Loop):
         print(device_memory() + " (after model and optimizer load)", flush=True)
         update_run_info(
             run_dir,
-            param_count=param_count(learner.model()),
+            param_count=param_count(trainer.model()),
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops,
             peak_source=peak_source,
@@ -117,43 +109,41 @@ class TrainLoop(Loop):
             versions=library_versions(),
         )
         self._window: list[dict] = []
-        self._compiled = False
 
     @property
     def state(self) -> TrainState:
         return self.learner.state
 
     def train_step(self, step: int) -> None:
-        data = next(self.data_iter)
+        data = self.source.next_item()
         if self.on_batch is not None:
             self.on_batch(step, data)
-        micro = self.cfg.train.micro_batches
+        skipped_before = self.trainer.skipped_updates
         start = time.perf_counter()
-        batch = self.prepare(data, micro)
-        prepare_seconds = time.perf_counter() - start
-        if not self._compiled:  # compile time is not step time
-            print(self.learner.compile(batch, micro), flush=True)
-            self._compiled = True
-        start = time.perf_counter()
-        update = self.learner.update(batch, micro)
-        seconds = time.perf_counter() - start + prepare_seconds
+        batch = self.source.prepare(data)
+        stats = self.trainer.train(batch)  # attach -> the method's updates (under train.nan_policy) -> its report
+        self.source.after_update(self.trainer)
+        compiled = self.step_compile()
+        if compiled.compiles and self.learner.last_compile:
+            print(self.learner.last_compile, flush=True)  # XLA's memory analysis of the step's new program
+        seconds = max(time.perf_counter() - start - compiled.seconds, 1e-9)  # compile time is not step time
         n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
         flops = self.flops_per_token * n_tokens / seconds
+        counts = ("skipped_updates", "empty_updates", "time/update_s")  # the trainer's: step_seconds says it here
         metrics = {
-            **update.metrics(),
-            "skipped": float(not update.finite),
+            **{k: v for k, v in stats.metrics.items() if k not in counts},
+            "skipped": float(self.trainer.skipped_updates > skipped_before),
             "step_seconds": seconds,
             "tokens_per_s": n_tokens / seconds,
             "tflops_per_s": flops / 1e12,
             "mfu": flops / (self.peak_flops * jax.device_count()),
-            **self.step_compile().metrics(),
+            **compiled.metrics(),
         }
         if step == self.start_step + 1:
             line = device_memory()
             print(line + " (after the first step)", flush=True)
             update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
         self._window.append(metrics)
-        apply_nan_policy(update, self.cfg.train.nan_policy, f"step {step}")
 
     def log(self, step: int) -> None:
         window, self._window = self._window, []
@@ -176,7 +166,7 @@ class TrainLoop(Loop):
         assert self.evaluation is not None  # the hook is registered only with one
         total, denominator, sums = 0.0, 0.0, None
         for data in self.evaluation.batches():
-            out = self.learner.evaluate(self.prepare(data, 1))
+            out = self.trainer.evaluate(self.source.prepare(data, 1))
             total += out.total
             denominator += out.denominator
             sums = out.sums if sums is None else combine(sums, out.sums)
@@ -187,7 +177,7 @@ class TrainLoop(Loop):
 
     def save(self, step: int) -> None:
         assert self.ckpt is not None
-        self.learner.save(self.ckpt, self.cfg, self.data_iter)
+        self.trainer.save(self.ckpt, step, {}, self.source.state)
 
     def saved_step(self) -> int | None:
         return None if self.ckpt is None else self.ckpt.latest_step()
@@ -195,7 +185,7 @@ class TrainLoop(Loop):
     def export(self) -> Path | None:
         if self.ckpt:
             self.ckpt.wait()
-        return self.learner.export_hf(self.run_dir / "hf", self.tokenizer_dir, self.cfg.checkpoint.init_from)
+        return self.trainer.export(self.run_dir / "hf", self.tokenizer_dir)
 
     def flush_log(self, step: int) -> None:
         if self._window:

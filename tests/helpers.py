@@ -76,3 +76,10 @@ def pipeline(
     rows = TextRows() if cfg.format == "text" else row_format(cfg.format, completion_only)
     examples = tokenize_examples(records, rows, load_tokenizer(tokenizer_dir), cfg)
     return make_pipeline(examples, cfg, batch_size, split=split, micro_batches=micro_batches, row_multiple=row_multiple)
+
+
+def next_loss_batch(run):
+    """The next batch of a built dataset run (`core.run.build_run`) as the method's loss reads it: the source's
+    item, prepared, with what the method attaches (a live reference's log-probs)."""
+    loop = run.loop
+    return loop.trainer.attach(loop.source.next())[0]

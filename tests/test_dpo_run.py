@@ -12,6 +12,7 @@ import pytest
 
 from core.config_loader import config_from_argv
 from posttrain.config import PostTrainConfig
+from tests.helpers import next_loss_batch
 
 TINY = [
     "model.hidden_size=64",
@@ -178,8 +179,7 @@ def test_reference_free_losses_load_no_reference(tmp_path, arithmetic_tokenizer)
     run = build_run(cfg, DPO)
     assert any(note.startswith("reference: none") for note in run.parts.notes)
     assert not (tmp_path / "run" / "reference_logps.npz").exists()
-    item = next(run.loop.data_iter)
-    batch = run.loop.prepare(item, cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     assert batch.ref_chosen is None and batch.ref_rejected is None
     update = run.loop.learner.update(batch, cfg.train.micro_batches)
     assert update.finite and np.isfinite(update.loss)
@@ -216,14 +216,14 @@ def test_a_changed_checkpoint_behind_the_same_path_recomputes_the_stored_referen
 
     checkpoint(seed=0)
     first = build()
-    stored = first.parts.prepare(next(first.loop.data_iter), 2)
+    stored = first.loop.source.next()
     assert (tmp_path / "run" / "reference_logps.npz").exists()
     capsys.readouterr()
     again = build()
     assert "reference_logps.npz: read 64 sequences' values" in capsys.readouterr().out  # not recomputed
-    assert again.parts.prepare(next(again.loop.data_iter), 2).ref_chosen.tolist() == stored.ref_chosen.tolist()
+    assert again.loop.source.next().ref_chosen.tolist() == stored.ref_chosen.tolist()
     checkpoint(seed=1)  # other weights, the same path
     changed = build()
     assert "computed for other data or other weights; recomputing" in capsys.readouterr().out
-    recomputed = changed.parts.prepare(next(changed.loop.data_iter), 2)
+    recomputed = changed.loop.source.next()
     assert not np.allclose(recomputed.ref_chosen, stored.ref_chosen)

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from core.batch_source import DatasetSource
 from core.config_loader import load_config
 from core.data import DataBatch
-from core.learner import Learner
 from core.loop import NonFiniteLoss
 from core.losses import nll_loss, perplexity
 from core.mesh import make_mesh
+from core.method import Method
+from core.method_learner import MethodLearner
 from core.models import create_model
 from core.train import LossOutput
 from core.train_loop import Evaluation, TrainLoop
@@ -57,12 +59,31 @@ def trainer(cfg, tokenizer, loss_fn=nll_loss, on_batch=None, poison=False):
     the POISON token, inside the (checkpointable) Grain pipeline."""
     mesh = make_mesh(cfg.mesh)
     model = create_model(cfg.model, mesh)
-    learner = Learner(model, mesh, loss_fn, cfg.optim, total_updates=cfg.train.steps, seed=cfg.run.seed)
     data = pipeline(RECORDS, cfg.data, cfg.train.batch_size, tokenizer)
     if poison:
         data.dataset = data.dataset.map(poisoned)
     held = Evaluation(lambda: pipeline(RECORDS, cfg.data, cfg.train.batch_size, tokenizer, split="eval"), perplexity)
-    return TrainLoop(cfg, learner, data, evaluation=held, tokenizer_dir=tokenizer, on_batch=on_batch)
+    method = LossOnly(loss_fn)
+    return TrainLoop(
+        cfg,
+        MethodLearner(cfg, method, model, mesh),
+        DatasetSource(data),
+        evaluation=held,
+        tokenizer_dir=tokenizer,
+        on_batch=on_batch,
+    )
+
+
+class LossOnly(Method):
+    """A method that is its loss alone (the contract's defaults for the rest)."""
+
+    name = "pretraining"
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def loss(self, cfg):
+        return self.loss_fn
 
 
 def poisoned(data: DataBatch) -> DataBatch:

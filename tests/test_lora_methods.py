@@ -12,6 +12,7 @@ from core.config_loader import load_config
 from core.mesh import single_device_mesh
 from core.models import create_model
 from posttrain.config import PostTrainConfig
+from tests.helpers import next_loss_batch
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
@@ -134,8 +135,7 @@ def test_offline_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path, ari
     learner = run.loop.learner
     adapters_only(learner)
     assert any("LoRA adapters off" in note for note in run.parts.notes)
-    data = next(run.loop.data_iter)
-    batch = run.loop.prepare(data, cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     model = learner.model()
     # an independent reference: the base alone, a Decoder without adapters, built from the learner's frozen state
     base = FrozenModel.copy_of(adapters_off(model), learner.mesh, "base")
@@ -147,7 +147,7 @@ def test_offline_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path, ari
     assert update.applied and update.grad_norm > 0 and same(before, learner.rest)
     # After the update the adapters are no longer zero, so "adapters off" and "adapters on" differ: the next
     # batch's reference must still be the base's log-probs, not the trained policy's.
-    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     model = learner.model()
     base = FrozenModel.copy_of(adapters_off(model), learner.mesh, "base").logprobs(batch.packed).sum(axis=-1)
     policy = FrozenModel.copy_of(model, learner.mesh, "policy").logprobs(batch.packed).sum(axis=-1)
@@ -321,7 +321,7 @@ def test_offline_and_online_distillation_train_the_students_adapters_and_project
     trained = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(learner.params)}
     assert any(p.startswith("projections.") for p in trained) == (regime == "online")
     base = frozen_base(learner)
-    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     update = learner.update(batch, cfg.train.micro_batches)
     assert update.applied and update.grad_norm > 0 and same(base, learner.rest)
     run.parts.closers and [close() for close in run.parts.closers]

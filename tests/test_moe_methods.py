@@ -14,6 +14,7 @@ from core.hf import load_hf
 from core.metrics import read_metrics
 from core.run import build_run
 from posttrain.config import PostTrainConfig
+from tests.helpers import next_loss_batch
 from tests.test_lora_methods import _policy_model, distill_batch
 
 ROUTER = ("moe/load_balance_loss", "moe/z_loss", "moe/expert_load_max", "moe/expert_load_min", "moe/expert_load_cv")
@@ -124,7 +125,7 @@ def test_offline_dpo_on_an_moe_policy_adds_the_policys_router_term_only(tmp_path
     )
     run = build_run(cfg, DPO)
     learner = run.loop.learner
-    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     update = learner.update(batch, cfg.train.micro_batches)
     metrics = update.metrics()
     assert update.applied and update.grad_norm > 0
@@ -221,7 +222,7 @@ def test_offline_and_online_distillation_into_an_moe_student(tmp_path, arithmeti
     assert cfg.model.moe is not None
     run = build_run(cfg, DISTILL)
     learner = run.loop.learner
-    batch = run.loop.prepare(next(run.loop.data_iter), cfg.train.micro_batches)
+    batch = next_loss_batch(run)
     update = learner.update(batch, cfg.train.micro_batches)
     metrics = update.metrics()
     assert update.applied and update.grad_norm > 0 and all(k in metrics for k in ROUTER)

@@ -26,7 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from core.data import DataBatch, MalformedRow, held_out
+from core.data import DataBatch, MalformedRow, epochs, held_out
 from core.shapes import bucketed_width
 from core.sources import DataSourceError
 from posttrain.config import PostTrainConfig
@@ -102,12 +102,9 @@ def pair_pipeline(
     """Training batches of `batch_size` pairs, shuffled and repeated forever, checkpointable."""
     if batch_size % micro_batches:
         raise ValueError(f"train.batch_size {batch_size} is not divisible by {micro_batches} micro-batches")
-    ds = grain.MapDataset.range(len(pairs))
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(None)  # after shuffle: every epoch gets a fresh permutation
     return (
-        ds.to_iter_dataset()
+        epochs(len(pairs), seed=seed, shuffle=shuffle)
+        .to_iter_dataset()
         .batch(batch_size, drop_remainder=True)
         .map(
             lambda idx: pair_batch(

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core.learner import Learner
+from core.method import Attach, unchanged
 from core.sums import summed
 from core.targets import target_logprobs
 from core.train import LossOutput
@@ -100,3 +102,20 @@ def with_reference(batch: PairBatch, reference: FrozenModel) -> PairBatch:
     logp = reference.logprobs(batch.packed)  # [2P, C], 0 where there is no target
     seq = logp.sum(axis=-1).astype(np.float32)
     return batch.replace(ref_chosen=seq[0::2], ref_rejected=seq[1::2])
+
+
+@dataclass
+class ReferenceValues:
+    """The live reference's sequence log-probs of both sides of every pair, attached to a pair batch (what
+    `core.method.Method.attach` returns for the DPO family, offline and online)."""
+
+    reference: FrozenModel
+
+    def __call__(self, batch: PairBatch) -> tuple[PairBatch, dict[str, float]]:
+        return with_reference(batch, self.reference), {}
+
+
+def live_reference(cfg: DPOConfig, learner: Learner) -> Attach[PairBatch]:
+    """What attaches the reference's log-probs to a batch: the frozen starting policy's (`FrozenModel.start_of`),
+    or nothing for a reference-free loss."""
+    return ReferenceValues(FrozenModel.start_of(learner)) if needs_reference(cfg) else unchanged

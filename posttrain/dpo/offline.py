@@ -4,11 +4,12 @@
     run.fit()
 
 A `core.method.Method`: the policy starts from `checkpoint.init_from` (or a random init, for tests) and trains with
-`posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.train_loop.TrainLoop` every offline method uses
+`posttrain.dpo.objective.preference_objective(cfg.dpo)` in the `core.train_loop.TrainLoop` every dataset method uses
 (checkpoints with the data position, exact resume, SIGTERM, NaN policy, HF export). Pairs come from
 `posttrain.dpo.data`. The reference is the starting policy, frozen:
 
-- live (default): a `posttrain.frozen.FrozenModel` scores each batch inside the timed step;
+- live (default): a `posttrain.frozen.FrozenModel` scores each batch inside the timed step (`attach`, beside the
+  trainer, as online DPO's);
 - `dpo.precompute_ref_logps`: scored once over every pair before the first step into
   `run_dir/reference_logps.npz` (a `posttrain.token_store.TokenStore`: every target's log-prob, keyed by pair row
   and side; reused on resume while the pairs' tokens and the reference's weights are the same) and released.
@@ -26,15 +27,17 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from core.batch_source import Prepare, as_is
 from core.data import DataBatch
-from core.method import Method
+from core.learner import Learner
+from core.method import Attach, Method, unchanged
 from core.models.adapters import adapters_off
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn, batch_shards
 from core.train_loop import Evaluation
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
-from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
+from posttrain.dpo.objective import live_reference, needs_reference, preference_objective
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
 from posttrain.frozen import FrozenModel
 from posttrain.token_store import Key, TokenStore, tokens_digest, weights_digest
@@ -86,16 +89,18 @@ class OfflineDPO(Method):
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return preference_objective(cfg.dpo)
 
+    def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[PairBatch]:
+        """The live reference's log-probs on each batch; none when they are stored (`parts` gathers them by pair
+        from the store) or the loss is reference-free."""
+        return unchanged if cfg.dpo.precompute_ref_logps else live_reference(cfg.dpo, learner)
+
     def parts(self, run: RunContext) -> MethodParts:
         cfg, learner, mesh = run.cfg, run.learner, run.mesh
         data = load_pairs(cfg, run.tokenizer, run.records)
         layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=batch_shards(mesh))
         notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
 
-        def as_is(d: DataBatch[PairBatch], groups: int) -> PairBatch:
-            return d.batch
-
-        prepare = as_is
+        prepare: Prepare = as_is
         if not needs_reference(cfg.dpo):
             notes.append(f"reference: none (dpo.loss_type={cfg.dpo.loss_type} is reference-free)")
         elif cfg.dpo.precompute_ref_logps:
@@ -116,9 +121,7 @@ class OfflineDPO(Method):
             )
             prepare = lambda d, groups: attach_stored(store, d)
             notes.append(f"reference: precomputed ({REFERENCE_FILE}, {_reference_kind(cfg)})")
-        else:
-            reference = FrozenModel.start_of(learner)
-            prepare = lambda d, groups: with_reference(d.batch, reference)
+        else:  # attached beside the trainer (`attach`)
             notes.append(f"reference: live ({_reference_kind(cfg)})")
 
         train = pair_pipeline(

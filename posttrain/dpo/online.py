@@ -23,18 +23,15 @@ no pair the samplers can produce fails to fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from core.config_loader import ConfigError
 from core.learner import Learner
-from core.method import Attach, TrainStats, unchanged
+from core.method import Attach, TrainStats
 from core.train import LossFn, Update
 from posttrain.config import PostTrainConfig
-from posttrain.dpo.objective import needs_reference, preference_objective, with_reference
+from posttrain.dpo.objective import live_reference, preference_objective
 from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
-from posttrain.frozen import FrozenModel
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.method import SampleContext, SamplingMethod
 from posttrain.onpolicy.policy_gradient import completion_tokens
@@ -80,16 +77,6 @@ def best_worst_pairs(
     return pairs, left_out
 
 
-@dataclass
-class ReferenceValues:
-    """The reference's sequence log-probs of both sides of every pair, attached to a pair batch."""
-
-    reference: FrozenModel
-
-    def __call__(self, batch: PairBatch) -> tuple[PairBatch, dict[str, float]]:
-        return with_reference(batch, self.reference), {}
-
-
 class OnlineDPOMethod(SamplingMethod[PairBatch]):
     """Best / worst pairs of each prompt's samples, one DPO update a step against the frozen starting policy (none
     for reference-free losses)."""
@@ -108,7 +95,7 @@ class OnlineDPOMethod(SamplingMethod[PairBatch]):
         return preference_objective(cfg.dpo)
 
     def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[PairBatch]:
-        return ReferenceValues(FrozenModel.start_of(learner)) if needs_reference(cfg.dpo) else unchanged
+        return live_reference(cfg.dpo, learner)
 
     def report(self, cfg: PostTrainConfig, updates: list[Update], attached: dict[str, float]) -> TrainStats:
         out = updates[-1].metrics()

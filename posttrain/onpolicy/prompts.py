@@ -19,9 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grain
-
-from core.data import MalformedRow, held_out
+from core.data import MalformedRow, epochs, held_out
 from core.sources import DataSourceError, load_records
 from posttrain.config import PostTrainConfig, RLConfig
 
@@ -86,11 +84,8 @@ class PromptStream:
             raise DataSourceError(
                 f"{len(rows)} training prompts cannot fill a batch of {batch_size} (rl.batch.prompts_per_step)"
             )
-        ds = grain.MapDataset.source(list(range(len(rows))))
-        if shuffle:
-            ds = ds.shuffle(seed=seed)
         self._rows = rows
-        self._it = iter(ds.repeat(None).batch(batch_size, drop_remainder=True))
+        self._it = iter(epochs(len(rows), seed=seed, shuffle=shuffle).batch(batch_size, drop_remainder=True))
 
     def __iter__(self):
         return self
