@@ -66,7 +66,7 @@ OFFLINE = dict(
 
 def save_model(shape: dict, path: Path, tokenizer: str | None, seed: int) -> Path:
     from core.config_loader import load_config
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
     from core.models import create_model, param_count
     from posttrain.config import PostTrainConfig
 

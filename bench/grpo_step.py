@@ -65,7 +65,7 @@ def trl_python() -> Path:
 def build(size: str, work: Path, tokenizer: str) -> tuple[Path, Path, int]:
     """An HF model directory for `size`, a prompts file, and the model's parameter count."""
     from core.config_loader import load_config
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
     from core.models import create_model, param_count
     from core.sources import reasoning_gym_records
     from posttrain.config import PostTrainConfig

@@ -66,7 +66,7 @@ def learner_on(hf: Path, loss_fn, total_updates: int, rank: int, quantize: str =
     import jax
 
     from core.config import OptimConfig
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.learner import Learner
     from core.mesh import single_device_mesh
     from core.models.adapters import add_adapters
@@ -143,7 +143,7 @@ def grpo_step(hf: Path, args, rank: int) -> dict:
     import numpy as np
 
     from core.config_loader import load_config
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.mesh import single_device_mesh
     from core.method_learner import MethodLearner
     from core.models.adapters import add_adapters
@@ -197,7 +197,7 @@ def sync(hf: Path, tokenizer: str, work: Path, rank: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.mesh import single_device_mesh
     from core.models.adapters import add_adapters
     from rollout.config import RolloutConfig

@@ -68,7 +68,7 @@ def build(work: Path) -> Path:
 
 def counts(hf: Path) -> tuple[int, int]:
     """(all parameters, parameters active a token) of the saved model."""
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.models import param_count
 
     model, cfg = load_hf(hf)
@@ -126,7 +126,7 @@ def temper_side(hf: Path, kernel: str, steps):
     import jax
     from flax import nnx
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.mesh import single_device_mesh
     from core.models.moe import MoeBlock
 
@@ -152,7 +152,7 @@ def step_parts(hf: Path, batch: int, seq: int, floors, repeats: int = 3) -> dict
 
     from bench.timed_steps import TimedSteps
     from core.config import ModelConfig
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.mesh import single_device_mesh
     from core.metrics import model_flops_per_token
     from core.models import create_model, param_count
@@ -240,7 +240,7 @@ def torch_side(hf: Path):
 def step_floor(hf: Path, tokens: int, floors) -> tuple[float, float]:
     """(FLOPs of one training step, its floor in seconds: those FLOPs at the matmul peak plus AdamW's bytes at the
     read bandwidth)."""
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
 
     total, _ = counts(hf)
     _, cfg = load_hf(hf)

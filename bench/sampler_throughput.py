@@ -72,7 +72,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.models import param_count
     from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer

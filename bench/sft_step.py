@@ -62,7 +62,7 @@ def write_results(out: str | Path, results: dict) -> None:
 def hf_model(size: str, work: Path, tokenizer: str, seq: int) -> tuple[Path, int]:
     """An HF model directory for `size` (Llama-shaped, random init, with the tokenizer) and its parameter count."""
     from core.config import ModelConfig
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
     from core.models import create_model, param_count
 
     cfg = ModelConfig(
@@ -98,7 +98,7 @@ def hf_learner(hf: Path, loss_fn, total_updates: int):
     import jax
 
     from core.config import OptimConfig
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.learner import Learner
     from core.mesh import single_device_mesh
 

@@ -38,7 +38,7 @@ def main() -> None:
     from flax import nnx
 
     from core.config_loader import load_config
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
     from core.models import create_model, param_count
     from core.sources import reasoning_gym_records
     from core.tokenizer import build_tokenizer

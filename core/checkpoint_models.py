@@ -83,7 +83,7 @@ def load_checkpoint_model(path: str | Path, mesh=None, step: int | None = None) 
             f"checkpoint {step_dir} holds LoRA adapters of a randomly initialised base (checkpoint.init_from was "
             f"not set): there is no base to read them onto"
         )
-    from core.peft import model_with_adapters
+    from core.hf.peft import model_with_adapters
 
     model = model_with_adapters(base_path, model_cfg.lora, mesh, seed=0, dtype=model_cfg.param_dtype)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)  # type: ignore[misc]
@@ -179,12 +179,12 @@ def _restore_subtree(item: Path, prefix: list[str], target: dict, mesh) -> dict:
 
 
 def load_model_from(path: str | Path, mesh=None, dtype: str = "float32"):
-    """A model from an HF directory (config.json + safetensors), a Hugging Face Hub model id (`core.hub`: through
+    """A model from an HF directory (config.json + safetensors), a Hugging Face Hub model id (`core.hf.hub`: through
     the Hub cache; a local path of that name wins), a Temper run / checkpoint directory (with its adapters, if it
     trained LoRA adapters) or a PEFT adapter directory (its base with the adapters merged in)."""
-    from core.hf import load_hf
-    from core.hub import resolve_model
-    from core.peft import is_adapter_dir, model_with_adapters, read_adapter
+    from core.hf.directory import load_hf
+    from core.hf.hub import resolve_model
+    from core.hf.peft import is_adapter_dir, model_with_adapters, read_adapter
 
     p = resolve_model(str(path))
     if (p / "config.json").exists():
@@ -218,7 +218,7 @@ def initial_model(cfg: C, mesh) -> tuple[Any, C]:
             return create_model(cfg.model, mesh, seed=cfg.run.seed), cfg
         try:
             if lora is not None:
-                from core.peft import model_with_adapters
+                from core.hf.peft import model_with_adapters
 
                 init, seed, dtype = cfg.checkpoint.init_from, cfg.run.seed, cfg.model.param_dtype
                 model = model_with_adapters(init, lora, mesh, seed, dtype)

@@ -276,7 +276,7 @@ class Config(Section):
         """What loading a user's config checks beyond its schema (`core.config_loader.load_config`; never when a
         config is read back from a run directory): every local path it names exists (a Hub id is resolved when the
         run starts)."""
-        from core.hub import looks_like_hub_id
+        from core.hf.hub import looks_like_hub_id
 
         paths = {"checkpoint.init_from": self.checkpoint.init_from, "data.tokenizer_dir": self.data.tokenizer_dir}
         if self.data.source is not None and not self.data.source.startswith("reasoning_gym:"):

@@ -104,7 +104,7 @@ def preset_dict(name: str) -> dict[str, Any]:
 
 def hf_config_dict(path: str | Path) -> dict[str, Any]:
     """The model section equivalent to a Hugging Face `config.json` (file or directory)."""
-    from core.hf_config import model_section_from_hf  # local: keeps this module light
+    from core.hf.config import model_section_from_hf  # local: keeps this module light
 
     file = Path(path)
     if file.is_dir():

@@ -143,8 +143,8 @@ class Example:
 
 
 def load_tokenizer(tokenizer_dir: str):
-    """A Hugging Face tokenizer from a directory (or a Hub model id, `core.hub`)."""
-    from core.hub import resolve_model
+    """A Hugging Face tokenizer from a directory (or a Hub model id, `core.hf.hub`)."""
+    from core.hf.hub import resolve_model
     from core.tokenizer import open_tokenizer
 
     path = resolve_model(tokenizer_dir, "data.tokenizer_dir")

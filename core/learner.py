@@ -255,10 +255,10 @@ class Learner:
 
     def export_hf(self, path: str | Path, tokenizer_dir: str | None, init_from: str | None = None) -> Path:
         """The trained model as a Hugging Face directory at `path`; a model with LoRA adapters has them merged into
-        its weights there, and written alone, in PEFT's format, to `path`/adapter (`core.peft`), naming as its
+        its weights there, and written alone, in PEFT's format, to `path`/adapter (`core.hf.peft`), naming as its
         base the model the run started from (`init_from`, or the base of the adapter it names)."""
-        from core.hf import save_hf
-        from core.peft import adapter_base, save_adapter
+        from core.hf.directory import save_hf
+        from core.hf.peft import adapter_base, save_adapter
 
         model = self.model()
         out = save_hf(model, self.model_cfg, path, tokenizer_dir=tokenizer_dir)

@@ -7,7 +7,7 @@ Sources (`data.source`):
 - a local directory: one written by `datasets.Dataset.save_to_disk`, or a dataset repository's files
   (`datasets.load_dataset(dir, data.subset, split=data.split)`);
 - a Hugging Face Hub dataset id (`trl-lib/ultrafeedback_binarized`), resolved through the Hub cache
-  (`core.hub`; offline with `HF_HUB_OFFLINE=1`), then read as a directory; a local path of that name wins;
+  (`core.hf.hub`; offline with `HF_HUB_OFFLINE=1`), then read as a directory; a local path of that name wins;
 - `reasoning_gym:TASK` (e.g. `reasoning_gym:basic_arithmetic`): `data.num_examples` problems generated offline
   with seed `data.seed`;
 - in Python, any list of dicts.
@@ -46,7 +46,7 @@ def _read_source(source: str | Sequence[dict], cfg: DataConfig) -> Sequence[dict
         return reasoning_gym_records(source.split(":", 1)[1], cfg.num_examples, cfg.seed)
     import datasets
 
-    from core.hub import resolve_dataset
+    from core.hf.hub import resolve_dataset
 
     path = resolve_dataset(source)
     if not path.exists():

@@ -117,10 +117,10 @@ def tokenizer_for_run(
     vocab_size: int,
     init_from: str | None = None,
 ) -> str:
-    """The run's tokenizer directory: `tokenizer_dir` if set (a Hub id is resolved, `core.hub`); else the initial
+    """The run's tokenizer directory: `tokenizer_dir` if set (a Hub id is resolved, `core.hf.hub`); else the initial
     checkpoint's, when it is a Hugging Face directory with a tokenizer (or a Temper run that recorded one); else a
     BPE tokenizer trained on `texts` into `run_dir/tokenizer` (reused on resume)."""
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
 
     if tokenizer_dir is not None:
         return str(resolve_model(tokenizer_dir, "data.tokenizer_dir"))
@@ -166,7 +166,7 @@ if __name__ == "__main__":
 def checkpoint_tokenizer(init_from: str) -> str | None:
     """The tokenizer that came with a checkpoint: an HF directory's own (or a Hub id's), a Temper run's
     `tokenizer/` or the `data.tokenizer_dir` its saved config names; None when there is none."""
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
 
     path = resolve_model(init_from, "checkpoint.init_from")
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():

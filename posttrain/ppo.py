@@ -300,7 +300,7 @@ class PPOMethod(PolicyGradient):
         from safetensors.numpy import load_file, save_file
 
         from core.distributed import is_primary
-        from core.hf import save_hf
+        from core.hf.directory import save_hf
 
         critic = cast(PPOModules, learner.modules()).critic
         out = Path(save_hf(critic.backbone, critic.backbone.cfg, hf_dir / "critic", tokenizer_dir=tokenizer_dir))

@@ -54,9 +54,9 @@ class LocalTrainer:
 
         from core.checkpoint import Checkpointer
         from core.checkpoint_models import initial_model
+        from core.hf.peft import adapter_base
         from core.mesh import make_mesh, split_devices
         from core.method_learner import MethodLearner
-        from core.peft import adapter_base
 
         cfg = PostTrainConfig.model_validate(cfg_json)
         use_compile_cache(cfg.compile.cache_dir)  # an actor's process: the driver's setting does not reach it
@@ -104,7 +104,7 @@ class LocalTrainer:
     def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
         """What a vLLM sampler starts from, as a Hugging Face directory at `path`: the policy (merged), or, when
         it syncs LoRA adapters alone, their base (dequantized, with a QLoRA base)."""
-        from core.hf import save_hf
+        from core.hf.directory import save_hf
         from core.models.adapters import adapters_off
 
         self.checkpointer.wait()

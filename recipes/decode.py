@@ -43,7 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def _hf_dir_and_tokenizer(model_dir: Path, tokenizer: str | None, tmp: str):
     """An HF directory to serve and the tokenizer to use, exporting a Temper checkpoint if needed."""
     from core.checkpoint_models import load_checkpoint_model
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
 
     if (model_dir / "config.json").exists():
         return model_dir, tokenizer or str(model_dir), None
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
             4096, json.loads((Path(hf_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)
         )
         if args.sampler == "jax":
-            from core.hf import load_hf
+            from core.hf.directory import load_hf
             from rollout.jax_sampler import JaxSampler
 
             if model is None:

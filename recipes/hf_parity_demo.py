@@ -20,7 +20,7 @@ import numpy as np
 
 from core.compile_only import refuse
 from core.config_loader import config_from_argv, save_config
-from core.hf import load_hf, save_hf
+from core.hf.directory import load_hf, save_hf
 from core.mesh import make_mesh
 from core.models.summary import parameter_summary
 from core.tiny import FAMILIES, save_tiny_hf_model

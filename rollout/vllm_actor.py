@@ -2,7 +2,7 @@
 
     sampler = RemoteVLLMSampler.start("runs/x/hf", cfg.rollout)
     completions = sampler.generate(prompts, SamplingParams(...))
-    sampler.update_weights(chunks)        # iterable of chunks of core.hf_pieces.TensorPiece, via the object store
+    sampler.update_weights(chunks)        # iterable of chunks of core.hf.pieces.TensorPiece, via the object store
     sampler.send_pieces(chunks, tag); sampler.commit_weights(tag, version)   # the same from several senders
     ref = sampler.submit_turns(turns, slice_s); progress = sampler.result(ref)   # episodes' turns (rollout/turns.py)
     sampler.shutdown()
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from core.config import LoraConfig
-from core.hf_pieces import TensorPiece
+from core.hf.pieces import TensorPiece
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams
 from rollout.turns import TurnRequest
@@ -94,7 +94,7 @@ class RemoteVLLMSampler:
         return self.handle.advance.remote(list(requests), slice_s)
 
     def send_pieces(self, chunks: Iterable[Sequence[TensorPiece]], tag: str) -> dict:
-        """Stream chunks of tensor pieces (`core.hf_pieces`) into the actor's receive buffers for update `tag`, one
+        """Stream chunks of tensor pieces (`core.hf.pieces`) into the actor's receive buffers for update `tag`, one
         chunk in flight at a time (what a trainer process holds, from that process: several may send to one
         sampler, in any order)."""
         import ray

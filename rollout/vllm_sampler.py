@@ -1,6 +1,6 @@
 """The vLLM sampler: a `vllm.LLM` engine in this process, with in-place weight updates.
 
-    sampler = VLLMSampler("runs/x/hf", cfg.rollout)          # an HF directory from core.hf.save_hf
+    sampler = VLLMSampler("runs/x/hf", cfg.rollout)          # an HF directory from core.hf.directory.save_hf
     completions = sampler.generate(prompts, SamplingParams(n=4, max_tokens=64))
     progress = sampler.advance(turns, slice_s)                # episodes' turns, each its own request (rollout/turns.py)
     sampler.receive_pieces(pieces, tag) ... sampler.commit_weights(tag, version)   # see rollout/weight_sync.py
@@ -12,7 +12,7 @@ In a Ray actor (`rollout.vllm_actor`) that means arrays come through the
 object store. Log-probs are those of the distribution actually sampled
 (`logprobs_mode="processed_logprobs"`).
 
-Weight updates are all-or-nothing: pieces of tensors (`core.hf_pieces`: each
+Weight updates are all-or-nothing: pieces of tensors (`core.hf.pieces`: each
 trainer process sends the shards its devices hold) are written into receive
 buffers that persist between syncs; `commit_weights` checks that every element
 of every tensor arrived once before touching the engine, then calls the
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from core.config import LoraConfig, ModelConfig
-from core.hf_config import model_section_from_hf
-from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError
+from core.hf.config import model_section_from_hf
+from core.hf.pieces import TensorAssembler, TensorPiece, WeightUpdateError
 from rollout.config import RolloutConfig
 from rollout.sampler import Completion, Prompt, SamplingParams, check_prompt_lengths, encode_prompts, sample_seeds
 from rollout.turns import TurnProgress, TurnRequest
@@ -121,7 +121,7 @@ class VLLMSampler:
         self.lora_request: Any = None  # set once an adapter is loaded: every generation runs with it
         self._turns: dict[int, TurnRequest] = {}  # the turn requests the engine runs (`advance`), by key
         if adapter is not None:
-            from core.peft import adapter_shapes
+            from core.hf.peft import adapter_shapes
 
             self.adapter_shapes = adapter_shapes(served.model_copy(update={"lora": adapter}))
             shm = Path("/dev/shm")
@@ -223,7 +223,7 @@ class VLLMSampler:
     # ----------------------------------------------------------------- weights
 
     def receive_pieces(self, pieces: Sequence[TensorPiece], tag: str) -> int:
-        """Write one chunk of tensor pieces (`core.hf_pieces`, from any trainer process) into the receive buffers
+        """Write one chunk of tensor pieces (`core.hf.pieces`, from any trainer process) into the receive buffers
         of update `tag`; returns their bytes."""
         return self.assembler.add(pieces, tag)
 
@@ -275,7 +275,7 @@ class VLLMSampler:
         and the prefix cache is reset."""
         from vllm.lora.request import LoRARequest
 
-        from core.peft import write_adapter
+        from core.hf.peft import write_adapter
 
         if self.adapter is None or self.adapter_dir is None:
             raise WeightUpdateError("this sampler serves no LoRA adapters (started without one)")

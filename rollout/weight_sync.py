@@ -11,11 +11,11 @@ One planner (`plan_chunks`) groups tensors into chunks of at most
   `device_put` would otherwise hand back the trainer's buffers, which its next
   step donates (deletes), and a second sync would delete them itself.
 - `sync_to_vllm`: to a vLLM actor. Each trainer process reads the shards its
-  own devices hold (one replica each, cut into layers: `core.hf_pieces`), groups
+  own devices hold (one replica each, cut into layers: `core.hf.pieces`), groups
   them into chunks and streams them through the Ray object store into the
   actor's reusable receive buffers; nothing is gathered between processes or
   through the driver. The actor puts each tensor together, converts it to the
-  Hugging Face layout (`core.hf_layout`) and loads only a complete set.
+  Hugging Face layout (`core.hf.layout`) and loads only a complete set.
 
 Every sync bumps the policy version and returns (and logs) its bytes and time.
 """
@@ -34,7 +34,7 @@ from flax import nnx
 
 from core.config import ModelConfig
 from core.distributed import any_process, is_primary
-from core.hf_pieces import TensorPiece, local_pieces
+from core.hf.pieces import TensorPiece, local_pieces
 from core.models import state_mismatches
 
 T = TypeVar("T")
@@ -203,7 +203,7 @@ def sync_adapters_to_vllm(model: Any, sampler: Any, version: int | None = None, 
     """A LoRA policy's adapters alone to a vLLM sampler serving its base (`VLLMSampler.load_adapter`): gathered to
     the host (in a trainer process group every process takes part) and sent by the first process, which commits
     them; the others report no bytes."""
-    from core.peft import adapter_config, adapter_tensors
+    from core.hf.peft import adapter_config, adapter_tensors
 
     start = time.perf_counter()
     tensors = adapter_tensors(model)  # a collective in a process group
@@ -222,7 +222,7 @@ def sync_adapters_to_vllm(model: Any, sampler: Any, version: int | None = None, 
 def piece_chunks(
     params: nnx.State, cfg: ModelConfig, chunk_bytes: int, max_tensors: int | None = None, dtype: Any | None = None
 ) -> Iterator[list[TensorPiece]]:
-    """Chunks of the tensor pieces this process's devices hold (`core.hf_pieces.local_pieces`), each of at most
+    """Chunks of the tensor pieces this process's devices hold (`core.hf.pieces.local_pieces`), each of at most
     `chunk_bytes` (a bigger piece travels alone) and `max_tensors` pieces."""
     yield from group_by_bytes(local_pieces(params, cfg, dtype), lambda p: p.data.nbytes, chunk_bytes, max_tensors)
 

@@ -76,7 +76,7 @@ def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, t
     the model produced, read from the trajectory as the trainer's batch holds it (prompt, turns and the template's
     tokens for the environment's messages in between), is the sampler's own within `tolerance`, token by token;
     the environment's tokens are not trained."""
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.targets import target_logprobs
     from posttrain.onpolicy.rl_batch import build_rl_batch
     from rewards.pool import WorkerPool
@@ -117,7 +117,7 @@ def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, t
 @pytest.mark.parametrize("family,arch", [("qwen2_5", "qwen2"), ("qwen3", "qwen3"), ("llama3_1", "llama")])
 def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory, tmp_path, family, arch):
     """The JAX sampler's slots (float32) on the family's shipped template."""
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from rollout.jax_engine import SlotTurns
     from rollout.jax_sampler import JaxSampler
     from tests.test_chat import make_tokenizer
@@ -162,7 +162,7 @@ def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(t
     `</tool_call>`); each call is parsed, run, and its result comes back as a `tool` message whose tokens sit
     between the turns, untrained; an episode runs its three turns."""
     from core.chat import chat_prompt_ids
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from rewards.pool import WorkerPool
     from rollout.environment import EnvironmentRunner
     from rollout.episodes import EpisodeLimits, run_episodes

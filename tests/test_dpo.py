@@ -39,7 +39,7 @@ def llama(tiny_hf_dir):
     import torch
     import transformers
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
 
     path = tiny_hf_dir("llama")
     model, cfg = load_hf(path)
@@ -177,7 +177,7 @@ def test_a_live_reference_equal_to_the_policy_gives_zero_margins(llama):
 def test_micro_batches_leave_the_gradient_unchanged(llama):
     """8 pairs in one micro-batch and in 4: the same loss and gradient (mean over the global batch's pairs)."""
     from core.config import OptimConfig
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.learner import Learner
     from core.mesh import single_device_mesh
     from posttrain.dpo.objective import preference_objective

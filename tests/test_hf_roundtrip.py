@@ -9,8 +9,8 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from core.config import ModelConfig
-from core.hf import CheckpointMismatch, load_hf, save_hf
-from core.hf_config import UnsupportedHFConfig
+from core.hf.config import UnsupportedHFConfig
+from core.hf.directory import CheckpointMismatch, load_hf, save_hf
 from core.models import create_model
 
 

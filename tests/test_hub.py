@@ -78,8 +78,8 @@ def hub(tmp_path, monkeypatch, tiny_hf_dir, arithmetic_tokenizer):
 
 def test_a_model_by_hub_id_loads_from_the_cache(hub, tiny_hf_dir):
     from core.checkpoint_models import load_model_from
-    from core.hf import load_hf
-    from core.hub import resolve_model
+    from core.hf.directory import load_hf
+    from core.hf.hub import resolve_model
     from core.tokenizer import tokenizer_for_run
 
     path = resolve_model(MODEL_ID)
@@ -92,7 +92,7 @@ def test_a_model_by_hub_id_loads_from_the_cache(hub, tiny_hf_dir):
 
 
 def test_a_local_path_wins_over_a_hub_id(hub, tiny_hf_dir):
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
 
     local = Path(MODEL_ID)
     shutil.copytree(tiny_hf_dir("llama"), local)
@@ -101,7 +101,7 @@ def test_a_local_path_wins_over_a_hub_id(hub, tiny_hf_dir):
 
 def test_an_id_missing_from_the_cache_offline_is_a_clear_error(hub):
     from core.config_loader import load_config
-    from core.hub import resolve_dataset, resolve_model
+    from core.hf.hub import resolve_dataset, resolve_model
     from posttrain.config import PostTrainConfig
 
     with pytest.raises(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core.compile_cache import compile_clock
-from core.hf import load_hf
+from core.hf.directory import load_hf
 from rollout.jax_engine import SlotTurns
 from rollout.jax_sampler import JaxSampler
 from rollout.sampler import SamplingParams

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.config import MeshConfig
-from core.hf import load_hf
+from core.hf.directory import load_hf
 from core.mesh import make_mesh
 from rollout.jax_sampler import JaxSampler
 from rollout.sampler import SamplingParams

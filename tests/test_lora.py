@@ -340,7 +340,7 @@ def test_an_adapter_temper_cannot_hold_is_refused_naming_the_key(tmp_path, key, 
     (an accepted config with the same files loads: the refusal is the key's)."""
     from safetensors.numpy import save_file
 
-    from core.peft import read_adapter
+    from core.hf.peft import read_adapter
 
     config = {
         "peft_type": "LORA",

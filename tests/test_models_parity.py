@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.hf import load_hf
+from core.hf.directory import load_hf
 from core.tiny import FAMILIES
 
 TOL = 1e-4

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.config_loader import load_config
-from core.hf import load_hf
+from core.hf.directory import load_hf
 from core.metrics import read_metrics
 from core.run import build_run
 from posttrain.config import PostTrainConfig

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from core.config import MeshConfig, ModelConfig, MoeConfig
 from core.errors import CheckpointMismatch
-from core.hf import load_hf, save_hf
-from core.hf_config import UnsupportedHFConfig
+from core.hf.config import UnsupportedHFConfig
+from core.hf.directory import load_hf, save_hf
 from core.kernels.experts import dense_experts
 from core.losses import nll_loss
 from core.mesh import make_mesh

@@ -193,11 +193,12 @@ def test_the_exported_critic_is_transformers_token_classification_model(tmp_path
     import torch
     from transformers import AutoModelForTokenClassification
 
-    import core.hf
+    import core.hf.directory
     from posttrain.ppo import PPO
 
     if sharded:
-        monkeypatch.setattr(core.hf, "save_hf", functools.partial(core.hf.save_hf, max_shard_bytes=200_000))
+        sharded_save = functools.partial(core.hf.directory.save_hf, max_shard_bytes=200_000)
+        monkeypatch.setattr(core.hf.directory, "save_hf", sharded_save)
 
     learner, cfg = _learner("optim.learning_rate=1.0e-2")
     batch = _batch(cfg, np.random.default_rng(0))

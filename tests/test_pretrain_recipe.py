@@ -58,7 +58,7 @@ def test_pretrain_tiny_learns_and_exports(tmp_path):
         logits = model(ids).logits
     assert torch.isfinite(logits).all()
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
 
     ours, _ = load_hf(tmp_path / "hf")
     np.testing.assert_allclose(np.asarray(ours(ids.numpy().astype(np.int32))), logits.numpy(), atol=1e-4)

@@ -112,7 +112,7 @@ def test_packed_conversations_give_each_conversations_own_logits(qwen_chat):
     import torch
     import transformers
 
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
 
     tokenizer_dir, hf_dir = qwen_chat
     batch = next(iter(make_pipeline(data_cfg(packing=True), 2, records=chats(12), tokenizer_dir=tokenizer_dir)))
@@ -138,7 +138,7 @@ def test_packed_conversations_give_each_conversations_own_logits(qwen_chat):
 def _gradient(tokenizer_dir: str, hf_dir: str, batch, micro_batches: int):
     """The gradient of the SFT loss (mean over the batch's targets) at the HF model's weights."""
     from core.config import OptimConfig
-    from core.hf import load_hf
+    from core.hf.directory import load_hf
     from core.learner import Learner
     from core.losses import nll_loss
     from core.mesh import single_device_mesh

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from core.config import MeshConfig
-from core.hf import load_hf
+from core.hf.directory import load_hf
 from core.mesh import make_mesh
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.hf import hf_tensors, load_hf
-from core.hf_pieces import TensorPiece, local_pieces
+from core.hf.directory import hf_tensors, load_hf
+from core.hf.pieces import TensorPiece, local_pieces
 from rollout.config import RolloutConfig
 from rollout.sampler import SamplingParams
 
@@ -260,10 +260,10 @@ def test_lora_adapters_sent_alone_serve_what_a_fresh_engine_serves_merged(ray_cl
     import jax
 
     from core.config import LoraConfig
-    from core.hf import save_hf
+    from core.hf.directory import save_hf
+    from core.hf.peft import adapter_config, adapter_tensors
     from core.mesh import single_device_mesh
     from core.models.adapters import add_adapters, merged_model
-    from core.peft import adapter_config, adapter_tensors
     from rollout.vllm_actor import RemoteVLLMSampler
     from rollout.vllm_sampler import WeightUpdateError
     from rollout.weight_sync import sync_adapters_to_vllm, sync_policy

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from core.config import MeshConfig
-from core.hf import load_hf
-from core.hf_pieces import TensorAssembler, TensorPiece, WeightUpdateError, local_pieces
+from core.hf.directory import load_hf
+from core.hf.pieces import TensorAssembler, TensorPiece, WeightUpdateError, local_pieces
 from core.mesh import make_mesh
 from rollout.jax_sampler import JaxSampler
 from rollout.sampler import SamplingParams

@@ -6,7 +6,7 @@
 
 A projection `einsum(eq, x, W)` with `W [*in, *out]` (its input axes are those `x` shares with it) gets
 `A [*in, r]` and `B [r, *out]`, both `nnx.LoRAParam`s: PEFT's `lora_A.weight [r, in]` and `lora_B.weight
-[out, r]` are `A` and `B` flattened and transposed (`core.peft`). B starts at zero, so the adapted model starts as
+[out, r]` are `A` and `B` flattened and transposed (`core.hf.peft`). B starts at zero, so the adapted model starts as
 its base; A starts as PEFT's (Kaiming uniform with bound 1/sqrt(fan_in), or normal with std 1/r for
 `init=gaussian`). Dropout (`model.lora.dropout`) applies to the adapter's input only, as PEFT's does, and only
 where the loss passes a key (training; never in scoring or sampling).

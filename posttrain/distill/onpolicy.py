@@ -68,7 +68,7 @@ def check_config(cfg: PostTrainConfig) -> None:
         )
     if d.teacher is None:
         raise ConfigError("on-policy distillation needs distill.teacher (an HF directory, a Hub id or a Temper run)")
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
 
     resolve_model(d.teacher, "distill.teacher")  # a missing path fails here, not in the trainer
     if d.reward_weight > 0:

@@ -12,7 +12,7 @@ A parameter sharded over the devices of several processes is never gathered for 
 the shards its own devices hold (`jax.Array.addressable_shards`), keeps one replica of each (`replica_id == 0`, so
 every element is sent once by the whole group), cuts a stacked parameter into its layers, and sends those pieces
 in the core layout. The receiver writes each piece at its place in a buffer of the layer's core shape and converts
-the whole buffer to the Hugging Face layout (`core.hf_layout`) when it loads it: a shard of a `[D, N, H]` kernel
+the whole buffer to the Hugging Face layout (`core.hf.layout`) when it loads it: a shard of a `[D, N, H]` kernel
 is a block of the core tensor but not, after the transpose, of the Hugging Face one.
 """
 
@@ -27,7 +27,7 @@ from flax import nnx
 
 from core.config import ModelConfig
 from core.errors import TemperError
-from core.hf_layout import ParamMapping, param_map
+from core.hf.layout import ParamMapping, param_map
 from core.models.build import abstract_model
 
 

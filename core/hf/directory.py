@@ -4,7 +4,7 @@
     save_hf(model, cfg, "out_dir", tokenizer_dir="path/to/tokenizer")
 
 The saved directory loads in `transformers` and vLLM. No `trust_remote_code`:
-only the families in `core.hf_config.ARCHITECTURES` are accepted.
+only the families in `core.hf.config.ARCHITECTURES` are accepted.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from safetensors.numpy import save_file
 from core.config import ModelConfig
 from core.distributed import is_primary, to_host
 from core.errors import CheckpointMismatch, MissingPath
-from core.hf_config import hf_config_from_model, model_section_from_hf
-from core.hf_layout import param_map
+from core.hf.config import hf_config_from_model, model_section_from_hf
+from core.hf.layout import param_map
 from core.models.build import abstract_model, model_from_arrays
 from core.models.decoder import Decoder
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from core.config import LORA_TARGETS, LoraConfig
 from core.errors import CheckpointMismatch, MissingPath
-from core.hf_layout import LAYER_TABLE
+from core.hf.layout import LAYER_TABLE
 from core.models.decoder import Decoder
 
 CONFIG_FILE = "adapter_config.json"
@@ -264,7 +264,7 @@ def model_with_adapters(init_from: str, lora: LoraConfig, mesh, seed: int, dtype
     values as the starting point; they must be adapters of `lora`'s shape). The base's shape wins over the run's
     model section."""
     from core.checkpoint_models import load_model_from
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
     from core.models.adapters import add_adapters, merged_model
 
     where = resolve_model(str(init_from))
@@ -301,7 +301,7 @@ def adapter_base(init_from: str | None) -> str | None:
     """The base model an adapter trained from `checkpoint.init_from` sits on, as its `base_model_name_or_path`:
     `init_from` itself, or, when that is a PEFT adapter directory, the base that adapter names (so the exported
     adapter loads onto the model it was trained on, not onto another adapter)."""
-    from core.hub import resolve_model
+    from core.hf.hub import resolve_model
 
     if init_from is None:
         return None
