@@ -117,3 +117,10 @@ def rollout_model_dir(tmp_path_factory, arithmetic_tokenizer):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def teacher(rollout_model_dir):
+    """A tiny random Qwen2 HF directory with the arithmetic tokenizer: the distillation tests' teacher (another init
+    than the student's, so that there is a distance to close)."""
+    return str(rollout_model_dir("qwen2", seed=1))
