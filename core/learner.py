@@ -35,7 +35,7 @@ from core.compile_cache import BACKGROUND_PREFIX
 from core.config import Config, OptimConfig
 from core.distributed import CompiledTogether, any_process, barrier
 from core.errors import TemperError
-from core.models import Decoder, ModuleTree, trained_model
+from core.models import Decoder, ModuleTree, trained_model, trained_model_path
 from core.models.lora import trainable_filter
 from core.optim import make_optimizer, make_schedule, trainable_paths
 from core.shape_plan import ShapePlan
@@ -129,7 +129,7 @@ class Learner:
         self.last_compile: str | None = None  # XLA's memory analysis of the latest newly compiled shape
         self._state_shapes: Any = None
         # Where the trained model sits in the tree: the tree itself, or its `.model` (what a checkpoint records).
-        self.model_path: list[str] = [] if isinstance(modules, Decoder) else ["model"]
+        self.model_path: list[str] = trained_model_path(modules)
         self._frozen_record: dict[str, list[float]] | None = None
 
     @property

@@ -1,13 +1,17 @@
 """A mixture-of-experts model's router terms (load balance, z-loss) in any method's training loss.
 
-    with RouterTape() as tape:                       # core.train.bind_loss, around every loss
-        out = loss_fn(modules, batch, rng)           # each MoE forward records its RouterStats (Decoder.layer_states)
-    out = tape.add_to(out, trained_model(modules))   # the trained model's terms, weighted by model.moe
+    out, sown = capture_router(loss_fn)(modules, batch, rng)   # core.train.bind_loss, around every loss
+    stats = sown_at(sown, trained_model_path(modules))         # the trained model's pooled RouterStats (or None)
+    out = add_router_terms(out, trained_model(modules), stats) # weighted by model.moe
 
-Every method's loss runs its trained model through `Decoder.layer_states`, so pretraining, SFT, DPO, GRPO and
-distillation all get the router terms without naming them. The tree's other models (frozen ones) record too, and
-are left out: only the records of the tree's trained model count. A loss whose trained model runs several
-forward passes (a chosen and a rejected pass) pools their stats, as one pass over all their tokens would.
+The stats travel through Flax's own channel: each MoE forward pass sows its `RouterStats` into the model that ran
+it (`Decoder.layer_states` -> `record_router`, a `Module.sow` of a `RouterSown` variable) and `nnx.capture`
+collects what every module of the tree sowed, keyed by its path in the tree. Only the trained model's path counts:
+a frozen MoE model in the tree (a teacher) sows under its own path and adds nothing. Outside a capture nothing is
+kept (Flax would otherwise store the value on the module, and a model called for generation would change its
+state). Every method's loss runs its trained model through `Decoder.layer_states`, so pretraining, SFT, DPO, GRPO
+and distillation all get the router terms without naming them. A loss whose trained model runs several forward
+passes (a chosen and a rejected pass) pools their stats, as one pass over all their tokens would.
 
 The terms are means over the micro-batch's real tokens (`RouterStats`); the loss contract sums over items and
 divides by the global denominator once (`core.train`), so each term enters `total` times the micro-batch's
@@ -16,54 +20,58 @@ denominator: over micro-batches the step then applies their denominator-weighted
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from flax import nnx
 
 if TYPE_CHECKING:  # core.models imports this module: no import back at run time
     from core.models.moe import RouterStats
 
-_TAPE: contextvars.ContextVar[list[tuple[Any, RouterStats]] | None] = contextvars.ContextVar("router", default=None)
+SOWN = "router_stats"  # the name a model's stats are sown under
 
 
-def record_router(model: Any, stats: RouterStats) -> None:
-    """Called by a model's forward pass: its routers' stats, kept while a `RouterTape` is open (else dropped)."""
-    tape = _TAPE.get()
-    if tape is not None:
-        tape.append((model, stats))
+class RouterSown(nnx.Intermediate):
+    """The `RouterStats` a forward pass sowed (what `capture_router` collects)."""
 
 
-class RouterTape:
-    """Collects the `RouterStats` of every MoE forward pass traced while it is open."""
+def _pool(previous: RouterStats | None, stats: RouterStats) -> RouterStats:
+    return stats if previous is None else previous + stats
 
-    def __init__(self) -> None:
-        self.records: list[tuple[Any, RouterStats]] = []
-        self._token: contextvars.Token | None = None
 
-    def __enter__(self) -> RouterTape:
-        self._token = _TAPE.set(self.records)
-        return self
+def record_router(model: nnx.Module, stats: RouterStats) -> None:
+    """Called by a model's forward pass: its routers' stats, sown while a capture is open (`capture_router`),
+    pooled with the model's other passes; outside one, dropped."""
+    if hasattr(model, "__captures__"):  # what nnx.capture sets on every module it collects from
+        model.sow(RouterSown, SOWN, stats, reduce_fn=_pool, init_fn=lambda: None)
 
-    def __exit__(self, *exc: Any) -> None:
-        assert self._token is not None
-        _TAPE.reset(self._token)
 
-    def stats_of(self, model: Any) -> RouterStats | None:
-        """The pooled stats of `model`'s forward passes (None: it recorded none)."""
-        mine = [stats for who, stats in self.records if who is model]
-        return sum(mine[1:], mine[0]) if mine else None
+def capture_router(fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.State]]:
+    """`fn(module, ...)` -> `(fn's output, what the module tree sowed)`: read one model's stats with `sown_at`."""
+    return nnx.capture(fn, RouterSown)
 
-    def add_to(self, out: Any, model: Any) -> Any:
-        """`out` (a `core.train.LossOutput`) with `model`'s weighted router terms added to its total and its stats
-        in `out.router`; unchanged when `model` recorded nothing (a dense model)."""
-        stats = self.stats_of(model)
-        if stats is None:
-            if any(model.cfg.sparse_layers):  # the loss ran a copy of the model, or not the model: no terms to add
-                raise RuntimeError("the trained mixture-of-experts model recorded no router stats in its loss")
-            return out
-        moe = model.cfg.moe
-        terms = moe.load_balance_weight * stats.load_balance_loss() + moe.router_z_loss_weight * stats.z_loss()
-        return dataclasses.replace(out, total=out.total + terms * out.denominator, router=stats)
+
+def sown_at(sown: nnx.State, path: Sequence[str] = ()) -> RouterStats | None:
+    """The pooled stats the model at `path` in the captured tree sowed (None: it sowed none, a dense model)."""
+    node: Any = sown
+    for key in path:
+        if key not in node:
+            return None
+        node = node[key]
+    return node[SOWN].get_value() if SOWN in node else None
+
+
+def add_router_terms(out: Any, model: Any, stats: RouterStats | None) -> Any:
+    """`out` (a `core.train.LossOutput`) with `model`'s weighted router terms added to its total and its stats
+    in `out.router`; unchanged when `model` sowed nothing (a dense model)."""
+    if stats is None:
+        if any(model.cfg.sparse_layers):  # the loss ran a copy of the model, or not the model: no terms to add
+            raise RuntimeError("the trained mixture-of-experts model recorded no router stats in its loss")
+        return out
+    moe = model.cfg.moe
+    terms = moe.load_balance_weight * stats.load_balance_loss() + moe.router_z_loss_weight * stats.z_loss()
+    return dataclasses.replace(out, total=out.total + terms * out.denominator, router=stats)
 
 
 def router_metrics(stats: RouterStats) -> dict[str, float]:

@@ -34,7 +34,7 @@ from core.batch import CompiledCounts, packing_groups, with_compact, with_scored
 from core.distributed import place_rows
 from core.mesh import logical_to_spec, row_shards
 from core.optim import global_norm
-from core.router_loss import RouterTape, router_metrics
+from core.router_loss import add_router_terms, capture_router, router_metrics, sown_at
 from core.sums import NoSums, combine, identity, means
 
 T = TypeVar("T")
@@ -126,15 +126,18 @@ def bind_loss(graphdef: nnx.GraphDef, loss_fn: LossFn, router_terms: bool = True
     the method's module tree, for the step and for evaluation alike. A mixture-of-experts model's router terms
     are added here, for every method (`core.router_loss`); not with `router_terms` False (an evaluation: its loss
     and perplexity are the method's alone)."""
-    from core.models.build import trained_model
+    from core.models.build import trained_model, trained_model_path
+
+    captured = capture_router(loss_fn)
 
     def bound(params, rest, batch, rng) -> LossOutput:
         modules = nnx.merge(graphdef, params, rest)
-        with RouterTape() as tape:
-            out = loss_fn(modules, batch, rng)
+        out, sown = captured(modules, batch, rng)
         if not isinstance(out, LossOutput):
             raise TypeError(f"a loss must return core.train.LossOutput, not {type(out).__name__}")
-        return tape.add_to(out, trained_model(modules)) if router_terms else out
+        if not router_terms:
+            return out
+        return add_router_terms(out, trained_model(modules), sown_at(sown, trained_model_path(modules)))
 
     return bound
 

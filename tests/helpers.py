@@ -83,3 +83,11 @@ def next_loss_batch(run):
     item, prepared, with what the method attaches (a live reference's log-probs)."""
     loop = run.loop
     return loop.trainer.attach(loop.source.next())[0]
+
+
+def with_router_stats(fn, model):
+    """(`fn(model)`, the `RouterStats` `model` sowed in it, pooled over its passes; None for a dense model)."""
+    from core.router_loss import capture_router, sown_at
+
+    out, sown = capture_router(fn)(model)
+    return out, sown_at(sown)

@@ -22,10 +22,11 @@ from core.losses import nll_loss
 from core.mesh import make_mesh
 from core.models import ModuleTree, create_model
 from core.optim import make_optimizer
-from core.router_loss import RouterTape
+from core.router_loss import RouterSown, capture_router, sown_at
 from core.sums import to_host
 from core.tiny import save_tiny_hf_model
 from core.train import bind_loss, init_train_state, jit_train_step, make_train_step, split_micro_batches, split_modules
+from tests.helpers import with_router_stats
 from tests.test_train_step import SGD, make_batch, packed
 
 TOL = 1e-4  # the issue's bound on float32 logits
@@ -119,10 +120,8 @@ def test_router_terms_equal_transformers_aux_loss_over_real_tokens(moe_dir):
     with torch.no_grad():
         out = hf(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
     model, _ = load_hf(path)
-    with RouterTape() as tape:
-        model(tokens.astype(np.int32), segment_ids=mask.astype(np.int32))
-    stats = tape.stats_of(model)
-    assert stats is not None and len(tape.records) == 1
+    _, stats = with_router_stats(lambda m: m(tokens.astype(np.int32), segment_ids=mask.astype(np.int32)), model)
+    assert stats is not None
     assert float(stats.tokens) == mask.sum() * 1  # one sparse layer of three
     assert abs(float(stats.load_balance_loss()) - float(out.aux_loss)) <= 1e-5
     logits = np.concatenate([r.numpy() for r in out.router_logits])  # [tokens * sparse layers, E]
@@ -140,9 +139,10 @@ def test_compacted_rows_route_and_count_like_the_rows(moe_dir):
     real = int((seg > 0).sum())
     results = []
     for compact in (0, real + 3):
-        with RouterTape() as tape:
-            h, _ = model.layer_states(rows["tokens"], rows["positions"], seg, compact=compact)
-        results.append((np.asarray(h), tape.stats_of(model)))
+        (h, _), stats = with_router_stats(
+            lambda m, n=compact: m.layer_states(rows["tokens"], rows["positions"], seg, compact=n), model
+        )
+        results.append((np.asarray(h), stats))
     (h0, s0), (h1, s1) = results
     assert np.abs((h0 - h1)[seg > 0]).max() <= 1e-5
     assert float(s0.tokens) == float(s1.tokens) == real * 2  # two sparse layers
@@ -166,9 +166,7 @@ def test_the_train_step_adds_the_weighted_router_terms_and_reports_them():
         graphdef, params, rest = split_modules(model, nnx.Param)
         bound = bind_loss(graphdef, nll_loss)
         out = bound(params, rest, batch, None)
-        with RouterTape() as tape:
-            plain = nll_loss(model, batch, None)
-        stats = tape.stats_of(model)
+        plain, stats = with_router_stats(lambda m: nll_loss(m, batch, None), model)
         terms = weights[0] * stats.load_balance_loss() + weights[1] * stats.z_loss()
         expected = plain.total + terms * plain.denominator
         assert abs(float(out.total) - float(expected)) <= 1e-4 * abs(float(expected))
@@ -210,10 +208,26 @@ def test_a_frozen_moe_model_in_the_tree_adds_nothing():
 
     graphdef, params, rest = split_modules(tree, nnx.Param)
     out = bind_loss(graphdef, loss)(params, rest, batch, None)
-    with RouterTape() as tape:
-        plain = nll_loss(tree.model, batch, None)
-    expected = plain.total + tape.stats_of(tree.model).load_balance_loss() * plain.denominator
+    plain, stats = with_router_stats(lambda m: nll_loss(m, batch, None), tree.model)
+    expected = plain.total + stats.load_balance_loss() * plain.denominator
     assert abs(float(out.total) - float(expected)) <= 1e-5 * abs(float(expected))
+    _, sown = capture_router(loss)(tree, batch, None)  # the teacher did sow: leaving it out is a choice made
+    teacher = sown_at(sown, ["teacher"])
+    assert teacher is not None and float(teacher.load_balance_loss()) != float(stats.load_balance_loss())
+
+
+def test_a_forward_pass_outside_a_capture_keeps_nothing_on_the_model():
+    """Generation and frozen passes run the model outside any loss: its routers' stats are dropped, not stored on
+    the module (Flax's sow would add a variable to its state, and Flax warns of it)."""
+    import warnings
+
+    model = create_model(moe_config(), seed=0)
+    before = jax.tree.structure(nnx.state(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Flax's deprecation of a sow outside nnx.capture
+        model(np.ones((1, 6), np.int32))
+    assert jax.tree.structure(nnx.state(model)) == before
+    assert not jax.tree.leaves(nnx.state(model, RouterSown))
 
 
 # ---------------------------------------------------------------- bad input

@@ -13,7 +13,7 @@ from core.config import ModelConfig
 from core.hf.directory import load_hf
 from core.kernels.experts import dense_experts
 from core.models import create_model
-from core.router_loss import RouterTape
+from tests.helpers import with_router_stats
 from tests.test_moe_models import moe_config
 
 
@@ -31,9 +31,9 @@ def test_the_jax_sampler_returns_the_routes_the_trainer_computes(rollout_model_d
         seq = c.prompt_ids + c.token_ids
         assert c.routes is not None and c.routes.shape == (len(seq), 2, 2)  # 2 sparse layers, top-2
         assert (c.routes >= 0).all()
-        with RouterTape() as tape:
-            model.layer_states(np.asarray([seq], np.int32), routes=c.routes[None], replay=False)
-        stats = tape.stats_of(model)
+        _, stats = with_router_stats(
+            lambda m, s=seq, r=c.routes: m.layer_states(np.asarray([s], np.int32), routes=r[None], replay=False), model
+        )
         assert float(stats.routed) == len(seq) * 2 and float(stats.differed) == 0.0
 
 

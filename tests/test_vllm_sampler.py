@@ -118,15 +118,15 @@ def test_update_weights_equals_fresh_engine(ray_cluster, rollout_model_dir):
 def assert_trainers_own_routes(model, completions):
     """Each completion's routes (`rollout.vllm_routes`) are the trainer's own top-k on the whole sequence (float32,
     same weights): every token but the last, which no pass ran, is routed, and none differently."""
-    from core.router_loss import RouterTape
+    from tests.helpers import with_router_stats
 
     for c in completions:
         seq = c.prompt_ids + c.token_ids
         assert c.routes is not None and c.routes.shape == (len(seq), 2, 2)  # 2 sparse layers, top-2
         assert (c.routes[:-1] >= 0).all() and (c.routes[-1] == -1).all()
-        with RouterTape() as tape:
-            model.layer_states(np.asarray([seq], np.int32), routes=c.routes[None], replay=False)
-        stats = tape.stats_of(model)
+        _, stats = with_router_stats(
+            lambda m, s=seq, r=c.routes: m.layer_states(np.asarray([s], np.int32), routes=r[None], replay=False), model
+        )
         assert float(stats.routed) == (len(seq) - 1) * 2 and float(stats.differed) == 0.0
 
 

@@ -12,6 +12,7 @@ from core.models.build import (
     state_mismatches,
     state_shardings,
     trained_model,
+    trained_model_path,
 )
 from core.models.decoder import Decoder
 
@@ -28,4 +29,5 @@ __all__ = [
     "state_mismatches",
     "state_shardings",
     "trained_model",
+    "trained_model_path",
 ]

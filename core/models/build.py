@@ -146,5 +146,12 @@ def trained_model(modules: Decoder | ModuleTree) -> Decoder:
     return modules.model
 
 
+def trained_model_path(modules: Decoder | ModuleTree) -> list[str]:
+    """Where `trained_model` sits in the tree: the tree itself, or its `.model` (what a checkpoint records, and
+    where the trained model's sown values are)."""
+    trained_model(modules)  # a tree of another kind is refused there
+    return [] if isinstance(modules, Decoder) else ["model"]
+
+
 def param_count(model: nnx.Module) -> int:
     return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
