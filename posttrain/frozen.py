@@ -38,9 +38,10 @@ from core.targets import states_logprobs, target_logprobs, target_states
 from core.train import place_batch, split_micro_batches
 
 
-def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: int | None) -> jax.Array:
+def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: int | None, routed: bool) -> jax.Array:
     model = nnx.merge(graphdef, state)
-    batch = batch.without_routes()  # a frozen model routes as its own routers do (the routes are the policy's)
+    if not routed:  # another model than the sampled one routes as its own routers do (the routes are the policy's)
+        batch = batch.without_routes()
     if vocab is None:
         return target_logprobs(model, batch, temperature, entropy=False)[0]
     states = target_states(model, batch).over_vocab(vocab)
@@ -51,17 +52,19 @@ class LogprobPass:
     """`(model, packed group) -> [B_g, C]` log-probs of the targets, jitted (normalised over the first `vocab`
     tokens: a teacher's padded embedding read over its student's vocabulary; None: all its rows), with the
     batches' static counts it was compiled for (`counts`: a batch that fits one is padded into it, as a learner's
-    update is)."""
+    update is). `routed`: the pass runs the model whose sampler routed the batch (the policy's own pi_old pass), so
+    it reads the batch's routes as the policy's update does (with `PackedBatch.replay`, in place of its routers'
+    choice); a frozen model's pass (a reference, a teacher) ignores them."""
 
-    def __init__(self, temperature: float, vocab: int | None = None):
-        self.temperature, self.vocab = temperature, vocab
-        self._jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4)), "a log-prob pass")
+    def __init__(self, temperature: float, vocab: int | None = None, routed: bool = False):
+        self.temperature, self.vocab, self.routed = temperature, vocab, routed
+        self._jitted = CompiledTogether(jax.jit(_logprobs, static_argnums=(0, 3, 4, 5)), "a log-prob pass")
         self.counts = CompiledCounts()
         self.rows = SizeCache(round_rows)  # rows a packing group, reused when a batch fits a count compiled before
 
     def __call__(self, model: Decoder, batch: PackedBatch) -> jax.Array:
         graphdef, state = nnx.split(model)
-        return self._jitted(graphdef, state, batch, self.temperature, self.vocab)
+        return self._jitted(graphdef, state, batch, self.temperature, self.vocab, self.routed)
 
 
 def grouped_logprobs(fn: LogprobPass, model: Decoder, batch: PackedBatch, mesh: Mesh) -> np.ndarray:

@@ -139,3 +139,49 @@ def test_a_replayed_batch_without_routes_is_refused():
     with pytest.raises(ValueError, match="rl.router_replay=replay, but 1 of 2 completions came without routes"):
         build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8, replay=True)
     assert build_rl_batch(comps, np.ones(2), np.ones(2, bool), row_len=32, max_tokens=8).packed.routes is None
+
+
+def test_pi_old_replays_the_samplers_routes_as_the_update_does():
+    """GRPO with several updates a step (`rl.batch.num_iterations=2`) and routing replay: pi_old, attached before the
+    first update, is the policy's log-probs on the sampler's routes (what the update's own forward pass computes),
+    not on its routers' own choice, so the first update's ratio is 1 where the weights have not moved. The
+    sampler's routes are every token's own experts + 1, so the two differ; the frozen reference still routes as its
+    own routers do."""
+    from core.config_loader import load_config
+    from core.mesh import single_device_mesh
+    from core.method_learner import MethodLearner
+    from core.targets import target_logprobs
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.rl_batch import build_rl_batch
+    from rollout.sampler import Completion
+    from tests.test_moe_methods import QWEN3_MOE
+
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [*QWEN3_MOE, "rl.router_replay=replay", "rl.batch.num_iterations=2", "rl.loss.beta=0.1", "train.steps=2"],
+        schema=PostTrainConfig,
+    )
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model = create_model(cfg.model, mesh, seed=0)
+    learner = MethodLearner(cfg, GRPO, model, mesh)
+    rng = np.random.default_rng(0)
+    comps = []
+    for _ in range(8):
+        prompt, tokens = [int(x) for x in rng.integers(3, 500, 4)], [int(x) for x in rng.integers(3, 500, 5)]
+        comps.append(Completion(prompt, tokens, [-3.0] * 5, "stop", ""))
+    # every token's routes: experts (i + 1, i + 2) mod 4 at every sparse layer, never all the router's own
+    sparse = sum(cfg.model.sparse_layers)
+    for i, c in enumerate(comps):
+        n = len(c.prompt_ids) + len(c.token_ids)
+        c.routes = ((np.arange(n)[:, None, None] + i + np.arange(1, 3)[None, None, :]) % 4).repeat(sparse, 1)
+        c.routes = c.routes.astype(np.int32)
+    batch = build_rl_batch(comps, rng.normal(size=8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1, replay=True)
+    attached, _ = learner.attach(batch)
+    targets = np.asarray(batch.packed.target_mask) > 0
+    replayed = np.asarray(target_logprobs(model, batch.packed, 1.0, entropy=False)[0])
+    own = np.asarray(target_logprobs(model, batch.packed.without_routes(), 1.0, entropy=False)[0])
+    assert np.abs(replayed - own)[targets].max() > 1e-3  # the routes change the log-probs: the check can fail
+    np.testing.assert_allclose(np.asarray(attached.old_logp)[targets], replayed[targets], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(attached.ref_logp)[targets], own[targets], atol=1e-5)

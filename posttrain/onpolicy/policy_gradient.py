@@ -272,7 +272,9 @@ class PolicyGradient(SamplingMethod[RLBatch]):
     def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[RLBatch]:
         temperature = cfg.rollout.temperature or 1.0
         reference = FrozenModel.start_of(learner, temperature=temperature) if cfg.rl.loss.beta else None
-        return PolicyValues(learner, reference, LogprobPass(temperature), updates_per_step(cfg) > 1)
+        # pi_old is the policy's own pass: on the sampler's routes, as the update's forward pass (routing replay)
+        policy = LogprobPass(temperature, routed=True)
+        return PolicyValues(learner, reference, policy, updates_per_step(cfg) > 1)
 
     def updates(self, cfg: PostTrainConfig, learner: Learner, batch: RLBatch) -> Iterator[tuple[Update, str]]:
         rl, n = cfg.rl.batch, updates_per_step(cfg)
