@@ -3,6 +3,9 @@
 - AdamW with weight decay masked off norms and biases; SGD; Muon (optax.contrib)
   on projection matrices with Adam for embeddings, norms and biases.
 - Schedules: constant, cosine, WSD (warmup-stable-decay), each with linear warm-up.
+- A module tree whose trainable parts each need their own optimizer (a learning rate, a clip, a start of their
+  own: PPO's policy and critic) combines one per part (`by_part`), one of them held for its first updates
+  (`held_for`).
 - `trainable_regex` is not the optimizer's: it narrows what trains (`trainable_paths`, a filter the learner
   splits the module tree with), so the rest is frozen state with no gradient, no moments and no checkpoint.
 """
@@ -10,7 +13,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +113,55 @@ def trainable_paths(trainable: Any, regex: str | None) -> Any:
 
 def global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+class HeldState(NamedTuple):
+    updates: jax.Array  # updates seen so far, held ones included
+    inner: Any  # the held transformation's own state: untouched while held
+
+
+def held_for(tx: optax.GradientTransformation, n: int) -> optax.GradientTransformation:
+    """`tx` from its (n+1)-th update on; before, zero updates and `tx`'s state as it was initialised, so its
+    moments, its bias correction and its schedule all start at its first real update (a part that waits while
+    another warms up)."""
+
+    def init(params):
+        return HeldState(jnp.zeros((), jnp.int32), tx.init(params))
+
+    def update(updates, state, params=None):
+        new, inner = tx.update(updates, state.inner, params)
+        on = state.updates >= n
+        held = jax.tree.map(lambda u: jnp.where(on, u, jnp.zeros_like(u)), new)
+        kept = jax.tree.map(lambda a, b: jnp.where(on, a, b), inner, state.inner)
+        return held, HeldState(state.updates + 1, kept)
+
+    return optax.GradientTransformation(init, update)
+
+
+def part_of(tree: Any, key: str) -> nnx.State:
+    """The part of a trainable state under its top-level `key`, still under that key (what `by_part` gives each
+    part's transformation, and what that transformation is built over)."""
+    raw = tree.raw_mapping if isinstance(tree, nnx.State) else tree
+    return nnx.State({key: raw[key]})
+
+
+def by_part(parts: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One transformation per top-level key of the trainable state (a module tree's parts), each over its part
+    alone with a state of its own: its own clip (its part's gradient norm), moments and schedule. Each is given
+    its part still under its key (`part_of`), so its masks and its state's paths are the tree's."""
+
+    def init(params):
+        if set(params.keys()) != set(parts):
+            raise ValueError(f"the trainable state's parts {sorted(params.keys())} are not {sorted(parts)}")
+        return {key: tx.init(part_of(params, key)) for key, tx in parts.items()}
+
+    def update(updates, state, params=None):
+        moved, states = {}, {}
+        for key, tx in parts.items():
+            given = None if params is None else part_of(params, key)
+            out, states[key] = tx.update(part_of(updates, key), state[key], given)
+            moved[key] = iter(jax.tree.leaves(out))
+        # back into `updates`' own structure, leaf by leaf (each part's leaves in the order its subtree holds them)
+        return jax.tree_util.tree_map_with_path(lambda path, _: next(moved[path[0].key]), updates), states
+
+    return optax.GradientTransformation(init, update)

@@ -17,9 +17,10 @@ What is PPO's own, as verl's and OpenRLHF's PPO do it:
   tokens (`ppo.whiten_advantages`);
 - the loss: the policy objective plus the clipped value loss (`value_loss`: 0.5 max((V - R)^2, (clip(V, V_old -
   c, V_old + c) - R)^2), `ppo.value_clip` c), each over the same tokens (`rl.loss.loss_agg=token-mean`);
-- the optimizer (`optimizer`): `optim.*` over both parts, the critic's updates scaled to
-  `ppo.critic_learning_rate`, the policy's held at zero for the first `ppo.critic_warmup_steps` steps (the
-  critic learns its values first);
+- the optimizers (`optimizer`, `core.optim.by_part`): one per part, each clipped by its own gradient's norm: the
+  critic's at `ppo.critic_learning_rate`, the policy's at optim's and held for the first
+  `ppo.critic_warmup_steps` steps (the critic learns its values first; the policy's moments and schedule start at
+  its first update);
 - one checkpoint holds both parts (the module tree's trainable state); the run's end exports the policy to
   `run_dir/hf` and the critic apart, to `run_dir/hf/critic`, as a Hugging Face token-classification model with one
   label (its `score` head), which `transformers.AutoModelForTokenClassification` reads.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ from core.learner import Learner
 from core.method import Attach, TrainStats
 from core.models import Decoder, ModuleTree
 from core.models.lora import trainable_filter
-from core.optim import make_optimizer
+from core.optim import by_part, held_for, make_optimizer, part_of
 from core.sums import summed
 from core.targets import target_states
 from core.train import LossOutput, Update
@@ -198,30 +199,6 @@ def ppo_objective(cfg: PostTrainConfig):
 # ------------------------------------------------------------------ the method
 
 
-class PartScales(NamedTuple):
-    updates: jax.Array  # optimizer updates so far
-
-
-def part_scales(critic: Any, critic_scale: float, policy_from: int) -> optax.GradientTransformation:
-    """Scale each update by its part: the critic's (`critic`: True per leaf) by `critic_scale`, the policy's by 0
-    before update `policy_from` and 1 after."""
-
-    def init(params):
-        return PartScales(jnp.zeros((), jnp.int32))
-
-    def update(updates, state, params=None):
-        on = (state.updates >= policy_from).astype(jnp.float32)
-        scaled = jax.tree.map(lambda u, c: u * jnp.asarray(critic_scale if c else on, u.dtype), updates, critic)
-        return scaled, PartScales(state.updates + 1)
-
-    return optax.GradientTransformation(init, update)
-
-
-def is_critic(params: nnx.State) -> Any:
-    """True for each leaf of the trainable state under `critic`."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[0], "key", None) == "critic", params)
-
-
 class PPOMethod(PolicyGradient):
     """The policy-gradient update with a critic's GAE advantages and its clipped value loss (module docstring)."""
 
@@ -262,12 +239,15 @@ class PPOMethod(PolicyGradient):
         return ppo_objective(cfg)
 
     def optimizer(self, cfg: PostTrainConfig, total_updates: int, params: nnx.State) -> optax.GradientTransformation:
-        lr = cfg.optim.learning_rate
-        scale = (cfg.ppo.critic_learning_rate or lr) / lr if lr > 0 else 1.0
+        """An optimizer for each part, as verl's actor and critic: the critic's at `ppo.critic_learning_rate`, the
+        policy's at optim's, held for `ppo.critic_warmup_steps` steps (its moments and its schedule start at its
+        first update), each clipped at `optim.grad_clip_norm` by its own gradient's norm."""
         policy_from = cfg.ppo.critic_warmup_steps * self.updates_per_step(cfg)
-        return optax.chain(
-            make_optimizer(cfg.optim, total_updates, params), part_scales(is_critic(params), scale, policy_from)
-        )
+        critic_rate = cfg.ppo.critic_learning_rate or cfg.optim.learning_rate
+        critic_optim = cfg.optim.model_copy(update={"learning_rate": critic_rate})
+        policy = make_optimizer(cfg.optim, max(total_updates - policy_from, 1), part_of(params, "model"))
+        critic = make_optimizer(critic_optim, total_updates, part_of(params, "critic"))
+        return by_part({"model": held_for(policy, policy_from), "critic": critic})
 
     # ------------------------------------------------------------------ a step
 

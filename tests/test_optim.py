@@ -11,7 +11,7 @@ from flax import nnx
 
 from core.config import ModelConfig, OptimConfig
 from core.models import create_model
-from core.optim import make_optimizer, make_schedule, trainable_paths
+from core.optim import by_part, held_for, make_optimizer, make_schedule, part_of, trainable_paths
 
 
 def lr(cfg, total, steps):
@@ -146,3 +146,64 @@ def test_trainable_regex_reads_the_paths_of_a_module_tree():
     updates, _ = tx.update(grads, tx.init(whole), whole)
     norm = np.sqrt(sum(x.size for x in jax.tree.leaves(whole)))  # of the all-ones gradient of the whole tree
     np.testing.assert_allclose(np.asarray(updates["projections"]["kernels"][0]), -0.1 / norm, rtol=1e-5)
+
+
+class _TwoParts(nnx.Module):
+    """A trainable state of two parts, as PPO's (`model`, `critic`)."""
+
+    def __init__(self):
+        self.model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.critic = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
+
+
+def _grads(params, model_scale=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype) * (model_scale if path[0].key == "model" else 1),
+        params,
+    )
+
+
+def _critic(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(part_of(tree, "critic"))]
+
+
+def test_each_part_is_clipped_by_its_own_gradients_norm():
+    """`by_part`: a policy gradient 1000x larger leaves the critic's update as it was (each part's clip reads its
+    own norm); one optimizer over both (a joint clip) would shrink the critic's with it."""
+    params = nnx.state(_TwoParts(), nnx.Param)
+    optim = OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", grad_clip_norm=1.0)
+    parts = by_part({k: make_optimizer(optim, 10, part_of(params, k)) for k in ("model", "critic")})
+    joint = make_optimizer(optim, 10, params)
+    for tx, same in ((parts, True), (joint, False)):
+        small, _ = tx.update(_grads(params), tx.init(params), params)
+        large, _ = tx.update(_grads(params, model_scale=1000.0), tx.init(params), params)
+        gap = max(float(np.abs(a - b).max()) for a, b in zip(_critic(small), _critic(large)))
+        assert (gap == 0.0) == same, (same, gap)
+    assert jax.tree.structure(small) == jax.tree.structure(params)  # the updates come back in the state's shape
+
+
+def test_a_held_part_starts_as_a_fresh_optimizer_at_its_first_update():
+    """`held_for(tx, 2)`: two zero updates, `tx`'s state untouched (AdamW's moments, its count and schedule), then
+    exactly the update a fresh `tx` makes on that gradient (its first Adam step: learning rate x sign, here with a
+    warm-up schedule that starts at its own step 0)."""
+    params = nnx.state(_TwoParts(), nnx.Param)
+    optim = OptimConfig(learning_rate=1e-2, schedule="cosine", warmup_steps_fraction=0.5, weight_decay=0.0)
+    model = part_of(params, "model")
+    held = held_for(make_optimizer(optim, 4, model), 2)
+    state = held.init(model)
+    for seed in (1, 2):
+        out, state = held.update(part_of(_grads(params, seed=seed), "model"), state, model)
+        assert not any(np.asarray(x).any() for x in jax.tree.leaves(out))
+    fresh = make_optimizer(optim, 4, model)
+    grads = part_of(_grads(params, seed=3), "model")
+    got, _ = held.update(grads, state, model)
+    want, _ = fresh.update(grads, fresh.init(model), model)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the warm-up schedule's step 0 is 0: its second update is the first that moves, as a fresh optimizer's
+    got, _ = held.update(grads, held.update(grads, state, model)[1], model)
+    want, _ = fresh.update(grads, fresh.update(grads, fresh.init(model), model)[1], model)
+    assert any(np.asarray(x).any() for x in jax.tree.leaves(want))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
