@@ -9,7 +9,8 @@ A source hands the trainer one batch per step and hears of each update (`after_u
 sync weights there). A dataset's source is the method's pipeline (training rows, shuffled per epoch and repeated:
 `core.data.epochs`) and its `prepare`: what turns a pipeline item into the batch the loss reads, from data the run
 holds (a stored reference's log-probs gathered by example id, a teacher dump's top-k). Values computed by frozen
-models are not a source's business: `core.method.Method.attach` puts them on the batch beside the trainer.
+models belong to `core.method.Method.attach`, beside the trainer (one exception is left: distillation's teacher
+in a Ray actor of its own still answers in its `prepare`).
 """
 
 from __future__ import annotations

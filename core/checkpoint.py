@@ -178,7 +178,19 @@ class Checkpointer:
         )
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except ValueError as err:
+            if "tree structures do not match" not in str(err):
+                raise
+            # The parameters were compared above: what differs is the optimizer state's shape. Not a corrupt
+            # checkpoint (it must not be moved aside): the user's to resolve.
+            raise CheckpointMismatch(
+                f"checkpoint {self.directory / str(step)}: its optimizer state has another structure than this run's "
+                f"(another optim.name, or a method whose optimizer changed since: PPO's is one per part since "
+                f"2026-11-28); resume with the optimizer it was written with, or start a new run from its model "
+                f"with checkpoint.init_from={self.directory / str(step)}"
+            ) from None
         params = nnx.State(target.params)
         nnx.replace_by_pure_dict(params, out["params"])
         meta = dict(out["meta"])

@@ -7,16 +7,14 @@
     learner.save(checkpointer, cfg, data_iterator, extra); learner.restore_latest(checkpointer, cfg, data_iterator)
 
 What a learner trains is the method's module tree (a `Decoder`, or a module holding the trained `Decoder` as
-`.model` beside what its loss also reads: modules trained with it, frozen models) cut by a filter (`trainable`,
-Flax NNX:
-`nnx.Param` by default, `nnx.LoRAParam` for a model with LoRA adapters): the selected parameters get gradients,
+`.model` beside what its loss also reads: modules trained with it, frozen models) cut by a filter (`trainable`, Flax
+NNX: `nnx.Param` by default, `nnx.LoRAParam` for a model with LoRA adapters): the selected parameters get gradients,
 optimizer moments and checkpoints; the rest is frozen state, passed to the step as it is. Every method trains
-through one: the offline methods in `core.train_loop.TrainLoop`, the on-policy ones inside the trainer's
-`core.method_learner.MethodLearner`. Each batch shape is compiled once, ahead of time (`update`
-reports the first compilation's XLA memory analysis in `last_compile`), and executed with the state donated. An
-update whose loss or gradient is not finite is never applied (`core.train`); `apply_nan_policy` is what every
-loop then does about it (`train.nan_policy`).
-"""
+through one, inside its trainer (`core.method_learner.MethodLearner`), which the dataset loop
+(`core.train_loop.TrainLoop`) and the on-policy trainer both host. Each batch shape is compiled once, ahead of time
+(`update` reports the first compilation's XLA memory analysis in `last_compile`), and executed with the state
+donated. An update whose loss or gradient is not finite is never applied (`core.train`); `apply_nan_policy` is what
+every loop then does about it (`train.nan_policy`)."""
 
 from __future__ import annotations
 

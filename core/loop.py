@@ -5,11 +5,11 @@
         def save(self, step): ...
     last = MyRun(...).fit()
 
-Every run is a `Loop`: the offline methods' `TrainLoop` (batches from a dataset pipeline, one `core.learner.Learner`
-update each) and the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun` (batches from the samplers, the
-trainer's step, a weight sync). What a run kind says is where its batches come from (`train_step`), how it logs
-(`log`), evaluates (`evaluate`), checkpoints (`save`, `saved_step`) and exports (`export`); everything else is
-here, once:
+Every run is a `Loop`: the dataset methods' `TrainLoop` (batches from a dataset pipeline, one step of the method's
+`core.method_learner.MethodLearner` each) and the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun` (batches
+from the samplers, the trainer's step, a weight sync). What a run kind says is where its batches come from
+(`train_step`), how it logs (`log`), evaluates (`evaluate`), checkpoints (`save`, `saved_step`) and exports
+(`export`); everything else is here, once:
 
 - hooks: log (`train.log_every`), eval (`train.eval_every`), checkpoint (`checkpoint.every_steps`), then the
   method's own (`Hook`), each after the step it is due on;
@@ -26,7 +26,7 @@ here, once:
   `time/compile`, `compile/compilations`, `compile/cache_hits`);
 - a profiler trace of `profiler.num_steps` steps from `profiler.start_step`.
 
-The offline kind is `core.train_loop.TrainLoop`.
+The dataset kind is `core.train_loop.TrainLoop`.
 """
 
 from __future__ import annotations

@@ -83,14 +83,17 @@ class MethodLearner:
         """The data-parallel size: packed row counts are made a multiple of it."""
         return batch_shards(self.mesh)
 
-    def train(self, batch: Any) -> TrainStats:
+    def train(self, batch: Any, step: int | None = None) -> TrainStats:
         """One step on `batch`: the attached values, the method's updates, its report (with the update counts and
-        the time the updates took)."""
+        the time the updates took). `step`: the run's step, which a NaN message names (default: the policy
+        version's next; a dataset run's step and version part after an aborted update is resumed)."""
         start = time.perf_counter()
         batch, attached = self.attach(batch)
         collected: list[Update] = []
         for update, where in self.method.updates(self.cfg, self.learner, batch):
-            at = f"{self.method.name} step {self.version + 1}" + (f", {where}" if where else "")
+            at = f"{self.method.name} step {self.version + 1 if step is None else step}" + (
+                f", {where}" if where else ""
+            )
             if not apply_nan_policy(update, self.cfg.train.nan_policy, at):
                 self.skipped_updates += 1
             self.empty_updates += int(update.empty)

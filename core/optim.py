@@ -116,7 +116,8 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 class HeldState(NamedTuple):
-    updates: jax.Array  # updates seen so far, held ones included
+    # updates applied so far, held ones included (a skipped non-finite update is not one: it lengthens the hold)
+    updates: jax.Array
     inner: Any  # the held transformation's own state: untouched while held
 
 

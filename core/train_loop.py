@@ -121,11 +121,12 @@ class TrainLoop(Loop):
         skipped_before = self.trainer.skipped_updates
         start = time.perf_counter()
         batch = self.source.prepare(data)
-        stats = self.trainer.train(batch)  # attach -> the method's updates (under train.nan_policy) -> its report
+        stats = self.trainer.train(batch, step)  # attach -> the method's updates (train.nan_policy) -> its report
         self.source.after_update(self.trainer)
         compiled = self.step_compile()
-        if compiled.compiles and self.learner.last_compile:
-            print(self.learner.last_compile, flush=True)  # XLA's memory analysis of the step's new program
+        if (step == self.start_step + 1 or compiled.compiles) and self.learner.last_compile:
+            # XLA's memory analysis of the update's newest program (compiled, or loaded from the cache)
+            print(self.learner.last_compile, flush=True)
         seconds = max(time.perf_counter() - start - compiled.seconds, 1e-9)  # compile time is not step time
         n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
         flops = self.flops_per_token * n_tokens / seconds

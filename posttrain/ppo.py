@@ -242,6 +242,12 @@ class PPOMethod(PolicyGradient):
         """An optimizer for each part, as verl's actor and critic: the critic's at `ppo.critic_learning_rate`, the
         policy's at optim's, held for `ppo.critic_warmup_steps` steps (its moments and its schedule start at its
         first update), each clipped at `optim.grad_clip_norm` by its own gradient's norm."""
+        missing = [part for part in ("model", "critic") if part not in params]
+        if missing:  # optim.trainable_regex left a part with nothing to train
+            raise ConfigError(
+                f"PPO trains the policy (`model.`) and the critic (`critic.`): optim.trainable_regex "
+                f"{cfg.optim.trainable_regex!r} leaves {' and '.join(missing)} with no parameter"
+            )
         policy_from = cfg.ppo.critic_warmup_steps * self.updates_per_step(cfg)
         critic_rate = cfg.ppo.critic_learning_rate or cfg.optim.learning_rate
         critic_optim = cfg.optim.model_copy(update={"learning_rate": critic_rate})

@@ -287,3 +287,20 @@ def test_the_frozen_fingerprint_holds_across_meshes_and_tells_other_weights_apar
     other = (rng.standard_normal(weights.shape) * 0.02).astype(np.float32)
     with pytest.raises(CheckpointMismatch, match=r"embed: sum"):
         check_frozen(single, frozen_fingerprint({"embed": jax.numpy.asarray(other)}), "other weights")
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_and_kept(tmp_path):
+    """The same model trained with another optimizer (SGD's state against AdamW's; PPO's before and after it had
+    an optimizer per part): a `CheckpointMismatch` naming the optimizer state, and the checkpoint stays where it is
+    (not moved aside as corrupt)."""
+    cfg = Config(model=ModelConfig())
+    _, state = make_state(cfg.model)
+    ckpt = Checkpointer(tmp_path / "ck", async_save=False)
+    ckpt.save(state, None, cfg)
+    sgd = make_optimizer(OptimConfig(name="sgd", learning_rate=1e-3, schedule="constant"), 10, state.params)
+    target = init_train_state(state.params, sgd, seed=0)
+    with pytest.raises(CheckpointMismatch, match="optimizer state"):
+        ckpt.restore_latest(target, None, cfg)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["7"]
+    restored, _, _ = ckpt.restore_latest(make_state(cfg.model, seed=2)[1], None, cfg)
+    leaves_equal(restored.opt_state, state.opt_state)

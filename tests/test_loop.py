@@ -136,6 +136,11 @@ def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
     good, _ = t.ckpt.restore(2, t.state, None, cfg)
     for a, b in zip(jax.tree.leaves(after_abort.params), jax.tree.leaves(good.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # resumed past the bad batch, the next step is 4, and a NaN there is named so (the checkpoint's policy version
+    # is 2: the aborted update was not counted)
+    always_nan = lambda m, b, r: LossOutput(nll_loss(m, b, r).total * jnp.nan, nll_loss(m, b, r).denominator)
+    with pytest.raises(NonFiniteLoss, match="pretraining step 4: loss nan"):
+        trainer(cfg, arithmetic_tokenizer, always_nan).fit()
 
 
 def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):

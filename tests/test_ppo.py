@@ -137,6 +137,11 @@ def _learner(*overrides):
     return MethodLearner(cfg, PPO, model, mesh), cfg
 
 
+def test_a_trainable_regex_that_leaves_a_part_untrained_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="leaves model with no parameter"):
+        _learner("optim.trainable_regex=value_head")
+
+
 def _parts(learner):
     import jax
     from flax import nnx
