@@ -8,9 +8,9 @@
 A source hands the trainer one batch per step and hears of each update (`after_update`: a sampler source would
 sync weights there). A dataset's source is the method's pipeline (training rows, shuffled per epoch and repeated:
 `core.data.epochs`) and its `prepare`: what turns a pipeline item into the batch the loss reads, from data the run
-holds (a stored reference's log-probs gathered by example id, a teacher dump's top-k). Values computed by frozen
-models belong to `core.method.Method.attach`, beside the trainer (one exception is left: distillation's teacher
-in a Ray actor of its own still answers in its `prepare`).
+holds (values stored before the run, gathered by example id). Values computed by frozen models belong to
+`core.method.Method.attach`, beside the trainer (docs/design.md names a method that still asks for them in its
+`prepare`).
 """
 
 from __future__ import annotations

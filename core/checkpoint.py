@@ -187,9 +187,9 @@ class Checkpointer:
             # checkpoint (it must not be moved aside): the user's to resolve.
             raise CheckpointMismatch(
                 f"checkpoint {self.directory / str(step)}: its optimizer state has another structure than this run's "
-                f"(another optim.name, or a method whose optimizer changed since: PPO's is one per part since "
-                f"2026-11-28); resume with the optimizer it was written with, or start a new run from its model "
-                f"with checkpoint.init_from={self.directory / str(step)}"
+                f"(another optim.name, or a method whose optimizer has changed since it was written); resume with "
+                f"the optimizer it was written with, or start a new run from its model with "
+                f"checkpoint.init_from={self.directory / str(step)}"
             ) from None
         params = nnx.State(target.params)
         nnx.replace_by_pure_dict(params, out["params"])

@@ -4,7 +4,7 @@
   on projection matrices with Adam for embeddings, norms and biases.
 - Schedules: constant, cosine, WSD (warmup-stable-decay), each with linear warm-up.
 - A module tree whose trainable parts each need their own optimizer (a learning rate, a clip, a start of their
-  own: PPO's policy and critic) combines one per part (`by_part`), one of them held for its first updates
+  own) combines one per part (`by_part`), one of them held for its first updates
   (`held_for`).
 - `trainable_regex` is not the optimizer's: it narrows what trains (`trainable_paths`, a filter the learner
   splits the module tree with), so the rest is frozen state with no gradient, no moments and no checkpoint.

@@ -7,7 +7,7 @@
 The stats travel through Flax's own channel: each MoE forward pass sows its `RouterStats` into the model that ran
 it (`Decoder.layer_states` -> `record_router`, a `Module.sow` of a `RouterSown` variable) and `nnx.capture`
 collects what every module of the tree sowed, keyed by its path in the tree. Only the trained model's path counts:
-a frozen MoE model in the tree (a teacher) sows under its own path and adds nothing. Outside a capture nothing is
+a frozen MoE model in the tree sows under its own path and adds nothing. Outside a capture nothing is
 kept (Flax would otherwise store the value on the module, and a model called for generation would change its
 state). Every method's loss runs its trained model through `Decoder.layer_states`, so pretraining, SFT, DPO, GRPO
 and distillation all get the router terms without naming them. A loss whose trained model runs several forward
