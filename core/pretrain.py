@@ -23,7 +23,7 @@ from core.loop import Hook
 from core.losses import nll_loss, perplexity
 from core.method import Method
 from core.run import MethodParts, RunContext, check_rows
-from core.train import LossFn, batch_shards
+from core.train import LossFn
 from core.train_loop import Evaluation
 
 
@@ -46,7 +46,7 @@ def next_token_parts(
             cfg.train.batch_size,
             split=split,
             micro_batches=cfg.train.micro_batches if split == "train" else 1,
-            row_multiple=batch_shards(run.mesh),
+            row_multiple=run.row_multiple,
         )
 
     tokenized = examples if examples is not None else tokenize_examples(run.records, rows, run.tokenizer, cfg.data)

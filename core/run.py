@@ -1,4 +1,4 @@
-"""One builder for every dataset method: mesh, tokenizer, model, trainer, source, loop, evaluation, export.
+"""One builder for every dataset method: rows, tokenizer, trainer, source, loop, evaluation, export.
 
     run = build_run(cfg, method)        # core.pretrain.PRETRAINING, posttrain.sft.SFT, posttrain.dpo.offline.DPO,
                                         # posttrain.distill.method.DISTILL
@@ -8,11 +8,13 @@ A method is a `core.method.Method` (the one contract every method writes): its l
 filter, what it checks, and here its parts given the built run (`parts(RunContext) -> MethodParts`: the training
 pipeline, the held-out evaluation, `prepare` (what the loss reads of a pipeline item, from data the run holds) and
 hooks of its own), and the batch compile-only compiles its update for (`example_batch`). Everything else is here,
-once: the mesh from `mesh.*`; the rows of `data.source`; the tokenizer (`core.tokenizer.run_tokenizer`); the model from
-`checkpoint.init_from` (its shape wins over `model.*`; adapters added with `model.lora`) or a random init; the
-vocabulary check; the method's trainer (`core.method_learner.MethodLearner`, as an on-policy run's: its learner,
-attached values, updates, NaN policy and export); its pipeline as a `core.batch_source.DatasetSource`; the
-`core.train_loop.TrainLoop` with its checkpoints, exact resume and metrics.
+once: the rows of `data.source`; the tokenizer (`core.tokenizer.run_tokenizer`); the method's trainer
+(`core.trainer.Trainer`: the mesh from `mesh.*`, the model from `checkpoint.init_from` (its shape wins over
+`model.*`; adapters added with `model.lora`) or a random init, and the method's `core.method_learner.MethodLearner`,
+as an on-policy run's), in this process or started elsewhere by the caller (`start_trainer`: a process group's
+handle, `posttrain.offline`); the vocabulary check; its pipeline as a `core.batch_source.DatasetSource`; the
+`core.train_loop.TrainLoop` with its checkpoints, exact resume and metrics. A method's work on the model from here
+goes through `RunContext.trainer.apply`, so it runs wherever the trainer is.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from core.batch_source import DatasetSource, Prepare, as_is
 from core.compile_cache import use_compile_cache
@@ -30,12 +31,13 @@ from core.config import Config, resolve_mesh_shape
 from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.goodput import RunStart
-from core.learner import Learner
 from core.loop import Hook
 from core.method import Method
-from core.method_learner import MethodLearner
-from core.train import TrainState
 from core.train_loop import Evaluation, TrainLoop
+from core.trainer import Trainer, TrainerCalls
+
+# (the run's config) -> its trainer, started elsewhere (a process group's handle)
+StartTrainer = Callable[[Any], TrainerCalls]
 
 
 @dataclass
@@ -43,11 +45,13 @@ class RunContext:
     """What a method builds its parts from."""
 
     cfg: Any  # the job's config (its schema's type), with the model section the initial checkpoint decided
-    mesh: Mesh
     records: Sequence[dict]  # the rows of data.source
     tokenizer_dir: str
     tokenizer: Any
-    learner: Learner
+    # The trainer: in this process or a process group's (`core.trainer`); a method's work on the model (a stored
+    # reference's values) goes through `trainer.apply`.
+    trainer: TrainerCalls
+    row_multiple: int  # the trainer's data-parallel size: packed row counts are made a multiple of it
 
 
 @dataclass
@@ -73,12 +77,11 @@ class Run:
     tokenizer_dir: str
     parts: MethodParts
 
-    def fit(self) -> TrainState:
-        """Train to `train.steps` (resuming from `run.run_dir`); then stop what the method started (its
-        `closers`: an actor it started), however the loop ended."""
+    def fit(self) -> int:
+        """Train to `train.steps` (resuming from `run.run_dir`); the last step trained. Then stop what the method
+        started (its `closers`: an actor it started), however the loop ended."""
         try:
-            self.loop.fit()
-            return self.loop.state
+            return self.loop.fit()
         finally:
             for close in self.parts.closers:
                 close()
@@ -96,41 +99,37 @@ def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str
         )
 
 
-def build_run(cfg: Config, method: Method) -> Run:
-    """Everything `method` trains with, ready to `fit`."""
-    from core.checkpoint_models import initial_model
+def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = None) -> Run:
+    """Everything `method` trains with, ready to `fit`. `start_trainer(cfg)`: the trainer elsewhere (a process
+    group's handle, `posttrain.offline`); default: a `core.trainer.Trainer` in this process."""
     from core.data import load_tokenizer
-    from core.mesh import make_mesh
     from core.metrics import device_memory
-    from core.models.summary import parameter_summary
     from core.sources import load_records
     from core.tokenizer import check_vocab, run_tokenizer
 
     started = RunStart.now()
     use_compile_cache(cfg.compile.cache_dir)
     method.check(cfg)
-    try:  # fail early, with the sizes, on a bad mesh
-        resolve_mesh_shape(cfg.mesh, jax.device_count())
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    mesh = make_mesh(cfg.mesh)
     records = load_records(cfg.data)
     tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(records))
     tokenizer = load_tokenizer(tokenizer_dir)
     method.check_tokenizer(cfg, tokenizer)
-    model, cfg = initial_model(cfg, mesh)
+    if start_trainer is None:
+        trainer: TrainerCalls = local_trainer(cfg, method)
+    else:
+        trainer = start_trainer(cfg)
+    facts = trainer.facts()
+    cfg = cfg.model_copy(update={"model": type(cfg.model).model_validate(facts.model)})  # a checkpoint's shape wins
     if cfg.checkpoint.init_from is not None:
         print(f"initialised from {cfg.checkpoint.init_from}")
     check_vocab(cfg.model.vocab_size, tokenizer_dir)
-    if cfg.mesh.debug_sharding:
-        print(parameter_summary(model))
-    trainer = MethodLearner(cfg, method, model, mesh)
-    parts = method.parts(RunContext(cfg, mesh, records, tokenizer_dir, tokenizer, trainer.learner))
+    parts = method.parts(RunContext(cfg, records, tokenizer_dir, tokenizer, trainer, facts.batch_shards))
     if parts.skipped:
         print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
     for note in parts.notes:
         print(note)
-    print(device_memory() + f" (after model init: {method.name})")
+    if start_trainer is None:
+        print(device_memory() + f" (after model init: {method.name})")
     loop = TrainLoop(
         cfg,
         trainer,
@@ -142,3 +141,21 @@ def build_run(cfg: Config, method: Method) -> Run:
         started=started,
     )
     return Run(cfg, loop, tokenizer_dir, parts)
+
+
+def local_trainer(cfg: Config, method: Method) -> Trainer:
+    """The method's trainer in this process, on a mesh of its devices, from `checkpoint.init_from` or a random
+    init."""
+    from core.checkpoint_models import initial_model
+    from core.mesh import make_mesh
+    from core.models.summary import parameter_summary
+
+    try:  # fail early, with the sizes, on a bad mesh
+        resolve_mesh_shape(cfg.mesh, jax.device_count())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    mesh = make_mesh(cfg.mesh)
+    model, cfg = initial_model(cfg, mesh)
+    if cfg.mesh.debug_sharding:
+        print(parameter_summary(model))
+    return Trainer(cfg, method, model, mesh, cfg.run.run_dir)

@@ -1,10 +1,12 @@
 """The dataset kind of run: a dataset's batches (`core.batch_source.DatasetSource`), one step of the method's
 trainer (`core.method_learner.MethodLearner`) each, in the one loop (`core.loop.Loop`).
 
-    loop = TrainLoop(cfg, MethodLearner(cfg, SFT, model, mesh), DatasetSource(pipeline), evaluation=Evaluation(...))
+    loop = TrainLoop(cfg, Trainer(cfg, SFT, model, mesh, run_dir), DatasetSource(pipeline), evaluation=Evaluation(...))
     loop.fit()
 
-The source yields what the method's loss reads; the trainer attaches its frozen models' values
+The trainer is a `core.trainer.Trainer` in this process or a handle on one in each process of a JAX process group
+(`posttrain.trainer.TrainerHandle`): the loop makes the same calls of either. The source yields what the method's
+loss reads; the trainer attaches its frozen models' values
 (`Method.attach`), makes the method's updates (each under `train.nan_policy`) and reports; the held-out evaluation
 reports the loss's own sums as means over the split (`Evaluation`); the end exports the model and what the method
 exports beside it. A restart on the same `run.run_dir` resumes from the latest checkpoint that restores
@@ -19,17 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from core.batch_source import DatasetSource
-from core.checkpoint import Checkpointer
+from core.compile_cache import CompileTally
 from core.config import Config
 from core.config_loader import save_config
 from core.data import DataBatch
 from core.goodput import RunStart
+from core.learner import Learner
 from core.loop import Hook, Loop, Plot
-from core.method_learner import MethodLearner
 from core.metrics import (
     MetricsLogger,
     device_memory,
@@ -39,9 +40,9 @@ from core.metrics import (
     read_metrics,
     update_run_info,
 )
-from core.models import param_count
 from core.sums import combine, means
 from core.train import TrainState
+from core.trainer import Trainer, TrainerCalls
 
 
 @dataclass
@@ -62,7 +63,7 @@ class TrainLoop(Loop):
     def __init__(
         self,
         cfg: Config,
-        trainer: MethodLearner,
+        trainer: TrainerCalls,
         source: DatasetSource,
         *,
         evaluation: Evaluation | None = None,
@@ -72,75 +73,93 @@ class TrainLoop(Loop):
         console: dict[str, str] | None = None,
         started: RunStart | None = None,
     ):
-        """`on_batch(step, data_batch)` sees every pipeline item before its step (data inspection, debugging);
-        the source's `prepare` runs inside the timed step; `hooks` run after the built-in log, eval and checkpoint
-        hooks; `console` names the method's metrics the console line shows (key -> label); `started`: when the run
-        began to be built (`Loop`)."""
+        """`trainer`: a `core.trainer.Trainer` in this process, or a handle on one in each process of a group
+        (`posttrain.trainer.TrainerHandle`); `on_batch(step, data_batch)` sees every pipeline item before its step
+        (data inspection, debugging); the source's `prepare` runs inside the timed step; `hooks` run after the
+        built-in log, eval and checkpoint hooks; `console` names the method's metrics the console line shows
+        (key -> label); `started`: when the run began to be built (`Loop`)."""
         self.trainer = trainer
-        self.learner = trainer.learner  # the core.learner.Learner: the model, its state
-        self.mesh = trainer.mesh
+        self.in_process = isinstance(trainer, Trainer)  # otherwise its compilations are counted where it runs
         self.tokenizer_dir = tokenizer_dir
         self.evaluation = evaluation
         self.on_batch = on_batch
         self.source = source
         run_dir = Path(cfg.run.run_dir)
         save_config(cfg, run_dir)
-        self.ckpt = None
         start = 0
         if cfg.checkpoint.enabled:
-            self.ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
-            restored = trainer.restore_latest(self.ckpt, source.state)
+            restored = trainer.restore_latest(source.state)
             if restored is not None:
                 start = restored[0]
-                print(f"resumed from {self.ckpt.directory}/{start}", flush=True)
+                print(f"resumed from {run_dir / 'checkpoints'}/{start}", flush=True)
         super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None, started=started)
         self.logger = MetricsLogger(run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
         self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
-        print(device_memory() + " (after model and optimizer load)", flush=True)
+        self.facts = trainer.facts()
+        if self.in_process:
+            print(device_memory() + " (after model and optimizer load)", flush=True)
         update_run_info(
             run_dir,
-            param_count=param_count(trainer.model()),
+            param_count=self.facts.param_count,
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops,
             peak_source=peak_source,
-            devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            mesh=dict(self.mesh.shape),
+            devices=f"{self.facts.devices} x {self.facts.device_kind}",
+            mesh=self.facts.mesh,
             versions=library_versions(),
         )
         self._window: list[dict] = []
+        self._skipped = 0.0  # the trainer's count of skipped updates so far
+        self._trainer_compile = CompileTally()  # the step's, in the trainer's processes (a group's)
+
+    @property
+    def learner(self) -> Learner:
+        """The `core.learner.Learner` (the model, its state) of a trainer in this process."""
+        if not isinstance(self.trainer, Trainer):
+            raise RuntimeError("the trainer runs in Ray actors, not in this process: ask it with trainer.apply")
+        return self.trainer.learner.learner
 
     @property
     def state(self) -> TrainState:
         return self.learner.state
 
+    def compile_elsewhere(self) -> CompileTally:
+        return self._trainer_compile
+
+    def compiled_elsewhere(self) -> CompileTally | None:
+        return None if self.in_process else self.trainer.compiled()
+
     def train_step(self, step: int) -> None:
         data = self.source.next_item()
         if self.on_batch is not None:
             self.on_batch(step, data)
-        skipped_before = self.trainer.skipped_updates
         start = time.perf_counter()
         batch = self.source.prepare(data)
         stats = self.trainer.train(batch, step)  # attach -> the method's updates (train.nan_policy) -> its report
         self.source.after_update(self.trainer)
+        if not self.in_process:
+            self._trainer_compile = stats.compile
         compiled = self.step_compile()
-        if (step == self.start_step + 1 or compiled.compiles) and self.learner.last_compile:
-            # XLA's memory analysis of the update's newest program (compiled, or loaded from the cache)
-            print(self.learner.last_compile, flush=True)
+        if step == self.start_step + 1 or compiled.compiles:
+            memory = self.trainer.memory_analysis()
+            if memory:  # XLA's memory analysis of the update's newest program (compiled, or loaded from the cache)
+                print(memory, flush=True)
         seconds = max(time.perf_counter() - start - compiled.seconds, 1e-9)  # compile time is not step time
         n_tokens = int(np.prod(batch.packed.tokens.shape))  # any method's batch: core.batch.TrainBatch
         flops = self.flops_per_token * n_tokens / seconds
         counts = ("skipped_updates", "empty_updates", "time/update_s")  # the trainer's: step_seconds says it here
+        skipped, self._skipped = stats.metrics["skipped_updates"] > self._skipped, stats.metrics["skipped_updates"]
         metrics = {
             **{k: v for k, v in stats.metrics.items() if k not in counts},
-            "skipped": float(self.trainer.skipped_updates > skipped_before),
+            "skipped": float(skipped),
             "step_seconds": seconds,
             "tokens_per_s": n_tokens / seconds,
             "tflops_per_s": flops / 1e12,
-            "mfu": flops / (self.peak_flops * jax.device_count()),
+            "mfu": flops / (self.peak_flops * self.facts.devices),
             **compiled.metrics(),
         }
-        if step == self.start_step + 1:
+        if step == self.start_step + 1 and self.in_process:
             line = device_memory()
             print(line + " (after the first step)", flush=True)
             update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
@@ -177,16 +196,13 @@ class TrainLoop(Loop):
         return {f"eval/{k}": v for k, v in values.items()}
 
     def save(self, step: int) -> None:
-        assert self.ckpt is not None
-        self.trainer.save(self.ckpt, step, {}, self.source.state)
+        self.trainer.save(step, {}, self.source.state)
 
     def saved_step(self) -> int | None:
-        return None if self.ckpt is None else self.ckpt.latest_step()
+        return self.trainer.latest_step() if self.cfg.checkpoint.enabled else None
 
     def export(self) -> Path | None:
-        if self.ckpt:
-            self.ckpt.wait()
-        return self.trainer.export(self.run_dir / "hf", self.tokenizer_dir)
+        return Path(self.trainer.export(str(self.run_dir / "hf"), self.tokenizer_dir))
 
     def flush_log(self, step: int) -> None:
         if self._window:
@@ -200,6 +216,6 @@ class TrainLoop(Loop):
         }
 
     def close_logs(self) -> None:
-        if self.ckpt:
-            self.ckpt.wait()
+        if not getattr(self.trainer, "lost", False):  # a trainer group that is gone has nothing left to write
+            self.trainer.wait()
         self.logger.close()

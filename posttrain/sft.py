@@ -36,7 +36,6 @@ from flax import nnx
 
 from core.batch import PackedBatch
 from core.data import Examples, load_tokenizer, messages_problem, string_fields_problem
-from core.distributed import is_primary
 from core.encoding import encode_completion, encode_prompt
 from core.loop import Hook
 from core.losses import nll_loss
@@ -45,6 +44,7 @@ from core.pretrain import full_rows_batch, next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from core.train_loop import TrainLoop
+from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
 from rollout.sampler import Prompt
 
@@ -116,32 +116,39 @@ def generation_hooks(run: RunContext, examples: Examples) -> Sequence[Hook]:
     if not chosen or not cfg.train.eval_every:
         return []
     from core.chat_template import turn_stop_ids
-    from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
 
-    sampler: list[JaxSampler] = []  # built on first use (compiles then)
     # A chat reply ends where the template ends a turn (`core.chat.turn_stop_ids`), not only on EOS.
     stops = turn_stop_ids(load_tokenizer(run.tokenizer_dir)) if cfg.data.format == "chat" else ()
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens, stop_token_ids=stops)
     out = Path(cfg.run.run_dir) / "generations.jsonl"
 
     def generate(loop: TrainLoop, step: int) -> None:
-        if not sampler:
-            sampler.append(
-                JaxSampler(loop.learner.model(), run.tokenizer_dir, mesh=loop.mesh, max_model_len=cfg.data.seq_len * 2)
-            )
-        # The learner's current parameters, read before its next update donates them.
-        sampler[0].update_weights(nnx.state(loop.learner.model()), version=step)
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.sft.eval_max_new_tokens, stop_token_ids=stops)
-        completions = sampler[0].generate([p for p, _ in chosen], params)  # every process of a group takes part
-        if not is_primary():
-            return
+        prompts = [p for p, _ in chosen]
+        texts = loop.trainer.apply(greedy_completions, prompts, params, run.tokenizer_dir, cfg.data.seq_len * 2, step)
         with out.open("a") as f:
-            for (prompt, reference), c in zip(chosen, completions):
-                f.write(json.dumps({"step": step, "prompt": prompt, "reference": reference, "output": c.text}) + "\n")
-        first = completions[0].text.replace("\n", "\\n")
+            for (prompt, reference), text in zip(chosen, texts):
+                f.write(json.dumps({"step": step, "prompt": prompt, "reference": reference, "output": text}) + "\n")
+        first = texts[0].replace("\n", "\\n")
         print(f"eval @ step {step}: greedy sample: {first[:120]!r} (all in {out.name})", flush=True)
 
     return [Hook("generations", cfg.train.eval_every, generate)]
+
+
+def greedy_completions(
+    trainer: Trainer, prompts: list[Prompt], params: Any, tokenizer_dir: str, max_model_len: int, version: int
+) -> list[str]:
+    """Where the trainer is (`core.trainer.Trainer.apply`; every process of a group takes part): the trained
+    model's completions of `prompts`, from a JAX sampler on the trainer's mesh built at the first call (it compiles
+    then) and kept. The parameters are read before the next update donates them."""
+    from rollout.jax_sampler import JaxSampler
+
+    sampler = trainer.kept.get("sft.generations")
+    if sampler is None:
+        sampler = JaxSampler(trainer.model(), tokenizer_dir, mesh=trainer.mesh, max_model_len=max_model_len)
+        trainer.kept["sft.generations"] = sampler
+    sampler.update_weights(nnx.state(trainer.model()), version=version)
+    return [c.text for c in sampler.generate(prompts, params)]
 
 
 # ------------------------------------------------------------------ the method

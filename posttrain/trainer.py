@@ -23,15 +23,16 @@ back as itself (a `NonFiniteLoss`, a sampler's death during a weight sync), not 
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from core.batch import TrainBatch
-from core.compile_cache import CompileTally, compile_clock, use_compile_cache
+from core.compile_cache import CompileTally, use_compile_cache
 from core.method import Method, TrainStats
+from core.train import LossOutput
+from core.trainer import Position, Trainer, TrainerFacts
 from posttrain.config import PostTrainConfig
 from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
 from rollout.sampler import Sampler
@@ -40,8 +41,10 @@ from rollout.weight_sync import SyncStats
 __all__ = ["LocalTrainer", "TrainerHandle", "TrainerUnavailable", "start_trainer"]
 
 
-class LocalTrainer:
-    """The method's learner plus its checkpoints and weight sync; the methods the RL driver calls."""
+class LocalTrainer(Trainer):
+    """A `core.trainer.Trainer` built from the run's config in the process that hosts it (this one, or a Ray
+    actor of the group), with what an on-policy run adds: the weight sync to a sampler and the directory a vLLM
+    sampler starts from."""
 
     def __init__(
         self,
@@ -52,43 +55,23 @@ class LocalTrainer:
     ):
         import jax
 
-        from core.checkpoint import Checkpointer
         from core.checkpoint_models import initial_model
         from core.hf.peft import adapter_base
         from core.mesh import make_mesh, split_devices
-        from core.method_learner import MethodLearner
 
-        cfg = PostTrainConfig.model_validate(cfg_json)
+        cfg = PostTrainConfig.model_validate(cfg_json) if isinstance(cfg_json, dict) else cfg_json
         use_compile_cache(cfg.compile.cache_dir)  # an actor's process: the driver's setting does not reach it
-        self._clock_start = compile_clock().read()
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
-        self.mesh = make_mesh(cfg.mesh, trainer_devices)
-        model, self.cfg = initial_model(cfg, self.mesh)  # the loaded checkpoint decides the shape
-        self.learner = MethodLearner(self.cfg, method, model, self.mesh)
+        mesh = make_mesh(cfg.mesh, trainer_devices)
+        model, cfg = initial_model(cfg, mesh)  # the loaded checkpoint decides the shape
+        super().__init__(cfg, method, model, mesh, run_dir)
         self.adapter_base = adapter_base(cfg.checkpoint.init_from)  # what synced adapters name as their base
-        c = cfg.checkpoint
-        self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
 
     # the driver's calls ---------------------------------------------------
 
     def model_config(self) -> dict:
         return self.cfg.model.model_dump(mode="json")
-
-    def version(self) -> int:
-        return self.learner.version
-
-    def batch_shards(self) -> int:
-        return self.learner.batch_shards()
-
-    def compiled(self) -> CompileTally:
-        """What this trainer's process compiled since the trainer started (its start-up included)."""
-        return compile_clock().read() - self._clock_start
-
-    def train(self, batch: TrainBatch) -> TrainStats:
-        before = compile_clock().read()
-        stats = self.learner.train(batch)
-        return dataclasses.replace(stats, compile=compile_clock().read() - before)
 
     def sync(self, sampler: Sampler, tag: str = "") -> SyncStats:
         """Push the current weights (and policy version) to one sampler; returns this process's sync statistics.
@@ -107,26 +90,11 @@ class LocalTrainer:
         from core.hf.directory import save_hf
         from core.models.adapters import adapters_off
 
-        self.checkpointer.wait()
+        self.wait()
         model = self.learner.model()
         if model.cfg.lora is not None and self.cfg.rollout.lora_sync == "adapters":
             return str(save_hf(adapters_off(model), model.cfg, path, tokenizer_dir=tokenizer_dir))
         return str(self.learner.export_hf(path, tokenizer_dir))
-
-    def save(self, step: int, extra: dict) -> None:
-        self.learner.save(self.checkpointer, step, extra)
-
-    def restore_latest(self) -> tuple[int, dict] | None:
-        """(step, meta) of the newest checkpoint that restores whole (corrupt ones skipped), or None."""
-        return self.learner.restore_latest(self.checkpointer)
-
-    def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
-        """The run's export: the policy at `path` and what its method exports beside it."""
-        self.checkpointer.wait()
-        return str(self.learner.export(path, tokenizer_dir))
-
-    def close(self) -> None:
-        self.checkpointer.close()
 
 
 class TrainerHandle:
@@ -166,14 +134,27 @@ class TrainerHandle:
     def model_config(self) -> dict:
         return self._call(LocalTrainer.model_config)
 
+    def facts(self) -> TrainerFacts:
+        return self._call(LocalTrainer.facts)
+
     def version(self) -> int:
         return self._call(LocalTrainer.version)
 
     def batch_shards(self) -> int:
         return self._call(LocalTrainer.batch_shards)
 
-    def train(self, batch: TrainBatch) -> TrainStats:
-        return self._call(LocalTrainer.train, batch)
+    def memory_analysis(self) -> str | None:
+        return self._call(LocalTrainer.memory_analysis)
+
+    def train(self, batch: TrainBatch, step: int | None = None) -> TrainStats:
+        return self._call(LocalTrainer.train, batch, step)
+
+    def evaluate(self, batch: Any) -> LossOutput:
+        return self._call(LocalTrainer.evaluate, batch)
+
+    def apply(self, fn: Callable, *args: Any) -> Any:
+        """`fn(trainer, *args)` on the trainer: every process of a group runs it; process 0's answer."""
+        return self._call(LocalTrainer.apply, fn, *args)
 
     def compiled(self) -> CompileTally:
         return self._call(LocalTrainer.compiled)
@@ -190,14 +171,32 @@ class TrainerHandle:
             print(f"{stats.line()} from {len(parts)} trainer processes", flush=True)
         return stats
 
-    def save(self, step: int, extra: dict) -> None:
-        self._call(LocalTrainer.save, step, extra)
+    def save(self, step: int, extra: dict, data_iterator: Any = None) -> None:
+        """A checkpoint at `step`; a data iterator of this process is saved as its position (a `Position`: every
+        trainer process writes it beside its shards)."""
+        remote = self.local_trainer is None and data_iterator is not None
+        self._call(LocalTrainer.save, step, extra, Position.of(data_iterator) if remote else data_iterator)
 
-    def restore_latest(self) -> tuple[int, dict] | None:
-        return self._call(LocalTrainer.restore_latest)
+    def restore_latest(self, data_iterator: Any = None) -> tuple[int, dict] | None:
+        """(step, meta) of the newest checkpoint that restores, or None; the data's position into `data_iterator`
+        (this process's), from process 0's copy."""
+        if self.local_trainer is not None or data_iterator is None:
+            return self._call(LocalTrainer.restore_latest, data_iterator)
+        restored = self._call(_restore_with_position)
+        if restored is None:
+            return None
+        step, meta, position = restored
+        data_iterator.set_state(position)
+        return step, meta
 
-    def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
-        return self._call(LocalTrainer.export_hf, path, tokenizer_dir)
+    def latest_step(self) -> int | None:
+        return self._call(LocalTrainer.latest_step)
+
+    def wait(self) -> None:
+        self._call(LocalTrainer.wait)
+
+    def export(self, path: str, tokenizer_dir: str | None) -> str:
+        return self._call(LocalTrainer.export, path, tokenizer_dir)
 
     def sampler_start(self, path: str, tokenizer_dir: str | None) -> str:
         return self._call(LocalTrainer.sampler_start, path, tokenizer_dir)
@@ -210,6 +209,13 @@ class TrainerHandle:
         if self.local_trainer is None:
             raise RuntimeError("the trainer runs in Ray actors, not in this process")
         return self.local_trainer
+
+
+def _restore_with_position(trainer: LocalTrainer) -> tuple[int, dict, Any] | None:
+    """`restore_latest` in a trainer process, with the data's position it read (for the driver's iterator)."""
+    position = Position()
+    restored = trainer.restore_latest(position)
+    return None if restored is None else (*restored, position.value)
 
 
 def start_trainer(cfg: PostTrainConfig, run_dir: str | Path, method: Method, placement=None):

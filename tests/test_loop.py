@@ -17,10 +17,10 @@ from core.loop import NonFiniteLoss
 from core.losses import nll_loss, perplexity
 from core.mesh import make_mesh
 from core.method import Method
-from core.method_learner import MethodLearner
 from core.models import create_model
 from core.train import LossOutput
 from core.train_loop import Evaluation, TrainLoop
+from core.trainer import Trainer
 from tests.helpers import pipeline
 
 RECORDS = [{"text": f"Calculate {i} * 3.\nAnswer: {3 * i}"} for i in range(64)]
@@ -66,7 +66,7 @@ def trainer(cfg, tokenizer, loss_fn=nll_loss, on_batch=None, poison=False):
     method = LossOnly(loss_fn)
     return TrainLoop(
         cfg,
-        MethodLearner(cfg, method, model, mesh),
+        Trainer(cfg, method, model, mesh, cfg.run.run_dir),
         DatasetSource(data),
         evaluation=held,
         tokenizer_dir=tokenizer,
@@ -132,8 +132,8 @@ def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
         t.fit()
     # checkpoint 3 holds the state from before the bad update (== checkpoint 2), data positioned after it
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
-    after_abort, _ = t.ckpt.restore(3, t.state, None, cfg)
-    good, _ = t.ckpt.restore(2, t.state, None, cfg)
+    after_abort, _ = t.trainer.checkpointer.restore(3, t.state, None, cfg)
+    good, _ = t.trainer.checkpointer.restore(2, t.state, None, cfg)
     for a, b in zip(jax.tree.leaves(after_abort.params), jax.tree.leaves(good.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # resumed past the bad batch, the next step is 4, and a NaN there is named so (the checkpoint's policy version
@@ -167,3 +167,33 @@ def test_sigterm_saves_and_resumes(tmp_path, arithmetic_tokenizer, capsys):
     loop = trainer(cfg, arithmetic_tokenizer)
     assert loop.fit() == 8 and int(loop.state.step) == 8
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_a_position_checkpoints_the_data_as_the_iterator_does(tmp_path, arithmetic_tokenizer):
+    """A trainer in other processes checkpoints the run's data position as a value (`core.trainer.Position`, what
+    `posttrain.trainer.TrainerHandle` sends): a checkpoint saved from a Position restores the run's Grain iterator to
+    the batch after it, and one saved from the iterator itself restores into a Position holding its state."""
+    from core.trainer import Position
+
+    cfg = config(tmp_path, "data.shuffle=true")
+    t = trainer(cfg, arithmetic_tokenizer)
+    data = t.source.state
+    for _ in range(3):
+        next(data)
+    t.trainer.save(3, {}, Position.of(data))
+    t.trainer.wait()
+    expected = next(data).example_ids
+
+    fresh = trainer(config(tmp_path, "data.shuffle=true"), arithmetic_tokenizer)  # restores checkpoint 3
+    assert fresh.start_step == 3
+    np.testing.assert_array_equal(fresh.source.next_item().example_ids, expected)
+    assert not np.array_equal(
+        trainer(config(tmp_path / "new", "data.shuffle=true"), arithmetic_tokenizer).source.next_item().example_ids,
+        expected,
+    )
+
+    t.trainer.save(4, {}, data)  # the iterator itself, one batch further
+    t.trainer.wait()
+    position = Position()
+    assert t.trainer.restore_latest(position) is not None
+    assert position.value == data.get_state()

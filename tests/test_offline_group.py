@@ -51,11 +51,17 @@ def sft_cfg(run_dir, source, tokenizer_dir, *overrides):
     )
 
 
-def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_path, qwen_chat, local_ray):  # noqa: F811
+def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(
+    tmp_path,
+    qwen_chat,  # noqa: F811
+    local_ray,
+    capsys,
+):
     """The same SFT run in this process on 8 devices and on a group of 2 Ray actors x 4 devices: the same losses
     at every step and the same held-out loss (to float32 rounding: the two sum gradients in other orders), each
-    step logged once, the generations written once per evaluation, a Hugging Face export that loads, and each
-    process's output in its own log."""
+    step logged once, the generations (made where the trainer is: `Trainer.apply`) written once per evaluation, a
+    Hugging Face export that loads, and each trainer process's output in its own log. The run itself (pipeline,
+    loop, metrics) is this process's in both."""
     import torch
     import transformers
 
@@ -91,8 +97,9 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
 
     generations = [json.loads(line) for line in (tmp_path / "two" / "generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in generations] == [4] * 4  # once, by the first process
-    logs = tmp_path / "two" / "logs"
-    assert "step 4/4" in (logs / "trainer-0.log").read_text() and (logs / "trainer-1.log").exists()
+    logs = tmp_path / "two" / "logs"  # each trainer process's output; the run's own is this process's
+    assert (logs / "trainer-0.log").exists() and (logs / "trainer-1.log").exists()
+    assert "step 4/4" in capsys.readouterr().out
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32).eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf", dtype=torch.float32).eval()
@@ -103,13 +110,14 @@ def test_sft_on_two_processes_trains_as_one_process_and_writes_the_run_once(tmp_
 
 
 def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill_9(
-    tmp_path, arithmetic_tokenizer, local_ray
+    tmp_path, arithmetic_tokenizer, local_ray, capsys
 ):
     """DPO of LoRA adapters (with dropout: its keys come from the checkpointed RNG) with the reference (the policy
     with its adapters off) computed once and stored (every process computes them, process 0 writes the store,
     keyed on a digest made of each process's own shards) on 2 processes x 4 devices. One process gets SIGKILL after
     step 3 is logged (checkpoint 2 behind it): the group stops with `TrainerUnavailable`. The same config resumes
-    from checkpoint 2 in a new group, reads the store back (the digest of the same weights on the same mesh is the
+    from checkpoint 2 in a new group (the data's position from the processes' checkpoint: `core.trainer.Position`),
+    reads the store back (the digest of the same weights on the same mesh is the
     same), redoes step 3 with the loss it logged before the kill and finishes step 4: every step logged once. The
     checkpoints hold the adapters alone. DPO's step itself equals one process's in tests/test_distributed.py."""
     import os
@@ -170,4 +178,5 @@ def test_dpo_with_a_stored_reference_on_two_processes_resumes_exactly_after_kill
     saved = saved_tensors(run_dir / "checkpoints" / "4")  # the adapters, not the base
     assert saved and all(p.endswith(("lora.a", "lora.b")) for p in saved), saved
     log = (run_dir / "logs" / "trainer-0.log").read_text()
-    assert "reference_logps.npz: read" in log and "resumed from" in log
+    assert "reference_logps.npz: read" in log  # where the trainer is
+    assert "resumed from" in capsys.readouterr().out  # the run's own output

@@ -37,12 +37,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
-from core.method import Method
+from core.learner import Learner
+from core.method import Attach, Method
 from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from core.train_loop import Evaluation
+from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
 from posttrain.distill.features import FeatureProjections, feature_projections
 from posttrain.distill.objective import (
@@ -193,6 +195,15 @@ class Distillation(Method):
     def trainable(self, cfg: PostTrainConfig):
         return trainable(trainable_filter(cfg.model))
 
+    def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[DistillBatch]:
+        """The scheduled values (alpha, temperature, the feature weight) at the update the batch trains at."""
+
+        def attach(batch: DistillBatch) -> tuple[DistillBatch, dict[str, float]]:
+            rows = np.asarray(batch.packed.target_ids).shape[0]
+            return batch.replace(**schedules(cfg.distill, int(learner.state.step), cfg.train.steps, rows)), {}
+
+        return attach
+
     def check_tokenizer(self, cfg: PostTrainConfig, tokenizer) -> None:
         check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
 
@@ -225,22 +236,17 @@ class Distillation(Method):
         elif cfg.distill.regime == "online":
             notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
             if cfg.distill.feature_layers:
-                modules = run.learner.modules()
-                assert isinstance(modules, DistillModules)
-                learned = modules.projections is not None
+                learned = run.trainer.apply(_has_projections)
                 how = "through learned projections" if learned else "as they are"
                 notes.append(
                     f"feature loss ({cfg.distill.feature_loss}) on layers {cfg.distill.feature_layers} "
                     f"(student, teacher), {how}"
                 )
         base = next_token_parts(run, rows, hooks=lambda ex: generation_hooks(run, ex), examples=examples)
-        learner, total = run.learner, cfg.train.steps
 
         def prepare(data: DataBatch, groups: int) -> DistillBatch:
             packed = data.batch
-            batch = DistillBatch(
-                packed, **schedules(cfg.distill, int(learner.state.step), total, packed.target_ids.shape[0])
-            )
+            batch = DistillBatch(packed)  # the schedules' values at the trainer's step: `attach`
             if store is not None:
                 ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
             elif remote is not None:
@@ -268,6 +274,13 @@ class Distillation(Method):
             "train.compile_only: not for distillation: its step reads the teacher (its parameters or its dump), "
             "which compile-only does not load; compile the student's SFT step instead (python -m recipes.sft)"
         )
+
+
+def _has_projections(trainer: Trainer) -> bool:
+    """Whether the student's features reach the teacher's through learned projections (the widths differ)."""
+    modules = trainer.learner.learner.modules()
+    assert isinstance(modules, DistillModules)
+    return modules.projections is not None
 
 
 def _support(cfg: PostTrainConfig) -> str:

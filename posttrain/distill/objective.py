@@ -60,8 +60,10 @@ _BLOCK = 256  # target tokens per block when gathering the student's logits at t
 @dataclass(frozen=True)
 class DistillBatch:
     packed: PackedBatch
-    alpha: Any  # [B] float32: the hard-label weight at this step, the same in every row
-    temperature: Any  # [B] float32: T at this step, the same in every row
+    # The schedules' values at the update the batch trains at (`schedules`; a dataset run's `Distillation.attach`
+    # sets them where the trainer's step is known):
+    alpha: Any = None  # [B] float32: the hard-label weight at this step, the same in every row
+    temperature: Any = None  # [B] float32: T at this step, the same in every row
     teacher_ids: Any = None  # [B, C, k] int32: the teacher's top-k per target slot (offline); None: online
     teacher_logp: Any = None  # [B, C, k] float32: their log-probs at the dump's temperature
     feature_weight: Any = None  # [B] float32: the feature loss's weight at this step (online with feature layers)

@@ -33,8 +33,9 @@ from core.learner import Learner
 from core.method import Attach, Method, unchanged
 from core.models.adapters import adapters_off
 from core.run import MethodParts, RunContext, check_rows
-from core.train import LossFn, batch_shards
+from core.train import LossFn
 from core.train_loop import Evaluation
+from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
 from posttrain.dpo.objective import live_reference, needs_reference, preference_objective
@@ -66,6 +67,24 @@ def compute_reference_logps(
     return out
 
 
+def reference_store(
+    trainer: Trainer, path: Path, pairs: Sequence[Pair], batch_size: int, layout: PairLayout
+) -> TokenStore:
+    """Where the trainer is (`core.trainer.Trainer.apply`; every process of a group computes, the first writes):
+    the starting policy's reference log-probs of `pairs`, read from `path` when it holds them for these pairs and
+    these weights, or computed (the frozen reference built only then, and released after) and stored there."""
+    model = trainer.model()
+    digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in pairs)
+    digest += weights_digest(nnx.state(adapters_off(model)))  # the reference's weights
+    return TokenStore.load_or_compute(
+        path,
+        digest,
+        lambda: compute_reference_logps(
+            pairs, FrozenModel.start_of(trainer.learner.learner), batch_size=batch_size, layout=layout
+        ),
+    )
+
+
 def attach_stored(store: TokenStore, data: DataBatch[PairBatch]) -> PairBatch:
     """`data`'s pair batch with the stored reference log-probs of its pairs, summed per side (0 for an empty slot)."""
     batch = data.batch
@@ -95,30 +114,18 @@ class OfflineDPO(Method):
         return unchanged if cfg.dpo.precompute_ref_logps else live_reference(cfg.dpo, learner)
 
     def parts(self, run: RunContext) -> MethodParts:
-        cfg, learner, mesh = run.cfg, run.learner, run.mesh
+        cfg = run.cfg
         data = load_pairs(cfg, run.tokenizer, run.records)
-        layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=batch_shards(mesh))
+        layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=run.row_multiple)
         notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
 
         prepare: Prepare = as_is
         if not needs_reference(cfg.dpo):
             notes.append(f"reference: none (dpo.loss_type={cfg.dpo.loss_type} is reference-free)")
         elif cfg.dpo.precompute_ref_logps:
-            # The starting policy (the learner's parameters before any resume restores: the loop restores later),
-            # built only when the stored values are missing or stale, and released once they are computed.
-            every = data.train + data.eval
-            digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in every)
-            digest += weights_digest(nnx.state(adapters_off(learner.model())))  # the reference's weights
-            store = TokenStore.load_or_compute(
-                Path(cfg.run.run_dir) / REFERENCE_FILE,
-                digest,
-                lambda: compute_reference_logps(
-                    every,
-                    FrozenModel.start_of(learner),
-                    batch_size=cfg.train.batch_size,
-                    layout=layout,
-                ),
-            )
+            # Where the trainer is, from the starting policy (before any resume restores: the loop restores later).
+            path = Path(cfg.run.run_dir) / REFERENCE_FILE
+            store = run.trainer.apply(reference_store, path, data.train + data.eval, cfg.train.batch_size, layout)
             prepare = lambda d, groups: attach_stored(store, d)
             notes.append(f"reference: precomputed ({REFERENCE_FILE}, {_reference_kind(cfg)})")
         else:  # attached beside the trainer (`attach`)

@@ -312,7 +312,7 @@ class OnPolicyRun(Loop):
         return self._saved
 
     def export(self) -> Path | None:
-        self._hf_dir = Path(self.trainer.export_hf(str(self.run_dir / "hf"), self.tokenizer_dir))
+        self._hf_dir = Path(self.trainer.export(str(self.run_dir / "hf"), self.tokenizer_dir))
         return self._hf_dir
 
     def summary(self, step: int) -> dict:
