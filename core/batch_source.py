@@ -5,12 +5,12 @@
     source.after_update(trainer)           # nothing for a dataset: its rows do not depend on the weights
     checkpointer.save(state, source.state, ...)   # the Grain iterator: its position restores the exact next batch
 
-A source hands the trainer one batch per step and hears of each update (`after_update`: a sampler source would
-sync weights there). A dataset's source is the method's pipeline (training rows, shuffled per epoch and repeated:
-`core.data.epochs`) and its `prepare`: what turns a pipeline item into the batch the loss reads, from data the run
-holds (values stored before the run, gathered by example id). Values computed by frozen models belong to
-`core.method.Method.attach`, beside the trainer (docs/design.md names a method that still asks for them in its
-`prepare`).
+A source hands the trainer one batch per step and hears of each update (`after_update`: the samplers' source,
+`posttrain.onpolicy.source.SamplerSource`, syncs the weights there; a dataset's does nothing). A dataset's source is
+the method's pipeline (training rows, shuffled per epoch and repeated: `core.data.epochs`) and its `prepare`: what
+turns a pipeline item into the batch the loss reads, from data the run holds (values stored before the run, gathered
+by example id). Values computed by frozen models belong to `core.method.Method.attach`, beside the trainer
+(docs/design.md names a method that still asks for them in its `prepare`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class BatchSource(Protocol):
 
     def next(self) -> Any: ...
 
-    def after_update(self, trainer: Any) -> None: ...
+    def after_update(self, trainer: Any) -> Any: ...
 
     @property
     def state(self) -> Any: ...

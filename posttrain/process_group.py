@@ -8,8 +8,8 @@
 Each actor is one process of the group, in one bundle of the trainer's placement group (`rollout.placement`).
 The driver asks process 0 for the coordinator's address (its node's address and a free port), then every actor
 joins (`core.distributed.join`: `jax.distributed.initialize`, gloo collectives on CPU) before JAX looks at a device
-and builds the object it hosts (`build(*args)`: an on-policy `posttrain.trainer.LocalTrainer`, an offline
-`posttrain.offline.OfflineProcess`) on the group's global mesh. From then on the driver sends each call to every
+and builds the object it hosts (`build(*args)`: the method's `posttrain.trainer.LocalTrainer`, for every method) on
+the group's global mesh. From then on the driver sends each call to every
 process with the same arguments, so that all run the same programs in the same order, and reads process 0's
 answer. Ray Train's JaxTrainer would do the joining only on TPUs, so these are a few actors of Temper's own, as
 Levanter's are.

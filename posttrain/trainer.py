@@ -1,4 +1,4 @@
-"""The on-policy trainer as a process-independent service: in this process, or as a group of Ray actors, one typed
+"""Every method's trainer as a process-independent service: in this process, or as a group of Ray actors, one typed
 handle.
 
     trainer = start_trainer(cfg, run_dir, GRPO, placement)  # in-process (placement None) or actors
@@ -7,13 +7,14 @@ handle.
     stats = trainer.train(pair_batch)
     trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
-The trainer is one class, `LocalTrainer`, hosting one method's `core.method_learner.MethodLearner`, used
-directly (single-controller mode, with the JAX sampler on another sub-mesh of the same process) or in Ray actors
-that own the trainer's devices, one per bundle of the run's trainer placement group (`rollout.placement`). With
-`placement.trainer_processes` > 1 the actors are one JAX process group (`posttrain.process_group`: `jax.distributed`,
-one mesh over all their devices), and the driver sends every call to every process (SPMD: the same programs in the
-same order) and reads process 0's answer; a weight sync takes every process's part (each sends the pieces its
-devices hold). The driver talks to any of these through `TrainerHandle`, whose methods mirror `LocalTrainer`'s.
+The trainer is one class, `LocalTrainer` (a `core.trainer.Trainer`), hosting one method's
+`core.method_learner.MethodLearner`, used directly (a dataset run, or single-controller mode with the JAX sampler
+on another sub-mesh of the same process) or in Ray actors that own the trainer's devices, one per bundle of the
+run's trainer placement group (`rollout.placement`). With `placement.trainer_processes` > 1 the actors are one JAX
+process group (`posttrain.process_group`: `jax.distributed`, one mesh over all their devices), and the driver sends
+every call to every process (SPMD: the same programs in the same order) and reads process 0's answer; a weight
+sync takes every process's part (each sends the pieces its devices hold). The driver talks to any of these through
+`TrainerHandle`, whose methods mirror `LocalTrainer`'s.
 
 A trainer process that dies (or a Ray cluster that goes away under it) raises `TrainerUnavailable` naming the
 process and its node; the group's other processes are stopped with it (they would wait in their next collective),

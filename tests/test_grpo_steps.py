@@ -110,14 +110,14 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("policy", ["skip", "abort"])
-def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_tokenizer):
+def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_tokenizer, capsys):
     """An injected NaN at step 2. skip: the update is not applied (parameters after step 2 == after step 1),
     it is counted, the run goes on. abort: the run stops with a message naming the checkpoint it wrote, and
     the same config resumes after the bad batch."""
     import jax
 
     from core.learner import NonFiniteLoss
-    from posttrain.grpo import GRPO, GRPOMethod
+    from posttrain.grpo import GRPOMethod
     from posttrain.onpolicy.run import OnPolicyRun
 
     class NaNAtStep2(GRPOMethod):
@@ -165,13 +165,20 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     assert "GRPO step 2, update 1 of 1" in message and "is not finite" in message
     assert f"Checkpoint {tmp_path / 'run' / 'checkpoints' / '2'}" in message and "train.nan_policy=skip" in message
     assert sorted(seen) == [1]  # step 2 never completed
-    again = OnPolicyRun(cfg, GRPO)  # the same command resumes past the bad batch
+    # The same command resumes past the bad batch (here skipping a NaN at its first step: the message names the
+    # run's step 3, not the policy version's next, 2, which lags after the aborted update).
+    NaNAtStep2.calls = 1
+    skip = cfg.model_copy(update={"train": cfg.train.model_copy(update={"nan_policy": "skip"})})
+    again = OnPolicyRun(skip, NaNAtStep2())
     try:
         assert again.start_step == 2
         resumed = jax.tree.map(np.asarray, again.trainer.local().learner.learner.params)
         assert same(resumed, params[1])  # the NaN update was never applied
+        capsys.readouterr()
         again.run()
     finally:
         again.close()
+    out = capsys.readouterr().out
+    assert "GRPO step 3, update 1 of 1" in out and "GRPO step 2" not in out
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 3]  # step 2 was the bad batch: nothing logged for it, nothing doubled

@@ -35,11 +35,8 @@ share redone once, a dead trainer stops the run (`TrainerUnavailable`), a non-fi
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 from core.chat_template import turn_stop_ids
@@ -54,48 +51,36 @@ from core.tokenizer import check_vocab, run_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.fit import RunSummary
 from posttrain.onpolicy.agent import AgentRollouts
-from posttrain.onpolicy.checks import check_config, check_policy, check_staleness, check_tokenizer_template
+from posttrain.onpolicy.checks import check_config, check_policy, check_tokenizer_template
 from posttrain.onpolicy.evaluation import held_out_metrics
-from posttrain.onpolicy.method import SampleContext, SamplingMethod
-from posttrain.onpolicy.prompts import PromptBatch, PromptStream, prompt_rows, render_prompt
+from posttrain.onpolicy.method import SamplingMethod
+from posttrain.onpolicy.prompts import PromptStream, prompt_rows, render_prompt
+from posttrain.onpolicy.source import SamplerSource
 from posttrain.onpolicy.step import (
-    InFlight,
-    Scored,
     StepTimes,
-    restored_position,
-    sampling_params,
-    saved_position,
-    score,
     scored_metrics,
     step_line,
 )
-from posttrain.onpolicy.workers import episode_turns, release, start_samplers, workers_to_release
+from posttrain.onpolicy.workers import release, workers_to_release
 from posttrain.trainer import start_trainer
 from rewards.runner import RewardRunner
-from rollout.background import Background
-from rollout.engine_programs import EnginePrograms
-from rollout.group import Pending
+from rollout.group import SamplerGroup
 from rollout.placement import Placement, reserve
-from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
-from rollout.turns import Turns
-from rollout.weight_sync import SyncStats
 
 
 class OnPolicyRun(Loop):
-    """Sampling, rewards, the trainer, weight sync, evaluation and checkpoints, shared by every on-policy
-    method (`posttrain.grpo.GRPO`, `posttrain.dpo.online.ONLINE_DPO`, ...): the method turns scored completions
-    into its batch (`from_samples`) and says what trains and how (the trainer hosts it). The loop itself (hooks,
-    NaN policy, SIGTERM, the end) is `core.loop.Loop`'s, as the offline methods'."""
+    """The samplers' batches (`posttrain.onpolicy.source.SamplerSource`), one step of the method's trainer each,
+    evaluation and checkpoints, shared by every on-policy method (`posttrain.grpo.GRPO`,
+    `posttrain.dpo.online.ONLINE_DPO`, ...): the method turns scored completions into its batch (`from_samples`) and
+    says what trains and how (the trainer hosts it). The loop itself (hooks, NaN policy, SIGTERM, the end) is
+    `core.loop.Loop`'s, as the dataset methods'."""
 
     cfg: PostTrainConfig
 
     def __init__(self, cfg: PostTrainConfig, method: SamplingMethod):
         started = RunStart.now()
         use_compile_cache(cfg.compile.cache_dir)  # the JAX sampler's, in this process (the trainer's: its own)
-        # The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread
-        # is loaded with the trainer's weights): one at a time, so that a trainer group's processes see one order.
-        self._trainer_lock = threading.Lock()
-        self._background: Background | None = None
+        self.source: SamplerSource | None = None
         check_config(cfg)
         method.check(cfg)
         self.method = method
@@ -113,10 +98,8 @@ class OnPolicyRun(Loop):
         method.check_tokenizer(cfg, self.tokenizer)
         # Chat prompts and episodes: a completion (a turn) ends on the template's end of turn, not only on EOS.
         chat = rl.use_chat_template or rl.agent is not None
-        self.turn_stops = turn_stop_ids(self.tokenizer) if chat else ()
-        self.stream = PromptStream(
-            self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
-        )
+        turn_stops = turn_stop_ids(self.tokenizer) if chat else ()
+        stream = PromptStream(self.train_rows, rl.batch.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.rewards = RewardRunner(cfg.reward)
         # Multi-turn rollouts: the environment, tool parser and template are checked here, before Ray starts.
         self.agent = AgentRollouts(cfg, self.tokenizer_dir, self.rewards.pool) if rl.agent is not None else None
@@ -130,13 +113,15 @@ class OnPolicyRun(Loop):
         check_vocab(self.trainer.model_config()["vocab_size"], self.tokenizer_dir)
         check_policy(cfg, ModelConfig.model_validate(self.trainer.model_config()))
         self.row_multiple = self.trainer.batch_shards()  # the trainer's data-parallel size
+        self.source = SamplerSource(
+            cfg, method, self.trainer, self.rewards, self.agent, stream, self.tokenizer, turn_stops,
+            self.row_len, self.row_multiple,
+        )  # fmt: skip
         start_step = 0
-        self._requests = 0  # generation requests so far (seeds the sampler)
-        resumed_in_flight: list[InFlight] = []
         restored = self.trainer.restore_latest()
         if restored is not None:
             step, meta = restored
-            start_step, self._requests, resumed_in_flight = restored_position(meta, self.stream)
+            start_step = self.source.restore(meta)
             print(
                 f"resumed from {run_dir / 'checkpoints' / str(step)} at step {start_step} "
                 f"(policy version {meta['policy_version']})",
@@ -144,92 +129,23 @@ class OnPolicyRun(Loop):
             )
         self._saved = start_step if restored is not None else None
         # init_hf: the Hugging Face directory vLLM engines started from (None with the JAX sampler)
-        self.samplers, self.init_hf = start_samplers(
-            cfg, self.trainer, self.placement, run_dir / "rollout_init_hf", self.tokenizer_dir, self._push
-        )
+        self.init_hf = self.source.start(self.placement, run_dir / "rollout_init_hf", self.tokenizer_dir)
         super().__init__(cfg, run_dir, start_step, started=started)
         self._trainer_compile = CompileTally()  # the step's, in the trainer's own process (a Ray actor)
-        self._engine_programs = EnginePrograms()  # the JAX sampler's multi-turn programs, shared by every step
         self.metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, resume_step=start_step)
         self.final_eval: dict | None = None
-        self._in_flight: deque[InFlight] = deque(resumed_in_flight)
-        # Async multi-turn rollouts: episodes run in this thread, one request's at a time, while the trainer trains.
-        self._background = Background("episodes") if self.agent and rl.off_policy_steps else None
-
         self._last_line = ""
         self._last_metrics: dict[str, float] = {}
         self._hf_dir: Path | None = None
 
     @property
+    def samplers(self) -> SamplerGroup:
+        assert self.source is not None and self.source.samplers is not None
+        return self.source.samplers
+
+    @property
     def plots(self) -> Sequence[Plot]:  # type: ignore[override]
         return self.method.plots(self.cfg)
-
-    # ---------------------------------------------------------------- weights
-
-    def _push(self, sampler: Sampler) -> SyncStats:
-        """The trainer's current weights and policy version into one sampler."""
-        with self._trainer_lock:
-            stats = self.trainer.sync(sampler)
-        sampler.policy_version = stats.version
-        return stats
-
-    def _sync(self) -> tuple[float, int]:
-        """(seconds, bytes sent to all samplers) of one weight sync."""
-        self._settle()  # not timed here: the wait for episodes still running is generation's
-        start = time.perf_counter()
-        stats = self.samplers.sync(self._push)
-        return time.perf_counter() - start, sum(s.bytes for s in stats)
-
-    def _settle(self) -> None:
-        """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
-        on the weights they started on, as a request's completions do (an engine takes a weight update only
-        between requests), whatever the timing."""
-        for request in self._in_flight:
-            if isinstance(request.result, Future):
-                self._collect(request)
-
-    # ------------------------------------------------------------------ steps
-
-    def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
-        return sampling_params(self.cfg.rollout, self.turn_stops, n, seed, temperature)
-
-    def _submit(self, prompts: PromptBatch) -> InFlight:
-        # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
-        # sampler derives one per prompt and sample from it): a restarted run draws what an uninterrupted one would.
-        self._requests += 1
-        seed = sample_seed(self.cfg.run.seed, self._requests)
-        params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
-        if self.agent is not None and self._background is not None:  # async: they run while the trainer trains
-            return InFlight(
-                prompts,
-                self._background.submit(
-                    self.agent.run, prompts.rows, params, self._turns(len(prompts.rows) * params.n)
-                ),
-            )
-        if self.agent is not None:  # episodes run to their end here (sync mode)
-            completions, episodes = self.agent.run(prompts.rows, params, self._turns(len(prompts.rows) * params.n))
-            return InFlight(prompts, completions, episodes)
-        rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
-        return InFlight(prompts, self.samplers.submit(rendered, params))
-
-    def _generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self.samplers.collect(self.samplers.submit(prompts, params), self._push)
-
-    def _turns(self, episodes: int) -> Turns:
-        stop = self._background.cancelled if self._background is not None else None
-        return episode_turns(self.cfg, self.samplers, self._push, episodes, stop, self._engine_programs)
-
-    def _collect(self, request: InFlight) -> list[Completion]:
-        if isinstance(request.result, Future):
-            request.result, request.episodes = request.result.result()
-        if isinstance(request.result, list):
-            return request.result
-        assert isinstance(request.result, Pending)
-        request.result = self.samplers.collect(request.result, self._push)
-        return request.result
-
-    def _score(self, request: InFlight) -> Scored:
-        return score(request, self._collect(request), self.cfg.rl, self.rewards, self.agent)
 
     def run(self, on_step=None) -> RunSummary:
         """Train to `train.steps`. `on_step(run, step, metrics)` is called after every step (tests, notebooks)."""
@@ -243,38 +159,25 @@ class OnPolicyRun(Loop):
         return RunSummary(self.run_dir, step, self.trainer.version(), self.final_eval, self._hf_dir)
 
     def train_step(self, step: int) -> None:
-        """One step: sample (or collect what is in flight), score, the method's batch, train, sync."""
-        rl = self.cfg.rl
+        """One step: the source's batch (sample or collect what is in flight, score, the method's batch), the
+        trainer's step, the weight sync."""
+        assert self.source is not None
         t0 = time.perf_counter()
-        while len(self._in_flight) < 1 + rl.off_policy_steps:
-            self._in_flight.append(self._submit(next(self.stream)))
-        request = self._in_flight.popleft()
-        completions = self._collect(request)
-        gen_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        with self._trainer_lock:
-            version = self.trainer.version()
-        staleness = check_staleness(completions, version, rl.off_policy_steps)
-        ctx = SampleContext(
-            step,
-            self.row_len,
-            self.row_multiple,
-            self.tokenizer,
-            lambda: self._score(self._submit(next(self.stream))),
-        )
-        data = self.method.from_samples(self.cfg, self._score(request), ctx)
-        batch = data.batch
-        reward_s = time.perf_counter() - t1
+        sampled = self.source.next()
+        data, batch = sampled.data, sampled.data.batch
         t2 = time.perf_counter()
-        with self._trainer_lock:
-            trained = self.trainer.train(batch) if batch is not None else None
+        with self.source.lock:
+            trained = self.trainer.train(batch, step) if batch is not None else None  # a NaN names `step`
         train_s = time.perf_counter() - t2
         # A trainer in this process compiles on this process's clock; an actor's reports its own.
         remote = trained is not None and self.trainer.remote
         self._trainer_compile = trained.compile if remote else CompileTally()  # type: ignore[union-attr]
-        sync_s, sync_bytes = self._sync() if batch is not None else (0.0, 0)  # no update: the samplers hold these
-        times = StepTimes(gen_s, reward_s, train_s, sync_s, sync_bytes, step_s=time.perf_counter() - t0)
-        metrics = scored_metrics(data.scored, staleness)
+        # No update: the samplers hold these weights already.
+        sync_s, sync_bytes = self.source.after_update(self.trainer) if batch is not None else (0.0, 0)
+        times = StepTimes(
+            sampled.generate_s, sampled.reward_s, train_s, sync_s, sync_bytes, step_s=time.perf_counter() - t0
+        )
+        metrics = scored_metrics(data.scored, sampled.staleness)
         metrics.update(data.metrics)
         if trained is not None:
             metrics.update(trained.metrics)
@@ -305,7 +208,8 @@ class OnPolicyRun(Loop):
         print(self._last_line, flush=True)
 
     def save(self, step: int) -> None:
-        self.trainer.save(step, saved_position(step, self.stream, self._requests, self._in_flight, self._collect))
+        assert self.source is not None
+        self.trainer.save(step, self.source.state)
         self._saved = step
 
     def saved_step(self) -> int | None:
@@ -333,15 +237,17 @@ class OnPolicyRun(Loop):
                 self.final_eval = {}
             return {}
         k = rl.eval_samples
-        self._settle()  # the engines serve one set of episodes at a time
-        greedy_params = self.sampling_params(1, 0, temperature=0.0)
-        sampled_params = self.sampling_params(k, self.cfg.run.seed)
+        assert self.source is not None
+        self.source.settle()  # the engines serve one set of episodes at a time
+        greedy_params = self.source.sampling_params(1, 0, temperature=0.0)
+        sampled_params = self.source.sampling_params(k, self.cfg.run.seed)
         if self.agent is not None:  # whole episodes, scored on their final answers
-            greedy = self.agent.run(rows, greedy_params, self._turns(len(rows)))[0]
-            sampled = self.agent.run(rows, sampled_params, self._turns(len(rows) * k))[0]
+            greedy = self.agent.run(rows, greedy_params, self.source.turns(len(rows)))[0]
+            sampled = self.agent.run(rows, sampled_params, self.source.turns(len(rows) * k))[0]
         else:
             prompts = [render_prompt(r, rl) for r in rows]
-            greedy, sampled = self._generate(prompts, greedy_params), self._generate(prompts, sampled_params)
+            greedy = self.source.generate(prompts, greedy_params)
+            sampled = self.source.generate(prompts, sampled_params)
         result = held_out_metrics(rows, rl, greedy, sampled, self.rewards)
         if step is not None:
             self.metrics.log(step, result, console=False)
@@ -357,10 +263,12 @@ class OnPolicyRun(Loop):
         the Ray steps get `timeout_s` in all (30 s; 10 s once the trainer was found gone, when the cluster may be
         gone too), so a cluster that went away cannot keep the run from ending."""
         timeout_s = timeout_s if timeout_s is not None else (10.0 if self.trainer.lost else 30.0)
-        if self._background is not None:  # before the pool and samplers it uses go
-            self._background.close(timeout_s)
+        samplers = None
+        if self.source is not None:  # its episodes in the background first: they use the pool and samplers
+            self.source.close(timeout_s)
+            samplers = self.source.samplers
         self.rewards.close()
-        release(workers_to_release(self.samplers, self.trainer, self.placement), timeout_s)
+        release(workers_to_release(samplers, self.trainer, self.placement), timeout_s)
 
 
 def run_to_end(run: OnPolicyRun) -> RunSummary:

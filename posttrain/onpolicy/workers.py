@@ -123,11 +123,12 @@ def episode_turns(
 
 
 def workers_to_release(
-    samplers: SamplerGroup, trainer: TrainerHandle, placement: Placement | None
+    samplers: SamplerGroup | None, trainer: TrainerHandle, placement: Placement | None
 ) -> list[tuple[str, Callable[[], object]]]:
-    """What a run releases at its end, in order (`release`): each sampler, the trainer, then on Ray the placement
-    groups and the trainer's actors."""
-    steps: list[tuple[str, Callable[[], object]]] = [(f"sampler {i}", s.stop) for i, s in enumerate(samplers.samplers)]
+    """What a run releases at its end, in order (`release`): each sampler (none before they started), the trainer,
+    then on Ray the placement groups and the trainer's actors."""
+    started = samplers.samplers if samplers is not None else []
+    steps: list[tuple[str, Callable[[], object]]] = [(f"sampler {i}", s.stop) for i, s in enumerate(started)]
     steps.append(("trainer", trainer.close))
     if placement is not None:
         steps.append(("placement groups", placement.remove))

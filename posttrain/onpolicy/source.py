@@ -1,0 +1,215 @@
+"""Where an on-policy run's batches come from: prompts -> rollouts -> rewards -> the method's batch; after each
+update, the trainer's weights to the samplers.
+
+    source = SamplerSource(cfg, method, trainer, rewards, agent, stream, tokenizer, turn_stops, row_len, row_multiple)
+    source.start(placement, run_dir / "rollout_init_hf", tokenizer_dir)  # the samplers, sent the trainer's weights
+    sampled = source.next()                  # the next step's: the method's StepData (its batch), the time it took
+    seconds, sent = source.after_update(trainer)  # the weight sync
+    meta = source.state                      # the step, the prompt stream, the request counter, what is in flight
+
+The samplers' kind of `core.batch_source.BatchSource`, as `core.batch_source.DatasetSource` is the dataset's: a
+batch per step, told of every update, with a position a checkpoint keeps (`state`, restored by `restore`) from which
+a resumed run draws exactly what an uninterrupted one would. Sync (`rl.off_policy_steps = 0`) samples on the
+current policy; async (`d > 0`) keeps d requests in flight, each at most d policy versions old (checked on every
+batch). A request is a `step.InFlight`: single-turn completions from the sampler group, or whole episodes
+(`rl.agent`), in the background while the trainer trains when async.
+
+The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread is
+loaded with the trainer's weights) go one at a time, under `lock`, so that a trainer group's processes see one
+order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.agent import AgentRollouts
+from posttrain.onpolicy.checks import check_staleness
+from posttrain.onpolicy.method import SampleContext, SamplingMethod
+from posttrain.onpolicy.prompts import PromptBatch, PromptStream, render_prompt
+from posttrain.onpolicy.step import (
+    InFlight,
+    Scored,
+    StepData,
+    restored_position,
+    sampling_params,
+    saved_position,
+    score,
+)
+from posttrain.onpolicy.workers import episode_turns, start_samplers
+from posttrain.trainer import TrainerHandle
+from rewards.runner import RewardRunner
+from rollout.background import Background
+from rollout.engine_programs import EnginePrograms
+from rollout.group import Pending, SamplerGroup
+from rollout.placement import Placement
+from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
+from rollout.turns import Turns
+from rollout.weight_sync import SyncStats
+
+
+@dataclass
+class Sampled:
+    """One step's batch from the samplers: what the method made of its scored completions, the seconds spent
+    generating (or waiting for what was in flight) and scoring, and the completions' staleness."""
+
+    data: StepData
+    generate_s: float
+    reward_s: float
+    staleness: int
+
+
+class SamplerSource:
+    """The samplers' batches (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: PostTrainConfig,
+        method: SamplingMethod,
+        trainer: TrainerHandle,
+        rewards: RewardRunner,
+        agent: AgentRollouts | None,
+        stream: PromptStream,
+        tokenizer: Any,
+        turn_stops: Sequence[int],
+        row_len: int,
+        row_multiple: int,
+    ):
+        self.cfg, self.method, self.trainer = cfg, method, trainer
+        self.rewards, self.agent, self.stream = rewards, agent, stream
+        self.tokenizer, self.turn_stops = tokenizer, tuple(turn_stops)
+        self.row_len, self.row_multiple = row_len, row_multiple
+        self.lock = threading.Lock()  # the trainer's calls, one at a time (module docstring)
+        self.step = 0  # the step of the latest batch
+        self.requests = 0  # generation requests so far (seeds the sampler)
+        self.in_flight: deque[InFlight] = deque()
+        self.samplers: SamplerGroup | None = None
+        self.engine_programs = EnginePrograms()  # the JAX sampler's multi-turn programs, shared by every step
+        self.background: Background | None = None  # async multi-turn rollouts' thread (`start`)
+
+    def start(self, placement: Placement | None, init_hf: Path, tokenizer_dir: str) -> Path | None:
+        """Start the samplers, each sent the trainer's weights; the Hugging Face directory vLLM engines started
+        from (None with the JAX sampler)."""
+        self.samplers, start_dir = start_samplers(self.cfg, self.trainer, placement, init_hf, tokenizer_dir, self.push)
+        if self.agent is not None and self.cfg.rl.off_policy_steps > 0:
+            # Async multi-turn rollouts: episodes run in this thread, a request's at a time, while the trainer trains.
+            self.background = Background("episodes")
+        return start_dir
+
+    def _group(self) -> SamplerGroup:
+        assert self.samplers is not None, "start() first"
+        return self.samplers
+
+    # ---------------------------------------------------------------- position
+
+    def restore(self, meta: dict) -> int:
+        """Where a checkpoint's meta says the source was (`state`); the step to resume at."""
+        self.step, self.requests, in_flight = restored_position(meta, self.stream)
+        self.in_flight = deque(in_flight)
+        return self.step
+
+    @property
+    def state(self) -> dict:
+        """The position a checkpoint keeps: the step of the latest batch, the prompt stream, the request counter
+        and the requests in flight, collected (`step.saved_position`)."""
+        return saved_position(self.step, self.stream, self.requests, self.in_flight, self._collect)
+
+    # ----------------------------------------------------------------- weights
+
+    def push(self, sampler: Sampler) -> SyncStats:
+        """The trainer's current weights and policy version into one sampler."""
+        with self.lock:
+            stats = self.trainer.sync(sampler)
+        sampler.policy_version = stats.version
+        return stats
+
+    def after_update(self, trainer: Any = None) -> tuple[float, int]:
+        """The weight sync after an update: (seconds, bytes sent to all samplers)."""
+        self.settle()  # not timed here: the wait for episodes still running is generation's
+        start = time.perf_counter()
+        stats = self._group().sync(self.push)
+        return time.perf_counter() - start, sum(s.bytes for s in stats)
+
+    def settle(self) -> None:
+        """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
+        on the weights they started on, as a request's completions do (an engine takes a weight update only
+        between requests), whatever the timing."""
+        for request in self.in_flight:
+            if isinstance(request.result, Future):
+                self._collect(request)
+
+    # ----------------------------------------------------------------- batches
+
+    def next(self) -> Sampled:
+        """The next step's batch: the next request's completions (sampled now, or in flight since an earlier
+        step), scored and made into the method's batch; the requests that keep `rl.off_policy_steps` in flight
+        are submitted first."""
+        rl = self.cfg.rl
+        self.step += 1
+        t0 = time.perf_counter()
+        while len(self.in_flight) < 1 + rl.off_policy_steps:
+            self.in_flight.append(self._submit(next(self.stream)))
+        request = self.in_flight.popleft()
+        completions = self._collect(request)
+        generate_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        with self.lock:
+            version = self.trainer.version()
+        staleness = check_staleness(completions, version, rl.off_policy_steps)
+        more = lambda: self._score(self._submit(next(self.stream)))  # DAPO's refill
+        ctx = SampleContext(self.step, self.row_len, self.row_multiple, self.tokenizer, more)
+        data = self.method.from_samples(self.cfg, self._score(request), ctx)
+        return Sampled(data, generate_s, time.perf_counter() - t1, staleness)
+
+    def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
+        return sampling_params(self.cfg.rollout, self.turn_stops, n, seed, temperature)
+
+    def _submit(self, prompts: PromptBatch) -> InFlight:
+        # Every request has its own seed, from the run seed and a counter that a resumed run restores (the
+        # sampler derives one per prompt and sample from it): a restarted run draws what an uninterrupted one would.
+        self.requests += 1
+        seed = sample_seed(self.cfg.run.seed, self.requests)
+        params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
+        count = len(prompts.rows) * params.n
+        if self.agent is not None and self.background is not None:  # async: they run while the trainer trains
+            return InFlight(prompts, self.background.submit(self.agent.run, prompts.rows, params, self.turns(count)))
+        if self.agent is not None:  # episodes run to their end here (sync mode)
+            completions, episodes = self.agent.run(prompts.rows, params, self.turns(count))
+            return InFlight(prompts, completions, episodes)
+        rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
+        return InFlight(prompts, self._group().submit(rendered, params))
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        """Single-turn completions of `prompts` now (the held-out evaluation's)."""
+        group = self._group()
+        return group.collect(group.submit(prompts, params), self.push)
+
+    def turns(self, episodes: int) -> Turns:
+        """The samplers as an episode runner's turns, for `episodes` episodes."""
+        stop = self.background.cancelled if self.background is not None else None
+        return episode_turns(self.cfg, self._group(), self.push, episodes, stop, self.engine_programs)
+
+    def _collect(self, request: InFlight) -> list[Completion]:
+        if isinstance(request.result, Future):
+            request.result, request.episodes = request.result.result()
+        if isinstance(request.result, list):
+            return request.result
+        assert isinstance(request.result, Pending)
+        request.result = self._group().collect(request.result, self.push)
+        return request.result
+
+    def _score(self, request: InFlight) -> Scored:
+        return score(request, self._collect(request), self.cfg.rl, self.rewards, self.agent)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the episodes running in the background (before the pool and samplers they use go)."""
+        if self.background is not None:
+            self.background.close(timeout_s)
