@@ -9,8 +9,7 @@ A source hands the trainer one batch per step and hears of each update (`after_u
 `posttrain.onpolicy.source.SamplerSource`, syncs the weights there; a dataset's does nothing). A dataset's source is
 the method's pipeline (training rows, shuffled per epoch and repeated: `core.data.epochs`) and its `prepare`: what
 turns a pipeline item into the batch the loss reads, from data the run holds (values stored before the run, gathered
-by example id). Values computed by frozen models belong to `core.method.Method.attach`, beside the trainer
-(docs/design.md names a method that still asks for them in its `prepare`).
+by example id). Values computed by frozen models belong to `core.method.Method.attach`, beside the trainer.
 """
 
 from __future__ import annotations

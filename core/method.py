@@ -66,6 +66,18 @@ def unchanged(batch: Any) -> tuple[Any, dict[str, float]]:
     return batch, {}
 
 
+@dataclass(frozen=True)
+class Served(Generic[B]):
+    """An `Attach` that owns what serves its values (a frozen model in a Ray actor of its own): the trainer calls
+    `close` when the run ends, however it ends."""
+
+    attach: Attach[B]
+    close: Callable[[], None]
+
+    def __call__(self, batch: B) -> tuple[B, dict[str, float]]:
+        return self.attach(batch)
+
+
 class Method(Generic[B]):
     """A method: override what is its own (module docstring). `B`: the batch its loss reads."""
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.learner import Learner, apply_nan_policy
-from core.method import Method, TrainStats
+from core.method import Method, Served, TrainStats
 from core.train import LossOutput, Update, batch_shards
 
 POLICY_VERSION = "policy_version"  # the checkpoint meta's key
@@ -106,6 +106,11 @@ class MethodLearner:
             "time/update_s": time.perf_counter() - start,
         }
         return TrainStats({**stats.metrics, **counts}, stats.line)
+
+    def close(self) -> None:
+        """Stop what the method's attach serves its values from (`core.method.Served`), if anything."""
+        if isinstance(self.attach, Served):
+            self.attach.close()
 
     def evaluate(self, batch: Any) -> LossOutput:
         """The loss's output on a held-out batch (one packing group) with the attached values, no update."""

@@ -79,12 +79,15 @@ class Run:
 
     def fit(self) -> int:
         """Train to `train.steps` (resuming from `run.run_dir`); the last step trained. Then stop what the method
-        started (its `closers`: an actor it started), however the loop ended."""
+        started (its `closers`, and what its attach serves from: `core.method.Served`) and the trainer's checkpoint
+        writer, however the loop ended."""
         try:
             return self.loop.fit()
         finally:
             for close in self.parts.closers:
                 close()
+            if not getattr(self.loop.trainer, "lost", False):  # a trainer group that is gone has nothing to stop
+                self.loop.trainer.close()
 
 
 def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str = "") -> None:

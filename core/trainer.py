@@ -83,6 +83,7 @@ class TrainerCalls(Protocol):
     def latest_step(self) -> int | None: ...
     def wait(self) -> None: ...
     def export(self, path: str, tokenizer_dir: str | None) -> str: ...
+    def close(self) -> None: ...
 
 
 class Trainer:
@@ -180,5 +181,7 @@ class Trainer:
         return str(self.learner.export(path, tokenizer_dir))
 
     def close(self) -> None:
+        """Stop what the method serves its attached values from, and the checkpoints' writer."""
+        self.learner.close()
         if self.checkpointer is not None:
             self.checkpointer.close()

@@ -140,9 +140,13 @@ def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(
     """distill.teacher_placement=actor: the teacher in a Ray actor of its own answers each batch (two micro-batches)
     with its top-16; three steps give the losses and KLs of the same run with the teacher in the step (top-16,
     renormalised), step by step. An actor that cannot start, does not answer in time or dies is an error that says
-    so, naming the call (and, at start, the actor's own error)."""
+    so, naming the call (and, at start, the actor's own error); the actor is stopped when its run ends."""
+    import time
+
+    import psutil
     import ray
 
+    from posttrain.config import PostTrainConfig
     from recipes.distill import main as train
 
     args = common(tmp_path, arithmetic_tokenizer, teacher, "train.steps=3", "train.eval_every=100")
@@ -164,7 +168,24 @@ def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(
             assert a[key] == pytest.approx(b[key], rel=rel), (a["step"], key, a[key], b[key])
     assert runs["actor"][0]["grad_norm"] > 0 and runs["actor"][-1]["loss"] < runs["actor"][0]["loss"]
 
-    from posttrain.config import PostTrainConfig
+    # The trainer stops the actor when the run ends (its attach is a `core.method.Served`), while the run is still
+    # referenced (Ray would stop an actor whose handles are all gone anyway).
+    from core.config_loader import load_config
+    from core.run import build_run
+    from posttrain.distill.method import DISTILL
+
+    teachers = lambda: [
+        p for p in psutil.process_iter(["cmdline"]) if "TeacherScorer" in " ".join(p.info["cmdline"] or [])
+    ]
+    one = [*args[1:], "distill.teacher_placement=actor", f"run.run_dir={tmp_path / 'ended'}", "train.steps=1"]
+    run = build_run(load_config(args[0], one, schema=PostTrainConfig), DISTILL)
+    assert teachers()  # started with the trainer (its attach)
+    run.fit()
+    deadline = time.monotonic() + 30
+    while teachers():
+        assert time.monotonic() < deadline, "the teacher's actor outlived its run"
+        time.sleep(0.2)
+
     from posttrain.distill.remote_teacher import RemoteTeacher, TeacherUnavailable
 
     d = dict(regime="online", teacher=teacher, top_k=4, teacher_placement="actor", teacher_timeout_s=60)

@@ -15,7 +15,7 @@ between the two regimes is where the teacher's distribution comes from:
   it runs on every micro-batch beside the student,
   over the whole vocabulary (`distill.top_k=0`) or its top-k; with feature pairs its layers' states too. With
   `distill.teacher_placement=actor` it runs in a Ray actor of its own instead
-  (`posttrain.distill.remote_teacher`), and `prepare` asks it for each batch's top-k: the offline objective on a
+  (`posttrain.distill.remote_teacher`), and `attach` asks it for each batch's top-k: the offline objective on a
   live dump.
 
 Both train `posttrain.distill.objective` with alpha and T on their schedules (`distill.*_schedule`), evaluate it
@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
 from core.learner import Learner
-from core.method import Attach, Method
+from core.method import Attach, Method, Served
 from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
@@ -196,16 +196,36 @@ class Distillation(Method):
         return trainable(trainable_filter(cfg.model))
 
     def attach(self, cfg: PostTrainConfig, learner: Learner) -> Attach[DistillBatch]:
-        """The scheduled values (alpha, temperature, the feature weight) at the update the batch trains at."""
+        """The scheduled values (alpha, temperature, the feature weight) at the update the batch trains at; with
+        the teacher in a Ray actor of its own (`distill.teacher_placement=actor`), its top-k at every target slot,
+        asked of the actor this starts (and the trainer stops at the end: `core.method.Served`)."""
+        remote = None
+        if cfg.distill.regime == "online" and not teacher_in_step(cfg):
+            from posttrain.distill.remote_teacher import RemoteTeacher
+
+            student = str(cfg.checkpoint.init_from or "a random init")
+            remote = RemoteTeacher.start(cfg, cfg.model.vocab_size, student)
+            print(f"teacher: {cfg.distill.teacher} in a Ray actor ({remote.where}), its top-{cfg.distill.top_k}")
 
         def attach(batch: DistillBatch) -> tuple[DistillBatch, dict[str, float]]:
             rows = np.asarray(batch.packed.target_ids).shape[0]
-            return batch.replace(**schedules(cfg.distill, int(learner.state.step), cfg.train.steps, rows)), {}
+            batch = batch.replace(**schedules(cfg.distill, int(learner.state.step), cfg.train.steps, rows))
+            if remote is not None:  # as the learner splits the batch: into its packing groups
+                ids, logp = remote.score(batch.packed, batch.packed.groups)
+                batch = batch.replace(teacher_ids=ids, teacher_logp=logp)
+            return batch, {}
 
-        return attach
+        return attach if remote is None else Served(attach, remote.close)
 
     def check_tokenizer(self, cfg: PostTrainConfig, tokenizer) -> None:
+        """The top-k fits the vocabulary; an online teacher's own tokenizer is the run's (before a teacher is
+        loaded or its actor started)."""
         check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
+        if cfg.distill.regime == "online":
+            where = getattr(tokenizer, "name_or_path", "") or "the run's tokenizer"
+            mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), tokenizer, where)
+            if mismatch:
+                raise ConfigError(mismatch)
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
@@ -213,7 +233,6 @@ class Distillation(Method):
         examples = tokenize_examples(run.records, rows, run.tokenizer, cfg.data)
         notes = []
         store = None
-        remote = None
         if cfg.distill.regime == "offline":
             from posttrain.distill.dump import data_settings
             from posttrain.distill.topk_store import TopKStore
@@ -224,15 +243,8 @@ class Distillation(Method):
                 f"teacher: top-{store.header.k} of {store.header.teacher or 'a teacher'} from "
                 f"{cfg.distill.logits_dir} (T={store.header.temperature}, {store.header.dtype})"
             )
-        else:
-            mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), run.tokenizer, run.tokenizer_dir)
-            if mismatch:
-                raise ConfigError(mismatch)
         if cfg.distill.regime == "online" and not teacher_in_step(cfg):
-            from posttrain.distill.remote_teacher import RemoteTeacher
-
-            remote = RemoteTeacher.start(cfg, cfg.model.vocab_size, str(cfg.checkpoint.init_from or "a random init"))
-            notes.append(f"teacher: {cfg.distill.teacher} in a Ray actor ({remote.where}), its top-{cfg.distill.top_k}")
+            notes.append(f"teacher: {cfg.distill.teacher} in a Ray actor of its own (attached to each batch)")
         elif cfg.distill.regime == "online":
             notes.append(f"teacher: {cfg.distill.teacher} in the step ({_support(cfg)})")
             if cfg.distill.feature_layers:
@@ -245,14 +257,13 @@ class Distillation(Method):
         base = next_token_parts(run, rows, hooks=lambda ex: generation_hooks(run, ex), examples=examples)
 
         def prepare(data: DataBatch, groups: int) -> DistillBatch:
+            """The teacher's top-k from the dump (data the run holds); the schedules' values at the trainer's step
+            and a teacher actor's answers are `attach`'s."""
             packed = data.batch
-            batch = DistillBatch(packed)  # the schedules' values at the trainer's step: `attach`
-            if store is not None:
-                ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
-            elif remote is not None:
-                ids, logp = remote.score(packed, groups)
-            else:
+            batch = DistillBatch(packed)
+            if store is None:
                 return batch
+            ids, logp = store.gather(data.example_ids, np.asarray(packed.positions), _token_at(packed, groups))
             return batch.replace(teacher_ids=ids, teacher_logp=logp)
 
         evaluation = None
@@ -265,7 +276,6 @@ class Distillation(Method):
             hooks=base.hooks,
             skipped=base.skipped,
             notes=notes,
-            closers=[] if remote is None else [remote.close],
             console={"kl": "kl", "nll": "nll", **({"feature": "feat"} if cfg.distill.feature_layers else {})},
         )
 
