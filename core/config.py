@@ -246,8 +246,8 @@ class PlacementConfig(Section):
     # How long a trainer process may wait at a barrier for the others (after each compilation: gloo's own reads
     # time out after 30 s, and processes compile at different speeds), and for the group to form.
     barrier_timeout_s: int = Field(600, gt=0)
-    # How long the driver waits for one call to the trainer's processes (an on-policy step, sync or checkpoint)
-    # and, for an offline group, for process 0's output to grow, before it stops the group as hung.
+    # How long the driver waits for one call to the trainer's processes (a step, a sync, a checkpoint, an
+    # evaluation; a pass over a dataset, for each of its batches) before it stops the group as hung.
     call_timeout_s: int = Field(3600, gt=0)
 
 

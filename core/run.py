@@ -23,18 +23,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-
 from core.batch_source import DatasetSource, Prepare, as_is
 from core.compile_cache import use_compile_cache
-from core.config import Config, resolve_mesh_shape
+from core.config import Config
 from core.config_loader import ConfigError
 from core.data import DataBatch
 from core.goodput import RunStart
 from core.loop import Hook
 from core.method import Method
 from core.train_loop import Evaluation, TrainLoop
-from core.trainer import Trainer, TrainerCalls
+from core.trainer import Trainer, TrainerCalls, initial_state
 
 # (the run's config) -> its trainer, started elsewhere (a process group's handle)
 StartTrainer = Callable[[Any], TrainerCalls]
@@ -67,7 +65,6 @@ class MethodParts:
     skipped: list[str] = field(default_factory=list)  # rows left out (data.skip_malformed), described
     notes: list[str] = field(default_factory=list)  # one line each at start-up (where a reference comes from)
     console: dict[str, str] = field(default_factory=dict)  # metric -> label: the method's own on the console line
-    closers: list[Callable[[], None]] = field(default_factory=list)  # what it started, stopped when the run ends
 
 
 @dataclass
@@ -78,15 +75,12 @@ class Run:
     parts: MethodParts
 
     def fit(self) -> int:
-        """Train to `train.steps` (resuming from `run.run_dir`); the last step trained. Then stop what the method
-        started (its `closers`, and what its attach serves from: `core.method.Served`) and the trainer's checkpoint
-        writer, however the loop ended."""
+        """Train to `train.steps` (resuming from `run.run_dir`); the last step trained. Then stop what the method's
+        attach serves from (`core.method.Served`) and the trainer's checkpoint writer, however the loop ended."""
         try:
             return self.loop.fit()
         finally:
-            for close in self.parts.closers:
-                close()
-            if not getattr(self.loop.trainer, "lost", False):  # a trainer group that is gone has nothing to stop
+            if not self.loop.trainer.lost:  # a trainer group that is gone has nothing to stop
                 self.loop.trainer.close()
 
 
@@ -106,7 +100,6 @@ def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = 
     """Everything `method` trains with, ready to `fit`. `start_trainer(cfg)`: the trainer elsewhere (a process
     group's handle, `posttrain.offline`); default: a `core.trainer.Trainer` in this process."""
     from core.data import load_tokenizer
-    from core.metrics import device_memory
     from core.sources import load_records
     from core.tokenizer import check_vocab, run_tokenizer
 
@@ -117,48 +110,41 @@ def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = 
     tokenizer_dir = run_tokenizer(cfg, lambda: method.tokenizer_texts(records))
     tokenizer = load_tokenizer(tokenizer_dir)
     method.check_tokenizer(cfg, tokenizer)
-    if start_trainer is None:
-        trainer: TrainerCalls = local_trainer(cfg, method)
-    else:
-        trainer = start_trainer(cfg)
-    facts = trainer.facts()
-    cfg = cfg.model_copy(update={"model": type(cfg.model).model_validate(facts.model)})  # a checkpoint's shape wins
-    if cfg.checkpoint.init_from is not None:
-        print(f"initialised from {cfg.checkpoint.init_from}")
-    check_vocab(cfg.model.vocab_size, tokenizer_dir)
-    parts = method.parts(RunContext(cfg, records, tokenizer_dir, tokenizer, trainer, facts.batch_shards))
-    if parts.skipped:
-        print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
-    for note in parts.notes:
-        print(note)
-    if start_trainer is None:
-        print(device_memory() + f" (after model init: {method.name})")
-    loop = TrainLoop(
-        cfg,
-        trainer,
-        DatasetSource(parts.train, parts.prepare, cfg.train.micro_batches),
-        evaluation=parts.evaluation,
-        tokenizer_dir=tokenizer_dir,
-        hooks=parts.hooks,
-        console=parts.console,
-        started=started,
-    )
+    trainer = local_trainer(cfg, method, tokenizer_dir) if start_trainer is None else start_trainer(cfg)
+    try:
+        facts = trainer.facts()
+        cfg = cfg.model_copy(update={"model": type(cfg.model).model_validate(facts.model)})  # the checkpoint's shape
+        if cfg.checkpoint.init_from is not None:
+            print(f"initialised from {cfg.checkpoint.init_from}")
+        check_vocab(cfg.model.vocab_size, tokenizer_dir)
+        parts = method.parts(RunContext(cfg, records, tokenizer_dir, tokenizer, trainer, facts.batch_shards))
+        if parts.skipped:
+            print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
+        for note in parts.notes:
+            print(note)
+        print(trainer.device_memory() + f" (after model init: {method.name})")
+        loop = TrainLoop(
+            cfg,
+            trainer,
+            DatasetSource(parts.train, parts.prepare, cfg.train.micro_batches),
+            evaluation=parts.evaluation,
+            tokenizer_dir=tokenizer_dir,
+            hooks=parts.hooks,
+            console=parts.console,
+            started=started,
+        )
+    except BaseException:  # what the trainer started (a teacher's actor, the checkpoint writer) goes with it
+        if not trainer.lost:
+            trainer.close()
+        raise
     return Run(cfg, loop, tokenizer_dir, parts)
 
 
-def local_trainer(cfg: Config, method: Method) -> Trainer:
+def local_trainer(cfg: Config, method: Method, tokenizer_dir: str) -> Trainer:
     """The method's trainer in this process, on a mesh of its devices, from `checkpoint.init_from` or a random
-    init."""
-    from core.checkpoint_models import initial_model
-    from core.mesh import make_mesh
-    from core.models.summary import parameter_summary
+    init (its vocabulary checked against the tokenizer's before the method's frozen models load)."""
+    from core.tokenizer import check_vocab
 
-    try:  # fail early, with the sizes, on a bad mesh
-        resolve_mesh_shape(cfg.mesh, jax.device_count())
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    mesh = make_mesh(cfg.mesh)
-    model, cfg = initial_model(cfg, mesh)
-    if cfg.mesh.debug_sharding:
-        print(parameter_summary(model))
+    mesh, model, cfg = initial_state(cfg)
+    check_vocab(cfg.model.vocab_size, tokenizer_dir)
     return Trainer(cfg, method, model, mesh, cfg.run.run_dir)

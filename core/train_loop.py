@@ -33,10 +33,8 @@ from core.learner import Learner
 from core.loop import Hook, Loop, Plot
 from core.metrics import (
     MetricsLogger,
-    device_memory,
     library_versions,
     model_flops_per_token,
-    peak_flops_per_device,
     read_metrics,
     update_run_info,
 )
@@ -79,7 +77,6 @@ class TrainLoop(Loop):
         built-in log, eval and checkpoint hooks; `console` names the method's metrics the console line shows
         (key -> label); `started`: when the run began to be built (`Loop`)."""
         self.trainer = trainer
-        self.in_process = isinstance(trainer, Trainer)  # otherwise its compilations are counted where it runs
         self.tokenizer_dir = tokenizer_dir
         self.evaluation = evaluation
         self.on_batch = on_batch
@@ -94,17 +91,16 @@ class TrainLoop(Loop):
                 print(f"resumed from {run_dir / 'checkpoints'}/{start}", flush=True)
         super().__init__(cfg, run_dir, start, hooks, evaluates=evaluation is not None, started=started)
         self.logger = MetricsLogger(run_dir, cfg.logging, self.total_steps, resume_step=start, console=console)
-        self.peak_flops, peak_source = peak_flops_per_device(cfg.logging)
-        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
         self.facts = trainer.facts()
-        if self.in_process:
-            print(device_memory() + " (after model and optimizer load)", flush=True)
+        self.peak_flops = self.facts.peak_flops  # the trainer's devices', wherever they are
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
+        print(trainer.device_memory() + " (after model and optimizer load)", flush=True)
         update_run_info(
             run_dir,
             param_count=self.facts.param_count,
             flops_per_token=self.flops_per_token,
             peak_flops_per_device=self.peak_flops,
-            peak_source=peak_source,
+            peak_source=self.facts.peak_source,
             devices=f"{self.facts.devices} x {self.facts.device_kind}",
             mesh=self.facts.mesh,
             versions=library_versions(),
@@ -116,7 +112,7 @@ class TrainLoop(Loop):
     @property
     def learner(self) -> Learner:
         """The `core.learner.Learner` (the model, its state) of a trainer in this process."""
-        if not isinstance(self.trainer, Trainer):
+        if not isinstance(self.trainer, Trainer):  # a handle on a process group's
             raise RuntimeError("the trainer runs in Ray actors, not in this process: ask it with trainer.apply")
         return self.trainer.learner.learner
 
@@ -128,7 +124,7 @@ class TrainLoop(Loop):
         return self._trainer_compile
 
     def compiled_elsewhere(self) -> CompileTally | None:
-        return None if self.in_process else self.trainer.compiled()
+        return self.trainer.compiled() if self.trainer.remote else None
 
     def train_step(self, step: int) -> None:
         data = self.source.next_item()
@@ -138,7 +134,7 @@ class TrainLoop(Loop):
         batch = self.source.prepare(data)
         stats = self.trainer.train(batch, step)  # attach -> the method's updates (train.nan_policy) -> its report
         self.source.after_update(self.trainer)
-        if not self.in_process:
+        if self.trainer.remote:  # a trainer here compiles on this process's clock
             self._trainer_compile = stats.compile
         compiled = self.step_compile()
         if step == self.start_step + 1 or compiled.compiles:
@@ -159,8 +155,8 @@ class TrainLoop(Loop):
             "mfu": flops / (self.peak_flops * self.facts.devices),
             **compiled.metrics(),
         }
-        if step == self.start_step + 1 and self.in_process:
-            line = device_memory()
+        if step == self.start_step + 1:
+            line = self.trainer.device_memory()
             print(line + " (after the first step)", flush=True)
             update_run_info(self.run_dir, memory_after_first_step=line.split(": ", 1)[1])
         self._window.append(metrics)
@@ -216,6 +212,6 @@ class TrainLoop(Loop):
         }
 
     def close_logs(self) -> None:
-        if not getattr(self.trainer, "lost", False):  # a trainer group that is gone has nothing left to write
+        if not self.trainer.lost:  # a trainer group that is gone has nothing left to write
             self.trainer.wait()
         self.logger.close()

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import jax
 from jax.sharding import Mesh
 
 from core.checkpoint import Checkpointer
 from core.compile_cache import CompileTally, compile_clock
 from core.method import Method, TrainStats
 from core.method_learner import MethodLearner
+from core.metrics import device_memory, peak_flops_per_device
 from core.models import param_count
 from core.train import LossOutput, batch_shards
 
@@ -45,6 +46,8 @@ class TrainerFacts:
     mesh: dict[str, int]
     batch_shards: int  # the data-parallel size: packed row counts are made a multiple of it
     model: dict  # the model section the trainer built (a checkpoint's shape wins over the config's)
+    peak_flops: float  # per device, where the trainer runs (`core.metrics.peak_flops_per_device`)
+    peak_source: str  # configured, a datasheet's, or measured there
 
 
 class Position:
@@ -68,16 +71,49 @@ class Position:
         """Grain's handler starts an iterator's prefetch after a restore; a value has none."""
 
 
+def initial_state(cfg: Any, devices: Sequence[Any] | None = None) -> tuple[Mesh, Any, Any]:
+    """(mesh, model, config) a trainer starts from, on `devices` (default: this process's view of all): the mesh of
+    `mesh.*` (a bad shape refused with the sizes), the model from `checkpoint.init_from` (its shape wins over
+    `model.*`, so the config comes back with the model section it has) or a random init."""
+    import jax
+
+    from core.checkpoint_models import initial_model
+    from core.config import resolve_mesh_shape
+    from core.config_loader import ConfigError
+    from core.mesh import make_mesh
+    from core.models.summary import parameter_summary
+
+    devices = list(devices) if devices is not None else jax.devices()
+    try:  # fail early, with the sizes, on a bad mesh
+        resolve_mesh_shape(cfg.mesh, len(devices))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    mesh = make_mesh(cfg.mesh, devices)
+    model, cfg = initial_model(cfg, mesh)
+    if cfg.mesh.debug_sharding:
+        print(parameter_summary(model))
+    return mesh, model, cfg
+
+
 class TrainerCalls(Protocol):
     """What a run calls on its trainer: `Trainer`'s methods, here or through a handle on a process group."""
 
+    @property
+    def remote(self) -> bool:
+        """Whether it runs in other processes (their compilations are counted there)."""
+
+    @property
+    def lost(self) -> bool:
+        """Whether a call found a process of it gone (nothing is left to close or wait for)."""
+
     def facts(self) -> TrainerFacts: ...
+    def device_memory(self) -> str: ...
     def version(self) -> int: ...
     def memory_analysis(self) -> str | None: ...
     def compiled(self) -> CompileTally: ...
     def train(self, batch: Any, step: int | None = None) -> TrainStats: ...
     def evaluate(self, batch: Any) -> LossOutput: ...
-    def apply(self, fn: Any, *args: Any) -> Any: ...
+    def apply(self, fn: Any, *args: Any, timeout_s: float | None = None) -> Any: ...
     def save(self, step: int, extra: dict, data_iterator: Any = None) -> None: ...
     def restore_latest(self, data_iterator: Any = None) -> tuple[int, dict] | None: ...
     def latest_step(self) -> int | None: ...
@@ -88,6 +124,9 @@ class TrainerCalls(Protocol):
 
 class Trainer:
     """The method's `MethodLearner` with its checkpoints and export (module docstring)."""
+
+    remote = False  # this object is the trainer, in the run's process
+    lost = False
 
     def __init__(self, cfg: Any, method: Method, model: Any, mesh: Mesh, run_dir: str | Path | None = None):
         """`model`: the initial model on `mesh` (`core.checkpoint_models.initial_model`); checkpoints go to
@@ -100,21 +139,31 @@ class Trainer:
         if run_dir is not None and c.enabled:
             self.checkpointer = Checkpointer(Path(run_dir) / "checkpoints", keep=c.keep, async_save=c.async_save)
         self.kept: dict[str, Any] = {}  # what `apply`'s functions build once and use again, by their own names
+        self._facts: TrainerFacts | None = None
 
     def model(self):
         """The trained model as it is now (no copy)."""
         return self.learner.model()
 
     def facts(self) -> TrainerFacts:
-        devices = self.mesh.devices.flat
-        return TrainerFacts(
-            param_count=param_count(self.model()),
-            devices=int(self.mesh.devices.size),
-            device_kind=next(iter(devices)).device_kind if self.mesh.devices.size else jax.devices()[0].device_kind,
-            mesh=dict(self.mesh.shape),
-            batch_shards=batch_shards(self.mesh),
-            model=self.cfg.model.model_dump(mode="json"),
-        )
+        """What the run reads of this trainer once (the peak FLOP/s measured here, once)."""
+        if self._facts is None:
+            peak, source = peak_flops_per_device(self.cfg.logging)
+            self._facts = TrainerFacts(
+                param_count=param_count(self.model()),
+                devices=int(self.mesh.devices.size),
+                device_kind=self.mesh.devices.flat[0].device_kind,
+                mesh=dict(self.mesh.shape),
+                batch_shards=batch_shards(self.mesh),
+                model=self.cfg.model.model_dump(mode="json"),
+                peak_flops=peak,
+                peak_source=source,
+            )
+        return self._facts
+
+    def device_memory(self) -> str:
+        """The memory in use on this trainer's devices (its process's: process 0's in a group)."""
+        return device_memory()
 
     def version(self) -> int:
         return self.learner.version
@@ -139,8 +188,9 @@ class Trainer:
     def evaluate(self, batch: Any) -> LossOutput:
         return self.learner.evaluate(batch)
 
-    def apply(self, fn: Any, *args: Any) -> Any:
-        """`fn(self, *args)`: a method's own work on the model, where the model is (module docstring)."""
+    def apply(self, fn: Any, *args: Any, timeout_s: float | None = None) -> Any:
+        """`fn(self, *args)`: a method's own work on the model, where the model is (module docstring);
+        `timeout_s` bounds it in a process group (`posttrain.trainer.TrainerHandle.apply`), not here."""
         return fn(self, *args)
 
     # ------------------------------------------------------------ checkpoints
@@ -169,11 +219,6 @@ class Trainer:
         """Until the checkpoints being written are on disk."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
-
-    def export_hf(self, path: str, tokenizer_dir: str | None) -> str:
-        """The trained model alone, as a Hugging Face directory."""
-        self.wait()
-        return str(self.learner.export_hf(path, tokenizer_dir))
 
     def export(self, path: str, tokenizer_dir: str | None) -> str:
         """The run's export: the trained model at `path` and what its method exports beside it."""

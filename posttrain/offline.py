@@ -15,8 +15,9 @@ across nodes.
 
 Each trainer process writes its output to `run_dir/logs/trainer-<rank>.log`. A process that dies stops the group
 with `TrainerUnavailable` naming it and its node, and so does a call that takes longer than
-`placement.call_timeout_s` (hung: NCCL collectives have no timeout of their own); the same command resumes from the
-last checkpoint.
+`placement.call_timeout_s` (hung: NCCL collectives have no timeout of their own; a pass over a dataset, DPO's
+stored reference, gets that for each of its batches); the same command resumes from the last checkpoint. The
+profiler traces this process, so it is refused with a group.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.config import Config
+from core.config_loader import ConfigError
 from core.method import Method
 from core.run import build_run
 from posttrain.fit import RunSummary
@@ -44,6 +46,12 @@ def fit_offline(cfg: Config, method: Method) -> RunSummary:
     from rollout.ray import ensure_ray
 
     method.check(cfg)  # before a cluster starts
+    if cfg.profiler.enabled:
+        raise ConfigError(
+            f"profiler.enabled traces this process, and with placement.trainer_processes="
+            f"{cfg.placement.trainer_processes} the trainer's steps run in its actors: profile with "
+            "placement.trainer_processes=1"
+        )
     ensure_ray()
     pg = reserve_trainer(cfg.placement)
     handle: TrainerHandle | None = None

@@ -111,13 +111,14 @@ class RayProcessGroup:
         self.processes: list[ProcessInfo] = []  # where each actor runs, once started
         self.lost = False  # set once a call found an actor (or its cluster) gone
 
-    def call(self, method: Callable, *args: Any) -> Any:
+    def call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
         """`method` of the hosted object's class on every process (SPMD); process 0's answer."""
-        return self.call_all(method, *args)[0]
+        return self.call_all(method, *args, timeout_s=timeout_s)[0]
 
-    def call_all(self, method: Callable, *args: Any) -> list:
-        """`method` on every process, their answers in process order (within the group's call timeout)."""
-        return self.wait(self.submit(method, *args), method.__name__, self.timeout_s)
+    def call_all(self, method: Callable, *args: Any, timeout_s: float | None = None) -> list:
+        """`method` on every process, their answers in process order (within `timeout_s`, default the group's
+        call timeout)."""
+        return self.wait(self.submit(method, *args), method.__name__, timeout_s or self.timeout_s)
 
     def submit(self, method: Callable, *args: Any) -> list:
         """Start `method` on every process and return at once (Ray object refs, in process order; `wait` them).

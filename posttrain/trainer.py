@@ -8,13 +8,14 @@ handle.
     trainer.sync(sampler)                           # weights: trainer -> a rollout.sampler.Sampler
 
 The trainer is one class, `LocalTrainer` (a `core.trainer.Trainer`), hosting one method's
-`core.method_learner.MethodLearner`, used directly (a dataset run, or single-controller mode with the JAX sampler
-on another sub-mesh of the same process) or in Ray actors that own the trainer's devices, one per bundle of the
-run's trainer placement group (`rollout.placement`). With `placement.trainer_processes` > 1 the actors are one JAX
-process group (`posttrain.process_group`: `jax.distributed`, one mesh over all their devices), and the driver sends
-every call to every process (SPMD: the same programs in the same order) and reads process 0's answer; a weight
-sync takes every process's part (each sends the pieces its devices hold). The driver talks to any of these through
-`TrainerHandle`, whose methods mirror `LocalTrainer`'s.
+`core.method_learner.MethodLearner`, used directly (single-controller mode, with the JAX sampler on another sub-mesh
+of the same process; an in-process dataset run uses a `core.trainer.Trainer` itself) or in Ray actors that own the
+trainer's devices, one per bundle of the run's trainer placement group (`rollout.placement`). With
+`placement.trainer_processes` > 1 the actors are one JAX process group (`posttrain.process_group`:
+`jax.distributed`, one mesh over all their devices), and the driver sends every call to every process (SPMD: the
+same programs in the same order) and reads process 0's answer; a weight sync takes every process's part (each sends
+the pieces its devices hold). The driver talks to any of these through `TrainerHandle`, whose methods mirror
+`LocalTrainer`'s.
 
 A trainer process that dies (or a Ray cluster that goes away under it) raises `TrainerUnavailable` naming the
 process and its node; the group's other processes are stopped with it (they would wait in their next collective),
@@ -33,7 +34,7 @@ from core.batch import TrainBatch
 from core.compile_cache import CompileTally, use_compile_cache
 from core.method import Method, TrainStats
 from core.train import LossOutput
-from core.trainer import Position, Trainer, TrainerFacts
+from core.trainer import Position, Trainer, TrainerFacts, initial_state
 from posttrain.config import PostTrainConfig
 from posttrain.process_group import ProcessInfo, RayProcessGroup, TrainerUnavailable, start_group
 from rollout.sampler import Sampler
@@ -49,23 +50,21 @@ class LocalTrainer(Trainer):
 
     def __init__(
         self,
-        cfg_json: dict,
+        cfg_json: Any,  # the run's config, or its JSON (an on-policy run sends that)
         run_dir: str,
         method: Method,
         devices_fraction: tuple[float, float] | None = None,
     ):
         import jax
 
-        from core.checkpoint_models import initial_model
         from core.hf.peft import adapter_base
-        from core.mesh import make_mesh, split_devices
+        from core.mesh import split_devices
 
         cfg = PostTrainConfig.model_validate(cfg_json) if isinstance(cfg_json, dict) else cfg_json
         use_compile_cache(cfg.compile.cache_dir)  # an actor's process: the driver's setting does not reach it
         fractions = devices_fraction or (cfg.mesh.trainer_devices_fraction, 0.0)
         trainer_devices, _ = split_devices(jax.devices(), *fractions)
-        mesh = make_mesh(cfg.mesh, trainer_devices)
-        model, cfg = initial_model(cfg, mesh)  # the loaded checkpoint decides the shape
+        mesh, model, cfg = initial_state(cfg, trainer_devices)  # the loaded checkpoint decides the shape
         super().__init__(cfg, method, model, mesh, run_dir)
         self.adapter_base = adapter_base(cfg.checkpoint.init_from)  # what synced adapters name as their base
 
@@ -120,12 +119,13 @@ class TrainerHandle:
         """Whether a call found a trainer process (or its cluster) gone."""
         return self.group is not None and self.group.lost
 
-    def _call(self, method: Callable, *args: Any) -> Any:
-        """`method` on the trainer: in this process, or on every process of the group (process 0's answer)."""
+    def _call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+        """`method` on the trainer: in this process, or on every process of the group (process 0's answer, within
+        `timeout_s`: default `placement.call_timeout_s`)."""
         if self.local_trainer is not None:
             return method(self.local_trainer, *args)
         assert self.group is not None
-        return self.group.call(method, *args)
+        return self.group.call(method, *args, timeout_s=timeout_s)
 
     def kill(self) -> None:
         """Stop every trainer actor now (best effort: the cluster may be gone)."""
@@ -153,9 +153,13 @@ class TrainerHandle:
     def evaluate(self, batch: Any) -> LossOutput:
         return self._call(LocalTrainer.evaluate, batch)
 
-    def apply(self, fn: Callable, *args: Any) -> Any:
-        """`fn(trainer, *args)` on the trainer: every process of a group runs it; process 0's answer."""
-        return self._call(LocalTrainer.apply, fn, *args)
+    def apply(self, fn: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+        """`fn(trainer, *args)` on the trainer: every process of a group runs it; process 0's answer, within
+        `timeout_s` (default `placement.call_timeout_s`: a long pass over a dataset says how long it may take)."""
+        return self._call(LocalTrainer.apply, fn, *args, timeout_s=timeout_s)
+
+    def device_memory(self) -> str:
+        return self._call(LocalTrainer.device_memory)
 
     def compiled(self) -> CompileTally:
         return self._call(LocalTrainer.compiled)

@@ -178,11 +178,13 @@ def test_a_teacher_in_its_own_ray_actor_trains_as_the_teacher_in_the_step(
         p for p in psutil.process_iter(["cmdline"]) if "TeacherScorer" in " ".join(p.info["cmdline"] or [])
     ]
     one = [*args[1:], "distill.teacher_placement=actor", f"run.run_dir={tmp_path / 'ended'}", "train.steps=1"]
+    before = {p.pid for p in teachers()}  # none, unless an earlier run's is still going away
     run = build_run(load_config(args[0], one, schema=PostTrainConfig), DISTILL)
-    assert teachers()  # started with the trainer (its attach)
+    ours = {p.pid for p in teachers()} - before
+    assert ours  # started with the trainer (its attach)
     run.fit()
     deadline = time.monotonic() + 30
-    while teachers():
+    while ours & {p.pid for p in teachers()}:
         assert time.monotonic() < deadline, "the teacher's actor outlived its run"
         time.sleep(0.2)
 

@@ -197,3 +197,62 @@ def test_a_position_checkpoints_the_data_as_the_iterator_does(tmp_path, arithmet
     position = Position()
     assert t.trainer.restore_latest(position) is not None
     assert position.value == data.get_state()
+
+
+def test_a_run_that_fails_to_build_closes_its_trainer(tmp_path, arithmetic_tokenizer, monkeypatch):
+    """`build_run` closes the trainer it built (what its attach serves from, the checkpoint writer) when what comes
+    after fails: a method's parts that raise leave nothing running."""
+    from core.pretrain import Pretraining
+    from core.run import build_run
+
+    class BrokenParts(Pretraining):
+        def parts(self, run):
+            raise ValueError("the method's data is broken")
+
+    closed = []
+    monkeypatch.setattr(Trainer, "close", lambda self: closed.append(self))
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    cfg = config(tmp_path, f"data.source={source}", f"data.tokenizer_dir={arithmetic_tokenizer}")
+    with pytest.raises(ValueError, match="the method's data is broken"):
+        build_run(cfg, BrokenParts())
+    assert len(closed) == 1 and isinstance(closed[0], Trainer)
+
+
+def test_a_dataset_run_refuses_the_profiler_with_a_trainer_group(tmp_path):
+    """The profiler traces the run's process, and a trainer group's steps run in its actors: refused at start,
+    before Ray starts."""
+    from core.config_loader import ConfigError
+    from core.pretrain import PRETRAINING
+    from posttrain.offline import fit_offline
+
+    source = tmp_path / "rows.jsonl"
+    source.write_text(json.dumps(RECORDS[0]) + "\n")
+    cfg = config(tmp_path, "placement.trainer_processes=2", "profiler.enabled=true", f"data.source={source}")
+    with pytest.raises(ConfigError, match="profile with placement.trainer_processes=1"):
+        fit_offline(cfg, PRETRAINING)
+
+
+def test_a_trainer_groups_apply_waits_as_long_as_its_caller_says(tmp_path):
+    """`TrainerHandle.apply` sends `fn` to every process and waits `timeout_s` when given (a pass over a dataset,
+    each of its batches within a call's timeout), else the group's `placement.call_timeout_s`; a trainer in this
+    process runs `fn` on itself."""
+    from posttrain.trainer import LocalTrainer, TrainerHandle
+
+    class Group:
+        lost = False
+
+        def __init__(self):
+            self.calls = []
+
+        def call(self, method, *args, timeout_s=None):
+            self.calls.append((method, args, timeout_s))
+            return "process 0's answer"
+
+    group = Group()
+    handle = TrainerHandle(tmp_path, group=group)  # type: ignore[arg-type]
+    fn = lambda trainer, x: x
+    assert handle.apply(fn, 1, timeout_s=7200.0) == "process 0's answer"
+    assert handle.apply(fn, 2) == "process 0's answer"
+    assert group.calls == [(LocalTrainer.apply, (fn, 1), 7200.0), (LocalTrainer.apply, (fn, 2), None)]
+    assert Trainer.apply(object(), fn, 3) == 3  # type: ignore[arg-type]

@@ -229,7 +229,7 @@ def test_offline_and_online_distillation_into_an_moe_student(tmp_path, arithmeti
     assert metrics["moe/load_balance_loss"] > 0
     distill_only = metrics["loss"] - 0.05 * metrics["moe/load_balance_loss"]
     assert abs(distill_only - metrics["kd"]) < 1e-4, metrics  # alpha 0, T 1: the loss is the divergence
-    run.parts.closers and [close() for close in run.parts.closers]
+    run.loop.trainer.close()
 
 
 @pytest.mark.parametrize("mode", ["replay", "off"])

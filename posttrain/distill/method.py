@@ -55,7 +55,7 @@ from posttrain.distill.objective import (
     schedules,
     trainable,
 )
-from posttrain.distill.teacher import load_teacher, teacher_tokenizer_matches
+from posttrain.distill.teacher import check_teacher_tokenizer, load_teacher
 from posttrain.sft import SFT, generation_hooks, row_format
 
 
@@ -222,10 +222,7 @@ class Distillation(Method):
         loaded or its actor started)."""
         check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
         if cfg.distill.regime == "online":
-            where = getattr(tokenizer, "name_or_path", "") or "the run's tokenizer"
-            mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), tokenizer, where)
-            if mismatch:
-                raise ConfigError(mismatch)
+            check_teacher_tokenizer(str(cfg.distill.teacher), tokenizer)
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg

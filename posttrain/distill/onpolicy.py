@@ -50,7 +50,7 @@ from core.train import Update
 from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillModules, distill_objective, schedules, trainable
-from posttrain.distill.teacher import check_teacher_vocab, load_teacher, teacher_tokenizer_matches
+from posttrain.distill.teacher import check_teacher_tokenizer, check_teacher_vocab, load_teacher
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.method import SampleContext
@@ -139,9 +139,7 @@ class OnPolicyDistillMethod(PolicyGradient):
             from posttrain.distill.method import check_top_k
 
             check_top_k(cfg.distill.top_k, "distill.top_k", tokenizer)
-        mismatch = teacher_tokenizer_matches(str(cfg.distill.teacher), tokenizer, tokenizer.name_or_path)
-        if mismatch:
-            raise ConfigError(mismatch)
+        check_teacher_tokenizer(str(cfg.distill.teacher), tokenizer)
 
     def plots(self, cfg: PostTrainConfig) -> tuple[Plot, ...]:
         """What the stage minimises (the reverse KL on its samples; GKD's divergence and forward KL), then accuracy."""

@@ -42,6 +42,16 @@ def teacher_tokenizer_matches(teacher: str, tokenizer, tokenizer_dir: str) -> st
     )
 
 
+def check_teacher_tokenizer(teacher: str, tokenizer) -> None:
+    """`teacher_tokenizer_matches` against the run's tokenizer, as a `ConfigError` at start (before a teacher is
+    loaded or its actor started)."""
+    from core.config_loader import ConfigError
+
+    mismatch = teacher_tokenizer_matches(teacher, tokenizer, tokenizer.name_or_path or "the run's tokenizer")
+    if mismatch:
+        raise ConfigError(mismatch)
+
+
 def load_teacher(cfg, mesh, student_vocab: int, student: str):
     """`distill.teacher` (in `distill.teacher_dtype`) read with its own shape onto `mesh`, its vocabulary checked
     against the student's (`check_teacher_vocab`)."""

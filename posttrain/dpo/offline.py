@@ -67,22 +67,23 @@ def compute_reference_logps(
     return out
 
 
-def reference_store(
-    trainer: Trainer, path: Path, pairs: Sequence[Pair], batch_size: int, layout: PairLayout
-) -> TokenStore:
+def reference_store(trainer: Trainer, path: Path, pairs: Sequence[Pair], batch_size: int, layout: PairLayout) -> str:
     """Where the trainer is (`core.trainer.Trainer.apply`; every process of a group computes, the first writes):
-    the starting policy's reference log-probs of `pairs`, read from `path` when it holds them for these pairs and
-    these weights, or computed (the frozen reference built only then, and released after) and stored there."""
+    the starting policy's reference log-probs of `pairs` at `path`, read when it holds them for these pairs and
+    these weights, or computed (the frozen reference built only then, and released after) and stored there. Returns
+    the store's digest: the run reads the store from `path` (the run directory every process sees), so the values
+    do not cross between processes."""
     model = trainer.model()
     digest = tokens_digest((p.row, (p.prompt, p.chosen, p.rejected)) for p in pairs)
     digest += weights_digest(nnx.state(adapters_off(model)))  # the reference's weights
-    return TokenStore.load_or_compute(
+    TokenStore.load_or_compute(
         path,
         digest,
         lambda: compute_reference_logps(
             pairs, FrozenModel.start_of(trainer.learner.learner), batch_size=batch_size, layout=layout
         ),
     )
+    return digest
 
 
 def attach_stored(store: TokenStore, data: DataBatch[PairBatch]) -> PairBatch:
@@ -124,8 +125,14 @@ class OfflineDPO(Method):
             notes.append(f"reference: none (dpo.loss_type={cfg.dpo.loss_type} is reference-free)")
         elif cfg.dpo.precompute_ref_logps:
             # Where the trainer is, from the starting policy (before any resume restores: the loop restores later).
-            path = Path(cfg.run.run_dir) / REFERENCE_FILE
-            store = run.trainer.apply(reference_store, path, data.train + data.eval, cfg.train.batch_size, layout)
+            path, every = Path(cfg.run.run_dir) / REFERENCE_FILE, data.train + data.eval
+            # One pass over every pair: in a process group, each batch's pass within a call's timeout.
+            passes = -(-len(every) // cfg.train.batch_size)
+            timeout_s = cfg.placement.call_timeout_s * max(passes, 1)
+            digest = run.trainer.apply(reference_store, path, every, cfg.train.batch_size, layout, timeout_s=timeout_s)
+            store = TokenStore.load(path, digest)
+            if store is None:  # the trainer wrote it where this process does not see it
+                raise RuntimeError(f"{path}: not the reference store the trainer wrote; run.run_dir must be shared")
             prepare = lambda d, groups: attach_stored(store, d)
             notes.append(f"reference: precomputed ({REFERENCE_FILE}, {_reference_kind(cfg)})")
         else:  # attached beside the trainer (`attach`)

@@ -132,7 +132,8 @@ class SamplerSource:
         return stats
 
     def after_update(self, trainer: Any = None) -> tuple[float, int]:
-        """The weight sync after an update: (seconds, bytes sent to all samplers)."""
+        """The weight sync after an update: (seconds, bytes sent to all samplers). The weights come from the trainer
+        this source was built with (`push`: a restarted sampler is loaded the same way), whatever `trainer` is."""
         self.settle()  # not timed here: the wait for episodes still running is generation's
         start = time.perf_counter()
         stats = self._group().sync(self.push)
