@@ -324,4 +324,4 @@ def test_offline_and_online_distillation_train_the_students_adapters_and_project
     batch = next_loss_batch(run)
     update = learner.update(batch, cfg.train.micro_batches)
     assert update.applied and update.grad_norm > 0 and same(base, learner.rest)
-    run.parts.closers and [close() for close in run.parts.closers]
+    run.loop.trainer.close()

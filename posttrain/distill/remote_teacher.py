@@ -14,8 +14,8 @@ at T = 1). Only [B, C, k] ids and log-probs cross between the processes; the who
 
 An actor that dies, or a call that outlasts `distill.teacher_timeout_s`, raises `TeacherUnavailable`: the run stops
 with that message and the same command resumes it from its last checkpoint. One that cannot start (a bad teacher
-path, a vocabulary smaller than the student's) raises it at start with the actor's own error line. The run stops the
-actor when it ends (`core.run.MethodParts.closers`).
+path, a vocabulary smaller than the student's) raises it at start with the actor's own error line. Distillation's
+attach starts the actor and the trainer stops it when the run ends (`core.method.Served`).
 """
 
 from __future__ import annotations
