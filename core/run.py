@@ -46,8 +46,8 @@ class RunContext:
     records: Sequence[dict]  # the rows of data.source
     tokenizer_dir: str
     tokenizer: Any
-    # The trainer: in this process or a process group's (`core.trainer`); a method's work on the model (a stored
-    # reference's values) goes through `trainer.apply`.
+    # The trainer: in this process or a process group's (`core.trainer`); a method's work on the model (values
+    # stored before the first step) goes through `trainer.apply`.
     trainer: TrainerCalls
     row_multiple: int  # the trainer's data-parallel size: packed row counts are made a multiple of it
 
@@ -116,7 +116,8 @@ def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = 
         cfg = cfg.model_copy(update={"model": type(cfg.model).model_validate(facts.model)})  # the checkpoint's shape
         if cfg.checkpoint.init_from is not None:
             print(f"initialised from {cfg.checkpoint.init_from}")
-        check_vocab(cfg.model.vocab_size, tokenizer_dir)
+        if start_trainer is not None:  # a trainer here checked it before its method's frozen models loaded
+            check_vocab(cfg.model.vocab_size, tokenizer_dir)
         parts = method.parts(RunContext(cfg, records, tokenizer_dir, tokenizer, trainer, facts.batch_shards))
         if parts.skipped:
             print(f"skipped {len(parts.skipped)} malformed rows; first: {parts.skipped[0]}")
@@ -133,7 +134,7 @@ def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = 
             console=parts.console,
             started=started,
         )
-    except BaseException:  # what the trainer started (a teacher's actor, the checkpoint writer) goes with it
+    except BaseException:  # what the trainer started (what an attach serves from, the checkpoint writer) goes too
         if not trainer.lost:
             trainer.close()
         raise

@@ -10,8 +10,8 @@ process or one such object in each process of a JAX process group of Ray actors 
 the same calls, each sent to every process, process 0's answer). So there is one topology: the run (its batch
 source, loop, metrics and hooks) in the driver; the model only where the trainer is.
 
-`apply` is how a method works on the trained model from the run's side (a stored reference's log-probs before the
-first step, greedy generations at an evaluation): its function runs where the model is, on every process of a
+`apply` is how a method works on the trained model from the run's side (a frozen copy's values stored before the
+first step, generations at an evaluation): its function runs where the model is, on every process of a
 group (the same program in the same order), and what process 0 computed comes back. What it builds once and uses
 again (a sampler) it keeps in `kept`, by a name of its own.
 """
