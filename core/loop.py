@@ -1,15 +1,14 @@
 """The one training loop: steps, then hooks that own their cadence; the NaN policy, SIGTERM, resume and the end.
 
-    class MyRun(Loop):                   # a kind of run: where its batches come from and how a step trains
+    class MyRun(Loop):                   # where batches come from and how a step trains
         def train_step(self, step): ...
         def save(self, step): ...
     last = MyRun(...).fit()
 
-Every run is a `Loop`: the dataset methods' `TrainLoop` (batches from a dataset pipeline, one step of the method's
-`core.method_learner.MethodLearner` each) and the on-policy methods' `posttrain.onpolicy.run.OnPolicyRun` (batches
-from the samplers, the trainer's step, a weight sync). What a run kind says is where its batches come from
-(`train_step`), how it logs (`log`), evaluates (`evaluate`), checkpoints (`save`, `saved_step`) and exports
-(`export`); everything else is here, once:
+The run every method trains in, `core.train_loop.TrainLoop` (any `core.batch_source.BatchSource`: a dataset's or
+the samplers'), is this loop's one subclass: it says how a step trains (`train_step`), logs (`log`), evaluates
+(`evaluate`), checkpoints (`save`, `saved_step`) and exports (`export`). The skeleton is kept apart so that what a
+step is and what surrounds every step read separately; everything below is here, once:
 
 - hooks: log (`train.log_every`), eval (`train.eval_every`), checkpoint (`checkpoint.every_steps`), then the
   method's own (`Hook`), each after the step it is due on;
@@ -22,11 +21,9 @@ from the samplers, the trainer's step, a weight sync). What a run kind says is w
   the curves as PNGs, and a summary in `run_info.json`, with where the time went (`core.goodput`: goodput, the
   compilation steps waited for, start-up, time to the first step);
 - compilation: each step's wait for compilation in this process (`core.compile_cache.CompileClock`) and in the
-  run kind's other processes (`compile_elsewhere`: a trainer actor's), which the run kind logs (`step_compile`:
+  trainer's other processes (`compile_elsewhere`: a trainer actor's), which the run logs (`step_compile`:
   `time/compile`, `compile/compilations`, `compile/cache_hits`);
 - a profiler trace of `profiler.num_steps` steps from `profiler.start_step`.
-
-The dataset kind is `core.train_loop.TrainLoop`.
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ class Plot:
 
 
 class Loop:
-    """The loop every run kind shares (module docstring); a subclass says where batches come from."""
+    """The skeleton of the run (module docstring); its subclass says what a step is."""
 
     plots: Sequence[Plot] = ()
 
@@ -100,7 +97,7 @@ class Loop:
         self.start_step = start_step
         self.total_steps = cfg.train.steps
         checkpoints = cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0
-        # The built-in hooks call the run kind's own `log`, `evaluate` and `save`.
+        # The built-in hooks call the subclass's `log`, `evaluate` and `save`.
         self.hooks: list[Hook] = [
             Hook("log", cfg.train.log_every, lambda loop, step: loop.log(step)),
             Hook("eval", cfg.train.eval_every if evaluates else 0, lambda loop, step: loop.evaluate(step)),
@@ -112,7 +109,7 @@ class Loop:
         self.goodput = Goodput(started or RunStart.now())
         self._step_clock = self.clock.read()
 
-    # ---------------------------------------------------------------- the run kind's
+    # ---------------------------------------------------------------- the subclass's
 
     def train_step(self, step: int) -> None:
         """One step: its batch(es), the update(s), what follows an update (a weight sync). An update that was not
@@ -158,7 +155,7 @@ class Loop:
 
     def step_compile(self) -> CompileTally:
         """What the step in progress has compiled so far, in this process and elsewhere, and the time it waited for
-        it: what a run kind logs (`CompileTally.metrics`: `time/compile`, `compile/compilations`, ...)."""
+        it: what the run logs (`CompileTally.metrics`: `time/compile`, `compile/compilations`, ...)."""
         return self.clock.read() - self._step_clock + self.compile_elsewhere()
 
     # ------------------------------------------------------------------- the loop

@@ -141,6 +141,7 @@ class MetricsLogger:
         self.start_time = time.perf_counter()
         self.start_step = resume_step
         self.jsonl = None
+        self.jsonl_path: Path | None = None  # written after `close` too (an evaluation after the run), a line at a time
         if not is_primary():  # in a process group the first process writes the run's metrics
             cfg = cfg.model_copy(update={"jsonl": False, "tensorboard": False, "wandb": False})
         if cfg.jsonl:
@@ -148,7 +149,7 @@ class MetricsLogger:
             if path.exists():  # lines past the resume step, and a last line cut short by a kill, go
                 kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resume_step]
                 path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            self.jsonl = path.open("a")
+            self.jsonl, self.jsonl_path = path.open("a"), path
         self.tb = None
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
@@ -167,9 +168,13 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
         values = {k: float(v) for k, v in metrics.items()}
+        line = json.dumps({"step": step, "time": time.time(), **values}) + "\n"
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+            self.jsonl.write(line)
             self.jsonl.flush()
+        elif self.jsonl_path is not None:
+            with self.jsonl_path.open("a") as f:
+                f.write(line)
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
@@ -178,7 +183,8 @@ class MetricsLogger:
         if console:
             print(self.console_line(step, values), flush=True)
 
-    def console_line(self, step: int, values: dict[str, float]) -> str:
+    def console_line(self, step: int, values: dict[str, float], extra: str = "") -> str:
+        """`values` as one line, with `extra` (the method's own words) before the throughput."""
         elapsed = time.perf_counter() - self.start_time
         done = max(step - self.start_step, 1)
         eta = elapsed / done * (self.total_steps - step)
@@ -189,6 +195,8 @@ class MetricsLogger:
         for key, label in self.console.items():  # the method's own
             if key in values:
                 parts.append(f"{label} {values[key]:.3f}")
+        if extra:
+            parts.append(extra)
         if "tokens_per_s" in values:
             parts.append(f"{values['tokens_per_s']:,.0f} tok/s")
         if "mfu" in values:
@@ -199,10 +207,13 @@ class MetricsLogger:
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+            self.jsonl = None
         if self.tb:
             self.tb.close()
+            self.tb = None
         if self.wandb:
             self.wandb.finish()
+            self.wandb = None
 
 
 class CorruptMetrics(UserError, ValueError):

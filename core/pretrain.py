@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from core.batch import PackedBatch, pad_rows
+from core.batch_source import Evaluation
 from core.config import Config
 from core.data import DataBatch, Examples, RowFormat, TextRows, make_pipeline, to_data_batch, tokenize_examples
 from core.loop import Hook
@@ -24,7 +25,6 @@ from core.losses import nll_loss, perplexity
 from core.method import Method
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from core.train_loop import Evaluation
 
 
 def next_token_parts(

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from core.batch_source import DatasetSource, Prepare, as_is
+from core.batch_source import DatasetSource, Evaluation, Prepare, as_is
 from core.compile_cache import use_compile_cache
 from core.config import Config
 from core.config_loader import ConfigError
@@ -31,7 +32,7 @@ from core.data import DataBatch
 from core.goodput import RunStart
 from core.loop import Hook
 from core.method import Method
-from core.train_loop import Evaluation, TrainLoop
+from core.train_loop import TrainLoop
 from core.trainer import Trainer, TrainerCalls, initial_state
 
 # (the run's config) -> its trainer, started elsewhere (a process group's handle)
@@ -68,20 +69,82 @@ class MethodParts:
 
 
 @dataclass
-class Run:
-    cfg: Any  # with the model section the initial checkpoint decided
-    loop: TrainLoop
-    tokenizer_dir: str
-    parts: MethodParts
+class RunSummary:
+    """What a finished run reports: its directory, the steps taken, the policy version (updates applied), the last
+    held-out evaluation at a step (None: none ran) and the Hugging Face export."""
 
-    def fit(self) -> int:
-        """Train to `train.steps` (resuming from `run.run_dir`); the last step trained. Then stop what the method's
-        attach serves from (`core.method.Served`) and the trainer's checkpoint writer, however the loop ended."""
+    run_dir: Path
+    steps: int
+    policy_version: int
+    final_eval: dict | None
+    hf_dir: Path | None
+
+
+class Run:
+    """A built run, any method's: the loop (`core.train_loop.TrainLoop`) over its source and trainer, and what it
+    releases at its end (`release`: the samplers, reward workers and placement of an on-policy run; default: the
+    trainer, with what the method's attach serves from (`core.method.Served`) and its checkpoint writer)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        loop: TrainLoop,
+        tokenizer_dir: str,
+        parts: MethodParts | None = None,
+        release: Callable[[], None] | None = None,
+    ):
+        self.cfg = cfg  # with the model section the trainer's initial checkpoint decided
+        self.loop = loop
+        self.tokenizer_dir = tokenizer_dir
+        self.parts = parts
+        self._release = release
+        self._closed = False
+
+    @property
+    def trainer(self) -> TrainerCalls:
+        return self.loop.trainer
+
+    @property
+    def source(self) -> Any:
+        return self.loop.source
+
+    @property
+    def start_step(self) -> int:
+        return self.loop.start_step
+
+    def train(self, on_step: Callable[[Run, int, dict], None] | None = None) -> RunSummary:
+        """Train to `train.steps` (resuming from `run.run_dir`); releases nothing. `on_step(run, step, metrics)` is
+        called after every step (tests, notebooks)."""
+        hooks = self.loop.hooks
+        if on_step is not None:
+            hooks.append(Hook("on_step", 1, lambda loop, step: on_step(self, step, loop.last_metrics)))
         try:
-            return self.loop.fit()
+            step = self.loop.fit()
         finally:
-            if not self.loop.trainer.lost:  # a trainer group that is gone has nothing to stop
-                self.loop.trainer.close()
+            if on_step is not None:
+                hooks.pop()
+        return RunSummary(self.loop.run_dir, step, self.trainer.version(), self.loop.final_eval, self.loop.hf_dir)
+
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """The source's held-out evaluation now; with a `step`, logged at it (before the run: 0)."""
+        return self.loop.evaluate(step)
+
+    def close(self) -> None:
+        """Release what the run started, once, however it ended."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._release is not None:
+            self._release()
+        elif not self.trainer.lost:  # a trainer group that is gone has nothing to stop
+            self.trainer.close()
+
+    def fit(self, on_step: Callable[[Run, int, dict], None] | None = None) -> RunSummary:
+        """`train`, then `close`."""
+        try:
+            return self.train(on_step)
+        finally:
+            self.close()
 
 
 def check_rows(cfg: Config, method: str, formats: dict[str, str], otherwise: str = "") -> None:
@@ -124,16 +187,8 @@ def build_run(cfg: Config, method: Method, start_trainer: StartTrainer | None = 
         for note in parts.notes:
             print(note)
         print(trainer.device_memory() + f" (after model init: {method.name})")
-        loop = TrainLoop(
-            cfg,
-            trainer,
-            DatasetSource(parts.train, parts.prepare, cfg.train.micro_batches),
-            evaluation=parts.evaluation,
-            tokenizer_dir=tokenizer_dir,
-            hooks=parts.hooks,
-            console=parts.console,
-            started=started,
-        )
+        source = DatasetSource(parts.train, parts.prepare, cfg.train.micro_batches, parts.evaluation, parts.console)
+        loop = TrainLoop(cfg, trainer, source, tokenizer_dir=tokenizer_dir, hooks=parts.hooks, started=started)
     except BaseException:  # what the trainer started (what an attach serves from, the checkpoint writer) goes too
         if not trainer.lost:
             trainer.close()

@@ -3,31 +3,22 @@
     summary = fit(cfg, SFT)       # a dataset's batches: python -m recipes.sft CONFIG.yml
     summary = fit(cfg, GRPO)      # the samplers' batches: python -m recipes.grpo CONFIG.yml
 
-A method whose batches come from the samplers (`posttrain.onpolicy.method.SamplingMethod`: GRPO, online DPO,
-on-policy distillation) runs in the on-policy run (`posttrain.onpolicy.run.OnPolicyRun`: samplers, rewards, the
-trainer, weight sync), whose workers are released however it ends; any other trains on its dataset
-(`posttrain.offline`: in this process or as a JAX process group of Ray actors).
+Every method trains in the one run (`core.run.Run` over `core.train_loop.TrainLoop`); what differs is its batch
+source. A method whose batches come from the samplers (`posttrain.onpolicy.method.SamplingMethod`: GRPO, PPO, online
+DPO, on-policy distillation) reads `posttrain.onpolicy.source.SamplerSource` (built by
+`posttrain.onpolicy.run.build_sampler_run`: samplers, rewards, the trainer, weight sync); any other reads its dataset
+(`core.batch_source.DatasetSource`, built by `core.run.build_run`, its trainer in this process or a process group:
+`posttrain.offline`). The run's workers are released however it ends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from core.method import Method
+from core.run import RunSummary
 
-
-@dataclass
-class RunSummary:
-    """What a finished run reports: its directory, the steps taken, the policy version (steps trained), the last
-    held-out evaluation of an on-policy run and the Hugging Face export."""
-
-    run_dir: Path
-    steps: int
-    policy_version: int
-    final_eval: dict | None
-    hf_dir: Path | None
+__all__ = ["RunSummary", "fit"]
 
 
 def fit(cfg: Any, method: Method) -> RunSummary:
@@ -35,9 +26,9 @@ def fit(cfg: Any, method: Method) -> RunSummary:
     from posttrain.onpolicy.method import SamplingMethod
 
     if isinstance(method, SamplingMethod):
-        from posttrain.onpolicy.run import OnPolicyRun, run_to_end
+        from posttrain.onpolicy.run import build_sampler_run
 
-        return run_to_end(OnPolicyRun(cfg, method))
+        return build_sampler_run(cfg, method).fit()
     from posttrain.offline import fit_offline
 
     return fit_offline(cfg, method)

@@ -8,7 +8,7 @@ weight every token of their completion; DAPO's dynamic sampling (`rl.batch.dynam
 without reward variance and refills the batch. The batch is the policy-gradient `RLBatch` and the update the
 clipped objective of `posttrain.onpolicy.policy_gradient.PolicyGradient` (GRPO's per-token ratio or GSPO's
 sequence ratio, `rl.algorithm`), run by the trainer; the sampling, rewards, weight sync, evaluation and
-checkpoints are the on-policy run's (`posttrain.onpolicy.run.OnPolicyRun`). A group a reward function failed on
+checkpoints are the on-policy run's (`posttrain.onpolicy.run.build_sampler_run`). A group a reward function failed on
 trains not at all (`reward/failed_groups`); a group whose rewards are all equal carries no policy signal
 (`zero_variance_groups`).
 """

@@ -27,17 +27,14 @@ from pathlib import Path
 from core.config import Config
 from core.config_loader import ConfigError
 from core.method import Method
-from core.run import build_run
-from posttrain.fit import RunSummary
+from core.run import RunSummary, build_run
 
 
 def fit_offline(cfg: Config, method: Method) -> RunSummary:
     """Train `method` to `train.steps` (resuming from `run.run_dir`), its trainer here or in a process group."""
     run_dir = Path(cfg.run.run_dir)
-    hf_dir = run_dir / "hf" if cfg.checkpoint.export_hf else None
     if cfg.placement.trainer_processes == 1:
-        steps = build_run(cfg, method).fit()  # skipped non-finite ones included
-        return RunSummary(run_dir, steps, steps, None, hf_dir)
+        return build_run(cfg, method).fit()
     from ray.util.placement_group import remove_placement_group
 
     from posttrain.process_group import start_group
@@ -63,8 +60,7 @@ def fit_offline(cfg: Config, method: Method) -> RunSummary:
         return handle
 
     try:
-        steps = build_run(cfg, method, start_trainer=start).fit()
-        return RunSummary(run_dir, steps, steps, None, hf_dir)
+        return build_run(cfg, method, start_trainer=start).fit()
     finally:
         if handle is not None:
             handle.kill()

@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
     from posttrain.dpo.online import ONLINE_DPO
     from posttrain.grpo import GRPO
     from posttrain.onpolicy.method import SamplingMethod
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
     from posttrain.ppo import PPO
 
     stage = out / args.method
@@ -242,12 +242,12 @@ def main(argv: list[str]) -> int:
     cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
     methods: dict[str, SamplingMethod] = {"grpo": GRPO, "dpo": ONLINE_DPO, "ppo": PPO}
-    run = OnPolicyRun(cfg, methods[args.method])
+    run = build_sampler_run(cfg, methods[args.method])
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))
         before = json.loads(before_file.read_text()) if before_file.exists() else None
-        summary = run.run()
+        summary = run.train()
         after = summary.final_eval or run.evaluate()
     finally:
         run.close()

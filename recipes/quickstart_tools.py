@@ -180,7 +180,7 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     stage = out / name
     overrides = [
@@ -195,12 +195,12 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
         overrides.append("rl.agent=null")
     cfg = load_config(CONFIGS / "tools_grpo.yml", overrides, schema=PostTrainConfig)
     before_file = stage / "before.json"
-    run = OnPolicyRun(cfg, GRPO)
+    run = build_sampler_run(cfg, GRPO)
     try:
         if run.start_step == 0:
             before_file.write_text(json.dumps(run.evaluate(step=0)))
         before = json.loads(before_file.read_text())
-        summary = run.run()
+        summary = run.train()
         every = cfg.train.eval_every
         after = summary.final_eval  # the loop's last evaluation: at the last step only when it falls on one
         if after is None or not every or summary.steps % every:

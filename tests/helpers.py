@@ -82,7 +82,7 @@ def next_loss_batch(run):
     """The next batch of a built dataset run (`core.run.build_run`) as the method's loss reads it: the source's
     item, prepared, with what the method attaches (a live reference's log-probs)."""
     loop = run.loop
-    return loop.trainer.learner.attach(loop.source.next())[0]
+    return loop.trainer.learner.attach(loop.source.next().batch)[0]
 
 
 def with_router_stats(fn, model):

@@ -258,7 +258,7 @@ def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_p
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import ON_POLICY_DISTILL
     from posttrain.dpo.online import ONLINE_DPO
-    from posttrain.onpolicy.run import OnPolicyRun, run_to_end
+    from posttrain.onpolicy.run import build_sampler_run
     from tests.chat_families import FAMILIES, chat_tokenizer
 
     base = {**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"}
@@ -280,13 +280,13 @@ def test_online_dpo_and_on_policy_distillation_train_on_whole_trajectories(tmp_p
     if method == "online_dpo":
         agent = f"rl.agent={{environment: '{__file__}:Scorer', max_turns: 3}}"
         cfg = load_config("recipes/configs/dpo_online_tiny.yml", [*common, agent], schema=PostTrainConfig)
-        run_to_end(OnPolicyRun(cfg, ONLINE_DPO))
+        build_sampler_run(cfg, ONLINE_DPO).fit()
     else:
         teacher = stopping_model(tmp_path / "teacher", tok, "llama", stop="<|im_end|>")
         agent = f"rl.agent={{environment: '{__file__}:Chatter', max_turns: 3}}"
         on_policy = ["distill.regime=on_policy", f"distill.teacher={teacher}", "rl.batch.num_generations=2"]
         cfg = load_config("recipes/configs/grpo_tiny.yml", [*common, *on_policy, agent], schema=PostTrainConfig)
-        run_to_end(OnPolicyRun(cfg, ON_POLICY_DISTILL))
+        build_sampler_run(cfg, ON_POLICY_DISTILL).fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "agent/turns" in r]
     assert len(rows) == 2 and max(r["agent/turns"] for r in rows) > 1.5, rows
     assert min(r["agent/env_tokens"] for r in rows) > 0 and all(r["agent/failed"] == 0 for r in rows)
@@ -304,7 +304,7 @@ def test_a_bad_agent_config_is_refused_before_anything_starts(tmp_path, tmp_path
     from core.config_loader import ConfigError, load_config
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
     from tests.test_chat import make_tokenizer
 
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
@@ -317,7 +317,7 @@ def test_a_bad_agent_config_is_refused_before_anything_starts(tmp_path, tmp_path
     for override, message in cases.items():
         cfg = load_config("recipes/configs/grpo_tiny.yml", [*base, override], schema=PostTrainConfig)
         with pytest.raises(ConfigError, match=message):
-            OnPolicyRun(cfg, GRPO)
+            build_sampler_run(cfg, GRPO)
     gemma = make_tokenizer(tmp_path_factory, "gemma")
     cfg = load_config(
         "recipes/configs/grpo_tiny.yml",
@@ -330,4 +330,4 @@ def test_a_bad_agent_config_is_refused_before_anything_starts(tmp_path, tmp_path
         schema=PostTrainConfig,
     )
     with pytest.raises(ConfigError, match="cannot continue with a tool reply"):
-        OnPolicyRun(cfg, GRPO)
+        build_sampler_run(cfg, GRPO)

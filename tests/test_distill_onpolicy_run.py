@@ -45,7 +45,7 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import ON_POLICY_DISTILL
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
     from rollout.ray import ensure_ray
 
     ensure_ray(num_cpus=2)
@@ -62,9 +62,9 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
             ),
             schema=PostTrainConfig,
         )
-        run = OnPolicyRun(cfg, ON_POLICY_DISTILL)
+        run = build_sampler_run(cfg, ON_POLICY_DISTILL)
         try:
-            summary = run.run()
+            summary = run.train()
         finally:
             run.close()
     finally:
@@ -129,14 +129,14 @@ def _gkd_probe(run):
     from posttrain.onpolicy.step import Scored
     from rollout.sampler import Completion, encode_prompts
 
-    rows = run.eval_rows[:8]
+    rows = run.source.eval_rows[:8]
     tokenizer = load_tokenizer(run.tokenizer_dir)
     prompts = encode_prompts(tokenizer, [render_prompt(r, run.cfg.rl) for r in rows])
     fake = Scored(rows, [Completion(list(p), [], [], "stop", "") for p in prompts], None, None)
     completions = dataset_completions(run.cfg, fake, tokenizer)
     n = len(completions)
     packed = build_rl_batch(
-        completions, np.zeros(n), np.ones(n, bool), row_len=run.row_len, max_tokens=run.cfg.rollout.max_tokens
+        completions, np.zeros(n), np.ones(n, bool), row_len=run.source.row_len, max_tokens=run.cfg.rollout.max_tokens
     ).packed
     rows_n = packed.tokens.shape[0]
     return DistillBatch(packed, np.zeros(rows_n, np.float32), np.ones(rows_n, np.float32))
@@ -150,7 +150,7 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
     from core.config_loader import ConfigError, load_config
     from posttrain.config import PostTrainConfig
     from posttrain.distill.onpolicy import ON_POLICY_DISTILL, check_config
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     overrides = onpolicy_overrides(
         tmp_path / "run",
@@ -166,14 +166,14 @@ def test_gkd_mixes_sampled_and_dataset_steps_and_refuses_a_bad_template(tmp_path
         "checkpoint.export_hf=false",
     )
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
-    run = OnPolicyRun(cfg, ON_POLICY_DISTILL)
+    run = build_sampler_run(cfg, ON_POLICY_DISTILL)
     try:
         # One fixed probe, measured before and after: the forward KL to the teacher on the dataset's completions of
         # the held-out prompts (the steps' own KLs mix sampled and dataset batches, which differ in kind).
         probe = _gkd_probe(run)
         learner = run.trainer.local().learner.learner
         before = learner.evaluate(probe)
-        run.run()
+        run.train()
         after = learner.evaluate(probe)
     finally:
         run.close()

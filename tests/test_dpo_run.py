@@ -155,7 +155,7 @@ def test_dpo_recipe_learns_to_prefer_the_right_answer(tmp_path, arithmetic_token
     )
     run = build_run(cfg, DPO)
     assert any(note.startswith(f"reference: {reference}") for note in run.parts.notes), run.parts.notes
-    run.loop.logger.log(0, run.loop.held_out())  # the evaluation at step 0
+    run.evaluate(step=0)  # the evaluation at step 0
     run.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss" in r]
@@ -216,14 +216,14 @@ def test_a_changed_checkpoint_behind_the_same_path_recomputes_the_stored_referen
 
     checkpoint(seed=0)
     first = build()
-    stored = first.loop.source.next()
+    stored = first.loop.source.next().batch
     assert (tmp_path / "run" / "reference_logps.npz").exists()
     capsys.readouterr()
     again = build()
     assert "reference_logps.npz: read 64 sequences' values" in capsys.readouterr().out  # not recomputed
-    assert again.loop.source.next().ref_chosen.tolist() == stored.ref_chosen.tolist()
+    assert again.loop.source.next().batch.ref_chosen.tolist() == stored.ref_chosen.tolist()
     checkpoint(seed=1)  # other weights, the same path
     changed = build()
     assert "computed for other data or other weights; recomputing" in capsys.readouterr().out
-    recomputed = changed.loop.source.next()
+    recomputed = changed.loop.source.next().batch
     assert not np.allclose(recomputed.ref_chosen, stored.ref_chosen)

@@ -24,12 +24,12 @@ def _jax_config(tmp_path, tokenizer, *overrides):
 def _jax_run(tmp_path, tokenizer, *overrides, method=None):
     """A two-step run without checkpoints (`method`: a GRPO that records what it builds)."""
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     cfg = _jax_config(
         tmp_path, tokenizer, "checkpoint.enabled=false", "checkpoint.export_hf=false", "train.steps=2", *overrides
     )
-    return OnPolicyRun(cfg, method or GRPO)
+    return build_sampler_run(cfg, method or GRPO)
 
 
 @pytest.mark.integration
@@ -44,7 +44,7 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
     )
     try:
         seen = []
-        run.run(on_step=lambda r, step, m: seen.append(m))
+        run.train(on_step=lambda r, step, m: seen.append(m))
         assert int(run.trainer.local().learner.learner.state.step) == 2 * 2 * 2  # steps x iterations x mini-batches
         # Later updates of a step see a policy that already moved: pi_theta != pi_old, so ratios leave 1.
         assert any(m["clip_fraction"] > 0 for m in seen)
@@ -63,7 +63,7 @@ def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tok
     )
     try:
         seen = []
-        run.run(on_step=lambda r, step, m: seen.append(m))
+        run.train(on_step=lambda r, step, m: seen.append(m))
         # No group ever has reward variance: every step draws the maximum rounds, then trains on what it has.
         assert [m["sampling_rounds"] for m in seen] == [3.0, 3.0]
         assert all(m["zero_variance_groups"] == 4 for m in seen)
@@ -96,7 +96,7 @@ def test_failed_reward_items_drop_their_group_from_the_trainers_batch(tmp_path, 
     cfg = run.cfg
     try:
         seen = []
-        run.run(on_step=lambda r, step, m: seen.append(m))
+        run.train(on_step=lambda r, step, m: seen.append(m))
     finally:
         run.close()
     assert (tmp_path / "run" / "config.yaml").is_file()  # the resolved config, as pretraining writes it
@@ -118,7 +118,7 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
 
     from core.learner import NonFiniteLoss
     from posttrain.grpo import GRPOMethod
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     class NaNAtStep2(GRPOMethod):
         calls = 0
@@ -147,13 +147,13 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
         params[step] = jax.tree.map(np.asarray, run.trainer.local().learner.learner.params)
         seen[step] = metrics
 
-    run = OnPolicyRun(cfg, NaNAtStep2())
+    run = build_sampler_run(cfg, NaNAtStep2())
     try:
         if policy == "skip":
-            run.run(on_step=record)
+            run.train(on_step=record)
         else:
             with pytest.raises(NonFiniteLoss) as err:
-                run.run(on_step=record)
+                run.train(on_step=record)
     finally:
         run.close()
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -169,13 +169,13 @@ def test_a_non_finite_loss_follows_nan_policy(policy, tmp_path, arithmetic_token
     # run's step 3, not the policy version's next, 2, which lags after the aborted update).
     NaNAtStep2.calls = 1
     skip = cfg.model_copy(update={"train": cfg.train.model_copy(update={"nan_policy": "skip"})})
-    again = OnPolicyRun(skip, NaNAtStep2())
+    again = build_sampler_run(skip, NaNAtStep2())
     try:
         assert again.start_step == 2
         resumed = jax.tree.map(np.asarray, again.trainer.local().learner.learner.params)
         assert same(resumed, params[1])  # the NaN update was never applied
         capsys.readouterr()
-        again.run()
+        again.train()
     finally:
         again.close()
     out = capsys.readouterr().out

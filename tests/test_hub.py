@@ -158,7 +158,7 @@ def test_dpo_from_a_hub_model_on_a_hub_dataset(hub):
     )
     run = build_run(cfg, DPO)
     assert run.cfg.model.family == "qwen2"  # the checkpoint's shape, not the config's
-    assert run.fit() == 1
+    assert run.fit().steps == 1
     rows = [json.loads(line) for line in (hub.parent / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and np.isfinite(rows[-1]["loss"])
     assert (hub.parent / "run" / "hf" / "config.json").exists()
@@ -170,7 +170,7 @@ def test_grpo_from_a_hub_model_takes_its_tokenizer(hub):
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     prompts = hub.parent / "prompts.jsonl"
     prompts.write_text(
@@ -191,9 +191,9 @@ def test_grpo_from_a_hub_model_takes_its_tokenizer(hub):
         ],
         schema=PostTrainConfig,
     )
-    run = OnPolicyRun(cfg, GRPO)
+    run = build_sampler_run(cfg, GRPO)
     try:
         assert run.tokenizer_dir == str(hub / "models--temper-tests--tiny-qwen2" / "snapshots" / COMMIT)
-        assert run.run().policy_version == 1
+        assert run.train().policy_version == 1
     finally:
         run.close()

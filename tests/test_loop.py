@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.batch_source import DatasetSource
+from core.batch_source import DatasetSource, Evaluation
 from core.config_loader import load_config
 from core.data import DataBatch
 from core.loop import NonFiniteLoss
@@ -19,7 +19,7 @@ from core.mesh import make_mesh
 from core.method import Method
 from core.models import create_model
 from core.train import LossOutput
-from core.train_loop import Evaluation, TrainLoop
+from core.train_loop import TrainLoop
 from core.trainer import Trainer
 from tests.helpers import pipeline
 
@@ -67,8 +67,7 @@ def trainer(cfg, tokenizer, loss_fn=nll_loss, on_batch=None, poison=False):
     return TrainLoop(
         cfg,
         Trainer(cfg, method, model, mesh, cfg.run.run_dir),
-        DatasetSource(data),
-        evaluation=held,
+        DatasetSource(data, evaluation=held),
         tokenizer_dir=tokenizer,
         on_batch=on_batch,
     )
@@ -100,11 +99,13 @@ def poisoned_loss(model, batch, rng):
     return LossOutput(out.total * jnp.where((batch.tokens == POISON).any(), jnp.nan, 1.0), out.denominator)
 
 
-def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer):
+def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer, capsys):
     cfg = config(tmp_path)
     trainer(cfg, arithmetic_tokenizer).fit()
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # every step's metrics are kept
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    assert [l.split(" | ")[0] for l in lines] == ["step 2/8", "step 4/8", "step 6/8", "step 8/8"]  # train.log_every
     assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8]
     assert all(r["eval/perplexity"] == pytest.approx(np.exp(r["eval/loss"])) for r in rows if "eval/loss" in r)
     assert all(k in rows[0] for k in ("grad_norm", "learning_rate", "tokens_per_s", "tflops_per_s", "mfu"))
@@ -150,7 +151,7 @@ def test_nan_skip_continues(tmp_path, arithmetic_tokenizer, capsys):
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # a list of (step, skipped) as logged: a step logged twice, or one missing, is seen
     skipped = [(r["step"], r["skipped_steps"]) for r in rows if "skipped_steps" in r]
-    assert skipped == [(2, 0.0), (4, 1.0), (6, 0.0), (8, 0.0)]  # the window (3, 4] held the poisoned step
+    assert skipped == [(s, float(s == 3)) for s in range(1, 9)]  # step 3 held the poisoned batch
     assert "step 3: loss nan, grad norm nan is not finite; the update was not applied" in capsys.readouterr().out
 
 
@@ -177,7 +178,7 @@ def test_a_position_checkpoints_the_data_as_the_iterator_does(tmp_path, arithmet
 
     cfg = config(tmp_path, "data.shuffle=true")
     t = trainer(cfg, arithmetic_tokenizer)
-    data = t.source.state
+    data = t.source.position
     for _ in range(3):
         next(data)
     t.trainer.save(3, {}, Position.of(data))
@@ -186,9 +187,9 @@ def test_a_position_checkpoints_the_data_as_the_iterator_does(tmp_path, arithmet
 
     fresh = trainer(config(tmp_path, "data.shuffle=true"), arithmetic_tokenizer)  # restores checkpoint 3
     assert fresh.start_step == 3
-    np.testing.assert_array_equal(fresh.source.next_item().example_ids, expected)
+    np.testing.assert_array_equal(fresh.source.next().item.example_ids, expected)
     assert not np.array_equal(
-        trainer(config(tmp_path / "new", "data.shuffle=true"), arithmetic_tokenizer).source.next_item().example_ids,
+        trainer(config(tmp_path / "new", "data.shuffle=true"), arithmetic_tokenizer).source.next().item.example_ids,
         expected,
     )
 

@@ -63,7 +63,8 @@ def test_sft_trains_adapters_learns_and_exports_them(tmp_path, arithmetic_tokeni
     from core.metrics import read_metrics
 
     losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
-    assert len(losses) == 3 and losses[-1] < losses[0] - 0.2, losses
+    first, last = np.mean(losses[:4]), np.mean(losses[-4:])
+    assert len(losses) == 12 and last < first - 0.2, losses  # every step logged
     assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "adapter" / "adapter_config.json").exists()
 
 

@@ -115,7 +115,7 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, ar
     worst samples raise the reward over 8 steps; the weights reach the sampler after every update. (Resuming is
     the on-policy run's, tested with GRPO and on-policy distillation.)"""
     from posttrain.dpo.online import ONLINE_DPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
 
     cfg = load_config(
         TINY,
@@ -135,10 +135,10 @@ def test_online_dpo_on_ray_with_vllm_learns_the_reward(ray_cluster, tmp_path, ar
         ],
         schema=PostTrainConfig,
     )
-    run = OnPolicyRun(cfg, ONLINE_DPO)
+    run = build_sampler_run(cfg, ONLINE_DPO)
     try:
-        summary = run.run()
-        assert run.samplers.samplers[0].policy_version == run.trainer.version() == summary.steps == 8
+        summary = run.train()
+        assert run.source.samplers.samplers[0].policy_version == run.trainer.version() == summary.steps == 8
     finally:
         run.close()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -162,7 +162,7 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
     """A reward that never varies gives no pair: the step logs its ties, trains nothing and syncs nothing; the
     policy version stays 0 (JAX sampler, one process)."""
     from posttrain.dpo.online import ONLINE_DPO
-    from posttrain.onpolicy.run import OnPolicyRun, run_to_end
+    from posttrain.onpolicy.run import build_sampler_run
 
     cfg = load_config(
         TINY,
@@ -178,8 +178,8 @@ def test_a_step_whose_prompts_all_tie_makes_no_update(tmp_path, arithmetic_token
         ],
         schema=PostTrainConfig,
     )
-    run = OnPolicyRun(cfg, ONLINE_DPO)
-    summary = run_to_end(run)
+    run = build_sampler_run(cfg, ONLINE_DPO)
+    summary = run.fit()
     assert summary.policy_version == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["pairs"], r["pairs/ties"], r["time/sync_s"]) for r in rows] == [(0.0, 4.0, 0.0)] * 2

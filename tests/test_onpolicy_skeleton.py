@@ -17,7 +17,7 @@ from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.method import SampleContext
 from posttrain.onpolicy.policy_gradient import PolicyGradient
 from posttrain.onpolicy.rl_batch import build_rl_batch
-from posttrain.onpolicy.run import OnPolicyRun
+from posttrain.onpolicy.run import build_sampler_run
 from posttrain.onpolicy.step import Scored, StepData
 
 
@@ -70,15 +70,15 @@ def test_a_method_without_rewards_with_one_sample_and_per_token_advantages(tmp_p
     PerToken.terminate_at = 2
     summaries = []
     for _ in range(2):  # stopped at step 2, then the same command again
-        run = OnPolicyRun(cfg, PerToken())
+        run = build_sampler_run(cfg, PerToken())
         try:
-            summaries.append(run.run())
+            summaries.append(run.train())
         finally:
             run.close()
     out = capsys.readouterr().out
     assert "SIGTERM: checkpoint saved at step 2; exiting" in out and "resumed from" in out
     assert [(s.steps, s.policy_version) for s in summaries] == [(2, 2), (3, 3)]  # each step trained and synced
-    assert summaries[1].final_eval == {}  # no accuracy function: nothing to evaluate with
+    assert summaries[1].final_eval is None  # no accuracy function: nothing to evaluate with, no evaluation ran
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "3"]
     assert len(PerToken.batches) == 3
     completions, batch = PerToken.batches[0]

@@ -35,7 +35,7 @@ def test_ppo_on_ray_with_vllm_and_a_trainer_group_learns_the_reward(tmp_path, ar
     import ray
     from transformers import AutoModelForTokenClassification
 
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
     from posttrain.ppo import PPO
     from rollout.ray import ensure_ray
 
@@ -57,11 +57,11 @@ def test_ppo_on_ray_with_vllm_and_a_trainer_group_learns_the_reward(tmp_path, ar
             ],
             schema=PostTrainConfig,
         )
-        run = OnPolicyRun(cfg, PPO)
+        run = build_sampler_run(cfg, PPO)
         try:
             assert len(run.trainer.processes) == 2
-            summary = run.run()
-            assert run.samplers.samplers[0].policy_version == run.trainer.version() == summary.steps == 8
+            summary = run.train()
+            assert run.source.samplers.samplers[0].policy_version == run.trainer.version() == summary.steps == 8
         finally:
             run.close()
     finally:

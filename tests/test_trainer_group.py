@@ -78,7 +78,7 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
     from ray.cluster_utils import Cluster
 
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import OnPolicyRun
+    from posttrain.onpolicy.run import build_sampler_run
     from posttrain.trainer import TrainerUnavailable
     from rollout.ray import quiet_fork_exec
 
@@ -108,17 +108,17 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
             cluster.remove_node(leaving)
         if step == 3:
             killed["pid"] = run.trainer.processes[1].pid
-            killed["samplers"] = (run.samplers.dropped, len(run.samplers.samplers))
+            killed["samplers"] = (run.source.samplers.dropped, len(run.source.samplers.samplers))
             os.kill(killed["pid"], signal.SIGKILL)
 
-    run = OnPolicyRun(cfg, GRPO)
+    run = build_sampler_run(cfg, GRPO)
     try:
-        assert bundle_nodes(run.placement.trainer) == [node_a, node_a]  # PACK: the group on one node
-        assert sorted(bundle_nodes(run.placement.samplers)) == sorted([node_b, node_c])  # SPREAD: one a node
+        assert bundle_nodes(run.source.placement.trainer) == [node_a, node_a]  # PACK: the group on one node
+        assert sorted(bundle_nodes(run.source.placement.samplers)) == sorted([node_b, node_c])  # SPREAD: one a node
         assert [p.node_id for p in run.trainer.processes] == [node_a, node_a]
         assert len({p.pid for p in run.trainer.processes}) == 2
         with pytest.raises(TrainerUnavailable) as failure:
-            run.run(on_step=lose_a_node_then_kill_process_1)
+            run.train(on_step=lose_a_node_then_kill_process_1)
     finally:
         run.close()
     assert killed["samplers"] == (1, 1)  # C's sampler dropped, B's went on alone
@@ -135,19 +135,19 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
 
     def kill_a_sampler(run, step, metrics):
         if step == 5:
-            killed["sampler"] = run.samplers.samplers[0].handle
+            killed["sampler"] = run.source.samplers.samplers[0].handle
             ray.kill(killed["sampler"])
 
-    run = OnPolicyRun(cfg, GRPO)
+    run = build_sampler_run(cfg, GRPO)
     try:
         assert run.start_step == 2
-        summary = run.run(on_step=kill_a_sampler)
-        assert run.samplers.samplers[0].handle != killed["sampler"]
-        assert [s.policy_version for s in run.samplers.samplers] == [8, 8]
+        summary = run.train(on_step=kill_a_sampler)
+        assert run.source.samplers.samplers[0].handle != killed["sampler"]
+        assert [s.policy_version for s in run.source.samplers.samplers] == [8, 8]
     finally:
         run.close()
     # the updates were applied: the export after step 8 is not the policy the resumed run started from (step 2's)
-    start, end = hf_weights(run.init_hf), hf_weights(summary.hf_dir)
+    start, end = hf_weights(run.source.init_hf), hf_weights(summary.hf_dir)
     assert start.keys() == end.keys() and any(not np.array_equal(start[k], end[k]) for k in start)
     after, evals = metric_rows(cfg.run.run_dir)
     assert [m["step"] for m in after] == list(range(1, 9))  # each step once, in order

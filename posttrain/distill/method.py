@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from core.batch_source import Evaluation
 from core.config_loader import ConfigError
 from core.data import DataBatch, tokenize_examples
 from core.learner import Learner
@@ -43,7 +44,6 @@ from core.models.lora import trainable_filter
 from core.pretrain import next_token_parts
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from core.train_loop import Evaluation
 from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
 from posttrain.distill.features import FeatureProjections, feature_projections

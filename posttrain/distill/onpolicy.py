@@ -1,6 +1,6 @@
 """On-policy distillation: the student samples, the teacher scores every sampled token, the student learns from
 the per-token reverse KL with the policy-gradient update (a method of the on-policy run,
-`posttrain.onpolicy.run.OnPolicyRun`).
+`posttrain.onpolicy.run.build_sampler_run`).
 
     summary = fit(cfg, ON_POLICY_DISTILL)   # python -m recipes.distill CONFIG.yml distill.regime=on_policy
 

@@ -27,14 +27,13 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from core.batch_source import Prepare, as_is
+from core.batch_source import Evaluation, Prepare, as_is
 from core.data import DataBatch
 from core.learner import Learner
 from core.method import Attach, Method, unchanged
 from core.models.adapters import adapters_off
 from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
-from core.train_loop import Evaluation
 from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
 from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline

@@ -2,7 +2,7 @@
 
     summary = fit(cfg, ONLINE_DPO)      # python -m recipes.dpo CONFIG.yml dpo.online=true
 
-A method of the on-policy run (`posttrain.onpolicy.run.OnPolicyRun`: vLLM samplers on Ray or the JAX sampler,
+A method of the on-policy run (`posttrain.onpolicy.run.build_sampler_run`: vLLM samplers on Ray or the JAX sampler,
 reward functions, weight sync after every update, evaluation, checkpoints and exact resume): the samplers draw
 `rl.batch.num_generations` (k >= 2) completions for each of `rl.batch.prompts_per_step` prompts, the reward
 functions score them, and each prompt gives one pair: its best completion as chosen, its worst as rejected (the

@@ -1,6 +1,6 @@
 """What the on-policy run checks: the config before a Ray cluster or an engine starts, and each step's staleness.
 
-Each method adds its own (`OnPolicyRun.check`); what several methods share is here once (`check_graded_groups`).
+Each method adds its own (`SamplingMethod.check`); what several methods share is here once (`check_graded_groups`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         def from_samples(self, cfg, scored, ctx): ...  # scored completions -> StepData (the trainer's batch)
     summary = fit(cfg, GRPO)                            # posttrain.fit: the on-policy run, with either sampler
 
-The on-policy run (`posttrain.onpolicy.run.OnPolicyRun`) samples, scores and syncs weights for every such method;
+The on-policy run (`posttrain.onpolicy.run.build_sampler_run`) samples, scores and syncs weights for every such method;
 the method says how long a packed trainer row is (`row_length`), what it makes of a step's scored completions
 (`from_samples`: its batch, any `core.batch.TrainBatch`, and its metrics; `SampleContext.more` draws and scores
 another request, for DAPO's refill) and which curves the run draws (`plots`). What trains and how (the loss,

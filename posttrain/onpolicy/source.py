@@ -1,15 +1,17 @@
 """Where an on-policy run's batches come from: prompts -> rollouts -> rewards -> the method's batch; after each
 update, the trainer's weights to the samplers.
 
-    source = SamplerSource(cfg, method, trainer, rewards, agent, stream, tokenizer, turn_stops, row_len, row_multiple)
+    source = SamplerSource(cfg, method, trainer, rewards, agent, stream, tokenizer, turn_stops, row_len, row_multiple,
+                           eval_rows)
     source.start(placement, run_dir / "rollout_init_hf", tokenizer_dir)  # the samplers, sent the trainer's weights
-    sampled = source.next()                  # the next step's: the method's StepData (its batch), the time it took
-    seconds, sent = source.after_update(trainer)  # the weight sync
-    meta = source.state                      # the step, the prompt stream, the request counter, what is in flight
+    drawn = source.next()                    # the next step's batch (the method's StepData), its metrics
+    metrics = source.after_update(trainer)   # the weight sync (when the step trained), its time and bytes
+    meta, _ = source.checkpoint()            # the step, the prompt stream, the request counter, what is in flight
+    held_out = source.evaluate(trainer)      # greedy pass@1, pass@k and maj@k on the held-out prompts
 
 The samplers' kind of `core.batch_source.BatchSource`, as `core.batch_source.DatasetSource` is the dataset's: a
-batch per step, told of every update, with a position a checkpoint keeps (`state`, restored by `restore`) from which
-a resumed run draws exactly what an uninterrupted one would. Sync (`rl.off_policy_steps = 0`) samples on the
+batch per step, told of every update, with a position a checkpoint keeps (`checkpoint`, restored by `restore`) from
+which a resumed run draws exactly what an uninterrupted one would. Sync (`rl.off_policy_steps = 0`) samples on the
 current policy; async (`d > 0`) keeps d requests in flight, each at most d policy versions old (checked on every
 batch). A request is a `step.InFlight`: single-turn completions from the sampler group, or whole episodes
 (`rl.agent`), in the background while the trainer trains when async.
@@ -26,23 +28,25 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.batch_source import Drawn
+from core.loop import Plot
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_staleness
+from posttrain.onpolicy.evaluation import held_out_metrics
 from posttrain.onpolicy.method import SampleContext, SamplingMethod
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, render_prompt
 from posttrain.onpolicy.step import (
     InFlight,
     Scored,
-    StepData,
     restored_position,
     sampling_params,
     saved_position,
     score,
+    scored_metrics,
 )
 from posttrain.onpolicy.workers import episode_turns, start_samplers
 from posttrain.trainer import TrainerHandle
@@ -55,16 +59,15 @@ from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_
 from rollout.turns import Turns
 from rollout.weight_sync import SyncStats
 
-
-@dataclass
-class Sampled:
-    """One step's batch from the samplers: what the method made of its scored completions, the seconds spent
-    generating (or waiting for what was in flight) and scoring, and the completions' staleness."""
-
-    data: StepData
-    generate_s: float
-    reward_s: float
-    staleness: int
+# What the console line shows of a step's metrics (the method's own words follow them).
+CONSOLE = {
+    "reward/mean": "reward",
+    "accuracy": "acc",
+    "reward/failed_groups": "failed groups",
+    "completion_length/mean": "len",
+    "time/generate_s": "gen s",
+    "time/sync_s": "sync s",
+}
 
 
 class SamplerSource:
@@ -82,11 +85,17 @@ class SamplerSource:
         turn_stops: Sequence[int],
         row_len: int,
         row_multiple: int,
+        eval_rows: Sequence[dict] = (),
     ):
+        """`eval_rows`: the held-out prompts `evaluate` reads (the first `rl.eval_prompts`)."""
         self.cfg, self.method, self.trainer = cfg, method, trainer
         self.rewards, self.agent, self.stream = rewards, agent, stream
         self.tokenizer, self.turn_stops = tokenizer, tuple(turn_stops)
         self.row_len, self.row_multiple = row_len, row_multiple
+        self.eval_rows = list(eval_rows)
+        self.console = dict(CONSOLE)
+        self.plots: Sequence[Plot] = method.plots(cfg)
+        self.evaluates = bool(eval_rows) and cfg.rl.accuracy_fn is not None and cfg.rl.eval_prompts > 0
         self.lock = threading.Lock()  # the trainer's calls, one at a time (module docstring)
         self.step = 0  # the step of the latest batch
         self.requests = 0  # generation requests so far (seeds the sampler)
@@ -94,15 +103,21 @@ class SamplerSource:
         self.samplers: SamplerGroup | None = None
         self.engine_programs = EnginePrograms()  # the JAX sampler's multi-turn programs, shared by every step
         self.background: Background | None = None  # async multi-turn rollouts' thread (`start`)
+        self.placement: Placement | None = None
+        self.init_hf: Path | None = None  # the Hugging Face directory vLLM engines started from (`start`)
+        self._trained = False  # whether the latest batch was trained on: its update is synced (`after_update`)
 
     def start(self, placement: Placement | None, init_hf: Path, tokenizer_dir: str) -> Path | None:
         """Start the samplers, each sent the trainer's weights; the Hugging Face directory vLLM engines started
         from (None with the JAX sampler)."""
-        self.samplers, start_dir = start_samplers(self.cfg, self.trainer, placement, init_hf, tokenizer_dir, self.push)
+        self.placement = placement
+        self.samplers, self.init_hf = start_samplers(
+            self.cfg, self.trainer, placement, init_hf, tokenizer_dir, self.push
+        )
         if self.agent is not None and self.cfg.rl.off_policy_steps > 0:
             # Async multi-turn rollouts: episodes run in this thread, a request's at a time, while the trainer trains.
             self.background = Background("episodes")
-        return start_dir
+        return self.init_hf
 
     def _group(self) -> SamplerGroup:
         assert self.samplers is not None, "start() first"
@@ -110,17 +125,18 @@ class SamplerSource:
 
     # ---------------------------------------------------------------- position
 
-    def restore(self, meta: dict) -> int:
-        """Where a checkpoint's meta says the source was (`state`); the step to resume at."""
+    position = None  # nothing a trainer's restore sets in place: the position is the checkpoint's meta
+
+    def restore(self, step: int, meta: dict) -> int:
+        """Where a checkpoint's meta says the source was (`checkpoint`); the step to resume at."""
         self.step, self.requests, in_flight = restored_position(meta, self.stream)
         self.in_flight = deque(in_flight)
         return self.step
 
-    @property
-    def state(self) -> dict:
-        """The position a checkpoint keeps: the step of the latest batch, the prompt stream, the request counter
-        and the requests in flight, collected (`step.saved_position`)."""
-        return saved_position(self.step, self.stream, self.requests, self.in_flight, self._collect)
+    def checkpoint(self) -> tuple[dict, None]:
+        """The position a checkpoint keeps, as its meta: the step of the latest batch, the prompt stream, the
+        request counter and the requests in flight, collected (`step.saved_position`)."""
+        return saved_position(self.step, self.stream, self.requests, self.in_flight, self._collect), None
 
     # ----------------------------------------------------------------- weights
 
@@ -131,13 +147,25 @@ class SamplerSource:
         sampler.policy_version = stats.version
         return stats
 
-    def after_update(self, trainer: Any = None) -> tuple[float, int]:
-        """The weight sync after an update: (seconds, bytes sent to all samplers). The weights come from the trainer
-        this source was built with (`push`: a restarted sampler is loaded the same way), whatever `trainer` is."""
-        self.settle()  # not timed here: the wait for episodes still running is generation's
-        start = time.perf_counter()
-        stats = self._group().sync(self.push)
-        return time.perf_counter() - start, sum(s.bytes for s in stats)
+    def after_update(self, trainer: Any = None) -> dict[str, float]:
+        """The weight sync after a step that trained (none after one that did not: the samplers hold these weights)
+        and the samplers' state: `time/sync_s`, `sync/bytes` (sent to all samplers), `policy_version` (the first
+        sampler's), restarts and redone prompts. The weights come from the trainer this source was built with
+        (`push`: a restarted sampler is loaded the same way), whatever `trainer` is."""
+        seconds, sent = 0.0, 0
+        if self._trained:
+            self.settle()  # not timed here: the wait for episodes still running is generation's
+            start = time.perf_counter()
+            stats = self._group().sync(self.push)
+            seconds, sent = time.perf_counter() - start, sum(s.bytes for s in stats)
+        group = self._group()
+        return {
+            "time/sync_s": seconds,
+            "sync/bytes": float(sent),
+            "policy_version": float(group.policy_versions[0]),
+            "sampler_restarts": float(group.restarts),
+            "sampler_redone_prompts": float(group.redone_prompts),
+        }
 
     def settle(self) -> None:
         """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
@@ -149,10 +177,11 @@ class SamplerSource:
 
     # ----------------------------------------------------------------- batches
 
-    def next(self) -> Sampled:
+    def next(self) -> Drawn:
         """The next step's batch: the next request's completions (sampled now, or in flight since an earlier
         step), scored and made into the method's batch; the requests that keep `rl.off_policy_steps` in flight
-        are submitted first."""
+        are submitted first. Its metrics: rewards, accuracy, lengths, staleness (`step.scored_metrics`), the
+        method's, and the time spent generating (or waiting for what was in flight) and scoring."""
         rl = self.cfg.rl
         self.step += 1
         t0 = time.perf_counter()
@@ -168,7 +197,16 @@ class SamplerSource:
         more = lambda: self._score(self._submit(next(self.stream)))  # DAPO's refill
         ctx = SampleContext(self.step, self.row_len, self.row_multiple, self.tokenizer, more)
         data = self.method.from_samples(self.cfg, self._score(request), ctx)
-        return Sampled(data, generate_s, time.perf_counter() - t1, staleness)
+        self._trained = data.batch is not None
+        tokens = sum(len(c.token_ids) for c in data.scored.completions)
+        metrics = {
+            **scored_metrics(data.scored, staleness),
+            **data.metrics,
+            "time/generate_s": generate_s,
+            "time/reward_s": time.perf_counter() - t1,
+            "generate_tokens_per_s": tokens / max(generate_s, 1e-9),
+        }
+        return Drawn(data.batch, metrics, data.line, data)
 
     def sampling_params(self, n: int, seed: int, temperature: float | None = None) -> SamplingParams:
         return sampling_params(self.cfg.rollout, self.turn_stops, n, seed, temperature)
@@ -210,7 +248,28 @@ class SamplerSource:
     def _score(self, request: InFlight) -> Scored:
         return score(request, self._collect(request), self.cfg.rl, self.rewards, self.agent)
 
-    def close(self, timeout_s: float) -> None:
+    # -------------------------------------------------------------- evaluation
+
+    def evaluate(self, trainer: Any = None) -> dict[str, float]:
+        """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts, by `rl.accuracy_fn`."""
+        rl = self.cfg.rl
+        rows = self.eval_rows[: rl.eval_prompts]
+        if not rows or rl.accuracy_fn is None:
+            return {}
+        k = rl.eval_samples
+        self.settle()  # the engines serve one set of episodes at a time
+        greedy_params = self.sampling_params(1, 0, temperature=0.0)
+        sampled_params = self.sampling_params(k, self.cfg.run.seed)
+        if self.agent is not None:  # whole episodes, scored on their final answers
+            greedy = self.agent.run(rows, greedy_params, self.turns(len(rows)))[0]
+            sampled = self.agent.run(rows, sampled_params, self.turns(len(rows) * k))[0]
+        else:
+            prompts = [render_prompt(r, rl) for r in rows]
+            greedy = self.generate(prompts, greedy_params)
+            sampled = self.generate(prompts, sampled_params)
+        return held_out_metrics(rows, rl, greedy, sampled, self.rewards)
+
+    def close(self, timeout_s: float = 30.0) -> None:
         """Stop the episodes running in the background (before the pool and samplers they use go)."""
         if self.background is not None:
             self.background.close(timeout_s)

@@ -52,31 +52,6 @@ class StepData:
     line: str = ""  # the method's part of the step's console line
 
 
-@dataclass
-class StepTimes:
-    """Where one step's time went (seconds) and what its weight sync sent."""
-
-    generate_s: float
-    reward_s: float
-    train_s: float
-    sync_s: float
-    sync_bytes: int
-    step_s: float
-
-    def metrics(self, tokens: int) -> dict[str, float]:
-        """The step's times, the bytes synced, and the generated `tokens` per second of generation and of step."""
-        return {
-            "time/generate_s": self.generate_s,
-            "time/reward_s": self.reward_s,
-            "time/train_s": self.train_s,
-            "time/sync_s": self.sync_s,
-            "sync/bytes": float(self.sync_bytes),
-            "time/step_s": self.step_s,
-            "generate_tokens_per_s": tokens / max(self.generate_s, 1e-9),
-            "tokens_per_s": tokens / max(self.step_s, 1e-9),
-        }
-
-
 def scored_metrics(scored: Scored, staleness: int) -> dict[str, float]:
     """Rewards (mean, std, per function, failed groups), accuracy, completion lengths, truncation and staleness."""
     completions = scored.completions
@@ -97,19 +72,6 @@ def scored_metrics(scored: Scored, staleness: int) -> dict[str, float]:
         }
     )
     return out
-
-
-def step_line(step: int, m: dict[str, float], method: str) -> str:
-    """The step's console line from its metrics `m` and the method's part of it."""
-    failed = f" | failed groups {m['reward/failed_groups']:.0f}" if m.get("reward/failed_groups") else ""
-    reward = f"reward {m['reward/mean']:.3f} | " if "reward/mean" in m else ""
-    accuracy = f"acc {m['accuracy']:.3f} | " if "accuracy" in m else ""
-    return (
-        f"step {step} | {reward}{accuracy}"
-        f"len {m['completion_length/mean']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-        f"{method}{failed} | "
-        f"gen {m['time/generate_s']:.1f}s train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.2f}s"
-    )
 
 
 def score(request: InFlight, completions: list[Completion], rl: Any, rewards: Any, agent: Any) -> Scored:
