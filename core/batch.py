@@ -77,18 +77,15 @@ class PackedBatch:
     # Routing replay (a mixture-of-experts model): the experts the trained model's sampler routed each row position's
     # token to, [R, L, sparse layers, k] int32, -1 where it routed none (padding); None: no routes. With `replay` the
     # trained model's forward pass uses them in place of its routers' own top-k; without it they are only compared
-    # (the routing mismatch, `moe/route_mismatch`). Other models run on the batch never read them
-    # (`without_routes`).
+    # (the routing mismatch, `moe/route_mismatch`). Only a pass that says it runs the sampled model reads them
+    # (`core.targets.target_states(..., routed=True)`); other models on the batch (a reference, a teacher, a critic)
+    # route as their own routers do.
     routes: Any = None
     replay: bool = field(default=False, metadata=dict(static=True))
 
     @property
     def rows(self) -> int:
         return int(self.tokens.shape[0])
-
-    def without_routes(self) -> PackedBatch:
-        """This batch for a model other than the one whose sampler routed it: no routes, no replay."""
-        return self if self.routes is None else replace(self, routes=None, replay=False)
 
     @property
     def packed(self) -> PackedBatch:

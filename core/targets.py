@@ -61,12 +61,17 @@ class TargetStates:
         return flat if self.real is None else jnp.take(flat, self.real, axis=0, mode="fill", fill_value=0)
 
 
-def target_states(model, batch: PackedBatch, layers: Sequence[int] = (), rng: jax.Array | None = None) -> TargetStates:
+def target_states(
+    model, batch: PackedBatch, layers: Sequence[int] = (), rng: jax.Array | None = None, routed: bool = False
+) -> TargetStates:
     """`model`'s hidden states at the positions predicting `batch`'s targets. Only the `batch.scored` real
     targets are listed (when that is fewer than the slots): prompt and padding positions never reach a
     vocabulary-sized matmul. With `layers` (decoder layer numbers, `Decoder.layer_states`), `features` holds
     the residual stream after each of them at the same positions (a feature-distillation loss's input). `rng`: the
-    training pass's key (LoRA's dropout; None: no dropout, as in scoring)."""
+    training pass's key (LoRA's dropout; None: no dropout, as in scoring). `routed`: `model` is the model whose
+    sampler routed the batch (a policy's own passes), so its mixture-of-experts layers read the batch's routes
+    (`PackedBatch.routes`, replayed with `PackedBatch.replay`); any other model (a reference, a teacher, a critic)
+    routes as its own routers do, whatever the batch carries."""
     hidden, per_layer = model.layer_states(  # [R, L, D], n x [R, L, D]
         batch.tokens,
         batch.positions,
@@ -75,8 +80,8 @@ def target_states(model, batch: PackedBatch, layers: Sequence[int] = (), rng: ja
         compact=batch.compact,
         layers=layers,
         rng=rng,
-        routes=batch.routes,
-        replay=batch.replay,
+        routes=batch.routes if routed else None,
+        replay=batch.replay and routed,
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [R * L, D]
     weight, layout = model.output_weight()
@@ -97,12 +102,18 @@ def target_states(model, batch: PackedBatch, layers: Sequence[int] = (), rng: ja
 
 
 def target_logprobs(
-    model, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True, rng: jax.Array | None = None
+    model,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    rng: jax.Array | None = None,
+    routed: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """([B, C] log p(target j | everything before it), [B, C] entropy of that distribution or None when
     `entropy` is False) under `model`, with logits divided by `temperature` (a sampler's temperature, so that
-    its log-probs and these agree). `rng`: the training pass's key (LoRA's dropout)."""
-    states = target_states(model, batch, rng=rng)
+    its log-probs and these agree). `rng`: the training pass's key (LoRA's dropout). `routed`: `model` is the one
+    whose sampler routed the batch (`target_states`)."""
+    states = target_states(model, batch, rng=rng, routed=routed)
     logp, ent = states_logprobs(model.cfg, states, temperature, entropy)
     return states.to_slots(logp), None if ent is None else states.to_slots(ent)
 

@@ -40,11 +40,9 @@ from core.train import place_batch, split_micro_batches
 
 def _logprobs(graphdef, state, batch: PackedBatch, temperature: float, vocab: int | None, routed: bool) -> jax.Array:
     model = nnx.merge(graphdef, state)
-    if not routed:  # another model than the sampled one routes as its own routers do (the routes are the policy's)
-        batch = batch.without_routes()
     if vocab is None:
-        return target_logprobs(model, batch, temperature, entropy=False)[0]
-    states = target_states(model, batch).over_vocab(vocab)
+        return target_logprobs(model, batch, temperature, entropy=False, routed=routed)[0]
+    states = target_states(model, batch, routed=routed).over_vocab(vocab)
     return states.to_slots(states_logprobs(model.cfg, states, temperature)[0])
 
 

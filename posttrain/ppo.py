@@ -143,7 +143,7 @@ class PPOModules(ModuleTree):
 
 
 def _values(graphdef, state, batch) -> jax.Array:
-    return nnx.merge(graphdef, state).values(batch.without_routes())
+    return nnx.merge(graphdef, state).values(batch)  # the critic routes as its own routers do
 
 
 class ValuePass(LogprobPass):

@@ -180,8 +180,9 @@ def test_pi_old_replays_the_samplers_routes_as_the_update_does():
     batch = build_rl_batch(comps, rng.normal(size=8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1, replay=True)
     attached, _ = learner.attach(batch)
     targets = np.asarray(batch.packed.target_mask) > 0
-    replayed = np.asarray(target_logprobs(model, batch.packed, 1.0, entropy=False)[0])
-    own = np.asarray(target_logprobs(model, batch.packed.without_routes(), 1.0, entropy=False)[0])
+    # the policy's own pass reads the batch's routes (routed=True); any other pass on the same batch does not
+    replayed = np.asarray(target_logprobs(model, batch.packed, 1.0, entropy=False, routed=True)[0])
+    own = np.asarray(target_logprobs(model, batch.packed, 1.0, entropy=False)[0])
     assert np.abs(replayed - own)[targets].max() > 1e-3  # the routes change the log-probs: the check can fail
     np.testing.assert_allclose(np.asarray(attached.old_logp)[targets], replayed[targets], atol=1e-5)
     np.testing.assert_allclose(np.asarray(attached.ref_logp)[targets], own[targets], atol=1e-5)

@@ -163,9 +163,9 @@ def distill_objective(settings: DistillSettings, model_cfg) -> LossFn:
     def loss_fn(modules: DistillModules, batch: DistillBatch, rng: jax.Array | None) -> LossOutput:
         model, teacher, projections = modules.model, modules.teacher, modules.projections
         packed = batch.packed
-        student = target_states(model, packed, student_layers, rng=rng)
+        student = target_states(model, packed, student_layers, rng=rng, routed=True)  # what sampled (on-policy)
         # The teacher routes as its own routers do: the batch's routes are the student sampler's.
-        teacher_states = None if teacher is None else target_states(teacher, packed.without_routes(), teacher_layers)
+        teacher_states = None if teacher is None else target_states(teacher, packed, teacher_layers)
         mask = student.from_slots(packed.target_mask)  # [F]: 0 on the list's padding
         alpha, temperature = batch.alpha[0], batch.temperature[0]
         h_t = student.hidden / temperature.astype(student.hidden.dtype)

@@ -98,7 +98,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
     sampling temperature, as the sampler drew them."""
 
     def loss_fn(model, batch: RLBatch, rng: jax.Array | None) -> LossOutput:
-        logp, entropy = target_logprobs(model, batch.packed, temperature, rng=rng)
+        logp, entropy = target_logprobs(model, batch.packed, temperature, rng=rng, routed=True)  # the sampled model
         assert entropy is not None  # asked for (the default)
         mask = batch.loss_mask.astype(jnp.float32)
         # The first update of a batch is at pi_old: its log-probs are this pass's, held constant.
