@@ -315,6 +315,9 @@ class PPOConfig(Section):
     critic_learning_rate: float | None = Field(None, gt=0.0)  # None: optim.learning_rate (the same schedule)
     critic_warmup_steps: int = Field(0, ge=0)  # the first steps train the critic alone
     whiten_advantages: bool = True  # advantages normalised over the step's tokens (verl, OpenRLHF)
+    # The critic's backbone from its own checkpoint (a causal LM: an HF directory, a Hub id or a Temper run, with
+    # its own shape; verl's critic.model.path), trained whole, with a new value head; None: a copy of the policy.
+    critic_init_from: str | None = None
 
 
 # ------------------------------------------------------------------------- root

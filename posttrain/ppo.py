@@ -229,11 +229,35 @@ class PPOMethod(PolicyGradient):
     # ------------------------------------------------------------------ what trains
 
     def modules(self, cfg: PostTrainConfig, model: Decoder, mesh: Mesh) -> PPOModules:
-        return PPOModules(model, Critic(copied(model, mesh), mesh, cfg.run.seed))  # the policy's starting weights
+        """The policy and its critic: a copy of the policy's starting weights, or `ppo.critic_init_from`'s model
+        (its own shape; its vocabulary must hold the policy's token ids)."""
+        path = cfg.ppo.critic_init_from
+        if path is None:
+            return PPOModules(model, Critic(copied(model, mesh), mesh, cfg.run.seed))
+        from core.checkpoint_models import load_model_from
+
+        with jax.set_mesh(mesh):
+            backbone = load_model_from(path, mesh, dtype=model.cfg.param_dtype)
+        if backbone.cfg.vocab_size < model.cfg.vocab_size:
+            raise ConfigError(
+                f"ppo.critic_init_from={path!r} has a vocabulary of {backbone.cfg.vocab_size} tokens, fewer than the "
+                f"policy's {model.cfg.vocab_size}: the critic reads the policy's token ids"
+            )
+        if backbone.cfg.moe is not None:
+            raise ConfigError(f"ppo.critic_init_from={path!r} is a mixture of experts: PPO's critic is dense")
+        return PPOModules(model, Critic(backbone, mesh, cfg.run.seed))
 
     def trainable(self, cfg: PostTrainConfig) -> Any:
-        """The policy's and the critic's backbone's own (every parameter, or their LoRA adapters), and the head."""
-        return nnx.Any(trainable_filter(cfg.model), nnx.PathContains("value_head"))
+        """The policy's own (every parameter, or its LoRA adapters); the critic's backbone's (the same filter for
+        a copy of the policy; every parameter for one from `ppo.critic_init_from`) but its output head, which no
+        value reads; the value head."""
+        critic = trainable_filter(cfg.model) if cfg.ppo.critic_init_from is None else nnx.Param
+        unread = nnx.All(nnx.PathContains("critic"), nnx.PathContains("lm_head"))
+        return nnx.Any(
+            nnx.All(nnx.PathContains("model"), trainable_filter(cfg.model)),
+            nnx.All(nnx.PathContains("critic"), critic, nnx.Not(unread)),
+            nnx.PathContains("value_head"),
+        )
 
     def loss(self, cfg: PostTrainConfig):
         return ppo_objective(cfg)

@@ -1,6 +1,6 @@
-"""PPO with a critic: GAE and the clipped value loss against NumPy references written from their definitions, the
-critic's learning rate and warm-up on a real step, and the exported critic against transformers' own
-token-classification model."""
+"""PPO with a critic: GAE, the clipped value loss and the whole objective (fed by transformers' outputs) against
+NumPy references written from their definitions, the critic's learning rate and warm-up on a real step, and the
+exported critic against transformers' own token-classification model."""
 
 from __future__ import annotations
 
@@ -224,3 +224,146 @@ def test_the_exported_critic_is_transformers_token_classification_model(tmp_path
         with torch.no_grad():
             logits = hf(torch.tensor([tokens])).logits[0, :, 0].numpy()
         np.testing.assert_allclose(ours[row][mask], logits[2 : 2 + int(mask.sum())], rtol=1e-4, atol=1e-4)
+
+
+def test_the_whole_ppo_objective_matches_numpy_on_transformers_outputs(tmp_path):
+    """PPO's loss on a batch, end to end: after two updates (the policy and the critic both moved), `attach` (the
+    critic's values, GAE, whitened advantages) and the compiled objective (the clipped surrogate with clip-higher,
+    dual clip and TIS, plus the clipped value loss, token-mean) against a NumPy reference written from their
+    definitions, fed only by transformers' outputs of the exported policy (log-probs) and critic (values). pi_old
+    and V_old are moved off the current ones, so that each clip decides some tokens."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    learner, cfg = _learner("optim.learning_rate=1.0e-2", "rl.loss.dual_clip=3.0", "rl.loss.epsilon_high=0.28")
+    rng = np.random.default_rng(0)
+    batch = _batch(cfg, rng)
+    for _ in range(2):
+        assert learner.train(batch).metrics["grad_norm"] > 0
+    learner.export(tmp_path / "hf", None)
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf" / "critic", dtype=torch.float32)
+
+    packed = batch.packed
+    mask = np.asarray(batch.loss_mask, np.float64) > 0
+    target_ids = np.asarray(packed.target_ids)
+    logp, values = np.zeros(mask.shape), np.zeros(mask.shape)
+    for b in range(mask.shape[0]):  # each row of the targets is one completion of the prompt [5, 6, 7]
+        n = int(mask[b].sum())
+        tokens = torch.tensor([[5, 6, 7, *target_ids[b][mask[b]].tolist()]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(policy(tokens).logits[0].double() / cfg.rollout.temperature, -1).numpy()
+            v = critic(tokens).logits[0, :, 0].double().numpy()
+        logp[b, mask[b]] = logprobs[np.arange(2, 2 + n), target_ids[b][mask[b]]]
+        values[b, mask[b]] = v[2 : 2 + n]
+
+    # attach: the critic's values, then GAE (gamma, lambda) on each completion's reward at its last token, whitened
+    p = cfg.ppo
+    rewards = np.where(mask & (np.cumsum(mask, 1) == mask.sum(1, keepdims=True)), np.asarray(batch.rewards)[:, None], 0)
+    advantages, returns = gae_reference(rewards, values, mask, p.gamma, p.lam)
+    assert p.whiten_advantages
+    advantages = np.where(mask, (advantages - advantages[mask].mean()) / (advantages[mask].std() + 1e-8), 0.0)
+    attached, _ = learner.attach(batch)
+    np.testing.assert_allclose(np.asarray(attached.old_values)[mask], values[mask], atol=2e-4)
+    np.testing.assert_allclose(np.asarray(attached.returns)[mask], returns[mask], atol=2e-4)
+    np.testing.assert_allclose(np.asarray(attached.advantages)[mask], advantages[mask], atol=2e-3)
+
+    # pi_old and V_old off the current policy and critic, so that the clips decide
+    old_logp = np.where(mask, logp + rng.uniform(-1.5, 1.0, mask.shape), 0.0)  # ratios up to e^1.5 > dual_clip
+    old_values = np.where(mask, values + rng.uniform(-0.5, 0.5, mask.shape), 0.0)
+    moved = dataclasses.replace(
+        attached, old_logp=old_logp.astype(np.float32), old_values=old_values.astype(np.float32)
+    )
+    out = learner.learner.evaluate(moved)
+
+    loss = cfg.rl.loss
+    adv = np.asarray(attached.advantages, np.float64)
+    ratio = np.exp(logp - old_logp)
+    unclipped, clipped = -adv * ratio, -adv * np.clip(ratio, 1 - loss.epsilon, 1 + loss.epsilon_high)
+    per_token = np.maximum(unclipped, clipped)
+    dual = (adv < 0) & (per_token > -adv * loss.dual_clip)
+    per_token = np.where(dual, -adv * loss.dual_clip, per_token)
+    per_token *= np.minimum(np.exp(old_logp - np.asarray(batch.sampler_logp, np.float64)), loss.tis_cap)
+    v_unclipped = (values - returns) ** 2
+    v_clipped = (old_values + np.clip(values - old_values, -p.value_clip, p.value_clip) - returns) ** 2
+    value_sum = 0.5 * np.maximum(v_unclipped, v_clipped)[mask].sum()
+    expected = (per_token[mask].sum() + value_sum) / mask.sum()
+    # each branch decides some tokens: the policy clip, the dual clip, the value clip
+    assert (clipped > unclipped)[mask].any() and dual[mask].any() and (v_clipped > v_unclipped)[mask].any()
+    assert float(out.denominator) == mask.sum()
+    assert float(out.total) / float(out.denominator) == pytest.approx(expected, rel=1e-4)
+
+
+def _paths(state) -> set[str]:
+    from flax import nnx
+
+    return {".".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
+
+
+def test_the_critics_output_head_is_not_trained():
+    """No value reads the critic's output projection (an untied `lm_head`): it gets no gradient buffer and no
+    optimizer state, and stays as it started, while the policy's own head trains."""
+    learner, cfg = _learner("model.tie_word_embeddings=false", "optim.learning_rate=1.0e-2")
+    trained = _paths(learner.learner.params)
+    assert "model.lm_head.kernel" in trained and not any(p.startswith("critic.backbone.lm_head") for p in trained)
+    assert "critic.value_head.kernel" in trained and "critic.backbone.final_norm.scale" in trained
+    before = np.asarray(learner.learner.modules().critic.backbone.lm_head.kernel[...])
+    learner.train(_batch(cfg, np.random.default_rng(0)))
+    np.testing.assert_array_equal(np.asarray(learner.learner.modules().critic.backbone.lm_head.kernel[...]), before)
+
+
+def _causal_lm(path, vocab: int, hidden: int = 64):
+    """A random Qwen2 causal LM of its own shape, written by transformers."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_critic_from_its_own_checkpoint_trains_and_exports(tmp_path):
+    """`ppo.critic_init_from`: a causal LM of another shape (1 layer, width 64, where the policy is 2 x 128) is the
+    critic's backbone: it trains whole beside a LoRA policy (the policy's adapters, the critic's every parameter),
+    and its export reads in transformers as a token-classification model whose logits are the critic's values. A
+    checkpoint whose vocabulary cannot hold the policy's token ids is refused, naming the key."""
+    import jax
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from posttrain.ppo import PPO
+
+    source = _causal_lm(tmp_path / "critic_lm", vocab=512)
+    learner, cfg = _learner(
+        f"ppo.critic_init_from={source}", "model.lora={rank: 4, alpha: 8}", "optim.learning_rate=1.0e-2"
+    )
+    critic = learner.learner.modules().critic
+    assert critic.backbone.cfg.hidden_size == 64 and critic.backbone.cfg.num_layers == 1
+    trained = _paths(learner.learner.params)
+    assert any(p.startswith("critic.backbone.layers") for p in trained)  # the critic's whole backbone
+    assert all(p.startswith("critic.") or "lora" in p for p in trained)  # the policy's adapters alone
+    batch = _batch(cfg, np.random.default_rng(0))
+    for _ in range(2):
+        assert learner.train(batch).metrics["value_loss"] > 0
+    PPO.export_beside(cfg, learner.learner, tmp_path / "hf", None)
+    critic = learner.learner.modules().critic
+    with jax.set_mesh(learner.mesh):
+        ours = np.asarray(jax.jit(lambda c, p: c.values(p))(critic, batch.packed))
+    assert np.abs(ours).max() > 1e-3
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf" / "critic", dtype=torch.float32)
+    assert hf.config.hidden_size == 64
+    mask = np.asarray(batch.packed.target_mask)[0] > 0
+    tokens = [5, 6, 7] + [int(t) for t in np.asarray(batch.packed.target_ids)[0][mask]]
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0, :, 0].numpy()
+    np.testing.assert_allclose(ours[0][mask], logits[2 : 2 + int(mask.sum())], rtol=1e-4, atol=1e-4)
+
+    small = _causal_lm(tmp_path / "small_vocab", vocab=256)
+    with pytest.raises(ConfigError, match="ppo.critic_init_from=.*256 tokens, fewer than the policy's 512"):
+        _learner(f"ppo.critic_init_from={small}")
