@@ -8,8 +8,9 @@ Hugging Face directory, with an offline byte-level BPE tokenizer (reasoning-gym 
 Each mode is `python -m recipes.grpo` on recipes/configs/grpo_tiny.yml with that model: the vLLM sampler on Ray
 recording its routes (`rollout.record_routes=true`), 4 prompts x 4 samples of up to 64 tokens a step, a length
 reward (variance in every group), one update a step. Reported per mode, over the steps after the first (its
-compilations): the median of the run's own `tokens_per_s` (prompt and completion tokens trained, over the whole
-step: generation, rewards, the update and the weight sync), of the step's parts, the routing mismatch and the
+compilations): the median of the run's own `tokens_per_s` (the trained batch's packed token slots, prompts and
+completions, per second of the whole step less its compilation: generation, rewards, the update and the weight
+sync; measured before 2026-11-29 as the completion tokens per step second), of the step's parts, the routing mismatch and the
 log-prob gap between sampler and trainer.
 """
 

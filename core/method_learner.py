@@ -120,7 +120,7 @@ class MethodLearner:
 
     def save(self, checkpointer: Checkpointer, step: int, extra: dict, data_iterator: Any = None) -> None:
         """A checkpoint at `step` of the state, the policy version, `extra` and a dataset's position
-        (`data_iterator`: `core.batch_source.DatasetSource.state`)."""
+        (`data_iterator`: `core.batch_source.DatasetSource.position`)."""
         meta = {**extra, POLICY_VERSION: self.version}
         self.learner.save(checkpointer, self.cfg, data_iterator, extra=meta, step=step)
 

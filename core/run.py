@@ -1,4 +1,5 @@
-"""One builder for every dataset method: rows, tokenizer, trainer, source, loop, evaluation, export.
+"""A built run, any method's (`Run`: train, fit, close), and the builder of a dataset method's run: rows, tokenizer,
+trainer, source, loop, evaluation, export (the samplers' builder is `posttrain.onpolicy.run.build_sampler_run`).
 
     run = build_run(cfg, method)        # core.pretrain.PRETRAINING, posttrain.sft.SFT, posttrain.dpo.offline.DPO,
                                         # posttrain.distill.method.DISTILL
@@ -134,6 +135,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self.loop.logger.close()  # a run stopped before `train` (an evaluation at step 0 failed) has it open
         if self._release is not None:
             self._release()
         elif not self.trainer.lost:  # a trainer group that is gone has nothing to stop

@@ -120,7 +120,7 @@ class TrainLoop(Loop):
         drawn = self.source.next()
         if self.on_batch is not None:
             self.on_batch(step, drawn.item)
-        metrics = dict(drawn.metrics)
+        metrics = {**drawn.metrics, "time/train_s": 0.0}
         line = drawn.line
         self._trainer_compile = CompileTally()
         if drawn.batch is not None:  # None: nothing to learn from this step, and the samplers hold these weights
@@ -135,10 +135,10 @@ class TrainLoop(Loop):
             metrics["skipped_steps"] = float(skipped)
             line = " | ".join(part for part in (line, stats.line) if part)
         metrics.update(self.source.after_update(self.trainer))  # every step: a source that drew no batch syncs none
-        compiled = self.step_compile()
-        if drawn.batch is not None:
-            metrics.update(self._throughput(drawn, step, time.perf_counter() - began - compiled.seconds, compiled))
-        metrics["time/step_s"] = time.perf_counter() - began
+        compiled, step_s = self.step_compile(), time.perf_counter() - began
+        if drawn.batch is not None:  # (its diagnostics after the step's time)
+            metrics.update(self._throughput(drawn, step, step_s - compiled.seconds, compiled))
+        metrics["time/step_s"] = step_s
         metrics.update(compiled.metrics())
         self.last_metrics, self._line = metrics, line
         self._window.append(metrics)
@@ -175,13 +175,15 @@ class TrainLoop(Loop):
             return
         keys = {k for m in window for k in m}
         means = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
-        means["learning_rate"] = window[-1].get("learning_rate", 0.0)
+        rates = [m["learning_rate"] for m in window if "learning_rate" in m]  # a step without an update has none
+        if rates:
+            means["learning_rate"] = rates[-1]
         print(self.logger.console_line(step, means, self._line), flush=True)
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """The source's held-out evaluation; with a `step`, logged and kept as the run's latest."""
         values = self.source.evaluate(self.trainer)
-        if step is not None:
+        if step is not None and values:  # a source with nothing to evaluate logs nothing
             self.logger.log(step, values, console=False)
             shown = ", ".join(f"{k.split('/', 1)[-1]} {v:.4g}" for k, v in values.items())
             print(f"eval @ step {step}: {shown}", flush=True)

@@ -4,8 +4,9 @@
 
 A `posttrain.onpolicy.policy_gradient.PolicyGradient` method (the samplers, rewards, weight sync, the clipped
 policy objective `rl.loss.*`, `rl.batch.num_iterations` x `mini_batches` updates: everything GRPO trains with),
-whose module tree (`PPOModules`) holds two trainable parts: the policy and its critic, the policy's architecture
-(a copy of its starting weights, LoRA adapters included) with a scalar value head (zeros: every value starts at 0).
+whose module tree (`PPOModules`) holds two trainable parts: the policy and its critic, a copy of the policy's
+starting weights (LoRA adapters included) or another causal LM (`ppo.critic_init_from`), with a scalar value head
+(zeros: every value starts at 0).
 What is PPO's own, as verl's and OpenRLHF's PPO do it:
 
 - the batch (`from_samples`): each completion's reward (the reward functions' total) on its last sampled token;
@@ -114,7 +115,7 @@ def last_token_rewards(rewards: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 class Critic(nnx.Module):
-    """The policy's architecture with a scalar head: V(s_t) from the final hidden state that predicts token t."""
+    """A decoder with a scalar head: V(s_t) from the final hidden state that predicts token t."""
 
     def __init__(self, backbone: Decoder, mesh: Mesh, seed: int):
         self.backbone = backbone
@@ -199,6 +200,24 @@ def ppo_objective(cfg: PostTrainConfig):
 # ------------------------------------------------------------------ the method
 
 
+def check_critic_source(path: str | None) -> None:
+    """`ppo.critic_init_from` at start, before anything starts: a local path that exists (an HF directory, a
+    Temper run or checkpoint) or a Hub id; an HF directory's config must be a dense model's."""
+    if path is None:
+        return
+    from core.hf.config import model_section_from_hf
+    from core.hf.hub import looks_like_hub_id
+
+    local = Path(path)
+    if not local.exists():
+        if looks_like_hub_id(path):
+            return  # read through the Hub cache when the trainer starts
+        raise ConfigError(f"ppo.critic_init_from={path!r}: no such file or directory, and not a Hub model id")
+    config = local / "config.json"
+    if config.exists() and model_section_from_hf(json.loads(config.read_text()), source=str(config)).get("moe"):
+        raise ConfigError(f"ppo.critic_init_from={path!r} is a mixture of experts: PPO's critic is dense")
+
+
 class PPOMethod(PolicyGradient):
     """The policy-gradient update with a critic's GAE advantages and its clipped value loss (module docstring)."""
 
@@ -218,7 +237,8 @@ class PPOMethod(PolicyGradient):
                 "advantages come from its critic, so set rl.batch.dynamic_sampling=false"
             )
         if cfg.model.moe is not None:
-            raise ConfigError("PPO's critic is a dense policy's copy: model.moe is not offered with PPO yet")
+            raise ConfigError("PPO's critic is a dense model: model.moe is not offered with PPO yet")
+        check_critic_source(cfg.ppo.critic_init_from)
         updates = cfg.rl.batch.mini_batches * cfg.train.micro_batches
         if (cfg.rl.batch.prompts_per_step * cfg.rl.batch.num_generations) % updates:
             raise ConfigError(
@@ -235,9 +255,13 @@ class PPOMethod(PolicyGradient):
         if path is None:
             return PPOModules(model, Critic(copied(model, mesh), mesh, cfg.run.seed))
         from core.checkpoint_models import load_model_from
+        from core.models.adapters import merged_model
 
-        with jax.set_mesh(mesh):
-            backbone = load_model_from(path, mesh, dtype=model.cfg.param_dtype)
+        try:
+            with jax.set_mesh(mesh):  # a run that trained LoRA adapters: its model with them merged, trained whole
+                backbone = merged_model(load_model_from(path, mesh, dtype=model.cfg.param_dtype))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"ppo.critic_init_from={path!r}: {err}") from None
         if backbone.cfg.vocab_size < model.cfg.vocab_size:
             raise ConfigError(
                 f"ppo.critic_init_from={path!r} has a vocabulary of {backbone.cfg.vocab_size} tokens, fewer than the "

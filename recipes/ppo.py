@@ -5,7 +5,8 @@
     python -m recipes.ppo recipes/configs/ppo_tiny.yml rollout.sampler=jax model.lora.rank=8
 
 The sampling, rewards, weight sync, clipped policy objective and checkpoints are GRPO's (docs/grpo.md); what is
-PPO's (docs/ppo.md): a critic (the policy's architecture with a value head, trained beside it), GAE over each
+PPO's (docs/ppo.md): a critic (a copy of the policy, or `ppo.critic_init_from`'s model, with a value head, trained
+beside it), GAE over each
 completion's tokens, the clipped value loss, the critic's learning rate and warm-up, and its export apart
 (`run_dir/hf/critic`).
 """

@@ -270,11 +270,15 @@ def test_the_whole_ppo_objective_matches_numpy_on_transformers_outputs(tmp_path)
     np.testing.assert_allclose(np.asarray(attached.returns)[mask], returns[mask], atol=2e-4)
     np.testing.assert_allclose(np.asarray(attached.advantages)[mask], advantages[mask], atol=2e-3)
 
-    # pi_old and V_old off the current policy and critic, so that the clips decide
+    # pi_old, the sampler's log-probs and V_old moved, so that the clips and the TIS cap decide
     old_logp = np.where(mask, logp + rng.uniform(-1.5, 1.0, mask.shape), 0.0)  # ratios up to e^1.5 > dual_clip
+    sampler_logp = np.where(mask, old_logp - rng.uniform(0.0, 1.5, mask.shape), 0.0)  # weights up to e^1.5 > cap
     old_values = np.where(mask, values + rng.uniform(-0.5, 0.5, mask.shape), 0.0)
     moved = dataclasses.replace(
-        attached, old_logp=old_logp.astype(np.float32), old_values=old_values.astype(np.float32)
+        attached,
+        old_logp=old_logp.astype(np.float32),
+        sampler_logp=sampler_logp.astype(np.float32),
+        old_values=old_values.astype(np.float32),
     )
     out = learner.learner.evaluate(moved)
 
@@ -285,15 +289,23 @@ def test_the_whole_ppo_objective_matches_numpy_on_transformers_outputs(tmp_path)
     per_token = np.maximum(unclipped, clipped)
     dual = (adv < 0) & (per_token > -adv * loss.dual_clip)
     per_token = np.where(dual, -adv * loss.dual_clip, per_token)
-    per_token *= np.minimum(np.exp(old_logp - np.asarray(batch.sampler_logp, np.float64)), loss.tis_cap)
+    capped = np.exp(old_logp - sampler_logp) > loss.tis_cap
+    per_token *= np.minimum(np.exp(old_logp - sampler_logp), loss.tis_cap)
     v_unclipped = (values - returns) ** 2
     v_clipped = (old_values + np.clip(values - old_values, -p.value_clip, p.value_clip) - returns) ** 2
     value_sum = 0.5 * np.maximum(v_unclipped, v_clipped)[mask].sum()
     expected = (per_token[mask].sum() + value_sum) / mask.sum()
-    # each branch decides some tokens: the policy clip, the dual clip, the value clip
+    # each branch decides some tokens: the policy clip, the dual clip, the TIS cap, the value clip
     assert (clipped > unclipped)[mask].any() and dual[mask].any() and (v_clipped > v_unclipped)[mask].any()
+    assert capped[mask].any() and not capped[mask].all()
     assert float(out.denominator) == mask.sum()
     assert float(out.total) / float(out.denominator) == pytest.approx(expected, rel=1e-4)
+
+
+def _flat(module) -> dict:
+    from flax import nnx
+
+    return {".".join(map(str, path)): v[...] for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
 def _paths(state) -> set[str]:
@@ -314,7 +326,7 @@ def test_the_critics_output_head_is_not_trained():
     np.testing.assert_array_equal(np.asarray(learner.learner.modules().critic.backbone.lm_head.kernel[...]), before)
 
 
-def _causal_lm(path, vocab: int, hidden: int = 64):
+def _causal_lm(path, vocab: int, hidden: int = 64, tied: bool = True):
     """A random Qwen2 causal LM of its own shape, written by transformers."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -322,24 +334,25 @@ def _causal_lm(path, vocab: int, hidden: int = 64):
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=tied,
     )  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
 
 
 def test_a_critic_from_its_own_checkpoint_trains_and_exports(tmp_path):
-    """`ppo.critic_init_from`: a causal LM of another shape (1 layer, width 64, where the policy is 2 x 128) is the
-    critic's backbone: it trains whole beside a LoRA policy (the policy's adapters, the critic's every parameter),
-    and its export reads in transformers as a token-classification model whose logits are the critic's values. A
-    checkpoint whose vocabulary cannot hold the policy's token ids is refused, naming the key."""
+    """`ppo.critic_init_from`: a causal LM of another shape (1 layer, width 64, untied, where the policy is 2 x 128)
+    is the critic's backbone: it trains whole beside a LoRA policy (the policy's adapters; the critic's every
+    parameter but its unread output head), and its export reads in transformers as a token-classification model
+    whose logits are the critic's values. A path that does not exist, and a checkpoint whose vocabulary cannot hold
+    the policy's token ids, are refused naming the key."""
     import jax
     import torch
     from transformers import AutoModelForTokenClassification
 
     from posttrain.ppo import PPO
 
-    source = _causal_lm(tmp_path / "critic_lm", vocab=512)
+    source = _causal_lm(tmp_path / "critic_lm", vocab=512, tied=False)
     learner, cfg = _learner(
         f"ppo.critic_init_from={source}", "model.lora={rank: 4, alpha: 8}", "optim.learning_rate=1.0e-2"
     )
@@ -348,9 +361,14 @@ def test_a_critic_from_its_own_checkpoint_trains_and_exports(tmp_path):
     trained = _paths(learner.learner.params)
     assert any(p.startswith("critic.backbone.layers") for p in trained)  # the critic's whole backbone
     assert all(p.startswith("critic.") or "lora" in p for p in trained)  # the policy's adapters alone
+    assert not any(p.startswith("critic.backbone.lm_head") for p in trained)  # read by no value
+    start = {k: np.asarray(v) for k, v in _flat(learner.learner.modules().critic.backbone).items()}
     batch = _batch(cfg, np.random.default_rng(0))
     for _ in range(2):
         assert learner.train(batch).metrics["value_loss"] > 0
+    end = {k: np.asarray(v) for k, v in _flat(learner.learner.modules().critic.backbone).items()}
+    moved = {k for k in start if not np.array_equal(start[k], end[k])}
+    assert moved == set(start) - {"lm_head.kernel"}, set(start) ^ moved  # every parameter trained but the head
     PPO.export_beside(cfg, learner.learner, tmp_path / "hf", None)
     critic = learner.learner.modules().critic
     with jax.set_mesh(learner.mesh):
@@ -367,3 +385,5 @@ def test_a_critic_from_its_own_checkpoint_trains_and_exports(tmp_path):
     small = _causal_lm(tmp_path / "small_vocab", vocab=256)
     with pytest.raises(ConfigError, match="ppo.critic_init_from=.*256 tokens, fewer than the policy's 512"):
         _learner(f"ppo.critic_init_from={small}")
+    with pytest.raises(ConfigError, match="ppo.critic_init_from=.*no such file or directory"):
+        PPO.check(load_config(PPO_TINY, [f"ppo.critic_init_from={tmp_path / 'nope'}"], schema=PostTrainConfig))

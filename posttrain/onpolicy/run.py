@@ -79,6 +79,7 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
     source: SamplerSource | None = None
     placement: Placement | None = None
     trainer: TrainerHandle | None = None
+    loop: TrainLoop | None = None
 
     def release_all(timeout_s: float | None = None) -> None:
         """Release the reward workers, samplers, trainer and placement group. Each step is best effort (after a
@@ -115,6 +116,8 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
         loop = TrainLoop(cfg, trainer, source, tokenizer_dir=tokenizer_dir, started=started)  # restores the source
         source.start(placement, run_dir / "rollout_init_hf", tokenizer_dir)  # on the restored weights
     except BaseException:
+        if loop is not None:
+            loop.logger.close()
         release_all()
         raise
     return Run(cfg, loop, tokenizer_dir, release=release_all)
