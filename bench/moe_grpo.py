@@ -10,8 +10,8 @@ recording its routes (`rollout.record_routes=true`), 4 prompts x 4 samples of up
 reward (variance in every group), one update a step. Reported per mode, over the steps after the first (its
 compilations): the median of the run's own `tokens_per_s` (the trained batch's packed token slots, prompts and
 completions, per second of the whole step less its compilation: generation, rewards, the update and the weight
-sync; measured before 2026-11-29 as the completion tokens per step second), of the step's parts, the routing mismatch and the
-log-prob gap between sampler and trainer.
+sync; measured before 2026-11-29 as the completion tokens per step second), of the step's parts, the routing
+mismatch and the log-prob gap between sampler and trainer.
 """
 
 from __future__ import annotations
