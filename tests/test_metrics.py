@@ -48,6 +48,10 @@ def test_logger_writes_and_truncates_on_resume(tmp_path):
     log.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["loss"] == 0.5
+    # an evaluation after the run (the loop closed its logger): appended, and a second close is harmless
+    log.log(5, {"eval/pass@1": 0.25}, console=False)
+    log.close()
+    assert read_metrics(tmp_path)[-1] == {**read_metrics(tmp_path)[-1], "step": 5, "eval/pass@1": 0.25}
 
 
 def fake_run(path: Path, losses, seconds, params):
