@@ -78,8 +78,8 @@ class PackedBatch:
     # token to, [R, L, sparse layers, k] int32, -1 where it routed none (padding); None: no routes. With `replay` the
     # trained model's forward pass uses them in place of its routers' own top-k; without it they are only compared
     # (the routing mismatch, `moe/route_mismatch`). Only a pass that says it runs the sampled model reads them
-    # (`core.targets.target_states(..., routed=True)`); other models on the batch (a reference, a teacher, a critic)
-    # route as their own routers do.
+    # (`core.targets.target_states(..., routed=True)`); any other model run on the batch (frozen, or another
+    # trained part of the module tree) routes as its own routers do.
     routes: Any = None
     replay: bool = field(default=False, metadata=dict(static=True))
 

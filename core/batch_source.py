@@ -57,7 +57,9 @@ class BatchSource(Protocol):
 
     console: dict[str, str]  # metric -> label: what the console line shows of the source's metrics
     plots: Sequence[Plot]  # the curves the run draws at its end
-    evaluates: bool  # whether `evaluate` has anything to evaluate
+
+    @property
+    def evaluates(self) -> bool: ...  # whether `evaluate` has anything to evaluate
 
     def next(self) -> Drawn: ...
 
@@ -107,9 +109,12 @@ class DatasetSource:
         self._prepare = prepare
         self.micro_batches = micro_batches
         self.evaluation = evaluation
-        self.evaluates = evaluation is not None
         self.console = dict(console or {})
         self.lock: AbstractContextManager = contextlib.nullcontext()  # one thread calls the trainer
+
+    @property
+    def evaluates(self) -> bool:
+        return self.evaluation is not None
 
     def prepare(self, item: DataBatch, groups: int | None = None) -> Any:
         """What the loss reads of `item`, packed for `groups` (default: the training step's micro-batches)."""
@@ -138,7 +143,7 @@ class DatasetSource:
     def evaluate(self, trainer: Any) -> dict[str, float]:
         """`eval/loss` and `eval/<metric>`: the loss's sums over the held-out split, each divided by the summed
         denominator (a mean per target token, per pair, ...), and what the method derives from them."""
-        if self.evaluation is None:
+        if self.evaluation is None:  # (`evaluates`)
             return {}
         total, denominator, sums = 0.0, 0.0, None
         for data in self.evaluation.batches():

@@ -69,9 +69,9 @@ def target_states(
     vocabulary-sized matmul. With `layers` (decoder layer numbers, `Decoder.layer_states`), `features` holds
     the residual stream after each of them at the same positions (a feature-distillation loss's input). `rng`: the
     training pass's key (LoRA's dropout; None: no dropout, as in scoring). `routed`: `model` is the model whose
-    sampler routed the batch (a policy's own passes), so its mixture-of-experts layers read the batch's routes
-    (`PackedBatch.routes`, replayed with `PackedBatch.replay`); any other model (a reference, a teacher, a critic)
-    routes as its own routers do, whatever the batch carries."""
+    sampler routed the batch (the sampled model's own passes), so its mixture-of-experts layers read the batch's
+    routes (`PackedBatch.routes`, replayed with `PackedBatch.replay`); any other model (frozen, or another trained
+    part of the module tree) routes as its own routers do, whatever the batch carries."""
     hidden, per_layer = model.layer_states(  # [R, L, D], n x [R, L, D]
         batch.tokens,
         batch.positions,

@@ -95,7 +95,6 @@ class SamplerSource:
         self.eval_rows = list(eval_rows)
         self.console = dict(CONSOLE)
         self.plots: Sequence[Plot] = method.plots(cfg)
-        self.evaluates = bool(eval_rows) and cfg.rl.accuracy_fn is not None and cfg.rl.eval_prompts > 0
         self.lock = threading.Lock()  # the trainer's calls, one at a time (module docstring)
         self.step = 0  # the step of the latest batch
         self.requests = 0  # generation requests so far (seeds the sampler)
@@ -250,12 +249,17 @@ class SamplerSource:
 
     # -------------------------------------------------------------- evaluation
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether there is anything to evaluate: held-out prompts and `rl.accuracy_fn` to judge them."""
+        return bool(self.eval_rows[: self.cfg.rl.eval_prompts]) and self.cfg.rl.accuracy_fn is not None
+
     def evaluate(self, trainer: Any = None) -> dict[str, float]:
         """Greedy pass@1, sampled pass@k (unbiased) and maj@k on the held-out prompts, by `rl.accuracy_fn`."""
         rl = self.cfg.rl
-        rows = self.eval_rows[: rl.eval_prompts]
-        if not rows or rl.accuracy_fn is None:
+        if not self.evaluates:
             return {}
+        rows = self.eval_rows[: rl.eval_prompts]
         k = rl.eval_samples
         self.settle()  # the engines serve one set of episodes at a time
         greedy_params = self.sampling_params(1, 0, temperature=0.0)
