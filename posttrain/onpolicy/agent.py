@@ -1,8 +1,10 @@
 """Multi-turn rollouts in the on-policy run (`rl.agent`): episodes in place of single completions, for any method.
 
-    agent = AgentRollouts(cfg, tokenizer_dir, pool)       # checks the environment, parser and template at start
-    completions, episodes = agent.run(rows, params, turns)  # turns: rollout.turns (EngineTurns with vLLM)
-    rewards = agent.rewards(episodes, rewards)            # the environment's rewards added to the functions'
+    agent = AgentRollouts(cfg, tokenizer_dir, pool)  # checks the environment, parser and template at start
+    rolled = agent.run(rows, params, samplers)       # episodes, their turns from samplers.turns (EngineTurns on vLLM)
+    scores = agent.rewards(rolled, scores)           # the environment's rewards added to the functions'
+
+One kind of `posttrain.onpolicy.rollouts.Rollouts` (the other: `SingleTurn`).
 
 Each row is `rl.batch.num_generations` episodes (`rollout.episodes.run_episodes`), each a `Completion` whose
 environment tokens are not sampled (`Completion.sampled`), so every method's batch trains on the model's tokens
@@ -28,13 +30,13 @@ from core.config_loader import ConfigError
 from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.prompts import prompt_text
+from posttrain.onpolicy.rollouts import Rolled, Samplers
 from rewards.pool import WorkerPool
 from rewards.runner import RewardBatch
 from rollout.environment import EnvironmentRunner
 from rollout.episodes import Episode, EpisodeLimits, run_episodes
-from rollout.sampler import Completion, SamplingParams
+from rollout.sampler import SamplingParams
 from rollout.tool_parsing import ToolParsers
-from rollout.turns import Turns
 
 
 class AgentRollouts:
@@ -79,17 +81,20 @@ class AgentRollouts:
                 f"a turn that ends on {reasons}"
             )
 
-    def run(self, rows: Sequence[dict], params: SamplingParams, turns: Turns) -> tuple[list[Completion], list[Episode]]:
+    def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
         """`params.n` episodes a row, row-major (as a sampler returns `n` completions a prompt), their turns sampled
-        by `turns`, at most `rl.agent.max_concurrency` at a time."""
+        by `samplers.turns`, at most `rl.agent.max_concurrency` at a time."""
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
+        turns = samplers.turns(len(starts))
         episodes = run_episodes(
             turns, self.env, self.tokenizer, starts, self.limits, params, self.parsers, self.agent.max_concurrency
         )
-        return [e.completion() for e in episodes], episodes
+        return Rolled([e.completion() for e in episodes], episodes)
 
-    def rewards(self, episodes: Sequence[Episode], scored: RewardBatch | None) -> RewardBatch:
+    def rewards(self, rolled: Rolled, scored: RewardBatch | None) -> RewardBatch:
         """The environment's discounted per-turn rewards added to the functions' scores (or alone)."""
+        episodes = rolled.episodes
+        assert episodes is not None  # `run`'s
         gamma = self.agent.discount
         values = np.array([sum(r * gamma**t for t, r in enumerate(e.rewards)) for e in episodes], np.float32)
         failed = np.array([e.finish == "failed" for e in episodes])

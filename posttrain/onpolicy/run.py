@@ -49,6 +49,7 @@ from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_config, check_policy, check_tokenizer_template
 from posttrain.onpolicy.method import SamplingMethod
 from posttrain.onpolicy.prompts import PromptStream, prompt_rows
+from posttrain.onpolicy.rollouts import Rollouts, SingleTurn
 from posttrain.onpolicy.source import SamplerSource
 from posttrain.onpolicy.workers import release, workers_to_release
 from posttrain.trainer import TrainerHandle, start_trainer
@@ -99,7 +100,7 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
 
     try:
         # Multi-turn rollouts: the environment, tool parser and template are checked here, before Ray starts.
-        agent = AgentRollouts(cfg, tokenizer_dir, rewards.pool) if rl.agent is not None else None
+        rollouts: Rollouts = AgentRollouts(cfg, tokenizer_dir, rewards.pool) if rl.agent is not None else SingleTurn(rl)
         if cfg.rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
 
@@ -111,7 +112,7 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
         check_policy(cfg, cfg.model)
         row_len, row_multiple = method.row_length(cfg), trainer.batch_shards()  # the trainer's data-parallel size
         source = SamplerSource(
-            cfg, method, trainer, rewards, agent, stream, tokenizer, turn_stops, row_len, row_multiple, eval_rows
+            cfg, method, trainer, rewards, rollouts, stream, tokenizer, turn_stops, row_len, row_multiple, eval_rows
         )
         loop = TrainLoop(cfg, trainer, source, tokenizer_dir=tokenizer_dir, started=started)  # restores the source
         source.start(placement, run_dir / "rollout_init_hf", tokenizer_dir)  # on the restored weights

@@ -1,8 +1,8 @@
 """Where an on-policy run's batches come from: prompts -> rollouts -> rewards -> the method's batch; after each
 update, the trainer's weights to the samplers.
 
-    source = SamplerSource(cfg, method, trainer, rewards, agent, stream, tokenizer, turn_stops, row_len, row_multiple,
-                           eval_rows)
+    source = SamplerSource(cfg, method, trainer, rewards, rollouts, stream, tokenizer, turn_stops, row_len,
+                           row_multiple, eval_rows)
     source.start(placement, run_dir / "rollout_init_hf", tokenizer_dir)  # the samplers, sent the trainer's weights
     drawn = source.next()                    # the next step's batch (the method's StepData), its metrics
     metrics = source.after_update(trainer)   # the weight sync (when the step trained), its time and bytes
@@ -13,12 +13,12 @@ The samplers' kind of `core.batch_source.BatchSource`, as `core.batch_source.Dat
 batch per step, told of every update, with a position a checkpoint keeps (`checkpoint`, restored by `restore`) from
 which a resumed run draws exactly what an uninterrupted one would. Sync (`rl.off_policy_steps = 0`) samples on the
 current policy; async (`d > 0`) keeps d requests in flight, each at most d policy versions old (checked on every
-batch). A request is a `step.InFlight`: single-turn completions from the sampler group, or whole episodes
-(`rl.agent`), in the background while the trainer trains when async.
+batch). A request is a `step.InFlight`: the future of its rollouts (`rollouts.Rollouts`: a single turn each, or
+whole episodes with `rl.agent`; one path for both), done at once when sync, run in a background thread while the
+trainer trains when async.
 
-The trainer's calls from both threads of an async multi-turn run (a sampler restarted in the episode thread is
-loaded with the trainer's weights) go one at a time, under `lock`, so that a trainer group's processes see one
-order.
+The trainer's calls from both threads of an async run (a sampler restarted in the background thread is loaded with
+the trainer's weights) go one at a time, under `lock`, so that a trainer group's processes see one order.
 """
 
 from __future__ import annotations
@@ -27,21 +27,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from core.batch_source import Drawn
 from core.loop import Plot
 from posttrain.config import PostTrainConfig
-from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_staleness
 from posttrain.onpolicy.evaluation import held_out_metrics
 from posttrain.onpolicy.method import SampleContext, SamplingMethod
-from posttrain.onpolicy.prompts import PromptBatch, PromptStream, render_prompt
+from posttrain.onpolicy.prompts import PromptBatch, PromptStream
+from posttrain.onpolicy.rollouts import Rollouts
 from posttrain.onpolicy.step import (
     InFlight,
-    Scored,
+    done,
     restored_position,
     sampling_params,
     saved_position,
@@ -53,7 +52,7 @@ from posttrain.trainer import TrainerHandle
 from rewards.runner import RewardRunner
 from rollout.background import Background
 from rollout.engine_programs import EnginePrograms
-from rollout.group import Pending, SamplerGroup
+from rollout.group import SamplerGroup
 from rollout.placement import Placement
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
 from rollout.turns import Turns
@@ -79,7 +78,7 @@ class SamplerSource:
         method: SamplingMethod,
         trainer: TrainerHandle,
         rewards: RewardRunner,
-        agent: AgentRollouts | None,
+        rollouts: Rollouts,
         stream: PromptStream,
         tokenizer: Any,
         turn_stops: Sequence[int],
@@ -89,7 +88,7 @@ class SamplerSource:
     ):
         """`eval_rows`: the held-out prompts `evaluate` reads (the first `rl.eval_prompts`)."""
         self.cfg, self.method, self.trainer = cfg, method, trainer
-        self.rewards, self.agent, self.stream = rewards, agent, stream
+        self.rewards, self.rollouts, self.stream = rewards, rollouts, stream
         self.tokenizer, self.turn_stops = tokenizer, tuple(turn_stops)
         self.row_len, self.row_multiple = row_len, row_multiple
         self.eval_rows = list(eval_rows)
@@ -101,7 +100,7 @@ class SamplerSource:
         self.in_flight: deque[InFlight] = deque()
         self.samplers: SamplerGroup | None = None
         self.engine_programs = EnginePrograms()  # the JAX sampler's multi-turn programs, shared by every step
-        self.background: Background | None = None  # async multi-turn rollouts' thread (`start`)
+        self.background: Background | None = None  # async rollouts' thread (`start`)
         self.placement: Placement | None = None
         self.init_hf: Path | None = None  # the Hugging Face directory vLLM engines started from (`start`)
         self._trained = False  # whether the latest batch was trained on: its update is synced (`after_update`)
@@ -113,9 +112,9 @@ class SamplerSource:
         self.samplers, self.init_hf = start_samplers(
             self.cfg, self.trainer, placement, init_hf, tokenizer_dir, self.push
         )
-        if self.agent is not None and self.cfg.rl.off_policy_steps > 0:
-            # Async multi-turn rollouts: episodes run in this thread, a request's at a time, while the trainer trains.
-            self.background = Background("episodes")
+        if self.cfg.rl.off_policy_steps > 0:
+            # Async: rollouts run in this thread, a request's at a time, while the trainer trains.
+            self.background = Background("rollouts")
         return self.init_hf
 
     def _group(self) -> SamplerGroup:
@@ -135,7 +134,7 @@ class SamplerSource:
     def checkpoint(self) -> tuple[dict, None]:
         """The position a checkpoint keeps, as its meta: the step of the latest batch, the prompt stream, the
         request counter and the requests in flight, collected (`step.saved_position`)."""
-        return saved_position(self.step, self.stream, self.requests, self.in_flight, self._collect), None
+        return saved_position(self.step, self.stream, self.requests, self.in_flight), None
 
     # ----------------------------------------------------------------- weights
 
@@ -167,12 +166,10 @@ class SamplerSource:
         }
 
     def settle(self) -> None:
-        """Wait for the episodes running in the background (async `rl.agent`): each request's episodes run whole
-        on the weights they started on, as a request's completions do (an engine takes a weight update only
-        between requests), whatever the timing."""
+        """Wait for the rollouts running in the background (async): each request's rollouts run whole on the
+        weights they started on (an engine takes a weight update only between requests), whatever the timing."""
         for request in self.in_flight:
-            if isinstance(request.result, Future):
-                self._collect(request)
+            request.rolled()
 
     # ----------------------------------------------------------------- batches
 
@@ -187,15 +184,15 @@ class SamplerSource:
         while len(self.in_flight) < 1 + rl.off_policy_steps:
             self.in_flight.append(self._submit(next(self.stream)))
         request = self.in_flight.popleft()
-        completions = self._collect(request)
+        completions = request.rolled().completions
         generate_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         with self.lock:
             version = self.trainer.version()
         staleness = check_staleness(completions, version, rl.off_policy_steps)
-        more = lambda: self._score(self._submit(next(self.stream)))  # DAPO's refill
+        more = lambda: score(self._submit(next(self.stream)), rl, self.rewards, self.rollouts)  # DAPO's refill
         ctx = SampleContext(self.step, self.row_len, self.row_multiple, self.tokenizer, more)
-        data = self.method.from_samples(self.cfg, self._score(request), ctx)
+        data = self.method.from_samples(self.cfg, score(request, rl, self.rewards, self.rollouts), ctx)
         self._trained = data.batch is not None
         tokens = sum(len(c.token_ids) for c in data.scored.completions)
         metrics = {
@@ -216,17 +213,14 @@ class SamplerSource:
         self.requests += 1
         seed = sample_seed(self.cfg.run.seed, self.requests)
         params = self.sampling_params(self.cfg.rl.batch.num_generations, seed)
-        count = len(prompts.rows) * params.n
-        if self.agent is not None and self.background is not None:  # async: they run while the trainer trains
-            return InFlight(prompts, self.background.submit(self.agent.run, prompts.rows, params, self.turns(count)))
-        if self.agent is not None:  # episodes run to their end here (sync mode)
-            completions, episodes = self.agent.run(prompts.rows, params, self.turns(count))
-            return InFlight(prompts, completions, episodes)
-        rendered = [render_prompt(r, self.cfg.rl) for r in prompts.rows]
-        return InFlight(prompts, self._group().submit(rendered, params))
+        if self.background is not None:  # async: they run while the trainer trains
+            return InFlight(prompts, self.background.submit(self.rollouts.run, prompts.rows, params, self))
+        return InFlight(prompts, done(self.rollouts.run(prompts.rows, params, self)))
+
+    # The run's samplers as a rollout sees them (`rollouts.Samplers`).
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        """Single-turn completions of `prompts` now (the held-out evaluation's)."""
+        """`params.n` completions of each prompt, now, from the sampler group (a failed sampler replaced)."""
         group = self._group()
         return group.collect(group.submit(prompts, params), self.push)
 
@@ -234,18 +228,6 @@ class SamplerSource:
         """The samplers as an episode runner's turns, for `episodes` episodes."""
         stop = self.background.cancelled if self.background is not None else None
         return episode_turns(self.cfg, self._group(), self.push, episodes, stop, self.engine_programs)
-
-    def _collect(self, request: InFlight) -> list[Completion]:
-        if isinstance(request.result, Future):
-            request.result, request.episodes = request.result.result()
-        if isinstance(request.result, list):
-            return request.result
-        assert isinstance(request.result, Pending)
-        request.result = self._group().collect(request.result, self.push)
-        return request.result
-
-    def _score(self, request: InFlight) -> Scored:
-        return score(request, self._collect(request), self.cfg.rl, self.rewards, self.agent)
 
     # -------------------------------------------------------------- evaluation
 
@@ -264,16 +246,11 @@ class SamplerSource:
         self.settle()  # the engines serve one set of episodes at a time
         greedy_params = self.sampling_params(1, 0, temperature=0.0)
         sampled_params = self.sampling_params(k, self.cfg.run.seed)
-        if self.agent is not None:  # whole episodes, scored on their final answers
-            greedy = self.agent.run(rows, greedy_params, self.turns(len(rows)))[0]
-            sampled = self.agent.run(rows, sampled_params, self.turns(len(rows) * k))[0]
-        else:
-            prompts = [render_prompt(r, rl) for r in rows]
-            greedy = self.generate(prompts, greedy_params)
-            sampled = self.generate(prompts, sampled_params)
+        greedy = self.rollouts.run(rows, greedy_params, self).completions
+        sampled = self.rollouts.run(rows, sampled_params, self).completions
         return held_out_metrics(rows, rl, greedy, sampled, self.rewards)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the episodes running in the background (before the pool and samplers they use go)."""
+        """Stop the rollouts running in the background (before the pool and samplers they use go)."""
         if self.background is not None:
             self.background.close(timeout_s)

@@ -3,7 +3,7 @@ batch, the step's timings, its metrics and its console line; and where a resumed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -12,21 +12,30 @@ import numpy as np
 
 from core.batch import TrainBatch
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream, columns_of, prompt_text
+from posttrain.onpolicy.rollouts import Rolled, Rollouts
 from rewards.runner import RewardBatch
 from rollout.episodes import Episode
-from rollout.group import Pending
 from rollout.sampler import Completion, SamplingParams
 
 
 @dataclass
 class InFlight:
-    """A generation request: its prompts, and the completions (once collected) or the pending handle."""
+    """A generation request: its prompts, and the future of their rollouts (done at once in sync mode; run in the
+    background while the trainer trains in async mode; done, as stored, when restored from a checkpoint)."""
 
     prompts: PromptBatch
-    # The completions, once collected; the samplers' pending handle; or, for episodes run in the background (async
-    # `rl.agent`), the future of (completions, episodes).
-    result: Pending | list[Completion] | Future
-    episodes: list[Episode] | None = None  # multi-turn rollouts (`rl.agent`): the episodes the completions are
+    result: Future[Rolled]
+
+    def rolled(self) -> Rolled:
+        """The rollouts, once they are done (waiting for them until then)."""
+        return self.result.result()
+
+
+def done(rolled: Rolled) -> Future[Rolled]:
+    """A future that already holds `rolled`."""
+    future: Future[Rolled] = Future()
+    future.set_result(rolled)
+    return future
 
 
 @dataclass
@@ -74,9 +83,12 @@ def scored_metrics(scored: Scored, staleness: int) -> dict[str, float]:
     return out
 
 
-def score(request: InFlight, completions: list[Completion], rl: Any, rewards: Any, agent: Any) -> Scored:
-    """A collected request's rewards (none without reward functions or an environment's: the `agent`'s episodes
-    add theirs) and correctness (none without `rl.accuracy_fn`), by the run's `rewards.runner.RewardRunner`."""
+def score(request: InFlight, rl: Any, rewards: Any, rollouts: Rollouts) -> Scored:
+    """A request's rollouts, once done, with their rewards (none without reward functions or an environment's:
+    `rollouts` adds an environment's) and correctness (none without `rl.accuracy_fn`), by the run's
+    `rewards.runner.RewardRunner`."""
+    rolled = request.rolled()
+    completions = rolled.completions
     rows = request.prompts.rows
     g = rl.batch.num_generations
     prompts = [prompt_text(r, rl) for r in rows for _ in range(g)]
@@ -88,9 +100,8 @@ def score(request: InFlight, completions: list[Completion], rl: Any, rewards: An
     correct = None
     if rl.accuracy_fn is not None:
         correct = rewards.score_fn(rl.accuracy_fn, prompts, texts, columns, reuse=scores)
-    if request.episodes is not None and agent is not None:
-        scores = agent.rewards(request.episodes, scores)
-    return Scored(rows, completions, scores, correct, request.episodes)
+    scores = rollouts.rewards(rolled, scores)
+    return Scored(rows, completions, scores, correct, rolled.episodes)
 
 
 def restored_position(meta: dict, stream: PromptStream) -> tuple[int, int, list[InFlight]]:
@@ -101,29 +112,33 @@ def restored_position(meta: dict, stream: PromptStream) -> tuple[int, int, list[
     in_flight = [
         InFlight(
             stream.batch(f["indices"]),
-            [Completion.from_record(c) for c in f["completions"]],
-            None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
+            done(
+                Rolled(
+                    [Completion.from_record(c) for c in f["completions"]],
+                    None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
+                )
+            ),
         )
         for f in meta.get("in_flight", [])
     ]
     return int(meta["rl_step"]), int(meta["requests"]), in_flight
 
 
-def saved_position(
-    step: int, stream: PromptStream, requests: int, in_flight: Sequence[InFlight], collect: Callable
-) -> dict:
+def saved_position(step: int, stream: PromptStream, requests: int, in_flight: Sequence[InFlight]) -> dict:
     """What a checkpoint's meta holds of the run's position (`restored_position` reads it back): the step, the
-    prompt stream's state, the request counter, and the requests still in flight (async), collected (`collect`)
-    and stored with their prompts as indices into the training rows, so that a resumed run trains on exactly what
-    an uninterrupted one would."""
-    stored = [
-        {
-            "indices": r.prompts.indices,
-            "completions": [c.record() for c in collect(r)],
-            "episodes": None if r.episodes is None else [e.record() for e in r.episodes],
-        }
-        for r in in_flight
-    ]
+    prompt stream's state, the request counter, and the requests still in flight (async), waited for and stored
+    with their prompts as indices into the training rows, so that a resumed run trains on exactly what an
+    uninterrupted one would."""
+    stored = []
+    for r in in_flight:
+        rolled = r.rolled()
+        stored.append(
+            {
+                "indices": r.prompts.indices,
+                "completions": [c.record() for c in rolled.completions],
+                "episodes": None if rolled.episodes is None else [e.record() for e in rolled.episodes],
+            }
+        )
     return {"rl_step": step, "prompt_stream": stream.get_state(), "requests": requests, "in_flight": stored}
 
 
