@@ -18,10 +18,12 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from core.config import Config, Section
 from core.kernels.divergence import Divergence
 from posttrain.advantages import Estimator
+from posttrain.losses.correction import known_modes
 from posttrain.losses.distill import FeatureKind, Schedule, TopKMode
 from posttrain.losses.kl import KLEstimator
 from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.preference import SMOOTHED, LossType
+from posttrain.losses.surrogates import POLICY_LOSSES
 from rewards.config import RewardConfig, check_reward_functions
 from rollout.config import RolloutConfig
 
@@ -29,6 +31,7 @@ from rollout.config import RolloutConfig
 
 # The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
 GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
+GMPO_EPSILON = 0.4  # the GMPO paper's token clip range, in log space: ratios within exp(-/+0.4)
 
 
 class RLBatchConfig(Section):
@@ -48,12 +51,18 @@ class RLBatchConfig(Section):
 
 
 class RLLossConfig(Section):
-    """`rl.loss`: the clipped policy objective, its aggregation and the KL term (posttrain/losses)."""
+    """`rl.loss`: the policy objective (`type`, a name of `posttrain.losses.surrogates`), its parameters, its
+    aggregation and the KL term (posttrain/losses)."""
 
-    epsilon: float = Field(0.2, ge=0.0)
+    type: str = "clip"  # clip (PPO / GRPO / DAPO), cispo, sapo, gmpo, dppo
+    epsilon: float = Field(0.2, ge=0.0)  # clip: the ratio's range 1 -/+ epsilon; gmpo: the log ratio's
     epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
     dual_clip: float | None = Field(None, gt=1.0)
-    tis_cap: float | None = Field(2.0, gt=0.0)  # truncated importance sampling vs the sampler; None = off
+    cispo_cap: float = Field(5.0, gt=0.0)  # cispo: the detached weight's upper bound (TRL's epsilon_high for cispo)
+    sapo_tau_pos: float = Field(1.0, gt=0.0)  # sapo: the gate's temperature where the advantage is positive
+    sapo_tau_neg: float = Field(1.05, gt=0.0)  # ... and where it is not
+    dppo_delta: float = Field(0.15, gt=0.0)  # dppo: how far a token's probability may move from the sampler's
+    dppo_cap: float = Field(20.0, gt=0.0)  # dppo: the detached ratio's upper bound
     loss_agg: LossAgg = "token-mean"
     mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
     beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
@@ -62,10 +71,51 @@ class RLLossConfig(Section):
     # and verl); false: only where the policy term applies (Temper before 2026-11).
     kl_every_token: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict) and "tis_cap" in data:
+            cap = data["tis_cap"]
+            now = "mode: off" if cap is None else f"mode: token_truncate, hi: {cap}"
+            raise ValueError(
+                f"rl.loss.tis_cap is now rl.rollout_correction (docs/grpo.md): write rl.rollout_correction={{{now}}}"
+            )
+        return data
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in POLICY_LOSSES:
+            raise ValueError(f"unknown rl.loss.type {value!r}; known: {', '.join(POLICY_LOSSES)}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> RLLossConfig:
         if self.epsilon_high < self.epsilon:
             raise ValueError(f"rl.loss.epsilon_high ({self.epsilon_high}) must be >= rl.loss.epsilon ({self.epsilon})")
+        return self
+
+
+class RolloutCorrectionConfig(Section):
+    """`rl.rollout_correction`: the sampler / trainer mismatch's importance weight (posttrain/losses/correction.py):
+    its level and action (`mode`) and bounds. The mode defaults by objective: token_truncate (GSPO:
+    geometric_truncate, its own ratio's level; DPPO: off, its objective weighs by the sampler's ratio already)."""
+
+    mode: str = "token_truncate"  # off, {token,sequence,geometric}_{truncate,mask}
+    lo: float | None = Field(None, ge=0.0)  # None: no lower bound
+    hi: float | None = Field(2.0, gt=0.0)  # None: no upper bound
+
+    @field_validator("mode")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in known_modes():
+            raise ValueError(f"unknown rl.rollout_correction.mode {value!r}; known: {', '.join(known_modes())}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        if self.lo is not None and self.hi is not None and self.lo > self.hi:
+            raise ValueError(f"rl.rollout_correction.lo ({self.lo}) must be <= rl.rollout_correction.hi ({self.hi})")
         return self
 
 
@@ -100,8 +150,10 @@ class RLConfig(Section):
     """The on-policy methods (GRPO / GSPO and their variants, online DPO): `rl.batch`, `rl.loss`, `rl.advantage`,
     and the prompts, async bound and evaluation here (docs/grpo.md).
 
-    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm: GRPO 0.2 / 0.2 / token-mean, GSPO
-    3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's); a value given explicitly always wins.
+    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm and objective: GRPO 0.2 / 0.2 /
+    token-mean, GSPO 3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's), GMPO 0.4 / 0.4 (in log space) /
+    sequence-mean-token-mean (the GMPO paper's); `rl.rollout_correction.mode` as its docstring says; a value given
+    explicitly always wins.
     The policy starts from `checkpoint.init_from` (None: a random init, for tests).
     """
 
@@ -110,6 +162,7 @@ class RLConfig(Section):
     use_chat_template: bool = False
     batch: RLBatchConfig = Field(default_factory=RLBatchConfig)
     loss: RLLossConfig = Field(default_factory=RLLossConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
     # The reward function that defines "correct" (value > 0) for accuracy metrics and evaluation; None: none.
@@ -128,6 +181,15 @@ class RLConfig(Section):
     def _yaml_off(cls, value):
         return "off" if value is False else value  # YAML reads a bare `off` as false
 
+    @model_validator(mode="after")
+    def _ratio_level(self) -> RLConfig:
+        if self.algorithm == "gspo" and self.loss.type in ("cispo", "gmpo", "dppo"):
+            raise ValueError(
+                f"rl.loss.type={self.loss.type} takes the per-token ratio (its own sequence form, for gmpo): it "
+                "cannot be combined with rl.algorithm=gspo; use rl.algorithm=grpo"
+            )
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _algorithm_defaults(cls, data):
@@ -139,16 +201,23 @@ class RLConfig(Section):
         if isinstance(loss, BaseModel):
             return data  # already built (a model_copy): its defaults were filled then
         loss = dict(loss or {})
-        gspo = data.get("algorithm") == "gspo"
+        gspo, objective = data.get("algorithm") == "gspo", loss.get("type", "clip")
         if loss.get("epsilon") is None:
-            loss["epsilon"] = GSPO_EPSILON if gspo else 0.2
+            loss["epsilon"] = GSPO_EPSILON if gspo else GMPO_EPSILON if objective == "gmpo" else 0.2
             if loss.get("epsilon_high") is None and gspo:
                 loss["epsilon_high"] = GSPO_EPSILON_HIGH
         if loss.get("epsilon_high") is None:
             loss["epsilon_high"] = loss["epsilon"]
         if loss.get("loss_agg") is None:
-            loss["loss_agg"] = "sequence-mean-token-mean" if gspo else "token-mean"
+            loss["loss_agg"] = "sequence-mean-token-mean" if gspo or objective == "gmpo" else "token-mean"
         data["loss"] = loss
+        correction = data.get("rollout_correction")
+        if not isinstance(correction, BaseModel):
+            correction = dict(correction or {})
+            if correction.get("mode") is None:
+                level = "off" if objective == "dppo" else "geometric_truncate" if gspo else "token_truncate"
+                correction["mode"] = level
+            data["rollout_correction"] = correction
         return data
 
 

@@ -10,9 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain.losses.correction import CorrectionSettings
 from posttrain.losses.policy import PolicyLossSettings, policy_loss
 
 AGGS = ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
+
+
+def tis(cap: float | None, algorithm: str = "grpo") -> CorrectionSettings:
+    """Truncated importance sampling capped at `cap` (None: off), at the algorithm's ratio's level."""
+    if cap is None:
+        return CorrectionSettings("off")
+    return CorrectionSettings("geometric_truncate" if algorithm == "gspo" else "token_truncate", hi=cap)
+
+
+def tis_cap(s: PolicyLossSettings) -> float | None:
+    return None if s.correction.mode == "off" else s.correction.hi
 
 
 # ------------------------------------------------------------ NumPy references
@@ -41,12 +53,12 @@ def np_policy_loss(logp, old, adv, mask, s: PolicyLossSettings, sampler=None, re
             d = 0.0 if clipped else -a * r
             if s.dual_clip is not None and a < 0 and -a * s.dual_clip < loss:
                 loss, d = -a * s.dual_clip, 0.0
-            if s.tis_cap is not None and sampler is not None:
+            if tis_cap(s) is not None and sampler is not None:
                 if s.algorithm == "grpo":
-                    w = min(np.exp(old[i, t] - sampler[i, t]), s.tis_cap)
+                    w = min(np.exp(old[i, t] - sampler[i, t]), tis_cap(s))
                 else:  # geometric mean over the sequence's tokens
                     w = min(
-                        np.exp(sum(mask[i, u] * (old[i, u] - sampler[i, u]) for u in range(T)) / max(n, 1)), s.tis_cap
+                        np.exp(sum(mask[i, u] * (old[i, u] - sampler[i, u]) for u in range(T)) / max(n, 1)), tis_cap(s)
                     )
                 loss, d = loss * w, d * w
             pol[i, t], dpol[i, t] = loss, d
@@ -94,11 +106,11 @@ def np_branches(logp, old, adv, mask, s: PolicyLossSettings, sampler=None):
     out = {"clip": int(((clipped > unclipped) & (mask > 0)).sum())}
     if s.dual_clip is not None:
         out["dual_clip"] = int(((a < 0) & (np.maximum(unclipped, clipped) > -a * s.dual_clip) & (mask > 0)).sum())
-    if s.tis_cap is not None and sampler is not None:
+    if tis_cap(s) is not None and sampler is not None:
         log_w = old - sampler
         if s.algorithm == "gspo":
             log_w = np.broadcast_to((log_w * mask).sum(1, keepdims=True) / n, log_w.shape)
-        out["tis_cap"] = int(((np.exp(log_w) > s.tis_cap) & (mask > 0)).sum())
+        out["tis_cap"] = int(((np.exp(log_w) > tis_cap(s)) & (mask > 0)).sum())
     return out
 
 
@@ -149,12 +161,12 @@ CASES = [
         epsilon=0.2,
         epsilon_high=high,
         dual_clip=dual,
-        tis_cap=tis,
+        correction=tis(cap, algo),
         beta=beta,
         kl_estimator=est,
         max_tokens=9,
     )
-    for algo, agg, (high, dual, tis, beta, est) in itertools.product(
+    for algo, agg, (high, dual, cap, beta, est) in itertools.product(
         ["grpo", "gspo"],
         AGGS,
         [
@@ -170,7 +182,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{s.tis_cap}-{s.beta}-{s.kl_estimator}"
+    "s", CASES, ids=lambda s: f"{s.algorithm}-{s.loss_agg}-{s.dual_clip}-{tis_cap(s)}-{s.beta}-{s.kl_estimator}"
 )
 def test_policy_loss_and_gradient_match_numpy(s):
     logp, old, sampler, ref, adv, mask, kl_mask = _data(13)
@@ -194,7 +206,7 @@ def test_dr_grpo_normaliser_does_not_depend_on_filtering():
     full = np.ones_like(logp)
     flat = np.arange(8) >= 2  # groups 2-4 (2 completions each) have equal rewards
     adv = np.where(flat, 0.0, adv)
-    s = PolicyLossSettings(loss_agg="sequence-mean-token-sum-norm", max_tokens=6, tis_cap=None)
+    s = PolicyLossSettings(loss_agg="sequence-mean-token-sum-norm", max_tokens=6, correction=tis(None))
     _, masked_grad, _ = _jax_loss(logp, old, adv, np.where(flat[:, None], 0.0, full), s)
     _, kept_grad, _ = _jax_loss(logp, old, adv, full, s)
     assert np.abs(kept_grad).sum() > 0
@@ -270,7 +282,9 @@ def test_micro_batches_give_the_same_gradient(agg, algorithm):
     from posttrain.onpolicy.policy_gradient import policy_objective
     from tests.helpers import assert_same_gradients, jitted_step, recording_sgd
 
-    settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, beta=0.05, tis_cap=2.0, max_tokens=19)
+    settings = PolicyLossSettings(
+        algorithm=algorithm, loss_agg=agg, beta=0.05, correction=tis(2.0, algorithm), max_tokens=19
+    )
     loss_fn = policy_objective(settings, temperature=0.7)
     results = []
     # one row per sequence in one micro-batch vs sequences packed four groups' worth of rows, 4 micro-batches
@@ -312,7 +326,7 @@ def test_one_update_takes_pi_old_from_its_own_forward_pass(algorithm, agg):
     from posttrain.onpolicy.policy_gradient import PolicyStats, policy_objective
     from tests.helpers import assert_same_gradients, jitted_step, recording_sgd
 
-    settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, tis_cap=2.0, max_tokens=19)
+    settings = PolicyLossSettings(algorithm=algorithm, loss_agg=agg, correction=tis(2.0, algorithm), max_tokens=19)
     loss_fn = policy_objective(settings, temperature=0.7)
     # the same sequences packed for 1 and for 4 micro-batches; the masked group's tokens still count for the
     # mismatch (completion_mask)

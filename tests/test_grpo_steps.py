@@ -53,6 +53,30 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
 
 
 @pytest.mark.integration
+def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tokenizer):
+    """`rl.loss.type` and `rl.rollout_correction` reach GRPO's update: SAPO's gate with a sequence mask, its metrics
+    logged (the JAX sampler in float32 gives the trainer's log-probs: no sequence is masked, every ratio is ~1)."""
+    run = _jax_run(
+        tmp_path,
+        arithmetic_tokenizer,
+        "reward.functions=[{fn: tests.reward_plugins:char_count}]",
+        "rl.loss.type=sapo",
+        "rl.rollout_correction={mode: sequence_mask, lo: 0.5, hi: 2.0}",
+        "rl.batch.num_iterations=2",
+    )
+    try:
+        seen = []
+        run.train(on_step=lambda r, step, m: seen.append(m))
+        assert len(seen) == 2 and all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in seen)
+        for m in seen:
+            assert m["correction/masked_sequences"] == 0.0 and m["correction/masked_tokens"] == 0.0
+            assert abs(m["correction/ratio_min"] - 1) < 1e-2 and abs(m["correction/ratio_max"] - 1) < 1e-2
+            assert m["clip_fraction"] == 0.0  # SAPO's gate cuts no token off
+    finally:
+        run.close()
+
+
+@pytest.mark.integration
 def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tokenizer):
     run = _jax_run(
         tmp_path,

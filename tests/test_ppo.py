@@ -289,8 +289,10 @@ def test_the_whole_ppo_objective_matches_numpy_on_transformers_outputs(tmp_path)
     per_token = np.maximum(unclipped, clipped)
     dual = (adv < 0) & (per_token > -adv * loss.dual_clip)
     per_token = np.where(dual, -adv * loss.dual_clip, per_token)
-    capped = np.exp(old_logp - sampler_logp) > loss.tis_cap
-    per_token *= np.minimum(np.exp(old_logp - sampler_logp), loss.tis_cap)
+    cap = cfg.rl.rollout_correction.hi  # the default correction: token_truncate
+    assert cfg.rl.rollout_correction.mode == "token_truncate" and cap is not None
+    capped = np.exp(old_logp - sampler_logp) > cap
+    per_token *= np.minimum(np.exp(old_logp - sampler_logp), cap)
     v_unclipped = (values - returns) ** 2
     v_clipped = (old_values + np.clip(values - old_values, -p.value_clip, p.value_clip) - returns) ** 2
     value_sum = 0.5 * np.maximum(v_unclipped, v_clipped)[mask].sum()

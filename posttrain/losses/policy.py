@@ -1,4 +1,5 @@
-"""Pure policy-gradient losses for GRPO / GSPO and their DAPO / Dr.GRPO variants (JAX).
+"""Pure policy-gradient losses for GRPO / GSPO, their DAPO / Dr.GRPO variants and the objectives of
+`posttrain.losses.surrogates` (CISPO, SAPO, GMPO, DPPO) (JAX).
 
 Everything here works on per-token arrays aligned with the completion tokens:
 
@@ -16,17 +17,18 @@ Ratios
     GSPO   s   = exp(mean_t(logp_t - old_logp_t)) per sequence; broadcast to tokens as
            s_t = sg(s) * exp(logp_t - sg(logp_t)), whose value is s and whose gradient is
            s * d logp_t: the sequence ratio's gradient, spread over its tokens.
-PPO clip   loss_t = max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high))   (DAPO: epsilon_high > epsilon)
-dual clip  for A < 0: loss_t = min(loss_t, -A c)                           (c = dual_clip > 1)
-TIS        loss_t *= min(exp(old_logp_t - sampler_logp_t), tis_cap)        (sampler/trainer mismatch; constant)
-           GSPO uses the sequence's length-normalised (geometric-mean) ratio, like its policy ratio
+objective  loss_t = one of `posttrain.losses.surrogates` (`rl.loss.type`; PPO's clip by default:
+           max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high)), DAPO's epsilon_high > epsilon, dual clip)
+correction loss_t *= w_t, the sampler/trainer mismatch's importance weight, truncated or masked at the token,
+           sequence or geometric-mean level (`posttrain.losses.correction`, `rl.rollout_correction`; constant)
 KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, k one of the estimators of
            `posttrain.losses.kl` (k3 by default, whose gradient follows KL(pi_ref || pi_theta))
 
 `policy_loss` returns `(loss_sum, denominator, PolicyTerms)` in the core
 train-step contract (sums over the micro-batch; the step divides once by the
 global denominator, so micro-batching is exact); `PolicyTerms` sums the
-statistics a step reports (clipped tokens, the TIS weight, the KL). A token counts when its policy or its KL term
+statistics a step reports (clipped tokens, the correction's weight and what it masked, the KL).
+A token counts when its policy or its KL term
 does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 
     token-mean                     sum_it loss / sum_it m           (counted tokens in the whole batch)
@@ -37,14 +39,16 @@ does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from core.sums import summed
+from core.sums import maximum, summed
+from posttrain.losses.correction import CorrectionSettings, rollout_correction
 from posttrain.losses.kl import KLEstimator, kl_penalty
+from posttrain.losses.surrogates import POLICY_LOSSES, Surrogate
 
 LossAgg = Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"]
 Algorithm = Literal["grpo", "gspo"]
@@ -52,11 +56,17 @@ Algorithm = Literal["grpo", "gspo"]
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    algorithm: Algorithm = "grpo"
+    algorithm: Algorithm = "grpo"  # the ratio's level: per token (grpo) or per sequence (gspo)
+    type: str = "clip"  # the objective, a name in `surrogates.POLICY_LOSSES`
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon
     dual_clip: float | None = None
-    tis_cap: float | None = 2.0  # None: no truncated importance sampling
+    cispo_cap: float = 5.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dppo_delta: float = 0.15
+    dppo_cap: float = 20.0
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
@@ -69,9 +79,16 @@ class PolicyTerms:
     """Token sums over a micro-batch that describe the policy term (each 0 where its part is off): a
     `core.sums` record, summed over micro-batches."""
 
-    clipped_tokens: Any = summed()  # counted tokens whose clipped term won (the ratio left the trust region)
+    clipped_tokens: Any = summed()  # counted tokens the objective's trust region acted on
     completion_tokens: Any = summed()  # tokens whose policy term counts
-    tis_weight: Any = summed()  # the truncated importance weights (tis_cap None: 0)
+    correction_weight: Any = summed()  # the rollout correction's weights over the counted tokens
+    correction_masked: Any = summed()  # counted tokens the correction masked out
+    correction_truncated: Any = summed()  # counted tokens whose weight the correction truncated
+    correction_masked_sequences: Any = summed()  # sequences with a counted token, every one masked out
+    sequences: Any = summed()  # sequences with a counted token
+    # The correction's ratio (exp of its log weight at its level, before truncation or masking) over counted tokens
+    correction_ratio_max: Any = maximum()
+    correction_ratio_min_neg: Any = maximum()  # minus the smallest (a max field)
     kl: Any = summed()  # the KL estimator over the KL tokens (beta 0: 0)
     kl_tokens: Any = summed()
 
@@ -112,30 +129,37 @@ def policy_loss(
     kl_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, PolicyTerms]:
     """`(loss_sum, denominator, terms)` over the micro-batch (see the module docstring)."""
+    if settings.type not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {settings.type!r}; known: {', '.join(POLICY_LOSSES)}")
     mask = mask.astype(jnp.float32)
     logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    sampler = None if sampler_logp is None else sampler_logp.astype(jnp.float32)
     adv = advantages.astype(jnp.float32)
     adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1] per sequence or [B, T] per token
     ratio = importance_ratio(logp, old_logp, mask, settings.algorithm)
-    high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - settings.epsilon, 1.0 + high)
-    per_token = jnp.maximum(unclipped, clipped)
-    if settings.dual_clip is not None:
-        per_token = jnp.where(adv < 0, jnp.minimum(per_token, -adv * settings.dual_clip), per_token)
+    per_token, acted = POLICY_LOSSES[settings.type](Surrogate(logp, old_logp, sampler, ratio, adv, mask), settings)
     zero = jnp.zeros((), jnp.float32)
-    tis_sum = kl_sum = kl_tokens = zero
-    if settings.tis_cap is not None and sampler_logp is not None:
-        log_w = old_logp - sampler_logp.astype(jnp.float32)  # [B, T] log pi_old / pi_sampler
-        if settings.algorithm == "gspo":
-            log_w = jnp.broadcast_to(
-                (log_w * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0), log_w.shape
-            )
-        weight = jnp.minimum(jnp.exp(log_w), settings.tis_cap)
-        per_token = per_token * jax.lax.stop_gradient(weight)
-        tis_sum = (weight * mask).sum()
+    correction = dict(
+        correction_weight=zero, correction_masked=zero, correction_truncated=zero, correction_masked_sequences=zero,
+        correction_ratio_max=zero, correction_ratio_min_neg=zero,
+    )  # fmt: skip
+    rows = (mask.sum(-1) > 0).astype(jnp.float32)
+    if settings.correction.mode != "off" and sampler is not None:
+        c = rollout_correction(old_logp, sampler, mask, settings.correction)
+        per_token = per_token * c.weight
+        ratio_seen = jnp.exp(jnp.clip(c.log_ratio, -80.0, 80.0))
+        all_masked = (c.masked.sum(-1) >= mask.sum(-1)) & (rows > 0)
+        correction = dict(
+            correction_weight=(c.weight * mask).sum(),
+            correction_masked=c.masked.sum(),
+            correction_truncated=c.truncated.sum(),
+            correction_masked_sequences=all_masked.sum().astype(jnp.float32),
+            correction_ratio_max=jnp.where(mask > 0, ratio_seen, 0.0).max(),
+            correction_ratio_min_neg=jnp.where(mask > 0, -ratio_seen, -jnp.inf).max(),
+        )
     per_token = per_token * mask
     counted = mask
+    kl_sum = kl_tokens = zero
     if settings.beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference log-probs (ref_logp)")
@@ -145,5 +169,12 @@ def policy_loss(
         counted = jnp.maximum(mask, kl_mask)
         kl_sum, kl_tokens = (kl * kl_mask).sum(), kl_mask.sum()
     loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
-    terms = PolicyTerms(((clipped > unclipped) * mask).sum(), mask.sum(), tis_sum, kl_sum, kl_tokens)
+    terms = PolicyTerms(
+        clipped_tokens=(acted * mask).sum(),
+        completion_tokens=mask.sum(),
+        sequences=rows.sum(),
+        kl=kl_sum,
+        kl_tokens=kl_tokens,
+        **correction,
+    )
     return loss_sum, denominator, terms

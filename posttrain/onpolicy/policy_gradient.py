@@ -35,6 +35,7 @@ from core.train import LossOutput, Update
 from posttrain.advantages import Advantages
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
+from posttrain.losses.correction import CorrectionSettings
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.method import SamplingMethod
 from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
@@ -50,13 +51,19 @@ def completion_tokens(cfg: PostTrainConfig) -> int:
 
 
 def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
-    loss = cfg.rl.loss
+    loss, correction = cfg.rl.loss, cfg.rl.rollout_correction
     return PolicyLossSettings(
         algorithm=cfg.rl.algorithm,
+        type=loss.type,
         epsilon=loss.epsilon,
         epsilon_high=loss.epsilon_high,
         dual_clip=loss.dual_clip,
-        tis_cap=loss.tis_cap,
+        cispo_cap=loss.cispo_cap,
+        sapo_tau_pos=loss.sapo_tau_pos,
+        sapo_tau_neg=loss.sapo_tau_neg,
+        dppo_delta=loss.dppo_delta,
+        dppo_cap=loss.dppo_cap,
+        correction=CorrectionSettings(correction.mode, correction.lo, correction.hi),  # type: ignore[arg-type]
         beta=loss.beta,
         kl_estimator=loss.kl_estimator,
         loss_agg=loss.loss_agg,
@@ -130,7 +137,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
 class PolicyStats:
     """One step's statistics from its updates: loss, gradient norm and learning rate averaged over the updates;
     token statistics as ratios of the summed sums; the sampler mismatch over the first pass (pi_old's log-probs,
-    every completion token once). `kl` and `tis_weight_mean` are None where their term is off."""
+    every completion token once). `kl` and `correction` are None where their term is off."""
 
     loss: float
     grad_norm: float
@@ -138,7 +145,7 @@ class PolicyStats:
     clip_fraction: float
     entropy: float
     kl: float | None
-    tis_weight_mean: float | None
+    correction: dict[str, float] | None  # the rollout correction's metrics (`correction_metrics`)
     mismatch_gap_mean: float
     mismatch_gap_max: float
     mismatch_seq_kl: float
@@ -156,7 +163,7 @@ class PolicyStats:
             clip_fraction=ratio(every.terms.clipped_tokens, tokens),
             entropy=ratio(every.entropy, tokens),
             kl=ratio(every.terms.kl, every.terms.kl_tokens) if settings.beta > 0 else None,
-            tis_weight_mean=ratio(every.terms.tis_weight, tokens) if settings.tis_cap is not None else None,
+            correction=correction_metrics(every.terms) if settings.correction.mode != "off" else None,
             mismatch_gap_mean=ratio(first.mismatch_gap, first.mismatch_tokens),
             mismatch_gap_max=max(float(first.mismatch_gap_max), 0.0),
             mismatch_seq_kl=ratio(first.mismatch_seq_kl, first.mismatch_sequences),
@@ -176,9 +183,24 @@ class PolicyStats:
         }
         if self.kl is not None:
             out["kl"] = self.kl
-        if self.tis_weight_mean is not None:
-            out["tis_weight_mean"] = self.tis_weight_mean
+        if self.correction is not None:
+            out.update(self.correction)
         return out
+
+
+def correction_metrics(terms: PolicyTerms) -> dict[str, float]:
+    """The rollout correction over a step's updates: its mean weight, the shares of counted tokens it masked or
+    truncated and of sequences it masked whole, and the smallest and largest ratio it saw (exp of its log weight at
+    its level, before truncation or masking)."""
+    tokens, sequences = max(float(terms.completion_tokens), 1e-9), max(float(terms.sequences), 1e-9)
+    return {
+        "correction/weight_mean": float(terms.correction_weight) / tokens,
+        "correction/masked_tokens": float(terms.correction_masked) / tokens,
+        "correction/truncated_tokens": float(terms.correction_truncated) / tokens,
+        "correction/masked_sequences": float(terms.correction_masked_sequences) / sequences,
+        "correction/ratio_min": -float(terms.correction_ratio_min_neg),
+        "correction/ratio_max": float(terms.correction_ratio_max),
+    }
 
 
 def mini_batch(batch: RLBatch, m: int, mini_batches: int) -> RLBatch:

@@ -1,0 +1,192 @@
+"""The objectives `rl.loss.type` names and the rollout corrections `rl.rollout_correction.mode` names: against TRL's
+own code on the same tensors where TRL has them (values, gradients, weights; tests/fixtures/trl_rl_objectives.json,
+made by tests/fixtures/make_trl_rl_objectives.py), against NumPy written from the papers where it does not (DPPO,
+the geometric-mean corrections), and the config's refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.config_loader import ConfigError, load_config
+from posttrain.config import PostTrainConfig
+from posttrain.losses.correction import CorrectionSettings, rollout_correction
+from posttrain.losses.policy import PolicyLossSettings, policy_loss
+from posttrain.onpolicy.policy_gradient import correction_metrics, loss_settings
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "trl_rl_objectives.json").read_text())
+LOGP, OLD, SAMPLER, ADV, MASK = (np.asarray(FIXTURE[k]) for k in ("logp", "old", "sampler", "adv", "mask"))
+
+
+def settings_for(case: dict) -> PolicyLossSettings:
+    """Temper's settings for a TRL case: the same objective, parameters, aggregation and correction."""
+    args, kind = case["args"], case["loss_type"]
+    mode = case["mode"] or "off"
+    correction = CorrectionSettings(mode, case.get("lo"), case.get("hi"))  # type: ignore[arg-type]
+    common = dict(correction=correction, max_tokens=MASK.shape[1])
+    if kind == "grpo":  # TRL's "grpo": each sequence's token mean, then their mean
+        return PolicyLossSettings(type="clip", loss_agg="sequence-mean-token-mean", **common)
+    if kind == "dapo":
+        return PolicyLossSettings(type="clip", epsilon_high=args["epsilon_high"], loss_agg="token-mean", **common)
+    if kind == "cispo":
+        return PolicyLossSettings(type="cispo", cispo_cap=args["epsilon_high"], loss_agg="token-mean", **common)
+    if kind == "sapo":
+        taus = dict(sapo_tau_pos=args.get("tau_pos", 1.0), sapo_tau_neg=args.get("tau_neg", 1.05))
+        return PolicyLossSettings(type="sapo", loss_agg="sequence-mean-token-mean", **taus, **common)
+    assert kind == "gmpo"
+    eps = args["epsilon"]
+    return PolicyLossSettings(type="gmpo", epsilon=eps, epsilon_high=eps, loss_agg="sequence-mean-token-mean", **common)
+
+
+def temper_loss(settings: PolicyLossSettings, logp=LOGP, old=OLD, sampler=SAMPLER, adv=ADV, mask=MASK):
+    def total(lp):
+        s, d, terms = policy_loss(
+            lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), settings, jnp.asarray(sampler)
+        )
+        return s / d, terms
+
+    (value, terms), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    return float(value), np.asarray(grad), terms
+
+
+def case_id(case: dict) -> str:
+    return "-".join(
+        str(x) for x in (case["loss_type"], case["mode"], case.get("lo"), case.get("hi"), *case["args"].values())
+    )
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=case_id)
+def test_each_objective_and_correction_matches_trls_code(case):
+    settings = settings_for(case)
+    value, grad, terms = temper_loss(settings)
+    assert np.abs(grad).sum() > 0  # the loss trains
+    assert value == pytest.approx(case["value"], abs=2e-6)
+    np.testing.assert_allclose(grad, np.asarray(case["grad"]), atol=2e-6)
+    ratio = np.exp(LOGP - OLD)
+    counted = MASK > 0
+    # The data reaches the branch each case configures, on some tokens and not all.
+    if case["loss_type"] == "cispo":
+        capped = (ratio > settings.cispo_cap) & counted
+        assert 0 < capped.sum() < counted.sum() and float(terms.clipped_tokens) == capped.sum()
+    if case["loss_type"] == "gmpo":
+        outside = (np.abs(LOGP - OLD) > settings.epsilon) & counted
+        assert 0 < outside.sum() < counted.sum()
+    if case["mode"] is not None:
+        trl = np.broadcast_to(np.asarray(case["weights"]), MASK.shape)
+        c = rollout_correction(jnp.asarray(OLD), jnp.asarray(SAMPLER), jnp.asarray(MASK), settings.correction)
+        np.testing.assert_allclose(np.asarray(c.weight)[counted], trl[counted], rtol=2e-5, atol=1e-7)
+        raw = np.exp(np.asarray(c.log_ratio))
+        lo, hi = case["lo"] or 0.0, case["hi"] or np.inf
+        acted = ((raw < lo) | (raw > hi)) & counted
+        assert 0 < acted.sum() < counted.sum()
+        if case["mode"].endswith("mask"):
+            assert float(terms.correction_masked) == acted.sum() and (trl[acted] == 0).all()
+        else:
+            assert float(terms.correction_truncated) == acted.sum()
+
+
+# ---------------------------------------------------------------- NumPy references where TRL has none
+
+
+def np_correction(mode: str, lo, hi, old=OLD, sampler=SAMPLER, mask=MASK) -> np.ndarray:
+    """The weight per token, from the definitions (docs/grpo.md): the level's log ratio, then truncated or masked."""
+    d = (old - sampler) * mask
+    level, action = mode.split("_")
+    n = np.maximum(mask.sum(1, keepdims=True), 1)
+    log_w = {"token": d, "sequence": d.sum(1, keepdims=True) + 0 * d, "geometric": d.sum(1, keepdims=True) / n + 0 * d}
+    w = np.exp(log_w[level])
+    lo, hi = (lo if lo is not None else 0.0), (hi if hi is not None else np.inf)
+    return np.clip(w, lo, hi) if action == "truncate" else np.where((w >= lo) & (w <= hi), w, 0.0)
+
+
+@pytest.mark.parametrize(
+    "mode,lo,hi",
+    [("geometric_truncate", 0.9, 1.1), ("geometric_mask", 0.95, 1.05), ("geometric_mask", None, 1.1),
+     ("token_mask", None, 1.2), ("sequence_truncate", None, 1.5)],
+)  # fmt: skip
+def test_every_correction_mode_matches_numpy(mode, lo, hi):
+    c = rollout_correction(jnp.asarray(OLD), jnp.asarray(SAMPLER), jnp.asarray(MASK), CorrectionSettings(mode, lo, hi))
+    expected = np_correction(mode, lo, hi)
+    counted = MASK > 0
+    np.testing.assert_allclose(np.asarray(c.weight)[counted], expected[counted], rtol=2e-5)
+    raw = np.exp(np.asarray(c.log_ratio))
+    acted = ((raw < (lo or 0)) | (raw > (hi or np.inf))) & counted
+    assert 0 < acted.sum() < counted.sum()
+
+
+def np_dppo(logp, behaviour, adv, mask, delta, cap):
+    """DPPO-Binary-TV (arXiv 2602.04879): -A * sg(min(pi/mu, cap)) * log pi on the tokens whose probability moved by
+    at most delta from the sampler's in the direction A pushes it; its value and d/d log pi (token mean)."""
+    p, mu = np.exp(logp), np.exp(behaviour)
+    a = adv[:, None]
+    valid = np.where(a > 0, p - mu <= delta, p - mu >= -delta)
+    w = np.minimum(np.exp(logp - behaviour), cap)
+    per_token = -a * w * logp * valid * mask
+    return per_token.sum() / mask.sum(), (-a * w * valid * mask) / mask.sum(), valid
+
+
+def test_dppo_matches_numpy_and_masks_by_the_probability_move():
+    settings = PolicyLossSettings(type="dppo", dppo_delta=0.1, dppo_cap=1.5, correction=CorrectionSettings("off"))
+    value, grad, terms = temper_loss(settings)
+    ref_value, ref_grad, valid = np_dppo(LOGP, SAMPLER, ADV, MASK, 0.1, 1.5)
+    counted = MASK > 0
+    assert 0 < (~valid & counted).sum() < counted.sum()  # some tokens moved too far, not all
+    assert (np.exp(LOGP - SAMPLER)[counted & valid] > 1.5).any()  # and the cap acts on some kept ones
+    assert value == pytest.approx(ref_value, abs=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
+    assert float(terms.clipped_tokens) == (~valid & counted).sum()
+
+
+def test_a_corrections_metrics_count_what_it_did():
+    settings = PolicyLossSettings(correction=CorrectionSettings("sequence_mask", 0.4, 2.5))
+    _, _, terms = temper_loss(settings)
+    metrics = correction_metrics(terms)
+    raw = np.exp(((OLD - SAMPLER) * MASK).sum(1))  # a sequence's ratio
+    masked = (raw < 0.4) | (raw > 2.5)
+    assert 0 < masked.sum() < len(raw)
+    assert metrics["correction/masked_sequences"] == pytest.approx(masked.mean())
+    assert metrics["correction/masked_tokens"] == pytest.approx((MASK.sum(1) * masked).sum() / MASK.sum())
+    assert metrics["correction/ratio_max"] == pytest.approx(raw.max(), rel=1e-5)
+    assert metrics["correction/ratio_min"] == pytest.approx(raw.min(), rel=1e-5)
+    assert metrics["correction/truncated_tokens"] == 0.0
+
+
+# ---------------------------------------------------------------- the config
+
+
+def _cfg(*overrides: str) -> PostTrainConfig:
+    return load_config("recipes/configs/grpo_tiny.yml", list(overrides), schema=PostTrainConfig)
+
+
+def test_the_config_selects_each_objective_and_correction_with_their_defaults():
+    s = loss_settings(_cfg("rl.loss.type=cispo", "rl.loss.cispo_cap=4.0"))
+    assert (s.type, s.cispo_cap, s.correction.mode, s.correction.hi) == ("cispo", 4.0, "token_truncate", 2.0)
+    s = loss_settings(_cfg("rl.loss.type=gmpo"))  # the GMPO paper's clip range, in log space, and its sequence mean
+    assert (s.epsilon, s.epsilon_high, s.loss_agg) == (0.4, 0.4, "sequence-mean-token-mean")
+    assert loss_settings(_cfg("rl.loss.type=dppo")).correction.mode == "off"  # weighs by the sampler's ratio itself
+    assert loss_settings(_cfg("rl.algorithm=gspo")).correction.mode == "geometric_truncate"
+    s = loss_settings(_cfg("rl.rollout_correction={mode: sequence_mask, lo: 0.5, hi: 3.0}", "rl.loss.type=sapo"))
+    assert (s.type, s.correction) == ("sapo", CorrectionSettings("sequence_mask", 0.5, 3.0))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rl.loss.type=ppo2", "unknown rl.loss.type 'ppo2'; known: clip, cispo, sapo, gmpo, dppo"),
+        ("rl.rollout_correction.mode=token_clip", "unknown rl.rollout_correction.mode 'token_clip'; known: off, "),
+        ("rl.rollout_correction={mode: token_mask, lo: 2.0, hi: 1.5}", "rl.rollout_correction.lo (2.0) must be <="),
+        ("rl.loss.tis_cap=1.5", "rl.loss.tis_cap is now rl.rollout_correction (docs/grpo.md): write "
+         "rl.rollout_correction={mode: token_truncate, hi: 1.5}"),
+        ("rl.loss.tis_cap=null", "write rl.rollout_correction={mode: off}"),
+        ("rl.algorithm=gspo|rl.loss.type=cispo", "rl.loss.type=cispo takes the per-token ratio"),
+    ],
+)  # fmt: skip
+def test_bad_names_and_bounds_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        _cfg(*override.split("|"))
+    assert message in str(err.value)
