@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from core.config import Config, Section
 from core.kernels.divergence import Divergence
-from posttrain.advantages import Estimator
+from posttrain.advantages import ESTIMATORS, Aggregation
 from posttrain.losses.correction import known_modes
 from posttrain.losses.distill import FeatureKind, Schedule, TopKMode
 from posttrain.losses.kl import KLEstimator
@@ -122,8 +122,27 @@ class RolloutCorrectionConfig(Section):
 class AdvantageConfig(Section):
     """`rl.advantage`: how a group's rewards become advantages (posttrain/advantages.py)."""
 
-    estimator: Estimator = "group_norm"
-    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL
+    estimator: str = "group_norm"  # group_norm, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
+    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL; the batch whitening's
+    # How the named rewards meet: summed, then the estimator (default); or each normalised in its group, summed and
+    # whitened over the batch (GDPO, TRL's normalize_then_sum).
+    aggregation: Aggregation = "sum_then_normalize"
+
+    @field_validator("estimator")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in ESTIMATORS:
+            raise ValueError(f"unknown rl.advantage.estimator {value!r}; known: {', '.join(ESTIMATORS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> AdvantageConfig:
+        if self.aggregation == "normalize_then_sum" and self.estimator != "group_norm":
+            raise ValueError(
+                f"rl.advantage.aggregation=normalize_then_sum normalises each reward in its group and whitens the sum "
+                f"itself: rl.advantage.estimator={self.estimator} would not be used (leave it group_norm)"
+            )
+        return self
 
 
 class AgentConfig(Section):

@@ -3,7 +3,8 @@
     summary = fit(cfg, GRPO)         # python -m recipes.grpo CONFIG.yml [key=value ...]
 
 What is GRPO's own: each prompt's `rl.batch.num_generations` completions form a group, scored by the reward
-functions; their group-relative advantages (`posttrain.advantages.group_advantages`: group_norm, drgrpo, rloo)
+functions; their advantages (`posttrain.onpolicy.policy_gradient.step_advantages`: an estimator of
+`posttrain.advantages` by name, group_norm, drgrpo, rloo, REINFORCE++, or GDPO's per-reward normalisation)
 weight every token of their completion; DAPO's dynamic sampling (`rl.batch.dynamic_sampling`) drops groups
 without reward variance and refills the batch. The batch is the policy-gradient `RLBatch` and the update the
 clipped objective of `posttrain.onpolicy.policy_gradient.PolicyGradient` (GRPO's per-token ratio or GSPO's
@@ -24,7 +25,13 @@ from posttrain.advantages import Advantages, group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.checks import check_graded_groups
 from posttrain.onpolicy.method import SampleContext
-from posttrain.onpolicy.policy_gradient import PolicyGradient, mini_batch, rl_batch, updates_per_step
+from posttrain.onpolicy.policy_gradient import (
+    PolicyGradient,
+    mini_batch,
+    rl_batch,
+    step_advantages,
+    updates_per_step,
+)
 from posttrain.onpolicy.rl_batch import RLBatch
 from posttrain.onpolicy.step import Scored, StepData
 from rewards.runner import RewardBatch
@@ -56,7 +63,7 @@ class GRPOMethod(PolicyGradient):
 
     def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
         assert scored.rewards is not None  # GRPO has reward functions (checked)
-        adv = advantages(cfg, scored.rewards)
+        adv = step_advantages(cfg, scored.rewards, scored.completions)
         rounds = 1
         if cfg.rl.batch.dynamic_sampling:
             scored, adv, rounds = refill(cfg, scored, adv, ctx.more)
@@ -64,6 +71,7 @@ class GRPOMethod(PolicyGradient):
             "zero_variance_groups": float(adv.zero_variance_groups),
             "reward/failed_groups": float(adv.failed_groups),
             "sampling_rounds": float(rounds),
+            **adv.normalized,
         }
         return StepData(rl_batch(cfg, scored.completions, adv, ctx.row_len, ctx.row_multiple), scored, metrics)
 
@@ -95,11 +103,6 @@ class GRPOMethod(PolicyGradient):
 GRPO = GRPOMethod()
 
 
-def advantages(cfg: PostTrainConfig, rewards: RewardBatch) -> Advantages:
-    rl = cfg.rl
-    return group_advantages(rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps)
-
-
 def refill(
     cfg: PostTrainConfig, scored: Scored, adv: Advantages, more: Callable[[], Scored]
 ) -> tuple[Scored, Advantages, int]:
@@ -108,14 +111,14 @@ def refill(
     scoring)."""
     g, want = cfg.rl.batch.num_generations, cfg.rl.batch.prompts_per_step
     batches = [scored]  # every batch drawn this step
-    first = adv.keep.reshape(-1, g)[:, 0]
+    first = adv.signal.reshape(-1, g)[:, 0]
     picks = [(0, i) for i in range(len(scored.rows)) if first[i]]  # (batch, group) in training order
     rounds = 1
     while len(picks) < want and rounds < cfg.rl.batch.max_sampling_rounds:
         extra = more()
         assert extra.rewards is not None
         batches.append(extra)
-        ok = advantages(cfg, extra.rewards).keep.reshape(-1, g)[:, 0]
+        ok = step_advantages(cfg, extra.rewards).signal.reshape(-1, g)[:, 0]
         picks += [(len(batches) - 1, i) for i in range(len(extra.rows)) if ok[i]][: want - len(picks)]
         rounds += 1
     if len(picks) < want:  # not enough signal even after refilling: train on what there is, padded
@@ -135,4 +138,4 @@ def refill(
         correct,
         episodes,
     )
-    return kept, advantages(cfg, rewards), rounds
+    return kept, step_advantages(cfg, rewards, kept.completions), rounds

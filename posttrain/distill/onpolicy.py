@@ -47,14 +47,13 @@ from core.loop import Plot
 from core.method import Attach, TrainStats, unchanged
 from core.models.lora import trainable_filter
 from core.train import Update
-from posttrain.advantages import group_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.distill.objective import DistillBatch, DistillModules, distill_objective, schedules, trainable
 from posttrain.distill.teacher import check_teacher_tokenizer, check_teacher_vocab, load_teacher
 from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.method import SampleContext
-from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens
+from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens, step_advantages
 from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
@@ -266,10 +265,7 @@ def sampled_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> S
     reward = np.zeros(len(completions), np.float32)
     metrics: dict[str, float] = {}
     if scored.rewards is not None and d.reward_weight > 0:
-        rl = cfg.rl
-        adv = group_advantages(
-            scored.rewards.total, rl.batch.num_generations, rl.advantage.estimator, rl.advantage.std_eps
-        )
+        adv = step_advantages(cfg, scored.rewards, completions)
         reward = d.reward_weight * np.asarray(adv.values, np.float32)
         metrics["zero_variance_groups"] = float(adv.zero_variance_groups)
     advantages = [np.full(len(c.token_ids), reward[i], np.float32) for i, c in enumerate(completions)]

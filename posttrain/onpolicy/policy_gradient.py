@@ -32,13 +32,14 @@ from core.router_loss import pooled_router_metrics
 from core.sums import combine, maximum, summed
 from core.targets import target_logprobs
 from core.train import LossOutput, Update
-from posttrain.advantages import Advantages
+from posttrain.advantages import Advantages, AdvantageSettings, group_advantages, normalized_advantages
 from posttrain.config import PostTrainConfig
 from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.correction import CorrectionSettings
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.method import SamplingMethod
 from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
+from rewards.runner import RewardBatch, function_names
 from rollout.sampler import Completion
 
 # ------------------------------------------------------------------ the objective
@@ -250,6 +251,30 @@ def rl_batch(
         kl_keep=adv.trainable if rl.loss.kl_every_token else None,
         replay=rl.router_replay == "replay",
     )
+
+
+def step_advantages(
+    cfg: PostTrainConfig, rewards: RewardBatch, completions: list[Completion] | None = None
+) -> Advantages:
+    """A step's advantages by `rl.advantage` (`posttrain.advantages`: the estimator on the summed rewards, or
+    GDPO's normalised sum); `completions` give the batch estimators their token weights (each one's trained
+    tokens)."""
+    rl = cfg.rl
+    tokens = None
+    if completions is not None:
+        tokens = np.array([sum(c.sampled) if c.sampled is not None else len(c.token_ids) for c in completions])
+        tokens = np.maximum(tokens, 1)
+    settings = advantage_settings(cfg)
+    if settings.aggregation == "normalize_then_sum":
+        fns = cfg.reward.functions
+        weights = dict(zip(function_names([f.fn for f in fns]), [f.weight for f in fns], strict=True))
+        return normalized_advantages(rewards.values, weights, rl.batch.num_generations, settings.std_eps)
+    return group_advantages(rewards.total, rl.batch.num_generations, settings.estimator, settings.std_eps, tokens)
+
+
+def advantage_settings(cfg: PostTrainConfig) -> AdvantageSettings:
+    a = cfg.rl.advantage
+    return AdvantageSettings(a.estimator, a.std_eps, a.aggregation)
 
 
 @dataclass
