@@ -63,6 +63,7 @@ class RLLossConfig(Section):
     sapo_tau_neg: float = Field(1.05, gt=0.0)  # ... and where it is not
     dppo_delta: float = Field(0.15, gt=0.0)  # dppo: how far a token's probability may move from the sampler's
     dppo_cap: float = Field(20.0, gt=0.0)  # dppo: the detached ratio's upper bound
+    entropy_coef: float = Field(0.0, ge=0.0)  # the entropy bonus: loss -= coef * the mean entropy (TRL's)
     loss_agg: LossAgg = "token-mean"
     mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
     beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model

@@ -20,7 +20,9 @@ from posttrain.losses.policy import PolicyLossSettings, policy_loss
 from posttrain.onpolicy.policy_gradient import correction_metrics, loss_settings
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "trl_rl_objectives.json").read_text())
-LOGP, OLD, SAMPLER, ADV, MASK = (np.asarray(FIXTURE[k]) for k in ("logp", "old", "sampler", "adv", "mask"))
+LOGP, OLD, SAMPLER, ADV, MASK, ENTROPY = (
+    np.asarray(FIXTURE[k]) for k in ("logp", "old", "sampler", "adv", "mask", "entropy")
+)
 
 
 def settings_for(case: dict) -> PolicyLossSettings:
@@ -28,7 +30,7 @@ def settings_for(case: dict) -> PolicyLossSettings:
     args, kind = case["args"], case["loss_type"]
     mode = case["mode"] or "off"
     correction = CorrectionSettings(mode, case.get("lo"), case.get("hi"))  # type: ignore[arg-type]
-    common = dict(correction=correction, max_tokens=MASK.shape[1])
+    common = dict(correction=correction, max_tokens=MASK.shape[1], entropy_coef=args.get("entropy_coef", 0.0))
     if kind == "grpo":  # TRL's "grpo": each sequence's token mean, then their mean
         return PolicyLossSettings(type="clip", loss_agg="sequence-mean-token-mean", **common)
     if kind == "dapo":
@@ -44,14 +46,17 @@ def settings_for(case: dict) -> PolicyLossSettings:
 
 
 def temper_loss(settings: PolicyLossSettings, logp=LOGP, old=OLD, sampler=SAMPLER, adv=ADV, mask=MASK):
-    def total(lp):
+    """Temper's loss, its gradient w.r.t. the policy's log-probs, its terms, and its gradient w.r.t. the entropy."""
+
+    def total(lp, entropy):
         s, d, terms = policy_loss(
-            lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), settings, jnp.asarray(sampler)
+            lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), settings, jnp.asarray(sampler), entropy=entropy
         )
         return s / d, terms
 
-    (value, terms), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(logp, jnp.float32))
-    return float(value), np.asarray(grad), terms
+    args = (jnp.asarray(logp, jnp.float32), jnp.asarray(ENTROPY, jnp.float32))
+    (value, terms), (grad, entropy_grad) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(*args)
+    return float(value), np.asarray(grad), terms, np.asarray(entropy_grad)
 
 
 def case_id(case: dict) -> str:
@@ -63,10 +68,13 @@ def case_id(case: dict) -> str:
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=case_id)
 def test_each_objective_and_correction_matches_trls_code(case):
     settings = settings_for(case)
-    value, grad, terms = temper_loss(settings)
+    value, grad, terms, entropy_grad = temper_loss(settings)
     assert np.abs(grad).sum() > 0  # the loss trains
     assert value == pytest.approx(case["value"], abs=2e-6)
     np.testing.assert_allclose(grad, np.asarray(case["grad"]), atol=2e-6)
+    if "entropy_grad" in case:  # the bonus: the same pull on every counted token's entropy, whatever the aggregation
+        np.testing.assert_allclose(entropy_grad, np.asarray(case["entropy_grad"]), atol=1e-7)
+        assert np.abs(entropy_grad).sum() > 0
     ratio = np.exp(LOGP - OLD)
     counted = MASK > 0
     # The data reaches the branch each case configures, on some tokens and not all.
@@ -132,7 +140,7 @@ def np_dppo(logp, behaviour, adv, mask, delta, cap):
 
 def test_dppo_matches_numpy_and_masks_by_the_probability_move():
     settings = PolicyLossSettings(type="dppo", dppo_delta=0.1, dppo_cap=1.5, correction=CorrectionSettings("off"))
-    value, grad, terms = temper_loss(settings)
+    value, grad, terms, _ = temper_loss(settings)
     ref_value, ref_grad, valid = np_dppo(LOGP, SAMPLER, ADV, MASK, 0.1, 1.5)
     counted = MASK > 0
     assert 0 < (~valid & counted).sum() < counted.sum()  # some tokens moved too far, not all
@@ -144,7 +152,7 @@ def test_dppo_matches_numpy_and_masks_by_the_probability_move():
 
 def test_a_corrections_metrics_count_what_it_did():
     settings = PolicyLossSettings(correction=CorrectionSettings("sequence_mask", 0.4, 2.5))
-    _, _, terms = temper_loss(settings)
+    _, _, terms, _ = temper_loss(settings)
     metrics = correction_metrics(terms)
     raw = np.exp(((OLD - SAMPLER) * MASK).sum(1))  # a sequence's ratio
     masked = (raw < 0.4) | (raw > 2.5)

@@ -21,6 +21,9 @@ objective  loss_t = one of `posttrain.losses.surrogates` (`rl.loss.type`; PPO's 
            max(-A r_t, -A clip(r_t, 1 - epsilon, 1 + epsilon_high)), DAPO's epsilon_high > epsilon, dual clip)
 correction loss_t *= w_t, the sampler/trainer mismatch's importance weight, truncated or masked at the token,
            sequence or geometric-mean level (`posttrain.losses.correction`, `rl.rollout_correction`; constant)
+entropy    loss -= entropy_coef * (the policy's mean entropy over the counted tokens): an exploration bonus whose
+           size does not depend on the aggregation (TRL's `entropy_coef`; within a micro-batch, weighted by its
+           share of the denominator, so exact with one micro-batch and with equal shares)
 KL         loss_t += beta * k(logp_t, ref_logp_t) on the kl_mask tokens, k one of the estimators of
            `posttrain.losses.kl` (k3 by default, whose gradient follows KL(pi_ref || pi_theta))
 
@@ -67,6 +70,7 @@ class PolicyLossSettings:
     dppo_delta: float = 0.15
     dppo_cap: float = 20.0
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient (0: none)
     beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
@@ -127,8 +131,10 @@ def policy_loss(
     sampler_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
     kl_mask: jax.Array | None = None,
+    entropy: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, PolicyTerms]:
-    """`(loss_sum, denominator, terms)` over the micro-batch (see the module docstring)."""
+    """`(loss_sum, denominator, terms)` over the micro-batch (see the module docstring); `entropy` [B, T]: the
+    policy's per-token entropy, with its gradient (needed when `entropy_coef` > 0)."""
     if settings.type not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {settings.type!r}; known: {', '.join(POLICY_LOSSES)}")
     mask = mask.astype(jnp.float32)
@@ -169,6 +175,12 @@ def policy_loss(
         counted = jnp.maximum(mask, kl_mask)
         kl_sum, kl_tokens = (kl * kl_mask).sum(), kl_mask.sum()
     loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
+    if settings.entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the policy's entropy")
+        # minus coef * the token mean of the entropy, in the sum the step divides by the whole denominator
+        mean_entropy = (entropy.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        loss_sum = loss_sum - settings.entropy_coef * mean_entropy * denominator
     terms = PolicyTerms(
         clipped_tokens=(acted * mask).sum(),
         completion_tokens=mask.sum(),

@@ -65,6 +65,7 @@ def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
         dppo_delta=loss.dppo_delta,
         dppo_cap=loss.dppo_cap,
         correction=CorrectionSettings(correction.mode, correction.lo, correction.hi),  # type: ignore[arg-type]
+        entropy_coef=loss.entropy_coef,
         beta=loss.beta,
         kl_estimator=loss.kl_estimator,
         loss_agg=loss.loss_agg,
@@ -120,6 +121,7 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
             sampler_logp=batch.sampler_logp,
             ref_logp=batch.ref_logp,
             kl_mask=batch.kl_mask,
+            entropy=entropy,
         )
         sums = UpdateSums(
             terms,
@@ -147,6 +149,7 @@ class PolicyStats:
     entropy: float
     kl: float | None
     correction: dict[str, float] | None  # the rollout correction's metrics (`correction_metrics`)
+    entropy_coef: float | None  # the entropy bonus's coefficient (None: no bonus)
     mismatch_gap_mean: float
     mismatch_gap_max: float
     mismatch_seq_kl: float
@@ -165,6 +168,7 @@ class PolicyStats:
             entropy=ratio(every.entropy, tokens),
             kl=ratio(every.terms.kl, every.terms.kl_tokens) if settings.beta > 0 else None,
             correction=correction_metrics(every.terms) if settings.correction.mode != "off" else None,
+            entropy_coef=settings.entropy_coef or None,
             mismatch_gap_mean=ratio(first.mismatch_gap, first.mismatch_tokens),
             mismatch_gap_max=max(float(first.mismatch_gap_max), 0.0),
             mismatch_seq_kl=ratio(first.mismatch_seq_kl, first.mismatch_sequences),
@@ -186,6 +190,8 @@ class PolicyStats:
             out["kl"] = self.kl
         if self.correction is not None:
             out.update(self.correction)
+        if self.entropy_coef is not None:
+            out["entropy_coef"] = self.entropy_coef
         return out
 
 
