@@ -54,8 +54,8 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
 
 @pytest.mark.integration
 def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tokenizer):
-    """`rl.loss.type`, `rl.rollout_correction` and `rl.advantage.aggregation` reach GRPO's step: SAPO's gate with a
-    sequence mask and GDPO's per-reward normalisation, their metrics logged (the JAX sampler in float32 gives the
+    """`rl.loss.type`, `rl.rollout_correction`, `rl.advantage.aggregation` and the entropy bonus reach GRPO's step:
+    SAPO's gate with a sequence mask, an entropy bonus and GDPO's per-reward normalisation, their metrics logged (the JAX sampler in float32 gives the
     trainer's log-probs: no sequence is masked, every ratio is ~1)."""
     run = _jax_run(
         tmp_path,
@@ -63,6 +63,7 @@ def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tok
         "reward.functions=[{fn: tests.reward_plugins:char_count}, {fn: tests.reward_plugins:by_prompt_length}]",
         "rl.advantage.aggregation=normalize_then_sum",
         "rl.loss.type=sapo",
+        "rl.loss.entropy_coef=0.01",
         "rl.rollout_correction={mode: sequence_mask, lo: 0.5, hi: 2.0}",
         "rl.batch.num_iterations=2",
     )
@@ -75,6 +76,7 @@ def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tok
             assert abs(m["correction/ratio_min"] - 1) < 1e-2 and abs(m["correction/ratio_max"] - 1) < 1e-2
             assert m["clip_fraction"] == 0.0  # SAPO's gate cuts no token off
             assert {"reward/char_count/normalized_std", "reward/by_prompt_length/normalized_mean"} <= set(m)
+            assert m["entropy_coef"] == 0.01 and m["entropy"] > 0
     finally:
         run.close()
 
