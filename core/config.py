@@ -167,6 +167,7 @@ class TrainConfig(Section):
     nan_policy: Literal["abort", "skip"] = "abort"
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(0, ge=0)  # 0: never
+    eval_on_start: bool = False  # evaluate before the first step too (step 0; HF Trainer's eval_on_start)
     compile_only: bool = False
 
     @model_validator(mode="after")

@@ -10,8 +10,8 @@ the samplers'), is this loop's one subclass: it says how a step trains (`train_s
 (`evaluate`), checkpoints (`save`, `saved_step`) and exports (`export`). The skeleton is kept apart so that what a
 step is and what surrounds every step read separately; everything below is here, once:
 
-- hooks: log (`train.log_every`), eval (`train.eval_every`), checkpoint (`checkpoint.every_steps`), then the
-  method's own (`Hook`), each after the step it is due on;
+- hooks: log (`train.log_every`), eval (`train.eval_every`; `train.eval_on_start`: at step 0 too), checkpoint
+  (`checkpoint.every_steps`), then the method's own (`Hook`), each after the step it is due on;
 - the NaN policy: a step whose update was not finite under `train.nan_policy=abort` raises `NonFiniteLoss`
   (`core.learner.apply_nan_policy`, where the update is); the loop then saves a checkpoint of the state without
   that update, the data positioned after its batch, and raises the error saying so; `skip` goes on;
@@ -168,6 +168,9 @@ class Loop:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main else None
         step = self.start_step
         try:
+            evaluates = any(hook.name == "eval" and hook.every for hook in self.hooks)
+            if self.start_step == 0 and self.cfg.train.eval_on_start and evaluates:
+                self.evaluate(0)  # the starting model's, logged at step 0
             for step in range(self.start_step + 1, self.total_steps + 1):
                 self._step_clock, began = self.clock.read(), time.perf_counter()
                 try:

@@ -1,4 +1,5 @@
-"""The post-training methods' config: the core sections plus `rollout`, `reward`, `rl`, `sft`, `dpo`, `distill`.
+"""The post-training methods' config: the core sections plus `rollout`, `reward`, `rl` (its sections in
+`posttrain.rl_config`), `sft`, `dpo`, `reward_model`, `distill`, `ppo`.
 
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
 
@@ -6,240 +7,33 @@ Each section is one pydantic model, closed (unknown keys fail with the dotted ke
 its own. What a method needs of several sections at once is checked by the method when its run is built
 (`posttrain.sft.check_config`, `posttrain.dpo.offline.check_config`, `posttrain.onpolicy.checks.check_config`,
 `posttrain.grpo.check_config`, ...), before any work starts: an SFT job never fails on RL's checks. The values an
-option may take are defined once, by the code that reads them (the loss modules' Literals), and imported here.
+option may take are defined once, by the code that reads them (the loss modules' Literals and registries), and
+imported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from core.config import Config, Section
 from core.kernels.divergence import Divergence
-from posttrain.advantages import ESTIMATORS, Aggregation
-from posttrain.losses.correction import known_modes
 from posttrain.losses.distill import FeatureKind, Schedule, TopKMode
-from posttrain.losses.kl import KLEstimator
-from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.preference import SMOOTHED, LossType
-from posttrain.losses.surrogates import POLICY_LOSSES
+from posttrain.rl_config import (  # noqa: F401  (re-exported: the rl sections are read as posttrain.config's)
+    GMPO_EPSILON,
+    GSPO_EPSILON,
+    GSPO_EPSILON_HIGH,
+    AdvantageConfig,
+    AgentConfig,
+    RLBatchConfig,
+    RLConfig,
+    RLLossConfig,
+    RolloutCorrectionConfig,
+)
 from rewards.config import RewardConfig, check_reward_functions
 from rollout.config import RolloutConfig
-
-# ---------------------------------------------------------------------------- rl
-
-# The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
-GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
-GMPO_EPSILON = 0.4  # the GMPO paper's token clip range, in log space: ratios within exp(-/+0.4)
-
-
-class RLBatchConfig(Section):
-    """`rl.batch`: what one on-policy step samples and how it is cut into updates and packed rows."""
-
-    prompts_per_step: int = Field(4, gt=0)
-    # Completions per prompt (GRPO's group: >= 2, checked by GRPO; online DPO >= 2; one is allowed where a
-    # method learns from a single sample, as on-policy distillation does).
-    num_generations: int = Field(4, gt=0)
-    num_iterations: int = Field(1, gt=0)  # mu: passes over each rollout batch
-    mini_batches: int = Field(1, gt=0)  # optimizer updates per pass
-    pack_sequences: bool = True  # several prompt + completion sequences per trainer row (less padding)
-    share_prompts: bool = True  # packed: a prompt's completions share one copy of it (each prompt token trained once)
-    pack_length: int = Field(0, ge=0)  # packed row length in tokens; 0 = the method's (rollout.max_model_len)
-    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill the batch
-    max_sampling_rounds: int = Field(4, gt=0)
-
-
-class RLLossConfig(Section):
-    """`rl.loss`: the policy objective (`type`, a name of `posttrain.losses.surrogates`), its parameters, its
-    aggregation and the KL term (posttrain/losses)."""
-
-    type: str = "clip"  # clip (PPO / GRPO / DAPO), cispo, sapo, gmpo, dppo
-    epsilon: float = Field(0.2, ge=0.0)  # clip: the ratio's range 1 -/+ epsilon; gmpo: the log ratio's
-    epsilon_high: float = Field(0.2, ge=0.0)  # DAPO clip-higher: > epsilon
-    dual_clip: float | None = Field(None, gt=1.0)
-    cispo_cap: float = Field(5.0, gt=0.0)  # cispo: the detached weight's upper bound (TRL's epsilon_high for cispo)
-    sapo_tau_pos: float = Field(1.0, gt=0.0)  # sapo: the gate's temperature where the advantage is positive
-    sapo_tau_neg: float = Field(1.05, gt=0.0)  # ... and where it is not
-    dppo_delta: float = Field(0.15, gt=0.0)  # dppo: how far a token's probability may move from the sampler's
-    dppo_cap: float = Field(20.0, gt=0.0)  # dppo: the detached ratio's upper bound
-    entropy_coef: float = Field(0.0, ge=0.0)  # the entropy bonus: loss -= coef * the mean entropy (TRL's)
-    loss_agg: LossAgg = "token-mean"
-    mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
-    beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
-    kl_estimator: KLEstimator = "k3"
-    # The KL term on every completion token (zero-variance groups and truncated completions too, as TRL
-    # and verl); false: only where the policy term applies (Temper before 2026-11).
-    kl_every_token: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved(cls, data):
-        if isinstance(data, dict) and "tis_cap" in data:
-            cap = data["tis_cap"]
-            now = "mode: off" if cap is None else f"mode: token_truncate, hi: {cap}"
-            raise ValueError(
-                f"rl.loss.tis_cap is now rl.rollout_correction (docs/grpo.md): write rl.rollout_correction={{{now}}}"
-            )
-        return data
-
-    @field_validator("type")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in POLICY_LOSSES:
-            raise ValueError(f"unknown rl.loss.type {value!r}; known: {', '.join(POLICY_LOSSES)}")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> RLLossConfig:
-        if self.epsilon_high < self.epsilon:
-            raise ValueError(f"rl.loss.epsilon_high ({self.epsilon_high}) must be >= rl.loss.epsilon ({self.epsilon})")
-        return self
-
-
-class RolloutCorrectionConfig(Section):
-    """`rl.rollout_correction`: the sampler / trainer mismatch's importance weight (posttrain/losses/correction.py):
-    its level and action (`mode`) and bounds. The mode defaults by objective: token_truncate (GSPO:
-    geometric_truncate, its own ratio's level; DPPO: off, its objective weighs by the sampler's ratio already)."""
-
-    mode: str = "token_truncate"  # off, {token,sequence,geometric}_{truncate,mask}
-    lo: float | None = Field(None, ge=0.0)  # None: no lower bound
-    hi: float | None = Field(2.0, gt=0.0)  # None: no upper bound
-
-    @field_validator("mode")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in known_modes():
-            raise ValueError(f"unknown rl.rollout_correction.mode {value!r}; known: {', '.join(known_modes())}")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutCorrectionConfig:
-        if self.lo is not None and self.hi is not None and self.lo > self.hi:
-            raise ValueError(f"rl.rollout_correction.lo ({self.lo}) must be <= rl.rollout_correction.hi ({self.hi})")
-        return self
-
-
-class AdvantageConfig(Section):
-    """`rl.advantage`: how a group's rewards become advantages (posttrain/advantages.py)."""
-
-    estimator: str = "group_norm"  # group_norm, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline
-    std_eps: float = Field(1e-4, gt=0.0)  # group_norm: (r - mean) / (std + std_eps), as TRL; the batch whitening's
-    # How the named rewards meet: summed, then the estimator (default); or each normalised in its group, summed and
-    # whitened over the batch (GDPO, TRL's normalize_then_sum).
-    aggregation: Aggregation = "sum_then_normalize"
-
-    @field_validator("estimator")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in ESTIMATORS:
-            raise ValueError(f"unknown rl.advantage.estimator {value!r}; known: {', '.join(ESTIMATORS)}")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> AdvantageConfig:
-        if self.aggregation == "normalize_then_sum" and self.estimator != "group_norm":
-            raise ValueError(
-                f"rl.advantage.aggregation=normalize_then_sum normalises each reward in its group and whitens the sum "
-                f"itself: rl.advantage.estimator={self.estimator} would not be used (leave it group_norm)"
-            )
-        return self
-
-
-class AgentConfig(Section):
-    """`rl.agent`: multi-turn rollouts, the model taking turns with an environment (docs/agents.md).
-
-    The trajectory's budget is `rollout.max_model_len` (prompt and every turn), a turn's `rollout.max_tokens`."""
-
-    # The environment plugin: `tools` (built-in: the model calls `environment_kwargs.tools`), package.module:Class,
-    # path/to/file.py:Class, or an entry point of `temper.environments`.
-    environment: str = "tools"
-    environment_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tool_parser: str = "hermes"  # vLLM's parser for the family's tool calls (hermes: Qwen2.5 / Qwen3)
-    max_turns: int = Field(4, gt=0)  # assistant turns a trajectory may take
-    env_timeout_s: float = Field(30.0, gt=0.0)  # the longest one reset or step may take
-    # Per-turn rewards from the environment, summed with this discount (1: a plain sum) and added to the reward
-    # functions' score of the final answer.
-    discount: float = Field(1.0, ge=0.0, le=1.0)
-    # Episodes running at once (None: every episode of the step). With vLLM each runs on its own: its next turn is a
-    # new request as soon as the environment answered, beside the other episodes' turns (continuous batching).
-    max_concurrency: int | None = Field(None, gt=0)
-
-
-class RLConfig(Section):
-    """The on-policy methods (GRPO / GSPO and their variants, online DPO): `rl.batch`, `rl.loss`, `rl.advantage`,
-    and the prompts, async bound and evaluation here (docs/grpo.md).
-
-    `rl.loss.epsilon`, `epsilon_high` and `loss_agg` default by algorithm and objective: GRPO 0.2 / 0.2 /
-    token-mean, GSPO 3e-4 / 4e-4 / sequence-mean-token-mean (the GSPO paper's), GMPO 0.4 / 0.4 (in log space) /
-    sequence-mean-token-mean (the GMPO paper's); `rl.rollout_correction.mode` as its docstring says; a value given
-    explicitly always wins.
-    The policy starts from `checkpoint.init_from` (None: a random init, for tests).
-    """
-
-    algorithm: Algorithm = "grpo"
-    prompt_template: str = "{question}"  # formatted with each dataset row
-    use_chat_template: bool = False
-    batch: RLBatchConfig = Field(default_factory=RLBatchConfig)
-    loss: RLLossConfig = Field(default_factory=RLLossConfig)
-    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    off_policy_steps: int = Field(0, ge=0)  # async: completions at most this many versions old
-    # The reward function that defines "correct" (value > 0) for accuracy metrics and evaluation; None: none.
-    accuracy_fn: str | None = "math_verify"
-    eval_prompts: int = Field(64, gt=0)  # held-out prompts per evaluation (train.eval_every)
-    eval_samples: int = Field(4, gt=0)  # sampled completions per prompt for pass@k / maj@k
-    agent: AgentConfig | None = None  # multi-turn rollouts with an environment; None: one completion per sample
-    # Routing replay (R3) for a mixture-of-experts policy: `replay` trains with the experts the sampler routed each
-    # token to (gate weights from the trainer's router); `off` routes as the trainer's router does. Either way the
-    # share of tokens routed differently is logged (moe/route_mismatch) when the sampler returns routes (the JAX
-    # sampler always; vLLM with rollout.record_routes).
-    router_replay: Literal["off", "replay"] = "off"
-
-    @field_validator("router_replay", mode="before")
-    @classmethod
-    def _yaml_off(cls, value):
-        return "off" if value is False else value  # YAML reads a bare `off` as false
-
-    @model_validator(mode="after")
-    def _ratio_level(self) -> RLConfig:
-        if self.algorithm == "gspo" and self.loss.type in ("cispo", "gmpo", "dppo"):
-            raise ValueError(
-                f"rl.loss.type={self.loss.type} takes the per-token ratio (its own sequence form, for gmpo): it "
-                "cannot be combined with rl.algorithm=gspo; use rl.algorithm=grpo"
-            )
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _algorithm_defaults(cls, data):
-        """Fill the clip range and aggregation the algorithm's paper uses where the user named none."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        loss = data.get("loss")
-        if isinstance(loss, BaseModel):
-            return data  # already built (a model_copy): its defaults were filled then
-        loss = dict(loss or {})
-        gspo, objective = data.get("algorithm") == "gspo", loss.get("type", "clip")
-        if loss.get("epsilon") is None:
-            loss["epsilon"] = GSPO_EPSILON if gspo else GMPO_EPSILON if objective == "gmpo" else 0.2
-            if loss.get("epsilon_high") is None and gspo:
-                loss["epsilon_high"] = GSPO_EPSILON_HIGH
-        if loss.get("epsilon_high") is None:
-            loss["epsilon_high"] = loss["epsilon"]
-        if loss.get("loss_agg") is None:
-            loss["loss_agg"] = "sequence-mean-token-mean" if gspo or objective == "gmpo" else "token-mean"
-        data["loss"] = loss
-        correction = data.get("rollout_correction")
-        if not isinstance(correction, BaseModel):
-            correction = dict(correction or {})
-            if correction.get("mode") is None:
-                level = "off" if objective == "dppo" else "geometric_truncate" if gspo else "token_truncate"
-                correction["mode"] = level
-            data["rollout_correction"] = correction
-        return data
-
 
 # ---------------------------------------------------------------------------- sft
 
@@ -253,6 +47,15 @@ class SFTConfig(Section):
     # run_dir/generations.jsonl (0: none).
     eval_generations: int = Field(4, ge=0)
     eval_max_new_tokens: int = Field(64, gt=0)
+
+
+# ---------------------------------------------------------------------------- reward model
+
+
+class RewardModelConfig(Section):
+    """A Bradley-Terry reward model on preference pairs (posttrain/reward_model.py; docs/reward_models.md)."""
+
+    margin: float = Field(0.0, ge=0.0)  # -log sigmoid(r_chosen - r_rejected - margin)
 
 
 # ---------------------------------------------------------------------------- dpo
@@ -420,6 +223,7 @@ class PostTrainConfig(Config):
     rl: RLConfig = Field(default_factory=RLConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
 

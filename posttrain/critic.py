@@ -32,20 +32,19 @@ from posttrain.config import PostTrainConfig
 from posttrain.frozen import LogprobPass, copied
 
 
+def scalar_head(hidden_size: int, mesh: Mesh, seed: int) -> nnx.Linear:
+    """A zero-initialised float32 linear map from the hidden state to one number, replicated on `mesh`."""
+    head = nnx.Linear(hidden_size, 1, kernel_init=nnx.initializers.zeros, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    nnx.update(head, jax.device_put(nnx.state(head), NamedSharding(mesh, PartitionSpec())))
+    return head
+
+
 class Critic(nnx.Module):
     """A decoder with a scalar head: V(s_t) from the final hidden state that predicts token t."""
 
     def __init__(self, backbone: Decoder, mesh: Mesh, seed: int):
         self.backbone = backbone
-        head = nnx.Linear(
-            backbone.cfg.hidden_size,
-            1,
-            kernel_init=nnx.initializers.zeros,
-            param_dtype=jnp.float32,
-            rngs=nnx.Rngs(seed),
-        )
-        nnx.update(head, jax.device_put(nnx.state(head), NamedSharding(mesh, PartitionSpec())))
-        self.value_head = head
+        self.value_head = scalar_head(backbone.cfg.hidden_size, mesh, seed)
 
     def values(self, packed: Any, rng: jax.Array | None = None) -> jax.Array:
         """[B, C] the value of each target's state (0 where there is no target)."""
@@ -114,23 +113,30 @@ def critic_for(cfg: PostTrainConfig, model: Decoder, mesh: Mesh) -> Critic:
 def export_critic(critic: Critic, hf_dir: Path, tokenizer_dir: str | None) -> None:
     """The critic, to `hf_dir/critic`: its backbone as its family writes it, with a one-label token-classification
     head (`score`), as `transformers` reads a value model."""
+    export_scored(critic.backbone, critic.value_head, hf_dir / "critic", tokenizer_dir, "ForTokenClassification")
+
+
+def export_scored(backbone: Decoder, head: nnx.Linear, out: Path, tokenizer_dir: str | None, kind: str) -> None:
+    """`backbone` as its family writes it, to `out`, with `head` as a one-label classification head (`score`):
+    `kind` names the `transformers` class (`ForTokenClassification`: a value per token; `ForSequenceClassification`:
+    one per sequence, at its last token)."""
     from safetensors.numpy import load_file, save_file
 
     from core.distributed import is_primary
     from core.hf.directory import save_hf
 
-    out = Path(save_hf(critic.backbone, critic.backbone.cfg, hf_dir / "critic", tokenizer_dir=tokenizer_dir))
+    out = Path(save_hf(backbone, backbone.cfg, out, tokenizer_dir=tokenizer_dir))
     if not is_primary():  # the others took part in the backbone's gathers
         return
-    head = nnx.state(critic.value_head)
+    state = nnx.state(head)
     config = json.loads((out / "config.json").read_text())
-    config["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in config["architectures"]]
+    config["architectures"] = [a.replace("ForCausalLM", kind) for a in config["architectures"]]
     config["num_labels"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    dtype = jnp.dtype(critic.backbone.cfg.param_dtype)
+    dtype = jnp.dtype(backbone.cfg.param_dtype)
     score = {
-        "score.weight": np.asarray(head["kernel"][...]).T.astype(dtype),
-        "score.bias": np.asarray(head["bias"][...]).astype(dtype),
+        "score.weight": np.asarray(state["kernel"][...]).T.astype(dtype),
+        "score.bias": np.asarray(state["bias"][...]).astype(dtype),
     }
     weights, index = out / "model.safetensors", out / "model.safetensors.index.json"
     if weights.exists():  # one file: the head joins it

@@ -222,11 +222,12 @@ def main(argv: list[str]) -> int:
 
     print(f"== 5/5 {METHODS[args.method]} (vLLM sampler on Ray, math_verify reward)", flush=True)
     from core.config_loader import load_config
+    from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.dpo.online import ONLINE_DPO
+    from posttrain.fit import fit
     from posttrain.grpo import GRPO
     from posttrain.onpolicy.method import SamplingMethod
-    from posttrain.onpolicy.run import build_sampler_run
     from posttrain.ppo import PPO
 
     stage = out / args.method
@@ -238,19 +239,18 @@ def main(argv: list[str]) -> int:
         *seed(2),
         *steps(args.grpo_steps),
         *steps(args.eval_prompts, "rl.eval_prompts"),
+        "train.eval_on_start=true",  # the fine-tuned model's accuracy, at step 0
     ]
     cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
-    before_file = stage / "before.json"  # the fine-tuned model's accuracy, kept for a resumed stage 5
+    if cfg.train.steps % cfg.train.eval_every:  # an evaluation on the last step, whatever the step count
+        overrides.append(f"train.eval_every={cfg.train.steps}")
+        cfg = load_config(CONFIGS / f"{args.method}.yml", overrides, schema=PostTrainConfig)
     methods: dict[str, SamplingMethod] = {"grpo": GRPO, "dpo": ONLINE_DPO, "ppo": PPO}
-    run = build_sampler_run(cfg, methods[args.method])
-    try:
-        if run.start_step == 0:
-            before_file.write_text(json.dumps(run.evaluate(step=0)))
-        before = json.loads(before_file.read_text()) if before_file.exists() else None
-        summary = run.train()
-        after = summary.final_eval or run.evaluate()
-    finally:
-        run.close()
+    summary = fit(cfg, methods[args.method])
+    # Every evaluation, a resumed stage 5's included: step 0 (after SFT) and the last step.
+    evals = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(stage)
+             if "eval/pass@1" in r}  # fmt: skip
+    before, after = evals.get(0), evals[summary.steps]
     from core.metrics import plot_curves
 
     plot = (out / "quickstart.png").absolute()

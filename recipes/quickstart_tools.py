@@ -178,9 +178,10 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
 def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, seed: int, steps: int | None) -> dict:
     """One GRPO arm from the fine-tuned model: its held-out accuracy before and after (kept for a resumed arm)."""
     from core.config_loader import load_config
+    from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
+    from posttrain.fit import fit
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import build_sampler_run
 
     stage = out / name
     overrides = [
@@ -190,24 +191,17 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
         f"checkpoint.init_from={out / 'sft' / 'hf'}",
         f"run.seed={2 + seed}",
         *([f"train.steps={steps}"] if steps else []),
+        "train.eval_on_start=true",
     ]
     if not with_tool:
         overrides.append("rl.agent=null")
     cfg = load_config(CONFIGS / "tools_grpo.yml", overrides, schema=PostTrainConfig)
-    before_file = stage / "before.json"
-    run = build_sampler_run(cfg, GRPO)
-    try:
-        if run.start_step == 0:
-            before_file.write_text(json.dumps(run.evaluate(step=0)))
-        before = json.loads(before_file.read_text())
-        summary = run.train()
-        every = cfg.train.eval_every
-        after = summary.final_eval  # the loop's last evaluation: at the last step only when it falls on one
-        if after is None or not every or summary.steps % every:
-            after = run.evaluate(step=summary.steps)
-    finally:
-        run.close()
-    return {"before": before["eval/pass@1"], "after": after["eval/pass@1"], "steps": summary.steps}
+    if cfg.train.steps % cfg.train.eval_every:  # an evaluation on the last step, whatever the step count
+        cfg = load_config(CONFIGS / "tools_grpo.yml", [*overrides, f"train.eval_every={cfg.train.steps}"],
+                          schema=PostTrainConfig)  # fmt: skip
+    summary = fit(cfg, GRPO)  # evaluated at step 0 (the fine-tuned model) and every eval_every steps to the last
+    evals = {r["step"]: r["eval/pass@1"] for r in read_metrics(stage) if "eval/pass@1" in r}  # a resumed arm's too
+    return {"before": evals[0], "after": evals[summary.steps], "steps": summary.steps}
 
 
 def plot_arms(out: Path, path: Path) -> str:

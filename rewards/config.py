@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from pydantic import Field
 
 from core.config import Section
@@ -32,10 +34,16 @@ def check_reward_functions(cfg: RewardConfig, source: str = "<config>") -> None:
     """Import every configured reward function once, so that a typo fails at load, not after a rollout.
     (Only at load: validating a config read back from a run directory never imports user code.)"""
     from core.config_loader import ConfigError
-    from rewards.registry import UnknownReward, resolve
+    from rewards.registry import BUILTIN_CHECKS, UnknownReward, resolve
 
     for i, fn in enumerate(cfg.functions):
         try:
             resolve(fn.fn)
         except UnknownReward as err:
             raise ConfigError(f"{source}: reward.functions[{i}].fn: {err}") from None
+        if fn.fn in BUILTIN_CHECKS:  # a built-in that checks its kwargs (a reward model's directory)
+            module, name = BUILTIN_CHECKS[fn.fn].split(":")
+            try:
+                getattr(importlib.import_module(module), name)(fn.kwargs)
+            except ValueError as err:
+                raise ConfigError(f"{source}: reward.functions[{i}] ({fn.fn}): {err}") from None

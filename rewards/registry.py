@@ -40,7 +40,14 @@ BUILTINS: dict[str, str] = {
     "length_penalty": "rewards.shaping:length_penalty",
     "overlong": "rewards.shaping:overlong",
     "reasoning_gym": "rewards.rgym:reasoning_gym",
+    "reward_model": "rewards.model:reward_model",
+    "llm_judge": "rewards.judge:Judge",
 }
+# A built-in's check of its kwargs, run at config load (raises ValueError saying what is wrong).
+BUILTIN_CHECKS: dict[str, str] = {"reward_model": "rewards.model:check", "llm_judge": "rewards.judge:check"}
+# Built-ins that serve their own model from the run's process (a class built once with the kwargs, with `score`
+# and `close`), not functions run in the reward workers.
+SERVED: frozenset[str] = frozenset({"rewards.judge:Judge"})
 
 
 @dataclass(frozen=True)

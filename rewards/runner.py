@@ -7,7 +7,8 @@
     batch.metrics()        # reward/mean, reward/<name>/mean, reward/<name>/failure_rate, ...
 
 Every function runs in the worker pool (`rewards.pool`) with the
-`reward.math_verify_timeout` deadline per batch. Items a function failed on
+`reward.math_verify_timeout` deadline per batch, but an LLM judge (`rewards.judge`), which serves its own model on
+a vLLM engine from this process, built on the first batch it scores and stopped by `close`. Items a function failed on
 (it raised, hung, killed its worker, or returned the wrong length / NaN /
 non-numbers) are marked failed: their value is NaN, so no score stands in for
 a failure, and the RL driver drops every group holding one from the loss
@@ -21,12 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from rewards.config import RewardConfig
 from rewards.pool import WorkerPool
-from rewards.registry import canonical, resolve
+from rewards.registry import SERVED, canonical, resolve
 
 log = logging.getLogger("temper.rewards")
 
@@ -133,6 +135,7 @@ class RewardRunner:
             resolve(spec)  # fail here, in the caller's process, on a name that does not resolve
         self.names = function_names([f.fn for f in cfg.functions])
         self.pool = WorkerPool(num_procs or cfg.math_verify_num_procs)
+        self.served: dict[str, Any] = {}  # name -> a judge serving its own model, built on first use
 
     def score(
         self,
@@ -196,7 +199,14 @@ class RewardRunner:
         columns: Mapping[str, Sequence],
     ) -> tuple[np.ndarray, list[str]]:
         """[N] float32 values (NaN where the function failed) and the failed shards' messages, logged."""
-        raw, messages = self.pool.run(spec, kwargs, prompts, completions, columns, timeout=self.cfg.math_verify_timeout)
+        if spec in SERVED:  # a judge: its engine is the run's, not a worker's
+            if name not in self.served:
+                self.served[name] = resolve(spec)(**kwargs)
+            raw, messages = self.served[name].score(prompts, completions, columns)
+        else:
+            raw, messages = self.pool.run(
+                spec, kwargs, prompts, completions, columns, timeout=self.cfg.math_verify_timeout
+            )
         values = np.array([np.nan if v is None else v for v in raw], np.float32)
         if messages:
             log.warning(
@@ -209,6 +219,9 @@ class RewardRunner:
         return values, messages
 
     def close(self) -> None:
+        for judge in self.served.values():
+            judge.close()
+        self.served.clear()
         self.pool.close()
 
     def __enter__(self) -> RewardRunner:

@@ -63,3 +63,8 @@ def digit_share(prompts, completions, **_):
 def fails_on_first_prompt(prompts, completions, **_):
     """NaN (a failure) for the completions of the batch's first prompt, the completion's length elsewhere."""
     return [float("nan") if p == prompts[0] else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+def verdict_chars(verdict):
+    """A judge's verdict parser (`rewards.judge`): its length in characters, which any verdict has."""
+    return float(len(verdict))

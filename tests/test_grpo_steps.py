@@ -55,8 +55,8 @@ def test_iterations_and_mini_batches_take_that_many_updates(tmp_path, arithmetic
 @pytest.mark.integration
 def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tokenizer):
     """`rl.loss.type`, `rl.rollout_correction`, `rl.advantage.aggregation` and the entropy bonus reach GRPO's step:
-    SAPO's gate with a sequence mask, an entropy bonus and GDPO's per-reward normalisation, their metrics logged (the JAX sampler in float32 gives the
-    trainer's log-probs: no sequence is masked, every ratio is ~1)."""
+    SAPO's gate with a sequence mask, an entropy bonus and GDPO's per-reward normalisation, their metrics logged
+    (the JAX sampler in float32 gives the trainer's log-probs: no sequence is masked, every ratio is ~1)."""
     run = _jax_run(
         tmp_path,
         arithmetic_tokenizer,

@@ -126,6 +126,15 @@ def test_cadence_and_artifacts(tmp_path, arithmetic_tokenizer, capsys):
     )
 
 
+def test_eval_on_start_evaluates_the_starting_model_at_step_0(tmp_path, arithmetic_tokenizer):
+    cfg = config(tmp_path, "train.eval_on_start=true", "train.steps=4", "checkpoint.enabled=false")
+    trainer(cfg, arithmetic_tokenizer).fit()
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    assert sorted(evals) == [0, 4]
+    assert evals[0] == pytest.approx(np.log(512), abs=0.5)  # a random model's: uniform over the vocabulary
+
+
 def test_nan_abort_keeps_last_good_checkpoint(tmp_path, arithmetic_tokenizer):
     cfg = config(tmp_path, "checkpoint.every_steps=2")
     t = trainer(cfg, arithmetic_tokenizer, poisoned_loss, poison=True)

@@ -1,0 +1,157 @@
+"""An LLM judge as a reward function: a model served by a vLLM engine on Ray reads each (prompt, completion) in a
+template, answers, and a parser turns its verdict into a number.
+
+    reward:
+      functions:
+        - fn: llm_judge
+          kwargs:
+            model: runs/judge/hf             # an HF directory (or Hub id) vLLM serves
+            template: "Question: {prompt}\\nAnswer: {completion}\\nIs the answer correct? Say yes or no.\\n"
+            parser: yes_no                   # number | yes_no | a regex with one group | package.module:function
+            chat: true                       # the template as a user turn in the judge's chat template
+            max_tokens: 32
+            timeout_s: 120
+
+The template is formatted with `prompt`, `completion` and the row's columns (`{answer}`); it must hold
+`{completion}`. Parsers: `number` (the last number in the verdict), `yes_no` (1 for a verdict that starts with
+yes, 0 for no), a regular expression whose first group is a number, or a function `(verdict) -> float | None`.
+A verdict the parser cannot read, or a call the engine does not answer within `timeout_s`, fails that completion
+(NaN: its group is dropped and counted in `reward/failed`, as a raising reward function's), never a stand-in 0.
+
+Unlike the other reward functions, which run in the reward workers, the judge runs in the run's own process
+(`rewards.runner.RewardRunner` holds it): its engine is a Ray actor, started on the first batch it scores and
+stopped with the runner, and decoding is greedy (temperature 0, seed 0) unless `temperature` is given.
+`check` runs at config load: a template without `{completion}`, or a parser that is none of the above, is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _last_number(verdict: str) -> float | None:
+    found = NUMBER.findall(verdict)
+    return float(found[-1]) if found else None
+
+
+def _yes_no(verdict: str) -> float | None:
+    word = verdict.strip().lower()
+    return 1.0 if word.startswith("yes") else 0.0 if word.startswith("no") else None
+
+
+def parser_of(spec: str) -> Callable[[str], float | None]:
+    """The verdict parser `spec` names (module docstring); ValueError naming what is wrong."""
+    if spec == "number":
+        return _last_number
+    if spec == "yes_no":
+        return _yes_no
+    if re.fullmatch(r"[\w.]+:\w+", spec):
+        module, name = spec.split(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"kwargs.parser={spec!r}: {err}") from None
+    try:
+        pattern = re.compile(spec)
+    except re.error as err:
+        raise ValueError(f"kwargs.parser={spec!r}: not number, yes_no, a function or a regex ({err})") from None
+    if pattern.groups < 1:
+        raise ValueError(f"kwargs.parser={spec!r}: a regex needs a group around the number")
+
+    def by_regex(verdict: str) -> float | None:
+        found = pattern.search(verdict)
+        try:
+            return float(found.group(1)) if found else None
+        except ValueError:
+            return None
+
+    return by_regex
+
+
+def _read(parse: Callable[[str], float | None], verdict: str) -> float | None:
+    """A parser's number, or None where it found none, raised, or gave something that is not a finite number."""
+    try:
+        value = parse(verdict)
+        number = None if value is None else float(value)
+    except (ValueError, TypeError, ArithmeticError):
+        return None
+    return number if number is not None and math.isfinite(number) else None
+
+
+def check(kwargs: Mapping[str, Any]) -> None:
+    """The judge's kwargs at config load (ValueError saying what is wrong)."""
+    if not isinstance(kwargs.get("model"), str):
+        raise ValueError("kwargs.model: the judge's model (an HF directory or Hub id) is needed")
+    template = kwargs.get("template")
+    if not isinstance(template, str):
+        raise ValueError("kwargs.template: the judge's prompt template is needed")
+    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+    if "completion" not in fields:
+        raise ValueError(f"kwargs.template has no {{completion}} slot (it names {sorted(fields) or 'nothing'})")
+    parser_of(str(kwargs.get("parser", "number")))
+
+
+class Judge:
+    """The judge of one `reward.functions` entry (module docstring)."""
+
+    def __init__(
+        self,
+        model: str,
+        template: str,
+        parser: str = "number",
+        chat: bool = False,
+        max_tokens: int = 32,
+        timeout_s: float = 120.0,
+        temperature: float = 0.0,
+        max_model_len: int = 2048,
+    ):
+        check({"model": model, "template": template, "parser": parser})
+        self.model, self.template, self.chat = model, template, chat
+        self.parse = parser_of(parser)
+        self.max_tokens, self.timeout_s, self.temperature = max_tokens, timeout_s, temperature
+        self.max_model_len = max_model_len
+        self._engine: Any = None
+
+    def engine(self) -> Any:
+        """The judge's vLLM engine, a Ray actor, started on first use."""
+        if self._engine is None:
+            from rollout.config import RolloutConfig
+            from rollout.vllm_actor import RemoteVLLMSampler
+
+            cfg = RolloutConfig(sampler="vllm", max_model_len=self.max_model_len, max_tokens=self.max_tokens)
+            self._engine = RemoteVLLMSampler.start(self.model, cfg, seed=0, timeout_s=self.timeout_s)
+        return self._engine
+
+    def score(
+        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence]
+    ) -> tuple[list[float | None], list[str]]:
+        """Each completion's parsed verdict (None where it failed) and what failed."""
+        from rollout.sampler import SamplingParams
+
+        requests: list[Any] = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            row = {k: v[i] for k, v in columns.items()}
+            text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
+            requests.append([{"role": "user", "content": text}] if self.chat else text)
+        params = SamplingParams(n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=0)
+        try:
+            verdicts = [c.text for c in self.engine().generate(requests, params)]
+        except Exception as err:  # the engine failed or did not answer in time: every item of the call fails
+            return [None] * len(requests), [f"the judge {self.model} did not answer: {type(err).__name__}: {err}"]
+        values = [_read(self.parse, v) for v in verdicts]
+        bad = [v for v, x in zip(verdicts, values, strict=True) if x is None]
+        messages = [f"{len(bad)} verdicts the parser could not read (first: {bad[0][:80]!r})"] if bad else []
+        return values, messages
+
+    def close(self) -> None:
+        """Stop the engine (a judge that never scored started none)."""
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
