@@ -30,7 +30,10 @@ class Engine:
     """A stand-in engine (this is a unit test of the judge's own logic; the real engine is below)."""
 
     def __init__(self, replies=None, error=None):
-        self.replies, self.error, self.asked = replies, error, []
+        self.replies, self.error, self.asked, self.stopped = replies, error, [], False
+
+    def stop(self):
+        self.stopped = True
 
     def generate(self, requests, params):
         from rollout.sampler import Completion
@@ -72,11 +75,13 @@ def test_the_runner_counts_a_judges_failures_as_failed_items():
 
     spec = {"functions": [{"fn": "llm_judge", "kwargs": {"model": "unused", "template": TEMPLATE}}]}
     runner = RewardRunner(RewardConfig.model_validate(spec), num_procs=1)
+    engine = Engine(["Score: 5", "nothing"])
     try:
-        runner.served["llm_judge"] = _judge(Engine(["Score: 5", "nothing"]))
+        runner.served["llm_judge"] = _judge(engine)
         batch = runner.score(["a", "b"], [" 1", " 2"], {"answer": [1, 2]})
     finally:
         runner.close()
+    assert engine.stopped  # the runner stops the judge's engine
     assert batch.values["llm_judge"][0] == 5.0 and math.isnan(batch.total[1]) and batch.failed["llm_judge"][1]
     assert batch.metrics()["reward/llm_judge/failure_rate"] == 0.5
 

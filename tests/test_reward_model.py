@@ -88,17 +88,22 @@ def test_the_output_head_does_not_train_and_the_backbone_does():
 
     from posttrain.dpo.pairs import build_pair_batch
 
-    learner, _ = _learner("optim.learning_rate=1.0e-2", "model.tie_word_embeddings=false")
+    learner, cfg = _learner("optim.learning_rate=1.0e-2", "model.tie_word_embeddings=false")
     batch = build_pair_batch(_pairs(np.random.default_rng(1)), slots=4, row_len=64, groups=1, pack=True)
-    tree = learner.learner.modules()
-    before = jax.tree.map(np.asarray, nnx.state(tree.model, nnx.Param))
+    params = lambda: jax.tree.map(np.asarray, nnx.state(learner.learner.modules().model, nnx.Param))  # as they are now
+    before = params()
     for _ in range(2):
         learner.train(batch)
-    after = jax.tree.map(np.asarray, nnx.state(tree.model, nnx.Param))
+    after = params()
     change = lambda part: max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after[part]),
                                                                          jax.tree.leaves(before[part])))  # fmt: skip
-    assert change("lm_head") == 0.0  # no score reads the causal LM's head: it neither trains nor holds moments
-    assert change("embed") > 0 and change("layers") > 0
+    assert change("lm_head") == 0.0 and change("embed") > 0 and change("layers") > 0
+    # No score reads the causal LM's head: the trainable filter leaves it out (no gradient buffer, no moments).
+    from posttrain.reward_model import REWARD_MODEL
+
+    trained = jax.tree_util.tree_flatten_with_path(nnx.state(learner.learner.modules(), REWARD_MODEL.trainable(cfg)))
+    names = [jax.tree_util.keystr(path) for path, _ in trained[0]]
+    assert not [n for n in names if "lm_head" in n] and any("value_head" in n for n in names)
 
 
 def test_a_trained_reward_model_scores_completions_in_the_reward_workers(tmp_path, arithmetic_tokenizer):
