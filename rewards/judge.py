@@ -11,6 +11,7 @@ template, answers, and a parser turns its verdict into a number.
             chat: true                       # the template as a user turn in the judge's chat template
             max_tokens: 32
             timeout_s: 120
+            max_model_len: null              # the engine's context (default: the model's own)
 
 The template is formatted with `prompt`, `completion` and the row's columns (`{answer}`); it must hold
 `{completion}`. Parsers: `number` (the last number in the verdict), `yes_no` (1 for a verdict that starts with
@@ -85,6 +86,17 @@ def _read(parse: Callable[[str], float | None], verdict: str) -> float | None:
     return number if number is not None and math.isfinite(number) else None
 
 
+def _model_length(model: str) -> int:
+    """The judge model's own context length (`max_position_embeddings`; 2048 where its config cannot be read)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text()).get("max_position_embeddings") or 2048)
+    return 2048
+
+
 def check(kwargs: Mapping[str, Any]) -> None:
     """The judge's kwargs at config load (ValueError saying what is wrong)."""
     if not isinstance(kwargs.get("model"), str):
@@ -110,13 +122,13 @@ class Judge:
         max_tokens: int = 32,
         timeout_s: float = 120.0,
         temperature: float = 0.0,
-        max_model_len: int = 2048,
+        max_model_len: int | None = None,
     ):
         check({"model": model, "template": template, "parser": parser})
         self.model, self.template, self.chat = model, template, chat
         self.parse = parser_of(parser)
         self.max_tokens, self.timeout_s, self.temperature = max_tokens, timeout_s, temperature
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len or _model_length(model)
         self._engine: Any = None
 
     def engine(self) -> Any:
