@@ -18,7 +18,7 @@ from typing import Any
 from core.method import Method
 from core.run import RunSummary
 
-__all__ = ["RunSummary", "fit"]
+__all__ = ["RunSummary", "fit", "fit_or_compile"]
 
 
 def fit(cfg: Any, method: Method) -> RunSummary:
@@ -32,3 +32,15 @@ def fit(cfg: Any, method: Method) -> RunSummary:
     from posttrain.offline import fit_offline
 
     return fit_offline(cfg, method)
+
+
+def fit_or_compile(cfg: Any, method: Method) -> RunSummary | None:
+    """`fit`; with `train.compile_only`, the method's update compiled for the configured mesh on fake CPU devices
+    instead (`core.compile_only`: what it would take in memory, nothing trained), and None."""
+    if cfg.train.compile_only:
+        from core.compile_only import compile_method, request_devices
+
+        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
+        compile_method(cfg, method)
+        return None
+    return fit(cfg, method)

@@ -28,7 +28,6 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -42,8 +41,8 @@ from core.sums import summed
 from core.train import LossOutput
 from posttrain.config import PostTrainConfig
 from posttrain.critic import export_scored, scalar_head
-from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
-from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
+from posttrain.dpo.data import PAIR_FORMATS, example_pair_batch, pair_source, pair_texts
+from posttrain.dpo.pairs import PairBatch
 
 
 class RewardModules(ModuleTree):
@@ -106,17 +105,10 @@ class BradleyTerryRewardModel(Method[PairBatch]):
     name = "reward model"
 
     def check(self, cfg: PostTrainConfig) -> None:
-        formats = {
-            "prompt_completion": "prompt / chosen / rejected strings",
-            "chat": "prompt messages, chosen / rejected one assistant message each",
-        }
-        check_rows(cfg, "the reward model", formats)
+        check_rows(cfg, "the reward model", PAIR_FORMATS)
 
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
-        for r in records:
-            for name in ("prompt", "chosen", "rejected"):
-                if isinstance(r.get(name), str):
-                    yield r[name]
+        return pair_texts(records)
 
     def modules(self, cfg: PostTrainConfig, model: Decoder, mesh: Mesh) -> RewardModules:
         return RewardModules(model, mesh, cfg.run.seed)
@@ -134,25 +126,11 @@ class BradleyTerryRewardModel(Method[PairBatch]):
         return bradley_terry(cfg.reward_model.margin)
 
     def parts(self, run: RunContext) -> MethodParts:
-        cfg = run.cfg
-        data = load_pairs(cfg, run.tokenizer, run.records)
-        layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=run.row_multiple)
-        notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
-        train = pair_pipeline(
-            data.train,
-            batch_size=cfg.train.batch_size,
-            micro_batches=cfg.train.micro_batches,
-            layout=layout,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle,
-        )
-        from core.batch_source import Evaluation
-
-        evaluation = None
-        if data.eval:
-            evaluation = Evaluation(lambda: eval_batches(data.eval, batch_size=cfg.train.batch_size, layout=layout))
+        source = pair_source(run.cfg, run.tokenizer, run.records, run.row_multiple)
         console = {"accuracy": "acc", "eval/accuracy": "eval acc", "score_margin": "margin"}
-        return MethodParts(train, evaluation, skipped=data.skipped, notes=notes, console=console)
+        return MethodParts(
+            source.train, source.evaluation, skipped=source.data.skipped, notes=source.notes, console=console
+        )
 
     def export_beside(self, cfg: PostTrainConfig, learner: Learner, hf_dir: Path, tokenizer_dir: str | None) -> None:
         """The reward model, to `hf_dir/reward_model`: the backbone as its family writes it, with a one-label
@@ -163,19 +141,7 @@ class BradleyTerryRewardModel(Method[PairBatch]):
         )
 
     def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> PairBatch:
-        """`train.batch_size` pairs whose prompt and completions are a third of `data.seq_len` each."""
-        rng = np.random.default_rng(0)
-        third = cfg.data.seq_len // 3
-        ids = lambda: tuple(int(x) for x in rng.integers(1, cfg.model.vocab_size, third))
-        pairs = [Pair(i, ids(), ids(), ids()) for i in range(cfg.train.batch_size)]
-        return build_pair_batch(
-            pairs,
-            slots=len(pairs),
-            row_len=cfg.data.seq_len,
-            groups=cfg.train.micro_batches,
-            pack=cfg.data.packing,
-            row_multiple=row_multiple,
-        )
+        return example_pair_batch(cfg, row_multiple)
 
 
 REWARD_MODEL = BradleyTerryRewardModel()

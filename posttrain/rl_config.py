@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -17,6 +18,14 @@ from posttrain.losses.surrogates import POLICY_LOSSES
 # The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
 GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
 GMPO_EPSILON = 0.4  # the GMPO paper's token clip range, in log space: ratios within exp(-/+0.4)
+
+
+def known(value: str, names: Iterable[str], key: str) -> str:
+    """`value`, a name of a registry (`names`); else a ValueError naming `key` and the names it knows."""
+    names = list(names)
+    if value not in names:
+        raise ValueError(f"unknown {key} {value!r}; known: {', '.join(names)}")
+    return value
 
 
 class RLBatchConfig(Section):
@@ -71,9 +80,7 @@ class RLLossConfig(Section):
     @field_validator("type")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value not in POLICY_LOSSES:
-            raise ValueError(f"unknown rl.loss.type {value!r}; known: {', '.join(POLICY_LOSSES)}")
-        return value
+        return known(value, POLICY_LOSSES, "rl.loss.type")
 
     @model_validator(mode="after")
     def _check(self) -> RLLossConfig:
@@ -94,9 +101,7 @@ class RolloutCorrectionConfig(Section):
     @field_validator("mode")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value not in known_modes():
-            raise ValueError(f"unknown rl.rollout_correction.mode {value!r}; known: {', '.join(known_modes())}")
-        return value
+        return known(value, known_modes(), "rl.rollout_correction.mode")
 
     @model_validator(mode="after")
     def _check(self) -> RolloutCorrectionConfig:
@@ -117,9 +122,7 @@ class AdvantageConfig(Section):
     @field_validator("estimator")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value not in ESTIMATORS:
-            raise ValueError(f"unknown rl.advantage.estimator {value!r}; known: {', '.join(ESTIMATORS)}")
-        return value
+        return known(value, ESTIMATORS, "rl.advantage.estimator")
 
     @model_validator(mode="after")
     def _check(self) -> AdvantageConfig:

@@ -41,15 +41,11 @@ def main(argv: list[str]) -> int:
         print(f"done: {summary.steps} steps; run directory {summary.run_dir} (metrics.jsonl, reward.png, hf/)")
         return 0
     from posttrain.dpo.offline import DPO
-    from posttrain.fit import fit
+    from posttrain.fit import fit_or_compile
 
-    if cfg.train.compile_only:
-        from core.compile_only import compile_method, request_devices
-
-        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_method(cfg, DPO)
+    result = fit_or_compile(cfg, DPO)  # here, or in a process group (placement.trainer_processes)
+    if result is None:  # train.compile_only
         return 0
-    result = fit(cfg, DPO)  # here, or in a process group (placement.trainer_processes)
     print(f"done: run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, loss.png, hf/)")
     return 0
 

@@ -29,17 +29,12 @@ def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
-    if cfg.train.compile_only:
-        from core.compile_only import compile_method, request_devices
-        from posttrain.grpo import GRPO
-
-        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_method(cfg, GRPO)
-        return 0
-    from posttrain.fit import fit
+    from posttrain.fit import fit_or_compile
     from posttrain.grpo import GRPO
 
-    summary = fit(cfg, GRPO)
+    summary = fit_or_compile(cfg, GRPO)
+    if summary is None:  # train.compile_only
+        return 0
     print(
         f"done: {summary.steps} steps, policy version {summary.policy_version}; run directory {summary.run_dir}"
         + (f"; final eval {summary.final_eval}" if summary.final_eval else "")

@@ -30,16 +30,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "pretrain_tiny.yml"
 
 def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, DEFAULT_CONFIG)
-    from core.compile_only import compile_method, request_devices
     from core.pretrain import PRETRAINING
-    from posttrain.fit import fit
+    from posttrain.fit import fit_or_compile
 
-    if cfg.train.compile_only:
-        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_method(cfg, PRETRAINING)
+    result = fit_or_compile(cfg, PRETRAINING)  # here, or in a process group (placement.trainer_processes)
+    if result is None:  # train.compile_only
         return 0
-
-    result = fit(cfg, PRETRAINING)  # here, or in a process group (placement.trainer_processes)
     print(
         f"done: {result.steps} steps; run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, "
         f"tensorboard/, loss.png, hf/)"

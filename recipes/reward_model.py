@@ -23,17 +23,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "reward_model_tiny.yml"
 
 def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
-    from posttrain.fit import fit
+    from posttrain.fit import fit_or_compile
     from posttrain.reward_model import REWARD_MODEL
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
-    if cfg.train.compile_only:
-        from core.compile_only import compile_method, request_devices
-
-        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_method(cfg, REWARD_MODEL)
+    result = fit_or_compile(cfg, REWARD_MODEL)  # here, or in a process group (placement.trainer_processes)
+    if result is None:  # train.compile_only
         return 0
-    result = fit(cfg, REWARD_MODEL)  # here, or in a process group (placement.trainer_processes)
     print(f"done: run directory {result.run_dir} (metrics.jsonl, loss.png, hf/reward_model)")
     return 0
 

@@ -24,17 +24,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft_tiny.yml"
 
 def main(argv: list[str]) -> int:
     from posttrain.config import PostTrainConfig
-    from posttrain.fit import fit
+    from posttrain.fit import fit_or_compile
     from posttrain.sft import SFT
 
     cfg = config_from_argv(argv, DEFAULT_CONFIG, schema=PostTrainConfig)
-    if cfg.train.compile_only:
-        from core.compile_only import compile_method, request_devices
-
-        request_devices(cfg)  # fake CPU devices for the configured mesh, before JAX's first device query
-        compile_method(cfg, SFT)
+    result = fit_or_compile(cfg, SFT)  # here, or in a process group (placement.trainer_processes)
+    if result is None:  # train.compile_only
         return 0
-    result = fit(cfg, SFT)  # here, or in a process group (placement.trainer_processes)
     print(
         f"done: {result.steps} steps; run directory {result.run_dir} (config.yaml, checkpoints/, metrics.jsonl, "
         f"loss.png, generations.jsonl, hf/)"

@@ -91,3 +91,19 @@ def with_router_stats(fn, model):
 
     out, sown = capture_router(fn)(model)
     return out, sown_at(sown)
+
+
+def method_learner(config: str, method, *overrides: str):
+    """(`core.method_learner.MethodLearner` of `method` on a fresh model of `config` with `overrides`, on one
+    device; the config)."""
+    from core.config_loader import load_config
+    from core.mesh import single_device_mesh
+    from core.method_learner import MethodLearner
+    from core.models import create_model
+    from posttrain.config import PostTrainConfig
+
+    cfg = load_config(config, list(overrides), schema=PostTrainConfig)
+    mesh = single_device_mesh()
+    with jax.set_mesh(mesh):
+        model = create_model(cfg.model, mesh, seed=0)
+    return MethodLearner(cfg, method, model, mesh), cfg

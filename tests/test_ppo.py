@@ -123,18 +123,10 @@ def _batch(cfg, rng, n=8):
 
 
 def _learner(*overrides):
-    import jax
-
-    from core.mesh import single_device_mesh
-    from core.method_learner import MethodLearner
-    from core.models import create_model
     from posttrain.ppo import PPO
+    from tests.helpers import method_learner
 
-    cfg = load_config(PPO_TINY, ["train.steps=4", *overrides], schema=PostTrainConfig)
-    mesh = single_device_mesh()
-    with jax.set_mesh(mesh):
-        model = create_model(cfg.model, mesh, seed=0)
-    return MethodLearner(cfg, PPO, model, mesh), cfg
+    return method_learner(PPO_TINY, PPO, "train.steps=4", *overrides)
 
 
 def test_a_trainable_regex_that_leaves_a_part_untrained_is_refused_naming_it():

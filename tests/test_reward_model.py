@@ -16,18 +16,10 @@ RM_TINY = "recipes/configs/reward_model_tiny.yml"
 
 
 def _learner(*overrides):
-    import jax
-
-    from core.mesh import single_device_mesh
-    from core.method_learner import MethodLearner
-    from core.models import create_model
     from posttrain.reward_model import REWARD_MODEL
+    from tests.helpers import method_learner
 
-    cfg = load_config(RM_TINY, ["train.steps=4", *overrides], schema=PostTrainConfig)
-    mesh = single_device_mesh()
-    with jax.set_mesh(mesh):
-        model = create_model(cfg.model, mesh, seed=0)
-    return MethodLearner(cfg, REWARD_MODEL, model, mesh), cfg
+    return method_learner(RM_TINY, REWARD_MODEL, "train.steps=4", *overrides)
 
 
 def _pairs(rng, n=4, eos=2):

@@ -26,6 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from core.batch_source import Evaluation
 from core.data import DataBatch, MalformedRow, epochs, held_out
 from core.shapes import bucketed_width
 from core.sources import DataSourceError
@@ -118,3 +119,66 @@ def eval_batches(pairs: Sequence[Pair], *, batch_size: int, layout: PairLayout) 
     """`pairs` once, in order, `batch_size` pair slots per batch (the last one's unused slots empty)."""
     for start in range(0, len(pairs), batch_size):
         yield pair_batch(pairs[start : start + batch_size], slots=batch_size, micro_batches=1, layout=layout)
+
+
+# What a method that trains on pairs (offline DPO, the reward model) reads of the config and the rows, once.
+
+PAIR_FORMATS = {
+    "prompt_completion": "prompt / chosen / rejected strings",
+    "chat": "prompt messages, chosen / rejected one assistant message each",
+}
+
+
+def pair_texts(records: Sequence[dict]) -> Iterator[str]:
+    """The text a run's tokenizer is trained on when it has none: every pair's prompt, chosen and rejected."""
+    for r in records:
+        for name in ("prompt", "chosen", "rejected"):
+            if isinstance(r.get(name), str):
+                yield r[name]
+
+
+@dataclass
+class PairSource:
+    """A run's pairs (`load_pairs`), their layout, the training pipeline and the held-out batches (None: none)."""
+
+    data: PairData
+    layout: PairLayout
+    train: grain.IterDataset
+    evaluation: Evaluation | None
+    notes: list[str]
+
+
+def pair_source(cfg: PostTrainConfig, tokenizer: Any, records: Sequence[dict], row_multiple: int) -> PairSource:
+    """The pairs of `records` as a run reads them: `train.batch_size` pairs a step in `train.micro_batches`
+    packing groups, shuffled and repeated; every held-out pair once per evaluation."""
+    data = load_pairs(cfg, tokenizer, records)
+    layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=row_multiple)
+    notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
+    size = cfg.train.batch_size
+    train = pair_pipeline(
+        data.train,
+        batch_size=size,
+        micro_batches=cfg.train.micro_batches,
+        layout=layout,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    evaluation = Evaluation(lambda: eval_batches(data.eval, batch_size=size, layout=layout)) if data.eval else None
+    return PairSource(data, layout, train, evaluation, notes)
+
+
+def example_pair_batch(cfg: PostTrainConfig, row_multiple: int) -> PairBatch:
+    """`train.batch_size` pairs whose prompt and completions are a third of `data.seq_len` each, packed as the
+    pipeline packs pairs (what `train.compile_only` compiles an update for)."""
+    rng = np.random.default_rng(0)
+    third = cfg.data.seq_len // 3
+    ids = lambda: tuple(int(x) for x in rng.integers(1, cfg.model.vocab_size, third))
+    pairs = [Pair(i, ids(), ids(), ids()) for i in range(cfg.train.batch_size)]
+    return build_pair_batch(
+        pairs,
+        slots=len(pairs),
+        row_len=cfg.data.seq_len,
+        groups=cfg.train.micro_batches,
+        pack=cfg.data.packing,
+        row_multiple=row_multiple,
+    )

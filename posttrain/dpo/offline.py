@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from core.batch_source import Evaluation, Prepare, as_is
+from core.batch_source import Prepare, as_is
 from core.data import DataBatch
 from core.learner import Learner
 from core.method import Attach, Method, unchanged
@@ -36,9 +36,16 @@ from core.run import MethodParts, RunContext, check_rows
 from core.train import LossFn
 from core.trainer import Trainer
 from posttrain.config import PostTrainConfig
-from posttrain.dpo.data import PairLayout, eval_batches, load_pairs, pair_pipeline
+from posttrain.dpo.data import (
+    PAIR_FORMATS,
+    PairLayout,
+    eval_batches,
+    example_pair_batch,
+    pair_source,
+    pair_texts,
+)
 from posttrain.dpo.objective import live_reference, needs_reference, preference_objective
-from posttrain.dpo.pairs import Pair, PairBatch, build_pair_batch
+from posttrain.dpo.pairs import Pair, PairBatch
 from posttrain.frozen import FrozenModel
 from posttrain.token_store import Key, TokenStore, tokens_digest, weights_digest
 
@@ -100,10 +107,7 @@ class OfflineDPO(Method):
         check_config(cfg)
 
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
-        for r in records:
-            for name in ("prompt", "chosen", "rejected"):
-                if isinstance(r.get(name), str):
-                    yield r[name]
+        return pair_texts(records)
 
     def loss(self, cfg: PostTrainConfig) -> LossFn:
         return preference_objective(cfg.dpo)
@@ -115,9 +119,8 @@ class OfflineDPO(Method):
 
     def parts(self, run: RunContext) -> MethodParts:
         cfg = run.cfg
-        data = load_pairs(cfg, run.tokenizer, run.records)
-        layout = PairLayout(cfg.data.seq_len, cfg.data.packing, row_multiple=run.row_multiple)
-        notes = [f"dropped {len(data.dropped)} pairs: {data.dropped[0]}"] if data.dropped else []
+        source = pair_source(cfg, run.tokenizer, run.records, run.row_multiple)
+        data, layout, notes = source.data, source.layout, source.notes
 
         prepare: Prepare = as_is
         if not needs_reference(cfg.dpo):
@@ -137,37 +140,17 @@ class OfflineDPO(Method):
         else:  # attached beside the trainer (`attach`)
             notes.append(f"reference: live ({_reference_kind(cfg)})")
 
-        train = pair_pipeline(
-            data.train,
-            batch_size=cfg.train.batch_size,
-            micro_batches=cfg.train.micro_batches,
-            layout=layout,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle,
-        )
-        evaluation = None
-        if data.eval:
-            evaluation = Evaluation(lambda: eval_batches(data.eval, batch_size=cfg.train.batch_size, layout=layout))
         # the share of pairs whose chosen completion gets the higher implicit reward, in training and held out
         console = {"rewards/accuracies": "pref acc", "eval/rewards/accuracies": "eval pref acc"}
-        return MethodParts(train, evaluation, prepare=prepare, skipped=data.skipped, notes=notes, console=console)
+        return MethodParts(
+            source.train, source.evaluation, prepare=prepare, skipped=data.skipped, notes=notes, console=console
+        )
 
     def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> PairBatch:
-        """`train.batch_size` pairs whose prompt and completions are a third of `data.seq_len` each, packed as the
-        pipeline packs pairs, with the reference's log-probs the loss reads."""
-        rng = np.random.default_rng(0)
-        third = cfg.data.seq_len // 3
-        ids = lambda: tuple(int(x) for x in rng.integers(1, cfg.model.vocab_size, third))
-        pairs = [Pair(i, ids(), ids(), ids()) for i in range(cfg.train.batch_size)]
-        batch = build_pair_batch(
-            pairs,
-            slots=len(pairs),
-            row_len=cfg.data.seq_len,
-            groups=cfg.train.micro_batches,
-            pack=cfg.data.packing,
-            row_multiple=row_multiple,
-        )
-        zeros = np.zeros(len(pairs), np.float32)
+        """`train.batch_size` pairs of a third of `data.seq_len` each (`example_pair_batch`), with the reference's
+        log-probs the loss reads."""
+        batch = example_pair_batch(cfg, row_multiple)
+        zeros = np.zeros(cfg.train.batch_size, np.float32)
         return batch.replace(ref_chosen=zeros, ref_rejected=zeros) if needs_reference(cfg.dpo) else batch
 
 
@@ -181,8 +164,4 @@ DPO = OfflineDPO()
 
 
 def check_config(cfg: PostTrainConfig) -> None:
-    formats = {
-        "prompt_completion": "prompt / chosen / rejected strings",
-        "chat": "prompt messages, chosen / rejected one assistant message each",
-    }
-    check_rows(cfg, "DPO", formats)
+    check_rows(cfg, "DPO", PAIR_FORMATS)
