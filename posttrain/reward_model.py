@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from core.batch import PackedBatch
+from core.config_loader import ConfigError
 from core.learner import Learner
 from core.method import Method
 from core.models import Decoder, ModuleTree
@@ -106,6 +107,11 @@ class BradleyTerryRewardModel(Method[PairBatch]):
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_rows(cfg, "the reward model", PAIR_FORMATS)
+        if cfg.dpo.max_completion_tokens is not None and cfg.dpo.max_completion_tokens < 2:
+            raise ConfigError(
+                f"dpo.max_completion_tokens={cfg.dpo.max_completion_tokens}: the reward model scores a completion at "
+                "its last token, after at least one other (its text, then its end token): keep 2 or more"
+            )
 
     def tokenizer_texts(self, records: Sequence[dict]) -> Iterable[str]:
         return pair_texts(records)

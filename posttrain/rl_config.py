@@ -14,6 +14,7 @@ from posttrain.losses.correction import known_modes
 from posttrain.losses.kl import KLEstimator
 from posttrain.losses.policy import Algorithm, LossAgg
 from posttrain.losses.surrogates import POLICY_LOSSES
+from rewards.registry import BUILTIN_CHECKS
 
 # The GSPO paper's clip range (Zheng et al., 2025, section 5.1): sequence ratios stay within ~1e-3 of 1.
 GSPO_EPSILON, GSPO_EPSILON_HIGH = 3e-4, 4e-4
@@ -190,6 +191,15 @@ class RLConfig(Section):
         return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
+    def _dppo_weighs_once(self) -> RLConfig:
+        if self.loss.type == "dppo" and self.rollout_correction.mode != "off":
+            raise ValueError(
+                f"rl.loss.type=dppo weighs each token by its ratio to the sampler already: "
+                f"rl.rollout_correction.mode={self.rollout_correction.mode} would weigh it twice (leave it off)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ratio_level(self) -> RLConfig:
         if self.algorithm == "gspo" and self.loss.type in ("cispo", "gmpo", "dppo"):
             raise ValueError(
@@ -197,6 +207,16 @@ class RLConfig(Section):
                 "cannot be combined with rl.algorithm=gspo; use rl.algorithm=grpo"
             )
         return self
+
+    @field_validator("accuracy_fn")
+    @classmethod
+    def _by_name_alone(cls, value: str | None) -> str | None:
+        if value in BUILTIN_CHECKS:  # a built-in that needs its kwargs (a model's path, a judge's template)
+            raise ValueError(
+                f"rl.accuracy_fn={value} needs its kwargs, which rl.accuracy_fn cannot give (it names a function "
+                "alone): use math_verify, reasoning_gym or a plugin; score with it through reward.functions"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ template, answers, and a parser turns its verdict into a number.
             max_tokens: 32
             timeout_s: 120
             max_model_len: null              # the engine's context (default: the model's own)
+            engine: {dtype: bfloat16, kv_cache_gib: 8}   # rollout.* keys for the judge's engine
 
 The template is formatted with `prompt`, `completion` and the row's columns (`{answer}`); it must hold
 `{completion}`. Parsers: `number` (the last number in the verdict), `yes_no` (1 for a verdict that starts with
@@ -28,6 +29,7 @@ stopped with the runner, and decoding is greedy (temperature 0, seed 0) unless `
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 import string
@@ -99,6 +101,10 @@ def _model_length(model: str) -> int:
 
 def check(kwargs: Mapping[str, Any]) -> None:
     """The judge's kwargs at config load (ValueError saying what is wrong)."""
+    known = [name for name in inspect.signature(Judge.__init__).parameters if name != "self"]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"unknown kwargs {', '.join(unknown)}; the judge takes {', '.join(known)}")
     if not isinstance(kwargs.get("model"), str):
         raise ValueError("kwargs.model: the judge's model (an HF directory or Hub id) is needed")
     template = kwargs.get("template")
@@ -108,6 +114,14 @@ def check(kwargs: Mapping[str, Any]) -> None:
     if "completion" not in fields:
         raise ValueError(f"kwargs.template has no {{completion}} slot (it names {sorted(fields) or 'nothing'})")
     parser_of(str(kwargs.get("parser", "number")))
+    from pydantic import ValidationError
+
+    from rollout.config import RolloutConfig
+
+    try:
+        RolloutConfig.model_validate(dict(kwargs.get("engine") or {}))
+    except ValidationError as err:
+        raise ValueError(f"kwargs.engine (rollout.* keys of the judge's engine): {err}") from None
 
 
 class Judge:
@@ -123,12 +137,14 @@ class Judge:
         timeout_s: float = 120.0,
         temperature: float = 0.0,
         max_model_len: int | None = None,
+        engine: dict | None = None,
     ):
-        check({"model": model, "template": template, "parser": parser})
+        check({"model": model, "template": template, "parser": parser, "engine": engine})
         self.model, self.template, self.chat = model, template, chat
         self.parse = parser_of(parser)
         self.max_tokens, self.timeout_s, self.temperature = max_tokens, timeout_s, temperature
         self.max_model_len = max_model_len or _model_length(model)
+        self.engine_keys = dict(engine or {})  # rollout.* keys for the judge's engine (dtype, kv_cache_gib, ...)
         self._engine: Any = None
 
     def engine(self) -> Any:
@@ -137,7 +153,8 @@ class Judge:
             from rollout.config import RolloutConfig
             from rollout.vllm_actor import RemoteVLLMSampler
 
-            cfg = RolloutConfig(sampler="vllm", max_model_len=self.max_model_len, max_tokens=self.max_tokens)
+            keys = {"max_model_len": self.max_model_len, "max_tokens": self.max_tokens, **self.engine_keys}
+            cfg = RolloutConfig.model_validate({**keys, "sampler": "vllm"})
             self._engine = RemoteVLLMSampler.start(self.model, cfg, seed=0, timeout_s=self.timeout_s)
         return self._engine
 
@@ -150,7 +167,11 @@ class Judge:
         requests: list[Any] = []
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             row = {k: v[i] for k, v in columns.items()}
-            text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
+            try:
+                text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
+            except (KeyError, IndexError, ValueError) as err:  # a slot the rows do not have: every item fails
+                why = f"kwargs.template cannot be filled from the rows ({type(err).__name__}: {err}; columns: "
+                return [None] * len(prompts), [why + f"{', '.join(sorted(columns)) or 'none'})"]
             requests.append([{"role": "user", "content": text}] if self.chat else text)
         params = SamplingParams(n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=0)
         try:

@@ -29,6 +29,9 @@ _LOADED: dict[str, tuple[Any, Any]] = {}  # path -> (model, tokenizer), in this 
 
 def check(kwargs: dict) -> None:
     """The kwargs name a local one-label sequence-classification model (raised as ValueError, naming what is wrong)."""
+    unknown = sorted(set(kwargs) - {"path", "batch_size"})
+    if unknown:
+        raise ValueError(f"unknown kwargs {', '.join(unknown)}; the reward model takes path, batch_size")
     path = kwargs.get("path")
     if not isinstance(path, str):
         raise ValueError("kwargs.path: the reward model's directory (a ...ForSequenceClassification export) is needed")

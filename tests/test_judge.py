@@ -44,8 +44,8 @@ class Engine:
         return [Completion([], [], None, "stop", r) for r in self.replies]
 
 
-def _judge(engine, **kwargs):
-    judge = Judge("unused", TEMPLATE, **kwargs)
+def _judge(engine, template=TEMPLATE, **kwargs):
+    judge = Judge("unused", template, **kwargs)
     judge._engine = engine
     return judge
 
@@ -64,6 +64,9 @@ def test_an_unreadable_verdict_or_an_engine_that_does_not_answer_fails_the_compl
     assert chat._engine.asked[0][0][0][0]["role"] == "user"  # the template as a user turn
     from ray.exceptions import GetTimeoutError
 
+    unfilled = _judge(Engine(["Score: 1"]), template="{completion} against {reference}")
+    values, messages = unfilled.score(["q"], [" a"], {"answer": [1]})  # a slot no column fills: it fails, counted
+    assert values == [None] and "cannot be filled from the rows (KeyError: 'reference'; columns: answer)" in messages[0]
     silent = _judge(Engine(error=GetTimeoutError("no answer in 120 s")))
     values, messages = silent.score(["q", "r"], [" a", " b"], {"answer": [1, 2]})
     assert values == [None, None] and "did not answer: GetTimeoutError" in messages[0]
@@ -93,6 +96,8 @@ def test_the_runner_counts_a_judges_failures_as_failed_items():
         ("{model: m, template: '{completion}', parser: 'Score: \\d+'}", "a regex needs a group around the number"),
         ("{template: '{completion}'}", "kwargs.model: the judge's model"),
         ("{model: m, template: '{completion}', parser: 'nowhere.module:fn'}", "kwargs.parser='nowhere.module:fn'"),
+        ("{model: m, template: '{completion}', timeout: 60}", "unknown kwargs timeout; the judge takes model,"),
+        ("{model: m, template: '{completion}', engine: {dtpe: bfloat16}}", "kwargs.engine (rollout.* keys"),
     ],
 )
 def test_a_judge_config_that_cannot_work_is_refused_at_load(kwargs, message):

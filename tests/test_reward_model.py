@@ -143,6 +143,16 @@ def test_a_reward_model_that_is_not_one_is_refused_at_load(tmp_path, tiny_hf_dir
     config = json.loads((two / "config.json").read_text())
     config.update(architectures=["Qwen2ForSequenceClassification"], num_labels=2)
     (two / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="unknown kwargs batchsize; the reward model takes path, batch_size"):
+        load_config(
+            "recipes/configs/grpo_tiny.yml",
+            [f"reward.functions=[{{fn: reward_model, kwargs: {{path: '{causal}', batchsize: 4}}}}]"],
+            schema=PostTrainConfig,
+        )
+    from posttrain.reward_model import REWARD_MODEL
+
+    with pytest.raises(ConfigError, match="dpo.max_completion_tokens=1: the reward model scores a completion"):
+        REWARD_MODEL.check(load_config(RM_TINY, ["dpo.max_completion_tokens=1"], schema=PostTrainConfig))
     cases = {
         str(tmp_path / "nowhere"): "no config.json there",
         str(causal): "not a ...ForSequenceClassification",

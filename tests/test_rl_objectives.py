@@ -127,6 +127,16 @@ def test_every_correction_mode_matches_numpy(mode, lo, hi):
     assert 0 < acted.sum() < counted.sum()
 
 
+def test_a_floor_of_zero_is_no_floor():
+    """`lo: 0` keeps a sequence however small its ratio (TRL's min 0), even one whose log ratio is -100."""
+    d = np.zeros((2, 4))
+    d[0] = -25.0  # sequence 0: log ratio -100 at the sequence level
+    c = rollout_correction(
+        jnp.asarray(d), jnp.zeros((2, 4)), jnp.ones((2, 4)), CorrectionSettings("sequence_mask", 0.0, 3.0)
+    )
+    assert float(np.asarray(c.masked).sum()) == 0.0
+
+
 def np_dppo(logp, behaviour, adv, mask, delta, cap):
     """DPPO-Binary-TV (arXiv 2602.04879): -A * sg(min(pi/mu, cap)) * log pi on the tokens whose probability moved by
     at most delta from the sampler's in the direction A pushes it; its value and d/d log pi (token mean)."""
@@ -192,6 +202,8 @@ def test_the_config_selects_each_objective_and_correction_with_their_defaults():
          "rl.rollout_correction={mode: token_truncate, hi: 1.5}"),
         ("rl.loss.tis_cap=null", "write rl.rollout_correction={mode: off}"),
         ("rl.algorithm=gspo|rl.loss.type=cispo", "rl.loss.type=cispo takes the per-token ratio"),
+        ("rl.loss.type=dppo|rl.rollout_correction.mode=token_mask", "would weigh it twice (leave it off)"),
+        ("rl.accuracy_fn=llm_judge", "rl.accuracy_fn=llm_judge needs its kwargs"),
     ],
 )  # fmt: skip
 def test_bad_names_and_bounds_are_refused_naming_the_key(override, message):

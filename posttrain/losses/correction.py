@@ -110,9 +110,9 @@ def rollout_correction(
     if settings.level not in LEVELS or settings.action not in ("truncate", "mask"):
         raise ValueError(f"unknown rollout correction {settings.mode!r}; known: {', '.join(known_modes())}")
     log_w = LEVELS[settings.level](d, mask)
-    # exp of a sequence's summed log ratio overflows float32 past ~88: bounded in log space first (the bounds are
-    # finite or absent; an absent one is no bound).
-    lo = -jnp.inf if settings.lo is None else jnp.log(jnp.float32(max(settings.lo, 1e-30)))
+    # exp of a sequence's summed log ratio overflows float32 past ~88: bounded in log space first (an absent bound,
+    # or a floor of 0, is no bound).
+    lo = -jnp.inf if not settings.lo else jnp.log(jnp.float32(settings.lo))
     hi = jnp.inf if settings.hi is None else jnp.log(jnp.float32(settings.hi))
     inside = (log_w >= lo) & (log_w <= hi)
     outside = (~inside).astype(jnp.float32) * mask
