@@ -19,6 +19,9 @@ class RewardFn(Section):
     fn: str
     weight: float = 1.0
     kwargs: dict = Field(default_factory=dict)
+    # Its own deadline per batch (a reward model's first batch loads the model in each worker); None: the run's,
+    # `reward.math_verify_timeout`.
+    timeout_s: float | None = Field(None, gt=0.0)
 
 
 class RewardConfig(Section):

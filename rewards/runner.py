@@ -158,7 +158,7 @@ class RewardRunner:
         total = np.zeros(n, np.float32)
         values, failed, errors = {}, {}, {}
         for fn_cfg, spec, name in zip(self.cfg.functions, self.specs, self.names):
-            raw, messages = self._run(name, spec, fn_cfg.kwargs, prompts, completions, columns)
+            raw, messages = self._run(name, spec, fn_cfg.kwargs, prompts, completions, columns, fn_cfg.timeout_s)
             bad = np.isnan(raw)
             if messages:
                 errors[name] = messages
@@ -197,15 +197,17 @@ class RewardRunner:
         prompts: Sequence[str],
         completions: Sequence[str],
         columns: Mapping[str, Sequence],
+        timeout_s: float | None = None,
     ) -> tuple[np.ndarray, list[str]]:
-        """[N] float32 values (NaN where the function failed) and the failed shards' messages, logged."""
+        """[N] float32 values (NaN where the function failed) and the failed shards' messages, logged; `timeout_s`:
+        the function's own deadline (None: `reward.math_verify_timeout`)."""
         if spec in SERVED:  # a judge: its engine is the run's, not a worker's
             if name not in self.served:
                 self.served[name] = resolve(spec)(**kwargs)
             raw, messages = self.served[name].score(prompts, completions, columns)
         else:
             raw, messages = self.pool.run(
-                spec, kwargs, prompts, completions, columns, timeout=self.cfg.math_verify_timeout
+                spec, kwargs, prompts, completions, columns, timeout=timeout_s or self.cfg.math_verify_timeout
             )
         values = np.array([np.nan if v is None else v for v in raw], np.float32)
         if messages:

@@ -169,6 +169,67 @@ def test_a_reward_model_that_is_not_one_is_refused_at_load(tmp_path, tiny_hf_dir
 
 
 @pytest.mark.integration
+def test_a_reward_model_rewards_a_grpo_run(tmp_path, arithmetic_tokenizer):
+    """The exported reward model as GRPO's only reward function (the JAX sampler, 2 steps): each completion's reward
+    is the reward model's score of it (transformers, one sequence at a time), none failed, and the policy trains on
+    them."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from core.encoding import encode_completion, encode_prompt
+    from posttrain.dpo.pairs import build_pair_batch
+    from posttrain.grpo import GRPOMethod
+    from posttrain.onpolicy.run import build_sampler_run
+    from posttrain.reward_model import REWARD_MODEL
+
+    learner, cfg = _learner("optim.learning_rate=1.0e-2")
+    batch = build_pair_batch(_pairs(np.random.default_rng(3)), slots=4, row_len=64, groups=1, pack=True)
+    for _ in range(2):
+        learner.train(batch)
+    REWARD_MODEL.export_beside(cfg, learner.learner, tmp_path / "hf", arithmetic_tokenizer)
+    path = str(tmp_path / "hf" / "reward_model")
+    scored = []
+
+    class Recording(GRPOMethod):
+        def from_samples(self, cfg, samples, ctx):
+            scored.append(samples)
+            return super().from_samples(cfg, samples, ctx)
+
+    grpo = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            "rollout.sampler=jax",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            "train.steps=2",
+            "rl.accuracy_fn=null",
+            f"reward.functions=[{{fn: reward_model, kwargs: {{path: '{path}', batch_size: 8}}, timeout_s: 120}}]",
+        ],
+        schema=PostTrainConfig,
+    )
+    run = build_sampler_run(grpo, Recording())
+    seen = []
+    try:
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+    assert len(seen) == 2 and all(m["reward/reward_model/failure_rate"] == 0.0 and m["grad_norm"] > 0 for m in seen)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    first = scored[0]
+    rewards = first.rewards.values["reward_model"]
+    assert np.ptp(rewards) > 1e-4  # scores that tell completions apart
+    g = grpo.rl.batch.num_generations
+    for i in range(0, len(first.completions), 3):  # every third completion, one sequence a call
+        prompt = grpo.rl.prompt_template.format(**first.rows[i // g])
+        ids = encode_prompt(tokenizer, prompt) + encode_completion(tokenizer, first.completions[i].text)
+        with torch.no_grad():
+            assert rewards[i] == pytest.approx(float(hf(torch.tensor([ids])).logits[0, 0]), abs=1e-4)
+
+
+@pytest.mark.integration
 def test_the_recipe_learns_to_prefer_the_right_answer_and_exports(tmp_path, arithmetic_tokenizer):
     """150 steps on the arithmetic pairs (the right answer against a near miss) from a random model: the held-out
     Bradley-Terry loss falls from log 2 (every score 0 at the start) and the held-out accuracy from 0 (every pair a
