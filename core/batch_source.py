@@ -1,7 +1,7 @@
 """Where a run's batches come from: one batch per step, told of every update, with a position a checkpoint keeps.
 
     drawn = source.next()                        # Drawn: the batch the trainer trains on, the source's metrics
-    metrics = source.after_update(trainer)       # after every step: a weight sync if it trained (the samplers')
+    metrics = source.after_update(trainer, metrics)  # after every step (its metrics): a weight sync if it trained
     meta, position = source.checkpoint()         # what the trainer's checkpoint keeps of where the source is
     start = source.restore(step, meta)           # after the trainer restored `position` in place: the step to resume at
     held_out = source.evaluate(trainer)          # `eval/...` metrics ({}: nothing to evaluate)
@@ -63,7 +63,7 @@ class BatchSource(Protocol):
 
     def next(self) -> Drawn: ...
 
-    def after_update(self, trainer: Any) -> dict[str, float]: ...
+    def after_update(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float]: ...
 
     @property
     def lock(self) -> AbstractContextManager: ...  # held around the run's trainer calls (another thread may make some)
@@ -124,7 +124,7 @@ class DatasetSource:
         item = next(self.iterator)
         return Drawn(self.prepare(item), item=item)
 
-    def after_update(self, trainer: Any) -> dict[str, float]:
+    def after_update(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float]:
         """A dataset's rows do not depend on the weights."""
         return {}
 

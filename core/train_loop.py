@@ -134,7 +134,8 @@ class TrainLoop(Loop):
             metrics.update(stats.metrics)
             metrics["skipped_steps"] = float(skipped)
             line = " | ".join(part for part in (line, stats.line) if part)
-        metrics.update(self.source.after_update(self.trainer))  # every step: a source that drew no batch syncs none
+        # every step: a source that drew no batch syncs none; it reads the step's metrics (an entropy it steers toward)
+        metrics.update(self.source.after_update(self.trainer, metrics))
         compiled, step_s = self.step_compile(), time.perf_counter() - began
         if drawn.batch is not None:  # (its diagnostics after the step's time)
             metrics.update(self._throughput(drawn, step, step_s - compiled.seconds, compiled))

@@ -59,6 +59,11 @@ class RLLossConfig(Section):
     dppo_delta: float = Field(0.15, gt=0.0)  # dppo: how far a token's probability may move from the sampler's
     dppo_cap: float = Field(20.0, gt=0.0)  # dppo: the detached ratio's upper bound
     entropy_coef: float = Field(0.0, ge=0.0)  # the entropy bonus: loss -= coef * the mean entropy (TRL's)
+    # Adaptive entropy control: the coefficient moved by `entropy_coef_delta` a step toward `entropy_target`, within
+    # `entropy_coef_range` [lo, hi] (posttrain/losses/entropy_control.py); None: a fixed coefficient.
+    entropy_target: float | None = Field(None, gt=0.0)
+    entropy_coef_range: tuple[float, float] | None = None
+    entropy_coef_delta: float = Field(0.005, gt=0.0)
     loss_agg: LossAgg = "token-mean"
     mask_truncated: bool = False  # DAPO: completions cut at max_tokens add no policy-loss tokens
     beta: float = Field(0.0, ge=0.0)  # KL coefficient; 0 loads no reference model
@@ -82,6 +87,22 @@ class RLLossConfig(Section):
     @classmethod
     def _known(cls, value: str) -> str:
         return known(value, POLICY_LOSSES, "rl.loss.type")
+
+    @model_validator(mode="after")
+    def _entropy_control(self) -> RLLossConfig:
+        if self.entropy_target is not None and self.entropy_coef_range is None:
+            raise ValueError(
+                f"rl.loss.entropy_target={self.entropy_target} needs rl.loss.entropy_coef_range: [lo, hi], the range "
+                "the coefficient moves in"
+            )
+        if self.entropy_coef_range is not None:
+            lo, hi = self.entropy_coef_range
+            if not 0 <= lo <= hi:
+                raise ValueError(f"rl.loss.entropy_coef_range={[lo, hi]}: needs 0 <= lo <= hi")
+            if self.entropy_target is None:
+                why = "rl.loss.entropy_coef_range moves the coefficient toward rl.loss.entropy_target"
+                raise ValueError(f"{why}: set one")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> RLLossConfig:

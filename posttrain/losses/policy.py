@@ -71,6 +71,7 @@ class PolicyLossSettings:
     dppo_cap: float = 20.0
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     entropy_coef: float = 0.0  # the entropy bonus's coefficient (0: none)
+    entropy_adaptive: bool = False  # the coefficient comes with each batch (adaptive entropy control)
     beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
@@ -132,9 +133,11 @@ def policy_loss(
     ref_logp: jax.Array | None = None,
     kl_mask: jax.Array | None = None,
     entropy: jax.Array | None = None,
+    entropy_coef: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, PolicyTerms]:
     """`(loss_sum, denominator, terms)` over the micro-batch (see the module docstring); `entropy` [B, T]: the
-    policy's per-token entropy, with its gradient (needed when `entropy_coef` > 0)."""
+    policy's per-token entropy, with its gradient (needed when `entropy_coef` > 0); `entropy_coef`: the batch's
+    coefficient (adaptive entropy control; None: the settings')."""
     if settings.type not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {settings.type!r}; known: {', '.join(POLICY_LOSSES)}")
     mask = mask.astype(jnp.float32)
@@ -175,12 +178,13 @@ def policy_loss(
         counted = jnp.maximum(mask, kl_mask)
         kl_sum, kl_tokens = (kl * kl_mask).sum(), kl_mask.sum()
     loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
-    if settings.entropy_coef:
+    if settings.entropy_coef or settings.entropy_adaptive:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the policy's entropy")
+        coef = settings.entropy_coef if entropy_coef is None else entropy_coef
         # minus coef * the token mean of the entropy, in the sum the step divides by the whole denominator
         mean_entropy = (entropy.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-        loss_sum = loss_sum - settings.entropy_coef * mean_entropy * denominator
+        loss_sum = loss_sum - coef * mean_entropy * denominator
     terms = PolicyTerms(
         clipped_tokens=(acted * mask).sum(),
         completion_tokens=mask.sum(),

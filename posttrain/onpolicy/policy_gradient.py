@@ -66,6 +66,7 @@ def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
         dppo_cap=loss.dppo_cap,
         correction=CorrectionSettings(correction.mode, correction.lo, correction.hi),  # type: ignore[arg-type]
         entropy_coef=loss.entropy_coef,
+        entropy_adaptive=loss.entropy_target is not None,
         beta=loss.beta,
         kl_estimator=loss.kl_estimator,
         loss_agg=loss.loss_agg,
@@ -122,6 +123,8 @@ def policy_objective(settings: PolicyLossSettings, temperature: float = 1.0):
             ref_logp=batch.ref_logp,
             kl_mask=batch.kl_mask,
             entropy=entropy,
+            # every slot holds it (padding 0, and the coefficient is >= 0)
+            entropy_coef=None if batch.entropy_coef is None else jnp.max(batch.entropy_coef),
         )
         sums = UpdateSums(
             terms,
@@ -168,7 +171,7 @@ class PolicyStats:
             entropy=ratio(every.entropy, tokens),
             kl=ratio(every.terms.kl, every.terms.kl_tokens) if settings.beta > 0 else None,
             correction=correction_metrics(every.terms) if settings.correction.mode != "off" else None,
-            entropy_coef=settings.entropy_coef or None,
+            entropy_coef=(settings.entropy_coef or None) if not settings.entropy_adaptive else None,
             mismatch_gap_mean=ratio(first.mismatch_gap, first.mismatch_tokens),
             mismatch_gap_max=max(float(first.mismatch_gap_max), 0.0),
             mismatch_seq_kl=ratio(first.mismatch_seq_kl, first.mismatch_sequences),

@@ -48,6 +48,7 @@ class RLBatch:
     sampler_logp: Any  # [B, C] float32
     old_logp: Any = None  # [B, C] float32 pi_old; None: the update starts at pi_old (its own pass)
     ref_logp: Any = None  # [B, C] float32 the reference; None when beta = 0
+    entropy_coef: Any = None  # [B, C] float32 the entropy bonus's coefficient, every slot alike (adaptive control)
 
     def replace(self, **changes: Any) -> RLBatch:
         return dataclasses.replace(self, **changes)

@@ -30,13 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.batch_source import Drawn
 from core.loop import Plot
 from posttrain.config import PostTrainConfig
+from posttrain.losses.entropy_control import EntropyControl
 from posttrain.onpolicy.checks import check_staleness
 from posttrain.onpolicy.evaluation import held_out_metrics
 from posttrain.onpolicy.method import SampleContext, SamplingMethod
 from posttrain.onpolicy.prompts import PromptBatch, PromptStream
+from posttrain.onpolicy.rl_batch import RLBatch
 from posttrain.onpolicy.rollouts import Rollouts
 from posttrain.onpolicy.step import (
     InFlight,
@@ -57,6 +61,16 @@ from rollout.placement import Placement
 from rollout.sampler import Completion, Prompt, Sampler, SamplingParams, sample_seed
 from rollout.turns import Turns
 from rollout.weight_sync import SyncStats
+
+
+def entropy_control(cfg: PostTrainConfig) -> EntropyControl | None:
+    """`rl.loss`'s adaptive entropy control, at its start (None: a fixed coefficient or none)."""
+    loss = cfg.rl.loss
+    if loss.entropy_target is None or loss.entropy_coef_range is None:
+        return None
+    lo, hi = loss.entropy_coef_range
+    return EntropyControl(loss.entropy_coef, loss.entropy_target, lo, hi, loss.entropy_coef_delta)
+
 
 # What the console line shows of a step's metrics (the method's own words follow them).
 CONSOLE = {
@@ -104,6 +118,7 @@ class SamplerSource:
         self.placement: Placement | None = None
         self.init_hf: Path | None = None  # the Hugging Face directory vLLM engines started from (`start`)
         self._trained = False  # whether the latest batch was trained on: its update is synced (`after_update`)
+        self.entropy = entropy_control(cfg)  # adaptive entropy control's state (None: a fixed coefficient)
 
     def start(self, placement: Placement | None, init_hf: Path, tokenizer_dir: str) -> Path | None:
         """Start the samplers, each sent the trainer's weights; the Hugging Face directory vLLM engines started
@@ -128,13 +143,19 @@ class SamplerSource:
     def restore(self, step: int, meta: dict) -> int:
         """Where a checkpoint's meta says the source was (`checkpoint`); the step to resume at."""
         self.step, self.requests, in_flight = restored_position(meta, self.stream)
+        if self.entropy is not None and meta.get("entropy_control") is not None:
+            self.entropy = EntropyControl.from_state(meta["entropy_control"])
         self.in_flight = deque(in_flight)
         return self.step
 
     def checkpoint(self) -> tuple[dict, None]:
         """The position a checkpoint keeps, as its meta: the step of the latest batch, the prompt stream, the
-        request counter and the requests in flight, collected (`step.saved_position`)."""
-        return saved_position(self.step, self.stream, self.requests, self.in_flight), None
+        request counter and the requests in flight, collected (`step.saved_position`); adaptive entropy control's
+        state."""
+        meta = saved_position(self.step, self.stream, self.requests, self.in_flight)
+        if self.entropy is not None:
+            meta["entropy_control"] = self.entropy.state()
+        return meta, None
 
     # ----------------------------------------------------------------- weights
 
@@ -145,11 +166,14 @@ class SamplerSource:
         sampler.policy_version = stats.version
         return stats
 
-    def after_update(self, trainer: Any = None) -> dict[str, float]:
+    def after_update(self, trainer: Any = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
         """The weight sync after a step that trained (none after one that did not: the samplers hold these weights)
         and the samplers' state: `time/sync_s`, `sync/bytes` (sent to all samplers), `policy_version` (the first
         sampler's), restarts and redone prompts. The weights come from the trainer this source was built with
-        (`push`: a restarted sampler is loaded the same way), whatever `trainer` is."""
+        (`push`: a restarted sampler is loaded the same way), whatever `trainer` is. Adaptive entropy control
+        hears the step's entropy (`metrics`)."""
+        if self.entropy is not None and self._trained and metrics is not None:
+            self.entropy.update(float(metrics.get("entropy", float("nan"))))
         seconds, sent = 0.0, 0
         if self._trained:
             self.settle()  # not timed here: the wait for episodes still running is generation's
@@ -194,6 +218,11 @@ class SamplerSource:
         ctx = SampleContext(self.step, self.row_len, self.row_multiple, self.tokenizer, more)
         data = self.method.from_samples(self.cfg, score(request, rl, self.rewards, self.rollouts), ctx)
         self._trained = data.batch is not None
+        control = {}
+        if self.entropy is not None and isinstance(data.batch, RLBatch):  # the coefficient rides with the batch
+            coef = self.entropy.applied()
+            data.batch = data.batch.replace(entropy_coef=np.full(np.shape(data.batch.advantages), coef, np.float32))
+            control = {"entropy_coef": coef, "entropy_control/coef": self.entropy.coef}
         tokens = sum(len(c.token_ids) for c in data.scored.completions)
         metrics = {
             **scored_metrics(data.scored, staleness),
@@ -201,6 +230,7 @@ class SamplerSource:
             "time/generate_s": generate_s,
             "time/reward_s": time.perf_counter() - t1,
             "generate_tokens_per_s": tokens / max(generate_s, 1e-9),
+            **control,
         }
         return Drawn(data.batch, metrics, data.line, data)
 
