@@ -171,7 +171,19 @@ def test_a_corrections_metrics_count_what_it_did():
     assert metrics["correction/masked_tokens"] == pytest.approx((MASK.sum(1) * masked).sum() / MASK.sum())
     assert metrics["correction/ratio_max"] == pytest.approx(raw.max(), rel=1e-5)
     assert metrics["correction/ratio_min"] == pytest.approx(raw.min(), rel=1e-5)
-    assert metrics["correction/truncated_tokens"] == 0.0
+    assert metrics["correction/truncated_tokens"] == 0.0 and metrics["correction/truncated_sequences"] == 0.0
+    # the ratio's token mean before masking: each sequence's ratio counted once per token
+    assert metrics["correction/ratio_mean"] == pytest.approx((raw * MASK.sum(1)).sum() / MASK.sum(), rel=1e-5)
+    truncating = PolicyLossSettings(correction=CorrectionSettings("token_truncate", None, 1.2))
+    _, _, terms, _ = temper_loss(truncating)
+    metrics = correction_metrics(terms)
+    token_ratio = np.exp(OLD - SAMPLER)
+    over = (token_ratio > 1.2) & (MASK > 0)
+    assert 0 < over.sum() < MASK.sum()
+    assert metrics["correction/truncated_tokens"] == pytest.approx(over.sum() / MASK.sum())
+    assert metrics["correction/truncated_sequences"] == pytest.approx(over.any(1).mean())
+    assert metrics["correction/ratio_mean"] == pytest.approx((token_ratio * MASK).sum() / MASK.sum(), rel=1e-5)
+    assert metrics["correction/masked_tokens"] == 0.0
 
 
 # ---------------------------------------------------------------- the config

@@ -90,6 +90,8 @@ class PolicyTerms:
     correction_masked: Any = summed()  # counted tokens the correction masked out
     correction_truncated: Any = summed()  # counted tokens whose weight the correction truncated
     correction_masked_sequences: Any = summed()  # sequences with a counted token, every one masked out
+    correction_truncated_sequences: Any = summed()  # sequences with a counted token whose weight was truncated
+    correction_ratio: Any = summed()  # the ratio (before truncation or masking) over the counted tokens
     sequences: Any = summed()  # sequences with a counted token
     # The correction's ratio (exp of its log weight at its level, before truncation or masking) over counted tokens
     correction_ratio_max: Any = maximum()
@@ -150,7 +152,8 @@ def policy_loss(
     zero = jnp.zeros((), jnp.float32)
     correction = dict(
         correction_weight=zero, correction_masked=zero, correction_truncated=zero, correction_masked_sequences=zero,
-        correction_ratio_max=zero, correction_ratio_min_neg=zero,
+        correction_truncated_sequences=zero, correction_ratio=zero, correction_ratio_max=zero,
+        correction_ratio_min_neg=zero,
     )  # fmt: skip
     rows = (mask.sum(-1) > 0).astype(jnp.float32)
     if settings.correction.mode != "off" and sampler is not None:
@@ -163,6 +166,8 @@ def policy_loss(
             correction_masked=c.masked.sum(),
             correction_truncated=c.truncated.sum(),
             correction_masked_sequences=all_masked.sum().astype(jnp.float32),
+            correction_truncated_sequences=((c.truncated.sum(-1) > 0) & (rows > 0)).sum().astype(jnp.float32),
+            correction_ratio=(ratio_seen * mask).sum(),
             correction_ratio_max=jnp.where(mask > 0, ratio_seen, 0.0).max(),
             correction_ratio_min_neg=jnp.where(mask > 0, -ratio_seen, -jnp.inf).max(),
         )

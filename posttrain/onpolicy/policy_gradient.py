@@ -200,14 +200,16 @@ class PolicyStats:
 
 def correction_metrics(terms: PolicyTerms) -> dict[str, float]:
     """The rollout correction over a step's updates: its mean weight, the shares of counted tokens it masked or
-    truncated and of sequences it masked whole, and the smallest and largest ratio it saw (exp of its log weight at
-    its level, before truncation or masking)."""
+    truncated, of sequences it masked whole and of sequences it truncated a weight of, and the mean, smallest and
+    largest ratio it saw (exp of its log weight at its level, before truncation or masking) over counted tokens."""
     tokens, sequences = max(float(terms.completion_tokens), 1e-9), max(float(terms.sequences), 1e-9)
     return {
         "correction/weight_mean": float(terms.correction_weight) / tokens,
         "correction/masked_tokens": float(terms.correction_masked) / tokens,
         "correction/truncated_tokens": float(terms.correction_truncated) / tokens,
         "correction/masked_sequences": float(terms.correction_masked_sequences) / sequences,
+        "correction/truncated_sequences": float(terms.correction_truncated_sequences) / sequences,
+        "correction/ratio_mean": float(terms.correction_ratio) / tokens,
         "correction/ratio_min": -float(terms.correction_ratio_min_neg),
         "correction/ratio_max": float(terms.correction_ratio_max),
     }
