@@ -12,7 +12,8 @@ ends with EOS, or the template's end of turn). The loss is Bradley-Terry's, with
 
 The pairs are offline DPO's (`posttrain.dpo.data`: the same rows, formats, truncation and packing, chosen and
 rejected as two branches after one copy of the prompt); the model starts from `checkpoint.init_from` (a causal LM:
-its output head is left out, untrained and unexported) with a zero head, so every score starts at 0. Every
+its output head is left out of training, and written with the backbone, where `...ForSequenceClassification` does
+not read it) with a zero head, so every score starts at 0. Every
 `train.eval_every` steps the held-out pairs give eval/loss and eval/accuracy (the share whose chosen completion
 scores higher). The run's end writes the reward model to `run_dir/hf/reward_model`, which
 `transformers.AutoModelForSequenceClassification` reads, and which `reward.functions` takes

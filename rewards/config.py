@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from pydantic import Field
 
 from core.config import Section
@@ -45,8 +43,7 @@ def check_reward_functions(cfg: RewardConfig, source: str = "<config>") -> None:
         except UnknownReward as err:
             raise ConfigError(f"{source}: reward.functions[{i}].fn: {err}") from None
         if fn.fn in BUILTIN_CHECKS:  # a built-in that checks its kwargs (a reward model's directory)
-            module, name = BUILTIN_CHECKS[fn.fn].split(":")
             try:
-                getattr(importlib.import_module(module), name)(fn.kwargs)
+                resolve(BUILTIN_CHECKS[fn.fn])(fn.kwargs)
             except ValueError as err:
                 raise ConfigError(f"{source}: reward.functions[{i}] ({fn.fn}): {err}") from None

@@ -149,31 +149,26 @@ def policy_loss(
     adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1] per sequence or [B, T] per token
     ratio = importance_ratio(logp, old_logp, mask, settings.algorithm)
     per_token, acted = POLICY_LOSSES[settings.type](Surrogate(logp, old_logp, sampler, ratio, adv, mask), settings)
-    zero = jnp.zeros((), jnp.float32)
-    correction = dict(
-        correction_weight=zero, correction_masked=zero, correction_truncated=zero, correction_masked_sequences=zero,
-        correction_truncated_sequences=zero, correction_ratio=zero, correction_ratio_max=zero,
-        correction_ratio_min_neg=zero,
-    )  # fmt: skip
     rows = (mask.sum(-1) > 0).astype(jnp.float32)
-    if settings.correction.mode != "off" and sampler is not None:
-        c = rollout_correction(old_logp, sampler, mask, settings.correction)
-        per_token = per_token * c.weight
-        ratio_seen = jnp.exp(jnp.clip(c.log_ratio, -80.0, 80.0))
-        all_masked = (c.masked.sum(-1) >= mask.sum(-1)) & (rows > 0)
-        correction = dict(
-            correction_weight=(c.weight * mask).sum(),
-            correction_masked=c.masked.sum(),
-            correction_truncated=c.truncated.sum(),
-            correction_masked_sequences=all_masked.sum().astype(jnp.float32),
-            correction_truncated_sequences=((c.truncated.sum(-1) > 0) & (rows > 0)).sum().astype(jnp.float32),
-            correction_ratio=(ratio_seen * mask).sum(),
-            correction_ratio_max=jnp.where(mask > 0, ratio_seen, 0.0).max(),
-            correction_ratio_min_neg=jnp.where(mask > 0, -ratio_seen, -jnp.inf).max(),
-        )
+    # Without the sampler's log-probs there is no mismatch to correct: `off` (weight 1, nothing masked).
+    mode = settings.correction if sampler is not None else CorrectionSettings("off")
+    c = rollout_correction(old_logp, old_logp if sampler is None else sampler, mask, mode)
+    per_token = per_token * c.weight
+    ratio_seen = jnp.exp(jnp.clip(c.log_ratio, -80.0, 80.0))
+    all_masked = (c.masked.sum(-1) >= mask.sum(-1)) & (rows > 0)
+    correction = dict(
+        correction_weight=(c.weight * mask).sum(),
+        correction_masked=c.masked.sum(),
+        correction_truncated=c.truncated.sum(),
+        correction_masked_sequences=all_masked.sum().astype(jnp.float32),
+        correction_truncated_sequences=((c.truncated.sum(-1) > 0) & (rows > 0)).sum().astype(jnp.float32),
+        correction_ratio=(ratio_seen * mask).sum(),
+        correction_ratio_max=jnp.where(mask > 0, ratio_seen, 0.0).max(),
+        correction_ratio_min_neg=jnp.where(mask > 0, -ratio_seen, -jnp.inf).max(),
+    )
     per_token = per_token * mask
     counted = mask
-    kl_sum = kl_tokens = zero
+    kl_sum = kl_tokens = jnp.zeros((), jnp.float32)
     if settings.beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference log-probs (ref_logp)")

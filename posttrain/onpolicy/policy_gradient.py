@@ -271,15 +271,15 @@ def step_advantages(
     GDPO's normalised sum); `completions` give the batch estimators their token weights (each one's trained
     tokens)."""
     rl = cfg.rl
-    tokens = None
-    if completions is not None:
-        tokens = np.array([sum(c.sampled) if c.sampled is not None else len(c.token_ids) for c in completions])
-        tokens = np.maximum(tokens, 1)
     settings = advantage_settings(cfg)
     if settings.aggregation == "normalize_then_sum":
         fns = cfg.reward.functions
         weights = dict(zip(function_names([f.fn for f in fns]), [f.weight for f in fns], strict=True))
         return normalized_advantages(rewards.values, weights, rl.batch.num_generations, settings.std_eps)
+    tokens = None
+    if completions is not None:
+        tokens = np.array([sum(c.sampled) if c.sampled is not None else len(c.token_ids) for c in completions])
+        tokens = np.maximum(tokens, 1)
     return group_advantages(rewards.total, rl.batch.num_generations, settings.estimator, settings.std_eps, tokens)
 
 
