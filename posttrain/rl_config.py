@@ -120,9 +120,13 @@ class RolloutCorrectionConfig(Section):
     lo: float | None = Field(None, ge=0.0)  # None: no lower bound
     hi: float | None = Field(2.0, gt=0.0)  # None: no upper bound
 
-    @field_validator("mode")
+    @field_validator("mode", mode="before")
     @classmethod
-    def _known(cls, value: str) -> str:
+    def _known(cls, value: object) -> str:
+        if value is False:  # YAML 1.1 reads a bare `off` as false: `mode: off` means the mode off
+            value = "off"
+        if not isinstance(value, str):
+            raise ValueError(f"rl.rollout_correction.mode={value!r}: a name, one of {', '.join(known_modes())}")
         return known(value, known_modes(), "rl.rollout_correction.mode")
 
     @model_validator(mode="after")
