@@ -89,6 +89,43 @@ def test_another_objective_and_correction_train_in_grpo(tmp_path, arithmetic_tok
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    "loss,region,estimator,reward",
+    [
+        # REINFORCE++ whitens over the batch: groups without reward variance (every group here) still train
+        ("cispo", "rl.loss.cispo_cap=1.001", "reinforce_pp", "by_prompt_length"),
+        ("gmpo", "rl.loss.epsilon=0.001", "reinforce_pp_baseline", "char_count"),
+        ("dppo", "rl.loss.dppo_delta=1.0e-4", "rloo", "char_count"),
+    ],
+)
+def test_each_objective_and_estimator_trains_a_grpo_run(
+    tmp_path, arithmetic_tokenizer, loss, region, estimator, reward
+):
+    """CISPO, GMPO and DPPO each train a GRPO run (two steps of two updates at a high learning rate, the second
+    update off-policy), with REINFORCE++ (with and without the group baseline) and RLOO advantages. Each trust
+    region, narrowed, acts on some tokens but not all."""
+    run = _jax_run(
+        tmp_path,
+        arithmetic_tokenizer,
+        f"reward.functions=[{{fn: tests.reward_plugins:{reward}}}]",
+        f"rl.loss.type={loss}",
+        region,
+        f"rl.advantage.estimator={estimator}",
+        "rl.batch.num_iterations=2",
+        "optim.learning_rate=1.0e-2",
+    )
+    try:
+        seen = []
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+    assert len(seen) == 2 and all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in seen)
+    assert any(0 < m["clip_fraction"] < 1 for m in seen), [m["clip_fraction"] for m in seen]
+    if reward == "by_prompt_length":  # every group flat: group-normalised advantages would give no gradient at all
+        assert all(m["zero_variance_groups"] == 4 for m in seen)
+
+
+@pytest.mark.integration
 def test_dynamic_sampling_refills_until_the_round_limit(tmp_path, arithmetic_tokenizer):
     run = _jax_run(
         tmp_path,

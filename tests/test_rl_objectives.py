@@ -202,6 +202,9 @@ def test_the_config_selects_each_objective_and_correction_with_their_defaults():
     assert loss_settings(_cfg("rl.algorithm=gspo")).correction.mode == "geometric_truncate"
     s = loss_settings(_cfg("rl.rollout_correction={mode: sequence_mask, lo: 0.5, hi: 3.0}", "rl.loss.type=sapo"))
     assert (s.type, s.correction) == ("sapo", CorrectionSettings("sequence_mask", 0.5, 3.0))
+    # YAML reads a bare `off` as false: the line the docs (and the tis_cap refusal) say to write means the mode off
+    assert loss_settings(_cfg("rl.rollout_correction={mode: off}")).correction.mode == "off"
+    assert loss_settings(_cfg("rl.rollout_correction.mode=off")).correction.mode == "off"
 
 
 @pytest.mark.parametrize(
@@ -209,6 +212,7 @@ def test_the_config_selects_each_objective_and_correction_with_their_defaults():
     [
         ("rl.loss.type=ppo2", "unknown rl.loss.type 'ppo2'; known: clip, cispo, sapo, gmpo, dppo"),
         ("rl.rollout_correction.mode=token_clip", "unknown rl.rollout_correction.mode 'token_clip'; known: off, "),
+        ("rl.rollout_correction.mode=true", "rl.rollout_correction.mode=True: a name, one of off, token_truncate"),
         ("rl.rollout_correction={mode: token_mask, lo: 2.0, hi: 1.5}", "rl.rollout_correction.lo (2.0) must be <="),
         ("rl.loss.tis_cap=1.5", "rl.loss.tis_cap is now rl.rollout_correction (docs/grpo.md): write "
          "rl.rollout_correction={mode: token_truncate, hi: 1.5}"),
