@@ -17,7 +17,8 @@ template, answers, and a parser turns its verdict into a number.
 The template is formatted with `prompt`, `completion` and the row's columns (`{answer}`); it must hold
 `{completion}`. Parsers: `number` (the last number in the verdict), `yes_no` (1 for a verdict that starts with
 yes, 0 for no), a regular expression whose first group is a number, or a function `(verdict) -> float | None`.
-A verdict the parser cannot read, or a call the engine does not answer within `timeout_s`, fails that completion
+A verdict the parser cannot read, or a call the engine does not answer within `timeout_s` (its start, once, may
+take up to `START_TIMEOUT_S`, 600 s), fails that completion
 (NaN: its group is dropped and counted in `reward/failed`, as a raising reward function's), never a stand-in 0.
 
 Unlike the other reward functions, which run in the reward workers, the judge runs in the run's own process
@@ -124,6 +125,9 @@ def check(kwargs: Mapping[str, Any]) -> None:
         raise ValueError(f"kwargs.engine (rollout.* keys of the judge's engine): {err}") from None
 
 
+START_TIMEOUT_S = 600.0  # how long the judge's engine may take to start (its calls: kwargs.timeout_s)
+
+
 class Judge:
     """The judge of one `reward.functions` entry (module docstring)."""
 
@@ -155,7 +159,10 @@ class Judge:
 
             keys = {"max_model_len": self.max_model_len, "max_tokens": self.max_tokens, **self.engine_keys}
             cfg = RolloutConfig.model_validate({**keys, "sampler": "vllm"})
-            self._engine = RemoteVLLMSampler.start(self.model, cfg, seed=0, timeout_s=self.timeout_s)
+            # Starting an engine (loading, profiling, compiling) takes longer than a call may: its own limit.
+            engine = RemoteVLLMSampler.start(self.model, cfg, seed=0, timeout_s=max(START_TIMEOUT_S, self.timeout_s))
+            engine.timeout_s = self.timeout_s  # each call's limit
+            self._engine = engine
         return self._engine
 
     def score(

@@ -136,3 +136,57 @@ def test_a_judge_on_a_real_vllm_engine_scores_what_transformers_greedy_verdict_s
         verdict = tokenizer.decode(hf_greedy(path, tokenizer(text).input_ids, 8), skip_special_tokens=True)
         assert value == float(len(verdict))
     assert np.isfinite(got).all()
+
+
+@pytest.mark.integration
+@pytest.mark.serial
+def test_a_judge_rewards_grpo_on_a_bfloat16_vllm_sampler_whose_mismatch_a_token_mask_acts_on(
+    tmp_path, arithmetic_tokenizer, rollout_model_dir
+):
+    """GRPO on Ray with the vLLM sampler in bfloat16 (the trainer in float32), rewarded by an LLM judge on its own
+    vLLM engine (the tiny Llama; the verdict's length as the parser's reading): every completion gets the judge's
+    value (none fails), every step trains. The sampler's bfloat16 log-probs are not the trainer's, and the rollout
+    correction (a token mask) drops the tokens whose ratio left its bounds: some, not all."""
+    import json
+
+    import ray
+
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import build_sampler_run
+    from rollout.ray import ensure_ray
+
+    judge = {"model": str(rollout_model_dir("llama")), "template": TEMPLATE, "max_tokens": 8}
+    judge["parser"] = "tests.reward_plugins:verdict_chars"
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"data.tokenizer_dir={arithmetic_tokenizer}",
+            f"reward.functions=[{{fn: llm_judge, kwargs: {json.dumps(judge)}}}]",
+            "rl.accuracy_fn=null",
+            "rollout.dtype=bfloat16",
+            "rl.rollout_correction={mode: token_mask, lo: 0.99, hi: 1.01}",
+            "train.steps=2",
+            "train.eval_every=0",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+        ],
+        schema=PostTrainConfig,
+    )
+    ensure_ray(num_cpus=2)
+    seen: list[dict] = []
+    run = build_sampler_run(cfg, GRPO)
+    try:
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+        ray.shutdown()
+    print({k: v for k, v in seen[-1].items() if k.startswith(("correction/", "mismatch/", "reward/"))})
+    assert len(seen) == 2
+    for m in seen:
+        assert m["reward/llm_judge/failure_rate"] == 0.0 and m["reward/failed_groups"] == 0
+        assert np.isfinite(m["reward/llm_judge/mean"]) and m["reward/std"] > 0  # the verdicts differ
+        assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+        assert m["mismatch/logp_gap_mean"] > 1e-4  # bfloat16 sampling: the mismatch is real
+    masked = [m["correction/masked_tokens"] for m in seen]
+    assert all(0 < x < 1 for x in masked), masked
