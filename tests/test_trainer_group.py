@@ -1,5 +1,5 @@
-"""The trainer as a JAX process group on a multi-node Ray cluster: GRPO with 2 trainer processes (jax.distributed,
-gloo) on one node and a vLLM sampler on each of two others; one sampler node leaves (its sampler is dropped and the
+"""The trainer as a JAX process group on a multi-node Ray cluster: GRPO (CISPO's objective, a geometric-mean
+rollout correction) with 2 trainer processes (jax.distributed, gloo) on one node and a vLLM sampler on each of two others; one sampler node leaves (its sampler is dropped and the
 run goes on), then one trainer process is killed with SIGKILL, and the same config resumes exactly from the last
 checkpoint; a sampler actor killed in the resumed run is restarted; the reward goes up over the 8 steps."""
 
@@ -94,6 +94,9 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
         "mesh.fsdp=2",
         "mesh.tensor=2",
         *LEARNABLE,
+        # another objective and a correction through the group's step (float32 vLLM: nothing is masked)
+        "rl.loss.type=cispo",
+        "rl.rollout_correction={mode: geometric_mask, lo: 0.5, hi: 2.0}",
         "train.steps=8",
         "train.eval_every=8",
         "rl.eval_prompts=4",
@@ -160,6 +163,8 @@ def test_grpo_with_a_two_process_trainer_learns_and_survives_lost_samplers_and_k
         assert m["staleness_max"] == 0 and m["reward/failed_groups"] == 0
         assert m["mismatch/logp_gap_max"] < 1e-4, m  # vLLM holds the weights the two processes trained
         assert m["sync/bytes"] > 1e6  # the whole model (1.4 MiB in float32) reached each sampler
+        if m["zero_variance_groups"] < 4:  # a step with policy-loss tokens: none masked, every weight ~1
+            assert m["correction/masked_sequences"] == 0 and abs(m["correction/weight_mean"] - 1) < 1e-3, m
         for key in (
             "reward/std",
             "reward/digit_share/mean",
