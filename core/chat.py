@@ -236,8 +236,8 @@ def render_chat(
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
     """The conversation rendered with a generation prompt (and the JSON schemas of the `tools` it offers, as the
     template renders them), tokenized as a sampler does: what the model is given to continue with an assistant
-    turn."""
-    return _encode(tokenizer, render_template(tokenizer, messages, True, tools))[0]
+    turn. Tool calls' `arguments` may be OpenAI's JSON strings."""
+    return _encode(tokenizer, render_template(tokenizer, _with_argument_objects(messages), True, tools))[0]
 
 
 def continuation_ids(
@@ -261,6 +261,7 @@ def continuation_ids(
     there, `<|end|>`). A template that does not close an assistant turn with `stop_token`, or cannot render the
     messages, is a `ChatTemplateError` naming it."""
     reply = {"role": "assistant", "content": PROBE_REPLY}
+    messages = _with_argument_objects(messages)
     if not called:
         return _continuation(tokenizer, messages, stop_token, tools, reply, PROBE_REPLY)
     try:  # the turn as it was, calling those functions; where the template cannot write calls, as a reply

@@ -1,7 +1,8 @@
 """The trainer as a JAX process group on a multi-node Ray cluster: GRPO (CISPO's objective, a geometric-mean
-rollout correction) with 2 trainer processes (jax.distributed, gloo) on one node and a vLLM sampler on each of two others; one sampler node leaves (its sampler is dropped and the
-run goes on), then one trainer process is killed with SIGKILL, and the same config resumes exactly from the last
-checkpoint; a sampler actor killed in the resumed run is restarted; the reward goes up over the 8 steps."""
+rollout correction) with 2 trainer processes (jax.distributed, gloo) on one node and a vLLM sampler on each of two
+others; one sampler node leaves (its sampler is dropped and the run goes on), then one trainer process is killed
+with SIGKILL, and the same config resumes exactly from the last checkpoint; a sampler actor killed in the resumed
+run is restarted; the reward goes up over the 8 steps."""
 
 from __future__ import annotations
 
