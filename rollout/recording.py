@@ -56,6 +56,9 @@ def canonical(message: dict) -> tuple:
     return message.get("role"), content, tuple(calls)
 
 
+RAW = "\x00raw"  # the tools key of raw completion segments: no chat call continues one
+
+
 def _tools_key(tools: Sequence[dict] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True)
 
@@ -158,11 +161,26 @@ class Recorder:
         context = continuation_ids(self.tokenizer, messages[mark.messages :], mark.stop, tools, mark.called)
         return Call(prefix + context, want, key, k, mark, context)
 
-    def record(self, call: Call, out: Completion, parsed: ParsedTurn) -> dict:
-        """Record the sampler's turn `out` for `call` (its tokens, log-probs and whether it stopped) and return the
-        assistant message the client gets (`parsed`: the turn read by the family's tool parser)."""
+    def prompt_tokens(self, token_ids: Sequence[int]) -> Call:
+        """The prompt of a raw completion call (`/v1/completions`): `token_ids` as given. It continues the latest
+        raw segment whose tokens it starts with (what follows them is context), else starts one."""
+        ids = [int(t) for t in token_ids]
+        with self._lock:
+            for k in reversed(range(len(self.segments))):
+                s = self.segments[k]
+                have = s.ids
+                if s.tools_key == RAW and len(ids) > len(have) and ids[: len(have)] == have:
+                    mark = Mark(len(s.messages), len(s.token_ids), "", ())
+                    return Call(ids, [], RAW, k, mark, ids[len(have) :])
+        return Call(ids, [], RAW, None, None, [])
+
+    def record(self, call: Call, out: Completion, parsed: ParsedTurn, ended: bool | None = None) -> dict:
+        """Record the sampler's turn `out` for `call` (its tokens and log-probs) and return the assistant message
+        the client gets (`parsed`: the turn read by the family's tool parser). `ended`: the turn's last token is
+        one the template closes a turn with (default: the sampler stopped); a turn cut at its limit, or stopped by
+        a stop string, has no such token to continue after."""
         reply = assistant_message(parsed)
-        stopped = out.finish_reason == "stop" and bool(out.token_ids)
+        stopped = bool(out.token_ids) and (out.finish_reason == "stop" if ended is None else ended)
         logprobs = list(out.logprobs) if out.logprobs is not None else [0.0] * len(out.token_ids)
         with self._lock:
             if call.base is None:

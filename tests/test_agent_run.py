@@ -76,9 +76,6 @@ def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, t
     the model produced, read from the trajectory as the trainer's batch holds it (prompt, turns and the template's
     tokens for the environment's messages in between), is the sampler's own within `tolerance`, token by token;
     the environment's tokens are not trained."""
-    from core.hf.directory import load_hf
-    from core.targets import target_logprobs
-    from posttrain.onpolicy.rl_batch import build_rl_batch
     from rewards.pool import WorkerPool
     from rollout.environment import EnvironmentRunner
     from rollout.episodes import EpisodeLimits, run_episodes
@@ -96,7 +93,16 @@ def assert_trained_tokens_carry_the_samplers_log_probs(turns, tok, model_path, t
         pool.close()
     multi = [e for e in episodes if e.turns >= 2]
     assert multi and all(not all(e.sampled) for e in multi), [(e.turns, e.finish) for e in episodes]
-    completions = [e.completion() for e in episodes]
+    assert_completions_carry_the_samplers_log_probs([e.completion() for e in episodes], model_path, tolerance)
+
+
+def assert_completions_carry_the_samplers_log_probs(completions, model_path, tolerance: float) -> None:
+    """The trainer's log-prob of every sampled token of `completions`, read from the trainer's batch, is the
+    sampler's own within `tolerance`; the other tokens are not trained."""
+    from core.hf.directory import load_hf
+    from core.targets import target_logprobs
+    from posttrain.onpolicy.rl_batch import build_rl_batch
+
     longest = max(len(c.token_ids) for c in completions)
     batch = build_rl_batch(
         completions, np.zeros(len(completions)), np.ones(len(completions), bool), row_len=512, max_tokens=longest
