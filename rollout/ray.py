@@ -33,8 +33,11 @@ SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def local_cluster_options(num_cpus: int | None = None) -> dict:
-    """The `ray.init` keyword arguments of a private local cluster."""
+    """The `ray.init` keyword arguments of a private local cluster: always a new one (`address="local"`), never the
+    cluster another process on this machine started (Ray's own default attaches to the last one `ray start` or a
+    test's `Cluster` left its address for, and that cluster's end would end this run)."""
     return dict(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=os.environ.get("TEMPER_RAY_DASHBOARD") == "1",
         dashboard_host="127.0.0.1",

@@ -1,4 +1,5 @@
-"""Ray start-up: a local cluster listens on loopback only and keeps Ray's auth; attaching changes nothing."""
+"""Ray start-up: a local cluster is the run's own, listens on loopback only and keeps Ray's auth; attaching
+changes nothing."""
 
 from __future__ import annotations
 
@@ -58,3 +59,37 @@ def test_attaching_leaves_the_clusters_settings_alone(monkeypatch):
     temper_ray.ensure_ray()
     assert calls == [{"address": "ray://head.example:10001", "log_to_driver": False}]
     assert dict(os.environ) == before  # no auth mode, no token, no node-address switch
+
+
+OWN_CLUSTER = """
+from rollout.ray import ensure_ray
+ensure_ray(num_cpus=1)
+import ray
+print("gcs", ray.get_runtime_context().gcs_address)
+ray.shutdown()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.serial
+def test_a_local_run_starts_its_own_cluster_beside_another_one():
+    """Another cluster runs on this machine (a test's `Cluster`, or `ray start`, which leave their address where
+    Ray looks for the last one): a run without `RAY_ADDRESS` starts its own, not attaching to that one (whose end
+    would end the run)."""
+    from ray.cluster_utils import Cluster
+
+    from rollout.ray import quiet_fork_exec
+
+    with quiet_fork_exec():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env["PYTHONPATH"] = str(ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", OWN_CLUSTER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        )
+    finally:
+        cluster.shutdown()
+    assert out.returncode == 0, out.stderr[-2000:]
+    gcs = next(line for line in out.stdout.splitlines() if line.startswith("gcs ")).split()[1]
+    assert gcs != cluster.address, (gcs, cluster.address)
