@@ -58,7 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sampler-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = p.parse_args(argv)
     for arm in args.arms:
-        loss, _, correction = arm.partition(":")
+        _, _, correction = arm.partition(":")
         if correction not in CORRECTIONS:
             p.error(f"arm {arm!r}: the correction is one of {list(CORRECTIONS)}")
     return args

@@ -167,7 +167,7 @@ class AgentConfig(Section):
 
     # The environment plugin: `tools` (built-in: the model calls `environment_kwargs.tools`), package.module:Class,
     # path/to/file.py:Class, or an entry point of `temper.environments`.
-    environment: str = "tools"
+    environment: str | None = None  # None: `tools` (without a program)
     environment_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str = "hermes"  # vLLM's parser for the family's tool calls (hermes: Qwen2.5 / Qwen3)
     max_turns: int = Field(4, gt=0)  # assistant turns a trajectory may take
@@ -178,6 +178,23 @@ class AgentConfig(Section):
     # Episodes running at once (None: every episode of the step). With vLLM each runs on its own: its next turn is a
     # new request as soon as the environment answered, beside the other episodes' turns (continuous batching).
     max_concurrency: int | None = Field(None, gt=0)
+    # An agent written against an OpenAI client in place of an environment (rollout/agent_program.py): a coroutine
+    # `async def run(row, client)` named as reward functions are; each episode under `program_timeout_s`.
+    program: str | None = None
+    program_timeout_s: float = Field(300.0, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_driver(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("program") is None:
+            return {**data, "environment": data.get("environment") or "tools"}
+        if data.get("environment") is not None or data.get("environment_kwargs"):
+            raise ValueError(
+                "rl.agent.program drives the episodes itself: leave rl.agent.environment and environment_kwargs unset"
+            )
+        return data
 
 
 class RLConfig(Section):

@@ -12,7 +12,8 @@ function's `kwargs` from the config.
 
 The other plugins a run loads by name resolve the same way, each kind with its own built-ins and entry-point
 group (`KINDS`): environments of multi-turn rollouts (`rollout.environment`, group `temper.environments`) and
-the tools they offer (group `temper.tools`).
+the tools they offer (group `temper.tools`), and agent programs written against an OpenAI client
+(`rollout.agent_program`, group `temper.agents`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ KINDS: dict[str, Kind] = {
     "reward": Kind("reward function", BUILTINS, ENTRY_POINT_GROUP),
     "environment": Kind("environment", {"tools": "rollout.tool_env:ToolEnvironment"}, "temper.environments"),
     "tool": Kind("tool", {"calculator": "rollout.calculator:calculator"}, "temper.tools"),
+    "agent": Kind("agent program", {}, "temper.agents"),
 }
 
 

@@ -6,7 +6,7 @@ token out.
     url = endpoint.open("episode-0")        # http://127.0.0.1:PORT/episodes/episode-0/v1: the agent's base URL
     client = AsyncOpenAI(base_url=url, api_key="temper")
     ...                                     # the agent calls client.chat.completions.create(...) as often as it likes
-    trajectories = endpoint.finish("episode-0")    # one Completion per segment: what the method trains on
+    segments = endpoint.finish("episode-0")        # what the calls sampled: [s.completion() for s in segments]
     endpoint.close()
 
 Routes (each under `/episodes/{episode}/v1`, one base URL per episode, as the interception servers of verifiers
@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from core.chat_template import ChatTemplateError
-from rollout.recording import Recorder
+from rollout.recording import Recorder, Segment
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolParsers
 from rollout.turn_pump import TurnPump
@@ -145,10 +145,11 @@ class Endpoint:
         self.calls[episode] = 0
         return f"{self.root}/episodes/{episode}/v1"
 
-    def finish(self, episode: str) -> list[Completion]:
-        """Stop recording `episode`: its trajectories, one per segment (later calls to its URL are 404s)."""
+    def finish(self, episode: str) -> list[Segment]:
+        """Stop recording `episode`: its segments (`Segment.completion()`: a trajectory), in the order they started;
+        later calls to its URL are 404s."""
         self.calls.pop(episode, None)
-        return self.recorders.pop(episode).completions()
+        return self.recorders.pop(episode).segments
 
     def close(self) -> None:
         if self._server is not None:

@@ -74,7 +74,7 @@ def test_an_agent_calling_tools_through_the_openai_client_leaves_its_trajectory(
     try:
         url = endpoint.open("ep-0")
         messages = asyncio.run(agent(url))
-        (trajectory,) = endpoint.finish("ep-0")
+        (trajectory,) = [s.completion() for s in endpoint.finish("ep-0")]
         with pytest.raises(openai.NotFoundError, match="no episode 'ep-0' is open"):
             openai.OpenAI(base_url=url, api_key="x").chat.completions.create(model="temper", messages=messages[:1])
     finally:
@@ -119,7 +119,7 @@ def test_episodes_at_once_with_a_fork_train_on_the_samplers_own_log_probs(tmp_pa
     try:
         urls = [endpoint.open(f"ep-{i}") for i in range(4)]
         asyncio.run(all_at_once(urls))
-        trajectories = {u: endpoint.finish(f"ep-{i}") for i, u in enumerate(urls)}
+        trajectories = {u: [s.completion() for s in endpoint.finish(f"ep-{i}")] for i, u in enumerate(urls)}
     finally:
         endpoint.close()
     assert endpoint.overridden == 12  # every call asked for temperature 0.7; the run's 1.0 applied
@@ -157,7 +157,7 @@ def test_what_the_endpoint_refuses(tmp_path_factory, tmp_path):
                 client.chat.completions.create(**{"model": "temper", "messages": user, **kwargs})
         raw = client.completions.create(model="temper", prompt="What is 2 + 3?", max_tokens=4, logprobs=1)
         assert raw.choices[0].text is not None and len(raw.choices[0].logprobs.token_logprobs) >= 1
-        (segment,) = endpoint.finish("ep")
+        (segment,) = [s.completion() for s in endpoint.finish("ep")]
         assert segment.prompt_ids == tok.encode("What is 2 + 3?") and all(segment.sampled)
     finally:
         endpoint.close()

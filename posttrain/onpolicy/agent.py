@@ -42,7 +42,7 @@ from rollout.tool_parsing import ToolParsers
 class AgentRollouts:
     def __init__(self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool):
         agent = cfg.rl.agent
-        assert agent is not None
+        assert agent is not None and agent.environment is not None  # an environment's episodes (not a program's)
         self.cfg, self.agent = cfg, agent
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.env = EnvironmentRunner(agent.environment, agent.environment_kwargs, pool, agent.env_timeout_s)

@@ -15,6 +15,7 @@ pass up front. Its statistics come back typed (`PolicyStats`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import reduce
@@ -244,6 +245,12 @@ def rl_batch(
     """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts a multiple
     of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled)."""
     rl = cfg.rl
+    # An episode that failed before it had a prompt (an environment's reset, an agent program that never called the
+    # model) holds no token; its group is dropped (keep False), so one pad token keeps its place in the layout.
+    completions = [
+        c if c.prompt_ids or keep else dataclasses.replace(c, prompt_ids=[0], token_ids=[], logprobs=[], sampled=None)
+        for c, keep in zip(completions, adv.keep, strict=True)
+    ]
     if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
         longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
         row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)

@@ -48,6 +48,7 @@ from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.agent import AgentRollouts
 from posttrain.onpolicy.checks import check_config, check_policy, check_tokenizer_template
 from posttrain.onpolicy.method import SamplingMethod
+from posttrain.onpolicy.program import ProgramRollouts
 from posttrain.onpolicy.prompts import PromptStream, prompt_rows
 from posttrain.onpolicy.rollouts import Rollouts, SingleTurn
 from posttrain.onpolicy.source import SamplerSource
@@ -100,7 +101,11 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
 
     try:
         # Multi-turn rollouts: the environment, tool parser and template are checked here, before Ray starts.
-        rollouts: Rollouts = AgentRollouts(cfg, tokenizer_dir, rewards.pool) if rl.agent is not None else SingleTurn(rl)
+        rollouts: Rollouts = SingleTurn(rl)
+        if rl.agent is not None and rl.agent.program is not None:
+            rollouts = ProgramRollouts(cfg, tokenizer_dir, rewards.pool, bool(rewards.functions))
+        elif rl.agent is not None:
+            rollouts = AgentRollouts(cfg, tokenizer_dir, rewards.pool)
         if cfg.rollout.sampler == "vllm":
             from rollout.ray import ensure_ray
 

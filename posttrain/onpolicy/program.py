@@ -1,0 +1,124 @@
+"""Agents written against an OpenAI client as a run's rollouts (`rl.agent.program`): the third kind of
+`posttrain.onpolicy.rollouts.Rollouts`, beside `SingleTurn` and `AgentRollouts`.
+
+    rollouts = ProgramRollouts(cfg, tokenizer_dir, pool)  # checks the program and the tool parser at start
+    rolled = rollouts.run(rows, params, samplers)         # n episodes a row, each the program against the endpoint
+    scores = rollouts.rewards(rolled, scores)             # the programs' rewards added to the functions' scores
+
+Each step starts the OpenAI-compatible endpoint (`rollout.endpoint`) on the samplers' turns
+(`Samplers.turns`: vLLM's engines, the JAX sampler's slots) and runs `rl.batch.num_generations` episodes a row,
+each the program (`rollout.agent_program`) with a client whose base URL is that episode's, in the reward worker
+pool. What the episode's calls sampled is its trajectory, token in / token out (`rollout.recording`), trained on
+the model's tokens only; the row the program gets carries the formatted `rl.prompt_template` as `prompt`.
+
+Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
+score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
+functions. An episode fails (counted in `agent/failed`, its group dropped from the loss as a failed reward's is)
+when the program raises, times out (`rl.agent.program_timeout_s`), returns something else, makes no call, or
+returns None in a run without reward functions; and, for now, when its calls form more than one segment (the
+agent rewrote its history): training several trajectories of one episode is not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from core.config_loader import ConfigError
+from core.data import load_tokenizer
+from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.prompts import prompt_text
+from posttrain.onpolicy.rollouts import Rolled, Samplers
+from rewards.pool import Call, WorkerPool, _shards
+from rewards.runner import RewardBatch
+from rollout.agent_program import check_program
+from rollout.endpoint import Endpoint
+from rollout.episodes import Episode
+from rollout.recording import Segment
+from rollout.sampler import SamplingParams
+from rollout.tool_parsing import ToolParsers
+
+RUNNER = "rollout.agent_program:ProgramRunner"
+
+
+class ProgramRollouts:
+    def __init__(self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool, has_functions: bool):
+        agent = cfg.rl.agent
+        assert agent is not None and agent.program is not None
+        self.cfg, self.agent, self.pool, self.has_functions = cfg, agent, pool, has_functions
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
+        self.started = 0  # episodes so far: each one's id on the endpoint
+        try:
+            check_program(agent.program)
+        except Exception as err:
+            raise ConfigError(f"rl.agent.program={agent.program!r}: {err}") from None
+        try:
+            self.parsers.for_tools([])
+        except ValueError as err:
+            raise ConfigError(f"rl.agent.tool_parser: {err}") from None
+
+    def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
+        """`params.n` episodes a row, row-major, every episode's program running at once against the endpoint."""
+        starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
+        turn = dataclasses.replace(params, n=1)
+        endpoint = Endpoint(
+            samplers.turns(len(starts)), self.tokenizer, self.parsers, turn, self.cfg.rollout.max_model_len
+        )
+        endpoint.start()
+        try:
+            ids = [f"episode-{self.started + i}" for i in range(len(starts))]
+            urls = [endpoint.open(i) for i in ids]
+            timeout = self.agent.program_timeout_s
+            shards = _shards(len(starts), self.pool.num_procs)
+            kwargs = {"program": self.agent.program, "timeout_s": timeout}
+            calls = [Call("agent", RUNNER, kwargs, "run", (starts[lo:hi], urls[lo:hi])) for lo, hi in shards]
+            # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
+            results = self.pool.call(calls, timeout + 30.0)
+            outcomes: list[tuple[object, str | None]] = []
+            for (lo, hi), result in zip(shards, results, strict=True):
+                shard = result.value if result.error is None else [(None, f"its worker: {result.error}")] * (hi - lo)
+                outcomes.extend(shard)
+            episodes = [
+                self._episode(row, endpoint.finish(i), value, why)
+                for row, i, (value, why) in zip(starts, ids, outcomes, strict=True)
+            ]
+        finally:
+            endpoint.close()
+        self.started += len(starts)
+        return Rolled([e.completion() for e in episodes], episodes)
+
+    def _episode(self, row: dict, segments: list[Segment], value: object, why: str | None) -> Episode:
+        e = Episode(row)
+        if segments:
+            s = segments[-1]
+            e.prompt_ids, e.token_ids, e.sampled, e.logprobs = s.prompt_ids, s.token_ids, s.sampled, s.logprobs
+            e.turns, e.final_text, e.policy_version = s.turns, s.final_text, s.policy_version
+            e.tool_calls = sum(len(m.called) for m in s.marks)
+        e.finish = "length" if segments and segments[-1].cut else "done"
+        if why is None and not segments:
+            why = "the program made no call to the model"
+        elif why is None and len(segments) > 1:
+            why = (
+                f"its calls formed {len(segments)} segments (the agent rewrote its history); training several "
+                "trajectories of one episode is not built yet"
+            )
+        elif why is None and value is None and not self.has_functions:
+            why = "the program returned None and the run has no reward.functions to score the episode"
+        if why is not None:
+            e.finish, e.error = "failed", why
+        elif value is not None:
+            e.rewards = [float(sum(value.values())) if isinstance(value, dict) else float(value)]  # type: ignore[arg-type]
+        return e
+
+    def rewards(self, rolled: Rolled, scored: RewardBatch | None) -> RewardBatch:
+        """The programs' rewards added to the functions' scores (or alone)."""
+        episodes = rolled.episodes
+        assert episodes is not None  # `run`'s
+        values = np.array([sum(e.rewards) for e in episodes], np.float32)
+        failed = np.array([e.finish == "failed" for e in episodes])
+        errors = [e.error for e in episodes if e.error]
+        base = scored if scored is not None else RewardBatch.empty(len(episodes))
+        return base.plus("agent", values, failed, errors[:1])

@@ -1,0 +1,80 @@
+"""Agent programs written against an OpenAI client, run in the reward worker pool (`rl.agent.program`).
+
+    async def run(row: dict, client: openai.AsyncOpenAI) -> float | dict | None:
+        reply = await client.chat.completions.create(model="temper", messages=[...], tools=[...])
+        ...
+        return 1.0            # the episode's reward; a dict of named rewards; None: the run's reward functions decide
+
+A program is a plugin, named as reward functions are (`package.module:function`, `path/to/file.py:function`, an
+entry point of `temper.agents`): a coroutine function of the row and a client whose base URL is the episode's own
+on the run's endpoint (`rollout.endpoint`). Its calls are what the method trains on; what it returns is the
+episode's reward. `ProgramRunner` runs a shard of a step's episodes in one worker, concurrently (an agent mostly
+waits for the model), each under its own timeout; the pool's deadline bounds the whole shard (an agent that blocks
+the worker's event loop is killed with its worker). An episode whose program raises, times out or returns
+something else fails, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from rewards.registry import resolve
+
+
+def check_program(spec: str) -> None:
+    """Refuse, at start, a program that does not import or is not `async def run(row, client)`."""
+    fn = resolve(spec, "agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{spec} is not a coroutine function (async def run(row, client))")
+    try:
+        inspect.signature(fn).bind({}, None)
+    except TypeError as err:
+        raise ValueError(f"{spec} cannot be called as run(row, client): {err}") from None
+
+
+def episode_value(out: Any) -> tuple[float | dict[str, float] | None, str | None]:
+    """A program's return value as the episode's reward (None: the reward functions'), or why it is not one."""
+    if out is None:
+        return None, None
+    if isinstance(out, bool) or not isinstance(out, (int, float, dict)):
+        return None, f"the program returned {type(out).__name__}, not a number, a dict of numbers or None"
+    items = out.items() if isinstance(out, dict) else [("", out)]
+    for name, value in items:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None, f"the program returned {value!r}{f' for {name!r}' if name else ''}, not a finite number"
+    return (float(out) if not isinstance(out, dict) else {str(k): float(v) for k, v in out.items()}), None
+
+
+class ProgramRunner:
+    """What a worker of the pool builds once per program (`rewards.pool.Call`)."""
+
+    def __init__(self, program: str, timeout_s: float):
+        self.program: Any = resolve(program, "agent")
+        self.timeout_s = timeout_s
+
+    def run(self, rows: Sequence[dict], urls: Sequence[str]) -> list[tuple[Any, str | None]]:
+        """Each episode's (value, None) or (None, why it failed), in order."""
+        return asyncio.run(self._all(rows, urls))
+
+    async def _all(self, rows: Sequence[dict], urls: Sequence[str]) -> list[tuple[Any, str | None]]:
+        return list(await asyncio.gather(*(self._one(r, u) for r, u in zip(rows, urls, strict=True))))
+
+    async def _one(self, row: dict, url: str) -> tuple[Any, str | None]:
+        import openai
+
+        # No retries: a call the endpoint refuses is the program's error, and a retried call would sample again.
+        client = openai.AsyncOpenAI(base_url=url, api_key="temper", max_retries=0, timeout=self.timeout_s)
+        try:
+            out = await asyncio.wait_for(self.program(dict(row), client), self.timeout_s)
+        except TimeoutError:
+            return None, f"the program did not finish in {self.timeout_s:g} s"
+        except Exception as err:
+            return None, f"the program raised {type(err).__name__}: {err}"
+        finally:
+            await client.close()
+        value, why = episode_value(out)
+        return (value, None) if why is None else (None, why)

@@ -1,0 +1,45 @@
+"""Agent programs for the tests, written against the `openai` client as an agent written elsewhere would be."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def chatter(row, client):
+    """Three calls (the question, then "Go on." twice, each time the whole conversation with the replies as the
+    client got them); the reward: the last reply's length modulo 5, which differs between a row's episodes."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="temper", messages=messages, max_tokens=32)
+        message = reply.choices[0].message
+        messages += [message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    return float(len(message.content or "") % 5)
+
+
+async def raises(row, client):
+    await client.chat.completions.create(model="temper", messages=[{"role": "user", "content": row["prompt"]}])
+    raise RuntimeError("the agent's own bug")
+
+
+async def hangs(row, client):
+    await asyncio.sleep(3600)
+
+
+async def says_yes(row, client):
+    return "yes"
+
+
+async def never_calls(row, client):
+    return 1.0
+
+
+async def rewrites(row, client):
+    """Two calls whose second does not extend the first (a summary of the history): two segments."""
+    await client.chat.completions.create(model="temper", messages=[{"role": "user", "content": row["prompt"]}])
+    summary = [{"role": "user", "content": "Earlier you answered. " + row["prompt"]}]
+    await client.chat.completions.create(model="temper", messages=summary)
+    return 1.0
+
+
+def not_async(row, client):
+    return 1.0

@@ -1,0 +1,120 @@
+"""Agents written against the `openai` client as a run's rollouts (`rl.agent.program`): GRPO trains on what their
+calls sampled through the endpoint, on the JAX sampler; every way a program can fail fails its episode with the
+reason, counted; a program that cannot run is refused at start."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_agent_run import stopping_model
+
+
+def _cfg(tmp_path, program: str, *overrides: str):
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+    from tests.chat_families import FAMILIES, chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec={**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"})
+    model = stopping_model(tmp_path / "model", tok, "qwen2", share=0.3, stop="<|im_end|>")  # replies end before 32
+    common = [
+        f"run.run_dir={tmp_path / 'run'}",
+        f"checkpoint.init_from={model}",
+        f"data.tokenizer_dir={tok.name_or_path}",
+        "rollout.sampler=jax",
+        "rollout.max_tokens=32",
+        "rollout.max_model_len=256",
+        "train.steps=2",
+        "rl.batch.prompts_per_step=2",
+        "rl.batch.num_generations=4",
+        "reward.functions=[]",
+        "rl.accuracy_fn=null",
+        "checkpoint.export_hf=false",
+        f"rl.agent={{program: 'tests.agent_programs:{program}', program_timeout_s: 20}}",
+    ]
+    return load_config("recipes/configs/grpo_tiny.yml", [*common, *overrides], schema=PostTrainConfig)
+
+
+@pytest.mark.integration
+def test_grpo_trains_on_what_an_openai_client_agents_calls_sampled(tmp_path):
+    """Each episode is `chatter`: three calls through its own base URL, the replies sent back as the client got
+    them. The trajectory is one segment of three turns (the user turns between them as context), its reward the
+    program's; GRPO steps on it."""
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import build_sampler_run
+
+    run = build_sampler_run(_cfg(tmp_path, "chatter"), GRPO)
+    seen: list[dict] = []
+    try:
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+    assert len(seen) == 2
+    for m in seen:
+        assert m["agent/failed"] == 0 and m["agent/turns"] == 3.0, m
+        assert m["agent/env_tokens"] > 0 and m["agent/model_tokens"] > 0
+        assert np.isfinite(m["reward/agent/mean"]) and np.isfinite(m["loss"])
+    assert any(m["grad_norm"] > 0 for m in seen)
+
+
+def test_every_way_a_program_fails_fails_its_episode_with_the_reason():
+    """`ProgramRunner` in this process (a unit test of its own logic; the endpoint is never reached)."""
+    from rollout.agent_program import ProgramRunner, episode_value
+
+    cases = {
+        "hangs": "did not finish in 0.5 s",
+        "says_yes": "returned str, not a number",
+        "raises": "the program raised",
+    }
+    for name, why in cases.items():
+        ((value, error),) = ProgramRunner(f"tests.agent_programs:{name}", 0.5).run(
+            [{"prompt": "q"}], ["http://127.0.0.1:9/v1"]
+        )
+        assert value is None and why in error, (name, error)
+    assert episode_value({"a": 1, "b": 2.5}) == ({"a": 1.0, "b": 2.5}, None)
+    assert "not a finite number" in episode_value({"a": float("nan")})[1]
+    assert episode_value(None) == (None, None) and episode_value(2) == (2.0, None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("program,why", [("never_calls", "made no call"), ("rewrites", "formed 2 segments")])
+def test_a_program_that_makes_no_call_or_rewrites_its_history_fails_its_episode(tmp_path, monkeypatch, program, why):
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.program import ProgramRollouts
+    from posttrain.onpolicy.run import build_sampler_run
+
+    errors: list[str | None] = []
+    episode = ProgramRollouts._episode
+
+    def recorded(self, *args):
+        e = episode(self, *args)
+        errors.append(e.error)
+        return e
+
+    monkeypatch.setattr(ProgramRollouts, "_episode", recorded)
+    run = build_sampler_run(_cfg(tmp_path, program, "train.steps=1"), GRPO)
+    seen: list[dict] = []
+    try:
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+    assert seen[0]["agent/failed"] == 1.0 and seen[0]["reward/failed_groups"] == 2, seen[0]
+    assert len(errors) == 8 and all(e is not None and why in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "agent,message",
+    [
+        ("{program: 'tests.agent_programs:not_async'}", "is not a coroutine function"),
+        ("{program: 'tests.agent_programs:nowhere'}", "rl.agent.program='tests.agent_programs:nowhere'"),
+        ("{program: 'tests.agent_programs:chatter', environment: tools}", "leave rl.agent.environment"),
+    ],
+)
+def test_a_program_that_cannot_run_is_refused_at_start(tmp_path, agent, message):
+    from core.config_loader import ConfigError
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import build_sampler_run
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = _cfg(tmp_path, "chatter", f"rl.agent={agent}")
+        build_sampler_run(cfg, GRPO)
