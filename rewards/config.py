@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from core.config import Section
+
+BUILTIN_TIMEOUT_S = {"reward_model": 300.0}  # built-ins whose deadline is not `reward.math_verify_timeout`
 
 
 class RewardFn(Section):
@@ -17,9 +21,17 @@ class RewardFn(Section):
     fn: str
     weight: float = 1.0
     kwargs: dict = Field(default_factory=dict)
-    # Its own deadline per batch (a reward model's first batch loads the model in each worker); None: the run's,
-    # `reward.math_verify_timeout`.
+    # Its own deadline per batch; None: the run's, `reward.math_verify_timeout`, or a built-in's own (the reward
+    # model's first batch loads the model in each worker: a worker killed at a short deadline would load it again,
+    # and fail, every batch).
     timeout_s: float | None = Field(None, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin_deadline(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("timeout_s") is None and data.get("fn") in BUILTIN_TIMEOUT_S:
+            return {**data, "timeout_s": BUILTIN_TIMEOUT_S[data["fn"]]}
+        return data
 
 
 class RewardConfig(Section):

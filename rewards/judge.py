@@ -15,11 +15,13 @@ template, answers, and a parser turns its verdict into a number.
             engine: {dtype: bfloat16, kv_cache_gib: 8}   # rollout.* keys for the judge's engine
 
 The template is formatted with `prompt`, `completion` and the row's columns (`{answer}`); it must hold
-`{completion}`. Parsers: `number` (the last number in the verdict), `yes_no` (1 for a verdict that starts with
-yes, 0 for no), a regular expression whose first group is a number, or a function `(verdict) -> float | None`.
-A verdict the parser cannot read, or a call the engine does not answer within `timeout_s` (its start, once, may
-take up to `START_TIMEOUT_S`, 600 s), fails that completion
-(NaN: its group is dropped and counted in `reward/failed`, as a raising reward function's), never a stand-in 0.
+`{completion}`. Parsers: `number` (the verdict's only number: one with none or several, "8/10", "7 out of 10",
+fails), `yes_no` (1 for a verdict whose first word is yes, 0 for no; "Not sure" is neither), a regular expression
+whose first group is a number, or a function `(verdict) -> float | None`. A verdict the parser cannot read fails
+that completion; a call the engine does not answer within `timeout_s` (its start, once, may take up to
+`START_TIMEOUT_S`, 600 s) fails every completion of that call, and the engine is stopped (a call that never came
+back would hold it), the next batch starting a new one. A failed item is NaN: its group is dropped and counted in
+`reward/<name>/failure_rate` and `reward/failed_groups`, as a raising reward function's, never a stand-in 0.
 
 Unlike the other reward functions, which run in the reward workers, the judge runs in the run's own process
 (`rewards.runner.RewardRunner` holds it): its engine is a Ray actor, started on the first batch it scores and
@@ -40,20 +42,26 @@ from typing import Any
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-def _last_number(verdict: str) -> float | None:
+def _only_number(verdict: str) -> float | None:
+    """The verdict's one number; None where it has none or several ("8/10", "7 out of 10", "a scale of 1-5: 4" are
+    ambiguous: a regex parser says which one is the score)."""
     found = NUMBER.findall(verdict)
-    return float(found[-1]) if found else None
+    return float(found[0]) if len(found) == 1 else None
+
+
+YES_NO = re.compile(r"\s*(yes|no)\b", re.IGNORECASE)
 
 
 def _yes_no(verdict: str) -> float | None:
-    word = verdict.strip().lower()
-    return 1.0 if word.startswith("yes") else 0.0 if word.startswith("no") else None
+    """1 for a verdict whose first word is yes, 0 for no ("Not sure", "Nothing", "Yesterday" are neither)."""
+    found = YES_NO.match(verdict)
+    return None if found is None else 1.0 if found.group(1).lower() == "yes" else 0.0
 
 
 def parser_of(spec: str) -> Callable[[str], float | None]:
     """The verdict parser `spec` names (module docstring); ValueError naming what is wrong."""
     if spec == "number":
-        return _last_number
+        return _only_number
     if spec == "yes_no":
         return _yes_no
     if re.fullmatch(r"[\w.]+:\w+", spec):
@@ -184,6 +192,9 @@ class Judge:
         try:
             verdicts = [c.text for c in self.engine().generate(requests, params)]
         except Exception as err:  # the engine failed or did not answer in time: every item of the call fails
+            # A call that did not come back may still be running on the engine (it serves one call at a time), so
+            # every later batch would queue behind it: the engine is stopped, and the next batch starts a new one.
+            self.close()
             return [None] * len(requests), [f"the judge {self.model} did not answer: {type(err).__name__}: {err}"]
         values = [_read(self.parse, v) for v in verdicts]
         bad = [v for v, x in zip(verdicts, values, strict=True) if x is None]

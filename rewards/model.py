@@ -12,9 +12,9 @@ the head's output at the sequence's last token, as `transformers` pools; sequenc
 padded (a causal model's last token sees no padding).
 
 It runs where reward functions run: in the reward workers (`rewards.pool`), never in the trainer's step, under
-`reward.*`'s timeout; each worker loads the model once, on its first call, and keeps it (one copy per worker:
-`reward.math_verify_num_procs` workers hold one each). `check` runs at config load: a path that is not such a
-model, or whose head is not scalar, is refused there.
+its `timeout_s` (300 s unless set: `rewards.config.BUILTIN_TIMEOUT_S`); each worker loads the model once, on its
+first call, and keeps it (one copy per worker: `reward.math_verify_num_procs` workers hold one each). `check` runs
+at config load: a path that is not such a model, or whose head is not scalar, is refused there.
 """
 
 from __future__ import annotations

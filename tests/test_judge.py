@@ -19,8 +19,12 @@ TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nCorrect answer: {answer}\n
 
 def test_parsers_read_numbers_yes_no_regexes_and_functions():
     number, yes_no = parser_of("number"), parser_of("yes_no")
-    assert number("I give it 7, no, 8.5 out of 10") == 10.0 and number("no digits") is None
-    assert yes_no(" Yes, it is") == 1.0 and yes_no("no.") == 0.0 and yes_no("maybe") is None
+    assert number("I give it 7.5.") == 7.5 and number("no digits") is None
+    for ambiguous in ("8/10", "7 out of 10", "on a scale of 1-5: 4", "I give it 7, no, 8.5"):
+        assert number(ambiguous) is None, ambiguous  # which number is the score? unread, not guessed
+    assert yes_no(" Yes, it is") == 1.0 and yes_no("no.") == 0.0 and yes_no("NO") == 0.0
+    for neither in ("maybe", "Not sure", "Nothing to say", "Now, let us see", "None", "Yesterday it was"):
+        assert yes_no(neither) is None, neither
     regex = parser_of(r"Score:\s*(\d+)")
     assert regex("... Score: 4 (of 5)") == 4.0 and regex("Score: x") is None
     assert parser_of("tests.reward_plugins:verdict_chars")("abc") == 3.0
@@ -67,9 +71,11 @@ def test_an_unreadable_verdict_or_an_engine_that_does_not_answer_fails_the_compl
     unfilled = _judge(Engine(["Score: 1"]), template="{completion} against {reference}")
     values, messages = unfilled.score(["q"], [" a"], {"answer": [1]})  # a slot no column fills: it fails, counted
     assert values == [None] and "cannot be filled from the rows (KeyError: 'reference'; columns: answer)" in messages[0]
-    silent = _judge(Engine(error=GetTimeoutError("no answer in 120 s")))
+    hung = Engine(error=GetTimeoutError("no answer in 120 s"))
+    silent = _judge(hung)
     values, messages = silent.score(["q", "r"], [" a", " b"], {"answer": [1, 2]})
     assert values == [None, None] and "did not answer: GetTimeoutError" in messages[0]
+    assert hung.stopped and silent._engine is None  # the engine that holds the lost call is stopped: a new one next
 
 
 def test_the_runner_counts_a_judges_failures_as_failed_items():

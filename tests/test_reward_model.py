@@ -256,3 +256,14 @@ def test_the_recipe_learns_to_prefer_the_right_answer_and_exports(tmp_path, arit
     train = [r["accuracy"] for r in rows if "accuracy" in r]
     assert np.mean(train[-20:]) > np.mean(train[:20])
     assert (tmp_path / "run" / "hf" / "reward_model" / "config.json").exists() and summary.steps == 150
+
+
+def test_a_reward_model_gets_a_deadline_that_leaves_room_to_load_it():
+    """Without `timeout_s`, a reward model's deadline is its own (300 s), not `reward.math_verify_timeout` (10 s):
+    each worker loads the model on its first batch, and a worker killed at the deadline would load it again."""
+    from rewards.config import RewardConfig
+
+    cfg = RewardConfig.model_validate({"functions": [{"fn": "reward_model"}, {"fn": "math_verify"}]})
+    assert [f.timeout_s for f in cfg.functions] == [300.0, None]
+    mine = RewardConfig.model_validate({"functions": [{"fn": "reward_model", "timeout_s": 60}]})
+    assert mine.functions[0].timeout_s == 60.0
