@@ -1,7 +1,8 @@
 """`rl.rollout_correction` reaches every method that trains with the policy-gradient update, not only GRPO: PPO (its
 policy's part) and on-policy distillation (the sampled-token loss) each run two steps on the JAX sampler with a
-geometric-mean mask and log its metrics (the sampler's float32 log-probs are the trainer's: nothing is masked, every
-ratio is ~1)."""
+geometric-mean mask whose bounds, [1.5, 2], leave out a ratio of 1: the sampler's float32 log-probs are the
+trainer's, so every sequence is masked, which it can only be if the sampler's log-probs reached the correction
+(without them the correction is off, and masks nothing)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
 
-CORRECTION = "rl.rollout_correction={mode: geometric_mask, lo: 0.5, hi: 2.0}"
+CORRECTION = "rl.rollout_correction={mode: geometric_mask, lo: 1.5, hi: 2.0}"
 
 
 def _two_steps(cfg, method) -> list[dict]:
@@ -41,9 +42,9 @@ def _common(tmp_path, tokenizer) -> list[str]:
 def _assert_corrected(seen: list[dict]) -> None:
     assert len(seen) == 2
     for m in seen:
-        assert m["correction/masked_sequences"] == 0.0 and m["correction/masked_tokens"] == 0.0
+        assert m["correction/masked_sequences"] == 1.0 and m["correction/masked_tokens"] == 1.0
         assert abs(m["correction/ratio_min"] - 1) < 1e-2 and abs(m["correction/ratio_max"] - 1) < 1e-2
-        assert m["correction/weight_mean"] == pytest.approx(1.0, abs=1e-2)
+        assert m["correction/weight_mean"] == 0.0
 
 
 @pytest.mark.integration

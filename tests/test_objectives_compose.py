@@ -60,10 +60,18 @@ def _expected(noise: np.ndarray, mask: np.ndarray, level: str, lo: float, hi: fl
 
 
 CASES = {
-    # case: (overrides, completions' kind, the correction's level, action, lo, hi)
-    "lora+cispo+token_mask": ([*LORA, "rl.loss.type=cispo"], "plain", "token", "mask", 0.8, 1.25),
+    # case: (overrides, completions' kind, the correction's level, action, lo, hi); each trust region narrowed, so
+    # that the second (off-policy) update's ratios reach it (SAPO's gate cuts no token off)
+    "lora+cispo+token_mask": (
+        [*LORA, "rl.loss.type=cispo", "rl.loss.cispo_cap=1.0001"],
+        "plain",
+        "token",
+        "mask",
+        0.8,
+        1.25,
+    ),
     "moe_replay+gmpo+sequence_truncate": (
-        [*QWEN3_MOE, "rl.router_replay=replay", "rl.loss.type=gmpo"],
+        [*QWEN3_MOE, "rl.router_replay=replay", "rl.loss.type=gmpo", "rl.loss.epsilon=1.0e-4"],
         "routes",
         "sequence",
         "truncate",
@@ -71,7 +79,14 @@ CASES = {
         2.0,
     ),
     "agent_mask+sapo+geometric_mask": (["rl.loss.type=sapo"], "agent", "geometric", "mask", 0.9, 1.1),
-    "gspo+geometric_truncate": (["rl.algorithm=gspo"], "plain", "geometric", "truncate", 0.9, 1.1),
+    "gspo+geometric_truncate": (
+        ["rl.algorithm=gspo", "rl.loss.epsilon=1.0e-6"],
+        "plain",
+        "geometric",
+        "truncate",
+        0.9,
+        1.1,
+    ),
 }
 
 
@@ -101,5 +116,25 @@ def test_an_objective_and_a_correction_compose_with_the_step(case):
     assert metrics[f"correction/{acted}_sequences"] == pytest.approx(want[f"{acted}_sequences"], abs=1e-6)
     assert metrics["correction/ratio_max"] == pytest.approx(want["ratio_max"], rel=1e-4)
     assert metrics["grad_norm"] > 0 and np.isfinite(metrics["loss"])
+    # the second update is off-policy: its ratios left 1 and reached the objective's trust region
+    assert (metrics["clip_fraction"] > 0) == ("sapo" not in case), metrics["clip_fraction"]
     if base is not None:  # LoRA: the adapters trained, the base did not move
         assert same(base, learner.learner.rest)
+
+
+def test_a_correction_that_masks_every_token_leaves_no_policy_gradient():
+    """The correction's weight multiplies the loss, not only its metrics: with bounds that leave out every token's
+    ratio (and no KL term), a step has no gradient; the same batch with the correction off has one."""
+    rng = np.random.default_rng(0)
+    comps = _completions(rng, agent=False)
+    grads = {}
+    for mode in ("{mode: token_mask, lo: 100.0, hi: 200.0}", "{mode: off}"):
+        learner, _ = method_learner(
+            "recipes/configs/grpo_tiny.yml", GRPO, "train.steps=1", f"rl.rollout_correction={mode}"
+        )
+        batch = build_rl_batch(comps, np.linspace(-1, 1, 8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
+        metrics = learner.train(batch).metrics  # the sampler's log-probs: the scripted -6.0 a token, ratios ~0.8
+        grads[mode] = metrics["grad_norm"]
+        if "mask" in mode:
+            assert metrics["correction/masked_tokens"] == 1.0
+    assert grads["{mode: token_mask, lo: 100.0, hi: 200.0}"] == 0.0 and grads["{mode: off}"] > 0
