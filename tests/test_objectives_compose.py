@@ -117,6 +117,7 @@ def test_an_objective_and_a_correction_compose_with_the_step(case):
     assert metrics["correction/ratio_max"] == pytest.approx(want["ratio_max"], rel=1e-4)
     assert metrics["grad_norm"] > 0 and np.isfinite(metrics["loss"])
     # the second update is off-policy: its ratios left 1 and reached the objective's trust region
+    assert metrics["ratio/min"] < 1 < metrics["ratio/max"], metrics
     assert (metrics["clip_fraction"] > 0) == ("sapo" not in case), metrics["clip_fraction"]
     if base is not None:  # LoRA: the adapters trained, the base did not move
         assert same(base, learner.learner.rest)
@@ -135,6 +136,7 @@ def test_a_correction_that_masks_every_token_leaves_no_policy_gradient():
         batch = build_rl_batch(comps, np.linspace(-1, 1, 8), np.ones(8, bool), row_len=32, max_tokens=8, groups=1)
         metrics = learner.train(batch).metrics  # the sampler's log-probs: the scripted -6.0 a token, ratios ~0.8
         grads[mode] = metrics["grad_norm"]
+        assert metrics["ratio/min"] == metrics["ratio/max"] == 1.0  # one update a step: at pi_old
         if "mask" in mode:
             assert metrics["correction/masked_tokens"] == 1.0
     assert grads["{mode: token_mask, lo: 100.0, hi: 200.0}"] == 0.0 and grads["{mode: off}"] > 0

@@ -96,6 +96,11 @@ class PolicyTerms:
     # The correction's ratio (exp of its log weight at its level, before truncation or masking) over counted tokens
     correction_ratio_max: Any = maximum()
     correction_ratio_min_neg: Any = maximum()  # minus the smallest (a max field)
+    # The objective's ratio pi_theta / pi_old (GSPO's sequence ratio) over the counted tokens: how far the update
+    # has moved from pi_old (1 at a step's first update; later updates, mini-batches, are off-policy).
+    ratio: Any = summed()
+    ratio_max: Any = maximum()
+    ratio_min_neg: Any = maximum()  # minus the smallest (a max field)
     kl: Any = summed()  # the KL estimator over the KL tokens (beta 0: 0)
     kl_tokens: Any = summed()
 
@@ -185,7 +190,11 @@ def policy_loss(
         # minus coef * the token mean of the entropy, in the sum the step divides by the whole denominator
         mean_entropy = (entropy.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         loss_sum = loss_sum - coef * mean_entropy * denominator
+    seen = jax.lax.stop_gradient(ratio)
     terms = PolicyTerms(
+        ratio=(seen * mask).sum(),
+        ratio_max=jnp.where(mask > 0, seen, 0.0).max(),
+        ratio_min_neg=jnp.where(mask > 0, -seen, -jnp.inf).max(),
         clipped_tokens=(acted * mask).sum(),
         completion_tokens=mask.sum(),
         sequences=rows.sum(),

@@ -157,6 +157,7 @@ class PolicyStats:
     mismatch_gap_mean: float
     mismatch_gap_max: float
     mismatch_seq_kl: float
+    ratio: tuple[float, float, float]  # the objective's ratio pi_theta / pi_old over the counted tokens: mean, min, max
 
     @classmethod
     def summarise(cls, updates: list[Update], passes: int, settings: PolicyLossSettings) -> PolicyStats:
@@ -176,6 +177,11 @@ class PolicyStats:
             mismatch_gap_mean=ratio(first.mismatch_gap, first.mismatch_tokens),
             mismatch_gap_max=max(float(first.mismatch_gap_max), 0.0),
             mismatch_seq_kl=ratio(first.mismatch_seq_kl, first.mismatch_sequences),
+            ratio=(
+                ratio(every.terms.ratio, tokens) if float(tokens) else 1.0,
+                -float(every.terms.ratio_min_neg) if float(tokens) else 1.0,
+                float(every.terms.ratio_max) if float(tokens) else 1.0,
+            ),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -189,6 +195,9 @@ class PolicyStats:
             "mismatch/logp_gap_mean": self.mismatch_gap_mean,
             "mismatch/logp_gap_max": self.mismatch_gap_max,
             "mismatch/seq_kl": self.mismatch_seq_kl,
+            "ratio/mean": self.ratio[0],
+            "ratio/min": self.ratio[1],
+            "ratio/max": self.ratio[2],
         }
         if self.kl is not None:
             out["kl"] = self.kl
