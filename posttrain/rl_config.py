@@ -197,6 +197,14 @@ class AgentConfig(Section):
         return data
 
 
+# The objectives that read none of clip's settings (epsilon, epsilon_high, dual_clip), and what they read instead.
+OWN_PARAMETERS = {
+    "cispo": "rl.loss.cispo_cap",
+    "sapo": "rl.loss.sapo_tau_pos, rl.loss.sapo_tau_neg",
+    "dppo": "rl.loss.dppo_delta, rl.loss.dppo_cap",
+}
+
+
 class RLConfig(Section):
     """The on-policy methods (GRPO / GSPO and their variants, online DPO): `rl.batch`, `rl.loss`, `rl.advantage`,
     and the prompts, async bound and evaluation here (docs/grpo.md).
@@ -238,6 +246,28 @@ class RLConfig(Section):
             raise ValueError(
                 f"rl.loss.type=dppo weighs each token by its ratio to the sampler already: "
                 f"rl.rollout_correction.mode={self.rollout_correction.mode} would weigh it twice (leave it off)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _parameters_it_reads(self) -> RLConfig:
+        """A clip setting the objective does not read is refused, not ignored (TRL's CISPO takes its cap from
+        epsilon_high; here it is rl.loss.cispo_cap). The filled-in defaults pass: a config read back is not refused."""
+        loss, gspo = self.loss, self.algorithm == "gspo"
+        if loss.type in OWN_PARAMETERS:
+            epsilon = GSPO_EPSILON if gspo else 0.2
+            high = GSPO_EPSILON_HIGH if gspo and loss.epsilon == GSPO_EPSILON else loss.epsilon
+            given = [("epsilon", loss.epsilon, epsilon), ("epsilon_high", loss.epsilon_high, high)]
+            unread = [f"rl.loss.{k}={v}" for k, v, default in given if v != default]
+            unread += [f"rl.loss.dual_clip={loss.dual_clip}"] if loss.dual_clip is not None else []
+            if unread:
+                raise ValueError(
+                    f"rl.loss.type={loss.type} does not read {', '.join(unread)}; its own: {OWN_PARAMETERS[loss.type]}"
+                )
+        if loss.type == "gmpo" and loss.loss_agg != "sequence-mean-token-mean":
+            raise ValueError(
+                f"rl.loss.type=gmpo is one value a sequence (its geometric mean): rl.loss.loss_agg={loss.loss_agg} "
+                "would weigh sequences by their length; leave it sequence-mean-token-mean"
             )
         return self
 

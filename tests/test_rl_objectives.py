@@ -205,6 +205,11 @@ def test_the_config_selects_each_objective_and_correction_with_their_defaults():
     # YAML reads a bare `off` as false: the line the docs (and the tis_cap refusal) say to write means the mode off
     assert loss_settings(_cfg("rl.rollout_correction={mode: off}")).correction.mode == "off"
     assert loss_settings(_cfg("rl.rollout_correction.mode=off")).correction.mode == "off"
+    # the filled-in defaults are not taken for settings the objective does not read: a config read back loads
+    for objective in ("cispo", "sapo", "dppo", "gmpo"):
+        for algorithm in ("grpo", "gspo") if objective == "sapo" else ("grpo",):
+            cfg = _cfg(f"rl.loss.type={objective}", f"rl.algorithm={algorithm}")
+            assert PostTrainConfig.model_validate(cfg.model_dump(mode="json")).rl == cfg.rl
 
 
 @pytest.mark.parametrize(
@@ -220,6 +225,11 @@ def test_the_config_selects_each_objective_and_correction_with_their_defaults():
         ("rl.algorithm=gspo|rl.loss.type=cispo", "rl.loss.type=cispo takes the per-token ratio"),
         ("rl.loss.type=dppo|rl.rollout_correction.mode=token_mask", "would weigh it twice (leave it off)"),
         ("rl.accuracy_fn=llm_judge", "rl.accuracy_fn=llm_judge needs its kwargs"),
+        ("rl.loss.type=cispo|rl.loss.epsilon_high=4.0", "rl.loss.type=cispo does not read rl.loss.epsilon_high=4.0; "
+         "its own: rl.loss.cispo_cap"),
+        ("rl.loss.type=sapo|rl.loss.dual_clip=3.0", "rl.loss.type=sapo does not read rl.loss.dual_clip=3.0"),
+        ("rl.loss.type=dppo|rl.loss.epsilon=0.1", "rl.loss.type=dppo does not read rl.loss.epsilon=0.1"),
+        ("rl.loss.type=gmpo|rl.loss.loss_agg=token-mean", "rl.loss.type=gmpo is one value a sequence"),
     ],
 )  # fmt: skip
 def test_bad_names_and_bounds_are_refused_naming_the_key(override, message):
