@@ -1,7 +1,8 @@
 """The objectives `rl.loss.type` names and the rollout corrections `rl.rollout_correction.mode` names: against TRL's
 own code on the same tensors where TRL has them (values, gradients, weights; tests/fixtures/trl_rl_objectives.json,
-made by tests/fixtures/make_trl_rl_objectives.py), against NumPy written from the papers where it does not (DPPO,
-the geometric-mean corrections), and the config's refusals."""
+made by tests/fixtures/make_trl_rl_objectives.py; half the sequences' advantages positive, half negative), against
+NumPy written from the papers (clip, CISPO, SAPO; and DPPO and the geometric-mean corrections, which TRL does not
+have), and the config's refusals."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def settings_for(case: dict) -> PolicyLossSettings:
         taus = dict(sapo_tau_pos=args.get("tau_pos", 1.0), sapo_tau_neg=args.get("tau_neg", 1.05))
         return PolicyLossSettings(type="sapo", loss_agg="sequence-mean-token-mean", **taus, **common)
     assert kind == "gmpo"
-    eps = args["epsilon"]
-    return PolicyLossSettings(type="gmpo", epsilon=eps, epsilon_high=eps, loss_agg="sequence-mean-token-mean", **common)
+    eps, high = args["epsilon"], args.get("epsilon_high", args["epsilon"])
+    return PolicyLossSettings(
+        type="gmpo", epsilon=eps, epsilon_high=high, loss_agg="sequence-mean-token-mean", **common
+    )
 
 
 def temper_loss(settings: PolicyLossSettings, logp=LOGP, old=OLD, sampler=SAMPLER, adv=ADV, mask=MASK):
@@ -236,3 +239,41 @@ def test_bad_names_and_bounds_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         _cfg(*override.split("|"))
     assert message in str(err.value)
+
+
+def np_objective(kind: str, logp, old, adv, mask, **p):
+    """Each objective's per-token loss and its derivative in log pi, written from its paper (token mean over the
+    counted tokens): PPO's clip (Schulman et al. 2017), CISPO (MiniMax-M1: the clipped importance weight is a
+    constant, the gradient is REINFORCE's on every token), SAPO (Qwen: a sigmoid gate of temperature tau in place
+    of the hard clip, 4 / tau scaling so that its slope at r = 1 is the unclipped objective's)."""
+    r, a = np.exp(logp - old), adv[:, None] + 0 * logp
+    if kind == "clip":
+        clipped = np.clip(r, 1 - p["epsilon"], 1 + p["epsilon_high"])
+        use_clipped = -a * clipped > -a * r
+        per, d = np.where(use_clipped, -a * clipped, -a * r), np.where(use_clipped, 0.0, -a * r)
+    elif kind == "cispo":
+        w = np.minimum(r, p["cap"])
+        per, d = -w * a * logp, -w * a
+    else:
+        tau = np.where(a > 0, p["tau_pos"], p["tau_neg"])
+        gate = 1 / (1 + np.exp(-tau * (r - 1)))
+        per, d = -(4 / tau) * gate * a, -4 * gate * (1 - gate) * r * a
+    n = mask.sum()
+    return (per * mask).sum() / n, d * mask / n
+
+
+@pytest.mark.parametrize(
+    "kind,params,settings",
+    [
+        ("clip", {"epsilon": 0.2, "epsilon_high": 0.28}, {"type": "clip", "epsilon": 0.2, "epsilon_high": 0.28}),
+        ("cispo", {"cap": 1.3}, {"type": "cispo", "cispo_cap": 1.3}),
+        ("sapo", {"tau_pos": 2.0, "tau_neg": 0.5}, {"type": "sapo", "sapo_tau_pos": 2.0, "sapo_tau_neg": 0.5}),
+    ],
+)
+def test_clip_cispo_and_sapo_match_numpy_from_their_papers(kind, params, settings):
+    s = PolicyLossSettings(loss_agg="token-mean", correction=CorrectionSettings("off"), **settings)
+    value, grad, _, _ = temper_loss(s)
+    want, want_grad = np_objective(kind, LOGP, OLD, ADV, MASK, **params)
+    assert value == pytest.approx(want, abs=2e-6) and np.abs(want_grad).sum() > 0
+    np.testing.assert_allclose(grad, want_grad, atol=2e-6)
+    assert (ADV > 0).sum() == 3 and (ADV < 0).sum() == 3  # both sides of the clip, the cap and the gate
