@@ -87,3 +87,28 @@ def test_an_entropy_target_without_a_range_is_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         _cfg(*overrides)
     assert message in str(err.value)
+
+
+def test_the_grpo_step_reads_the_coefficient_its_batch_carries():
+    """The step's loss function (what the trainer runs, not `policy_loss` alone) takes the coefficient from the
+    batch: the same batch carrying 0.5 instead of 0 lowers the loss by 0.5 x its mean entropy x its denominator."""
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.rl_batch import build_rl_batch
+    from rollout.sampler import Completion
+    from tests.helpers import method_learner
+
+    adaptive = ("rl.loss.entropy_target=1.0", "rl.loss.entropy_coef_range=[0.0, 1.0]")
+    learner, cfg = method_learner("recipes/configs/grpo_tiny.yml", GRPO, *adaptive)
+    rng = np.random.default_rng(0)
+    comps = [Completion([5, 6, 7], [int(t) for t in rng.integers(3, 500, 6)], [-6.0] * 6, "stop", "") for _ in range(4)]
+    batch = build_rl_batch(comps, np.linspace(-1, 1, 4), np.ones(4, bool), row_len=32, max_tokens=8, groups=1)
+    loss_fn = GRPO.loss(cfg)
+    model = learner.learner.model()
+    out = {}
+    for coef in (0.0, 0.5):
+        carried = batch.replace(entropy_coef=np.full(np.shape(batch.advantages), coef, np.float32))
+        out[coef] = loss_fn(model, carried, None)
+    tokens = float(out[0.0].sums.terms.completion_tokens)
+    mean_entropy = float(out[0.0].sums.entropy) / tokens
+    drop = float(out[0.0].total) - float(out[0.5].total)
+    assert mean_entropy > 0 and drop == pytest.approx(0.5 * mean_entropy * float(out[0.0].denominator), rel=1e-4)
