@@ -7,7 +7,9 @@ The quickstart's stages 1-4 (problems, tokenizer, pretraining, fine-tuning) run 
 runs the quickstart's GRPO stage (`recipes/configs/quickstart/grpo.yml`: 32 prompts x 8 samples a step, the
 math_verify reward, greedy accuracy on 200 held-out prompts at steps 0, 50, 100 and 150) from that fine-tuned model,
 with vLLM sampling in bfloat16 (the trainer in float32: the mismatch a correction is for is real) and one of
-`rl.loss.type` x `rl.rollout_correction`. A seed is the quickstart's `--seed` (run.seed 2 + seed: the held-out split,
+`rl.loss.type` x `rl.rollout_correction`, in four updates a step (`rl.batch.mini_batches=4`, TRL's
+`steps_per_generation`): the first is at pi_old, the next three are off-policy. With one update a step the three
+objectives are the same gradient (each is -A grad log pi at ratio 1), and the quickstart's config makes one. A seed is the quickstart's `--seed` (run.seed 2 + seed: the held-out split,
 the sampling). An arm whose `metrics.jsonl` is complete is read, not re-run: the script resumes where it stopped.
 
 Written to OUT: `results.json` (every run's evaluations, its mean training reward over the last 30 steps, what the
@@ -56,6 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=150, help="GRPO steps a run (the quickstart's 150)")
     p.add_argument("--sampler-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--updates", type=int, default=4, help="optimizer updates a step (rl.batch.mini_batches)")
     args = p.parse_args(argv)
     for arm in args.arms:
         _, _, correction = arm.partition(":")
@@ -102,6 +105,7 @@ def run_arm(out: Path, arm: str, seed: int, args: argparse.Namespace) -> dict:
             f"rollout.dtype={args.sampler_dtype}",
             f"rl.loss.type={loss}",
             f"rl.rollout_correction={CORRECTIONS[correction]}",
+            f"rl.batch.mini_batches={args.updates}",
         ]
         print(f"== {arm} seed {seed}: {run_dir}", flush=True)
         start = time.perf_counter()
