@@ -36,7 +36,8 @@ def onpolicy_overrides(run_dir, tokenizer, teacher, *extra):
 @pytest.mark.serial
 def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_tokenizer, teacher):
     """Real Ray, real vLLM, async (`rl.off_policy_steps=1`: the samplers draw the next batch while the trainer
-    trains): the student samples one completion a prompt, the teacher scores every token in the trainer, no
+    trains), with CISPO's objective and the default correction (token_truncate), which sees the batches sampled one
+    version behind: the student samples one completion a prompt, the teacher scores every token in the trainer, no
     completion is more than one policy version old, weights sync after every step, and the reverse KL on the
     student's samples goes down. (Sync on-policy distillation runs in the quickstart and, with the JAX sampler,
     in the resume test below.)"""
@@ -59,6 +60,7 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
                 "train.steps=16",
                 "train.eval_every=16",
                 "rl.off_policy_steps=1",
+                "rl.loss.type=cispo",  # another objective; the default correction (token_truncate) sees the lag
             ),
             schema=PostTrainConfig,
         )
@@ -74,6 +76,10 @@ def test_on_policy_distillation_on_ray_with_vllm_async(tmp_path, arithmetic_toke
     assert all(r["policy_version"] == r["step"] for r in rows)  # the sampler gets every update
     staleness = [r["staleness_max"] for r in rows]
     assert max(staleness) == 1 and staleness[0] == 0, staleness  # async, bounded by rl.off_policy_steps
+    # A batch sampled one version behind the trainer: its sequence ratios pi_old / pi_sampler leave 1 (float32).
+    stale = [r for r in rows if r["staleness_max"] == 1]
+    assert max(abs(r["correction/ratio_max"] - 1) + abs(r["correction/ratio_min"] - 1) for r in stale) > 1e-3
+    assert all(0 <= r["correction/truncated_tokens"] < 1 for r in rows)
     kl = [r["reverse_kl"] for r in rows]
     first, last = np.mean(kl[:4]), np.mean(kl[-4:])
     print(f"reverse KL: steps 1-4 {first:.3f}, steps 13-16 {last:.3f}")  # measured 1.12 -> 0.81 (12 steps: no drop)
