@@ -9,8 +9,9 @@ math_verify reward, greedy accuracy on 200 held-out prompts at steps 0, 50, 100 
 with vLLM sampling in bfloat16 (the trainer in float32: the mismatch a correction is for is real) and one of
 `rl.loss.type` x `rl.rollout_correction`, in four updates a step (`rl.batch.mini_batches=4`, TRL's
 `steps_per_generation`): the first is at pi_old, the next three are off-policy. With one update a step the three
-objectives are the same gradient (each is -A grad log pi at ratio 1), and the quickstart's config makes one. A seed is the quickstart's `--seed` (run.seed 2 + seed: the held-out split,
-the sampling). An arm whose `metrics.jsonl` is complete is read, not re-run: the script resumes where it stopped.
+objectives are the same gradient (each is -A grad log pi at ratio 1), and the quickstart's config makes one. A
+seed is the quickstart's `--seed` (run.seed 2 + seed: the held-out split, the sampling). An arm whose
+`metrics.jsonl` is complete is read, not re-run: the script resumes where it stopped.
 
 Written to OUT: `results.json` (every run's evaluations, its mean training reward over the last 30 steps, what the
 correction acted on, its wall time), `table.md` (the arms' means and ranges over the seeds) and `objectives.png`
