@@ -78,7 +78,11 @@ class EnvironmentRunner:
     """The run's side of an environment: its resets and steps as calls into the worker pool, each checked."""
 
     def __init__(self, spec: str, kwargs: dict, pool: WorkerPool, timeout_s: float):
-        self.spec, self.kwargs, self.pool, self.timeout_s = spec, dict(kwargs), pool, timeout_s
+        from rollout.trl_env import environment_spec
+
+        # A class written for TRL's environment_factory runs through its adapter (rollout/trl_env.py).
+        self.spec, self.kwargs = environment_spec(spec, dict(kwargs))
+        self.pool, self.timeout_s = pool, timeout_s
 
     def check(self) -> None:
         """Build the environment here once, so that one that cannot be imported or built fails at start, naming

@@ -1,0 +1,121 @@
+"""Environment classes written for TRL's `GRPOTrainer(environment_factory=...)`, used unchanged
+(`rl.agent.environment: my_envs.py:Counter`).
+
+    class Counter:                                     # TRL's shape: no base class, no step()
+        def reset(self, **kwargs) -> str | None:       # the row's columns; a string is appended to the prompt
+            self.total = 0
+        def increment(self, step: int) -> str:         # every public method is a tool (typed, Google docstring)
+            \"\"\"Add to the counter.
+
+            Args:
+                step: How much to add.
+            \"\"\"
+            self.total += step
+            return str(self.total)
+        def get_reward(self) -> float:                 # optional: the episode's reward, read when it ends
+            return float(self.total == 10)
+
+One instance per episode, as TRL makes one per rollout. `reset(**row)` gets the row (its `prompt`: the formatted
+`rl.prompt_template`) and may return an observation, appended to the prompt's user message as TRL appends it. The
+class's public methods (not `reset`, not `get_reward`, not starting with `_`) are the tools the model is offered
+(their schemas from their type hints and Google-style docstrings, `rollout.tools.tool_schema`). Each assistant turn's
+calls run on the instance in order, checked against the schemas, each under `tool_timeout_s`; their results go back
+as `tool` messages, and a failure is an error message the model reads, as for the built-in `tools` environment. A
+turn without a call is the answer: the episode ends, with `get_reward()` as its environment reward where the class
+has one (the run's reward functions score the answer too, when set). Async methods are not supported (refused).
+
+Temper's environments keep their state as a value that travels with every call (`rollout.environment`); here that
+value is the instance itself, pickled between the worker pool's processes, so a class whose instances do not pickle
+(an open socket, a subprocess) is refused at its first reset. After kill -9 an episode in flight restarts: a resumed
+run samples its steps again, with fresh instances.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from typing import Any
+
+from rewards.registry import resolve
+from rollout.environment import Environment, EnvReply, EnvStart
+from rollout.tool_parsing import ParsedTurn
+from rollout.tools import call_tool, tool_messages, tool_schema
+
+RESERVED = ("reset", "get_reward")
+
+
+def is_trl_environment(cls: Any) -> bool:
+    """A class with TRL's shape: `reset`, and no `step` (Temper's environments have both)."""
+    return (
+        isinstance(cls, type)
+        and not issubclass(cls, Environment)
+        and callable(getattr(cls, "reset", None))
+        and not callable(getattr(cls, "step", None))
+    )
+
+
+def tool_methods(cls: type) -> list[str]:
+    """The public methods TRL offers as tools."""
+    return [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n not in RESERVED and not n.startswith("_")]
+
+
+class TRLEnvironment(Environment):
+    """A TRL-style class as a Temper environment (module docstring); built once per worker."""
+
+    def __init__(self, factory: str, tool_timeout_s: float = 30.0):
+        self.cls = resolve(factory, "environment")
+        if not is_trl_environment(self.cls):
+            raise TypeError(f"{factory} is not a TRL-style environment class (a reset() and no step())")
+        self.names = tool_methods(self.cls)
+        asynchronous = [n for n in [*self.names, *RESERVED] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
+        if asynchronous:
+            raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
+        self.schemas = {n: tool_schema(getattr(self.cls, n)) for n in self.names}
+        self.tool_timeout_s = tool_timeout_s
+
+    def reset(self, row: dict) -> EnvStart:
+        instance = self.cls()
+        observation = instance.reset(**row)
+        content = str(row.get("prompt", ""))
+        if observation is not None:
+            content += str(observation)
+        try:
+            pickle.dumps(instance)
+        except Exception as err:
+            raise TypeError(
+                f"{self.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
+            ) from None
+        return EnvStart([{"role": "user", "content": content}], list(self.schemas.values()), state=instance)
+
+    def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
+        if turn.malformed is not None:
+            message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
+            return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
+        if not turn.tool_calls:
+            reward = getattr(state, "get_reward", None)
+            return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
+        replies = [
+            call_tool(
+                getattr(state, c.name) if c.name in self.schemas else None,
+                self.schemas.get(c.name),
+                c,
+                self.tool_timeout_s,
+            )
+            for c in turn.tool_calls
+        ]
+        errors = sum(r.error is not None for r in replies)
+        return EnvReply(
+            tool_messages(turn.tool_calls, replies), state=state, tool_calls=len(replies), tool_errors=errors
+        )
+
+
+def environment_spec(spec: str, kwargs: dict) -> tuple[str, dict]:
+    """The spec and kwargs the workers build: a TRL-style class goes through `TRLEnvironment` (its kwargs are the
+    adapter's, `tool_timeout_s`), any other as it is."""
+    try:
+        cls = resolve(spec, "environment")
+    except Exception:
+        return spec, kwargs  # the runner's check names what is wrong
+    if is_trl_environment(cls):
+        return "rollout.trl_env:TRLEnvironment", {"factory": spec, **kwargs}
+    return spec, kwargs

@@ -1,0 +1,96 @@
+"""Environment classes written for TRL's `environment_factory`, used unchanged (`rollout/trl_env.py`): their public
+methods are the tools, `reset(**row)`'s observation joins the prompt, `get_reward()` is the episode's reward; the
+instance travels between the worker pool's processes; on the JAX sampler a scripted model's calls run on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rewards.pool import WorkerPool
+from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply, EnvStart
+from rollout.tool_parsing import ParsedTurn
+from rollout.tools import ToolCall
+
+
+def _call(name: str, **arguments) -> ParsedTurn:
+    return ParsedTurn("", "", [ToolCall(name, json.dumps(arguments))])
+
+
+def test_a_trl_class_runs_unchanged_in_the_worker_pool():
+    pool = WorkerPool(2)  # the instance is pickled into and out of whichever worker takes each call
+    try:
+        env = EnvironmentRunner("tests.trl_envs:Counter", {}, pool, timeout_s=30.0)
+        env.check()
+        assert env.spec == "rollout.trl_env:TRLEnvironment"  # through the adapter
+        (start,) = env.reset([{"prompt": "Count.", "target": 10}])
+        assert isinstance(start, EnvStart) and start.messages == [{"role": "user", "content": "Count. Reach 10."}]
+        (schema,) = start.tools
+        assert schema["function"]["name"] == "increment"
+        assert schema["function"]["parameters"]["properties"]["step"]["type"] == "integer"
+        state = start.state
+        replies = []
+        for turn in [
+            _call("increment", step=4),
+            _call("increment", step="six"),
+            _call("nope"),
+            _call("increment", step=6),
+        ]:
+            (reply,) = env.step([state], [turn])
+            assert isinstance(reply, EnvReply) and not reply.done
+            replies.append(reply.messages[0]["content"])
+            state = reply.state
+        assert replies[0] == "4" and replies[3] == "10"  # the state went on across calls and processes
+        assert "bad call to increment" in replies[1] and "no tool named 'nope'" in replies[2]
+        (end,) = env.step([state], [ParsedTurn("Done.", "Done.")])
+        assert end.done and end.reward == 1.0  # get_reward() when the model answers
+        failed = EnvironmentRunner("tests.trl_envs:Unpicklable", {}, pool, timeout_s=30.0)
+        (bad,) = failed.reset([{"prompt": "Read."}])
+        assert isinstance(bad, EnvFailure) and "instances must pickle" in bad.message
+    finally:
+        pool.close()
+
+
+@pytest.mark.integration
+def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
+    """The calculator as a TRL-style class (`tests.trl_envs:Calculator`) on a real sampler: a scripted model calls
+    it every turn (Qwen2.5's template, Hermes calls); each call runs on the episode's instance and its result comes
+    back as a `tool` message between the turns, untrained."""
+    from core.chat import chat_prompt_ids
+    from core.hf.directory import load_hf
+    from rollout.episodes import EpisodeLimits, run_episodes
+    from rollout.jax_engine import SlotTurns
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+    from rollout.tool_parsing import ToolParsers
+    from tests.chat_families import FAMILIES, chat_tokenizer
+    from tests.test_agent_run import CALL, scripted_model
+
+    spec = {**FAMILIES["qwen2_5"], "added": ["<tool_call>", "</tool_call>", CALL]}
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec=spec)
+    start, body, end = (tok.convert_tokens_to_ids(t) for t in ("<tool_call>", CALL, "</tool_call>"))
+    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
+    path = scripted_model(
+        tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
+    )
+    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=2048, seed=0)
+    pool = WorkerPool(1)
+    try:
+        env = EnvironmentRunner("tests.trl_envs:Calculator", {}, pool, timeout_s=30.0)
+        episodes = run_episodes(
+            SlotTurns(sampler, slots=2),
+            env,
+            tok,
+            [{"prompt": "What is 12 + 30?"}, {"prompt": "Add 12 and 30."}],
+            EpisodeLimits(3, 16, 2048),
+            SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=5),
+            ToolParsers("hermes", tok),
+        )
+    finally:
+        pool.close()
+    for e in episodes:
+        assert e.error is None and e.turns == 3 and e.tool_calls == 3 and e.tool_errors == 0, e
+        assert e.state.calls == 3  # the instance the episode ended with ran the calls of its three turns
+        replies = tok.decode([t for t, own in zip(e.token_ids, e.sampled, strict=True) if not own])
+        assert replies.count("42") >= 2, replies

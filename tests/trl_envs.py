@@ -1,0 +1,58 @@
+"""Environment classes in the shape TRL's `GRPOTrainer(environment_factory=...)` documents: no base class, a
+`reset(**kwargs) -> str | None`, public methods as tools, an optional `get_reward()`. Nothing here imports Temper."""
+
+from __future__ import annotations
+
+
+class Counter:
+    """A counter the model raises with a tool; the reward: whether it reached the row's target."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.total = 0
+        self.target = int(kwargs.get("target", 10))
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.total += step
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total == self.target)
+
+
+class Calculator:
+    """The calculator as a TRL environment (no reward of its own: the run's reward functions score the answer)."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.calls = 0
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "2 + 3".
+        """
+        from rollout.calculator import calculator
+
+        self.calls += 1
+        return str(calculator(expression))
+
+
+class Unpicklable:
+    def reset(self, **kwargs) -> str | None:
+        self.handle = open(__file__)  # noqa: SIM115 - an open file does not pickle
+        return None
+
+    def read(self) -> str:
+        """Read.
+
+        Returns:
+            The text.
+        """
+        return self.handle.read()
