@@ -63,7 +63,7 @@ class TRLEnvironment(Environment):
     """A TRL-style class as a Temper environment (module docstring); built once per worker."""
 
     def __init__(self, factory: str, tool_timeout_s: float = 30.0):
-        self.cls = resolve(factory, "environment")
+        self.cls: Any = resolve(factory, "environment")
         if not is_trl_environment(self.cls):
             raise TypeError(f"{factory} is not a TRL-style environment class (a reset() and no step())")
         self.names = tool_methods(self.cls)
