@@ -54,7 +54,7 @@ def is_trl_environment(cls: Any) -> bool:
     )
 
 
-def tool_methods(cls: type) -> list[str]:
+def tool_methods(cls: Any) -> list[str]:
     """The public methods TRL offers as tools."""
     return [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n not in RESERVED and not n.startswith("_")]
 
