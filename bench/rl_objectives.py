@@ -10,7 +10,8 @@ with vLLM sampling in bfloat16 (the trainer in float32: the mismatch a correctio
 `rl.loss.type` x `rl.rollout_correction`, in four updates a step (`rl.batch.mini_batches=4`, TRL's
 `steps_per_generation`): the first is at pi_old, the next three are off-policy. With one update a step the three
 objectives are the same gradient (each is -A grad log pi at ratio 1), and the quickstart's config makes one. A
-seed is the quickstart's `--seed` (run.seed 2 + seed: the held-out split, the sampling). An arm whose
+seed is the quickstart's `--seed` (run.seed 2 + seed: the sampling and the data order; the held-out prompts are the
+same for every seed). An arm whose
 `metrics.jsonl` is complete is read, not re-run: the script resumes where it stopped.
 
 Written to OUT: `results.json` (every run's evaluations, its mean training reward over the last 30 steps, what the
