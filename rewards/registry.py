@@ -62,7 +62,11 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "reward": Kind("reward function", BUILTINS, ENTRY_POINT_GROUP),
-    "environment": Kind("environment", {"tools": "rollout.tool_env:ToolEnvironment"}, "temper.environments"),
+    "environment": Kind(
+        "environment",
+        {"tools": "rollout.tool_env:ToolEnvironment", "coding": "rollout.coding_env:CodingEnvironment"},
+        "temper.environments",
+    ),
     "tool": Kind("tool", {"calculator": "rollout.calculator:calculator"}, "temper.tools"),
     "agent": Kind("agent program", {}, "temper.agents"),
 }

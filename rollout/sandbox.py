@@ -91,6 +91,14 @@ exec "$@"
 """
 
 
+def relative_path(path: str) -> str:
+    """`path` normalised, if it names a file inside a sandbox (relative, not leaving it); else SandboxError."""
+    norm = os.path.normpath(path)
+    if os.path.isabs(path) or norm in (".", "..") or norm.startswith("../"):
+        raise SandboxError(f"{path!r} is outside the sandbox (paths are relative to it)")
+    return norm
+
+
 def namespaces_work() -> str | None:
     """None where `unshare -r -m -n` confines a command here; else why not."""
     unshare = shutil.which("unshare")
@@ -126,9 +134,9 @@ class LocalSandbox:
         self.root = root
 
     def _path(self, path: str) -> Path:
-        if os.path.isabs(path):
-            raise SandboxError(f"{path!r}: a sandbox path is relative to the sandbox")
-        full = (self.root / path).resolve()  # symlinks followed: a link out of the sandbox resolves outside it
+        full = (
+            self.root / relative_path(path)
+        ).resolve()  # symlinks followed: a link out of the sandbox resolves outside it
         if full != self.root and self.root not in full.parents:
             raise SandboxError(f"{path!r} is outside the sandbox")
         return full
