@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from core.chat import chat_prompt_ids, continuation_ids
 from core.chat_template import ChatTemplateError
-from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply
+from rollout.environment import EnvFailure, EnvironmentRunner, EnvReply, EnvStart
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolParsers
 from rollout.turns import TurnRequest, Turns, turn_seed
@@ -72,6 +72,7 @@ class Episode:
     error: str | None = None  # why it failed
     final_text: str = ""  # the last assistant turn's text (what reward functions score)
     policy_version: int = 0  # of its first turn
+    retried: list[str] = field(default_factory=list)  # the cause of each earlier attempt's failure: reset, step
 
     @property
     def done(self) -> bool:
@@ -114,27 +115,21 @@ def run_episodes(
     params: SamplingParams,
     parsers: ToolParsers,
     concurrency: int | None = None,
+    retries: int = 0,
 ) -> list[Episode]:
     """Run one episode per row to its end, at most `concurrency` of them at a time (None: all). `turns` samples the
-    turns (`rollout.turns`); `params` is the per-turn sampling, its seed mixed with each episode's index and turn
-    so that no two turns share a random stream."""
+    turns (`rollout.turns`); `params` is the per-turn sampling, its seed mixed with each episode's index, attempt
+    and turn so that no two turns share a random stream. An episode whose environment failed (its reset or a step
+    raised, hung, or answered something unusable) is started again from its row, with a fresh environment state,
+    up to `retries` times; each attempt's cause is kept (`Episode.retried`)."""
     episodes = [Episode(dict(r)) for r in rows]
     t0 = time.perf_counter()
     for episode, start in zip(episodes, env.reset(rows), strict=True):
-        if isinstance(start, EnvFailure):
-            episode.finish, episode.error = "failed", start.message
-            continue
-        episode.tools, episode.state = start.tools, start.state
-        try:
-            episode.prompt_ids = chat_prompt_ids(tokenizer, start.messages, start.tools)
-        except ChatTemplateError as err:
-            episode.finish, episode.error = "failed", f"the start of the episode cannot be rendered: {err}"
-            continue
-        if episode.length >= limits.total_tokens:
-            episode.finish, episode.error = (
-                "failed",
-                (f"the prompt takes {episode.length} tokens of rollout.max_model_len={limits.total_tokens}"),
-            )
+        _begin(episode, start, tokenizer, limits)
+    for i, e in enumerate(episodes):  # a failed reset: started again at once, up to `retries` times
+        while e.finish == "failed" and len(e.retried) < retries:
+            episodes[i] = e = _again(e, "reset")
+            _begin(e, env.reset([e.row])[0], tokenizer, limits)
     _share(episodes, time.perf_counter() - t0)
     waiting = deque(i for i, e in enumerate(episodes) if not e.done)
     running: set[int] = set()
@@ -144,8 +139,9 @@ def run_episodes(
 
     def next_turn(i: int) -> TurnRequest:
         e = episodes[i]
+        key = i + len(episodes) * len(e.retried)  # another attempt, another stream
         turn = dataclasses.replace(
-            params, n=1, max_tokens=room(e), seed=turn_seed(params.seed, i, e.turns), logprobs=True
+            params, n=1, max_tokens=room(e), seed=turn_seed(params.seed, key, e.turns), logprobs=True
         )
         return TurnRequest(i, e.prompt_ids + e.token_ids, turn)
 
@@ -180,11 +176,37 @@ def run_episodes(
         _share([episodes[i] for i, _ in stepping], time.perf_counter() - t1)
         for (i, parsed), reply in zip(stepping, replies, strict=True):
             _take(episodes[i], parsed, reply, tokenizer, limits)
+            failure: EnvStart | EnvReply | EnvFailure = reply
+            while isinstance(failure, EnvFailure) and episodes[i].done and len(episodes[i].retried) < retries:
+                episodes[i] = _again(episodes[i], "step")  # the environment failed, not the model: again, afresh
+                failure = env.reset([episodes[i].row])[0]
+                _begin(episodes[i], failure, tokenizer, limits)
             if episodes[i].done:
                 running.discard(i)
             else:
                 turns.put([next_turn(i)])
     return episodes
+
+
+def _begin(episode: Episode, start: EnvStart | EnvFailure, tokenizer: Any, limits: EpisodeLimits) -> None:
+    """An episode's start from its environment's reset: its tools, state and prompt tokens, or why it failed."""
+    if isinstance(start, EnvFailure):
+        episode.finish, episode.error = "failed", start.message
+        return
+    episode.tools, episode.state = start.tools, start.state
+    try:
+        episode.prompt_ids = chat_prompt_ids(tokenizer, start.messages, start.tools)
+    except ChatTemplateError as err:
+        episode.finish, episode.error = "failed", f"the start of the episode cannot be rendered: {err}"
+        return
+    if episode.length >= limits.total_tokens:
+        episode.finish = "failed"
+        episode.error = f"the prompt takes {episode.length} tokens of rollout.max_model_len={limits.total_tokens}"
+
+
+def _again(failed: Episode, cause: str) -> Episode:
+    """A fresh attempt at `failed`'s row, the causes of the attempts before it kept."""
+    return Episode(failed.row, retried=[*failed.retried, cause])
 
 
 def _take(episode: Episode, parsed: ParsedTurn, reply: EnvReply | EnvFailure, tokenizer, limits: EpisodeLimits):

@@ -68,3 +68,33 @@ def fails_on_first_prompt(prompts, completions, **_):
 def verdict_chars(verdict):
     """A judge's verdict parser (`rewards.judge`): its length in characters, which any verdict has."""
     return float(len(verdict))
+
+
+class FlakyEnvironment:
+    """An environment whose first reset and first step of every row fail (a counter in a file under `dir`, so that
+    the worker processes share it), and which works after: what a crashed environment server looks like."""
+
+    def __init__(self, dir: str):
+        from pathlib import Path
+
+        self.dir = Path(dir)
+
+    def _first(self, what: str, row: dict) -> bool:
+        mark = self.dir / f"{what}-{abs(hash(row['prompt'])) % 10**8}"
+        first = not mark.exists()
+        mark.touch()
+        return first
+
+    def reset(self, row):
+        from rollout.environment import EnvStart
+
+        if row.get("flaky") == "reset" and self._first("reset", row):
+            raise ConnectionError("the environment server went away")
+        return EnvStart([{"role": "user", "content": str(row["prompt"])}], state=dict(row))
+
+    def step(self, state, turn):
+        from rollout.environment import EnvReply
+
+        if state.get("flaky") == "step" and self._first("step", state):
+            raise ConnectionError("the environment server went away")
+        return EnvReply(done=True, reward=1.0, state=state)

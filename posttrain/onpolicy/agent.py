@@ -87,8 +87,9 @@ class AgentRollouts:
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
         turns = samplers.turns(len(starts))
         episodes = run_episodes(
-            turns, self.env, self.tokenizer, starts, self.limits, params, self.parsers, self.agent.max_concurrency
-        )
+            turns, self.env, self.tokenizer, starts, self.limits, params, self.parsers, self.agent.max_concurrency,
+            retries=self.agent.retries,
+        )  # fmt: skip
         return Rolled([e.completion() for e in episodes], episodes)
 
     def rewards(self, rolled: Rolled, scored: RewardBatch | None) -> RewardBatch:
@@ -118,4 +119,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "agent/env_s": sum(e.env_seconds for e in episodes),
         "agent/model_tokens": model / n,
         "agent/env_tokens": (tokens - model) / n,
+        # attempts started again because the environment failed (rl.agent.retries), per trajectory, by cause
+        "agent/retries/reset": sum(e.retried.count("reset") for e in episodes) / n,
+        "agent/retries/step": sum(e.retried.count("step") for e in episodes) / n,
     }
