@@ -5,12 +5,14 @@
       environment: coding
       environment_kwargs: {wall_s: 10}
 
-Each task is a one-line function with a planted bug (an operator, a constant, a comparison) and a test file of
-asserts computed from the right function. The model is offered three tools: `read_file(path)`, `write_file(path,
-content)` and `run_tests()`, which runs the tests in a sandbox holding the episode's files and returns the exit code
-and output. A turn without a call is the model's answer: the **verifier** copies the episode's files into a fresh
-sandbox with the task's own test file (an agent that edits the tests gains nothing), runs it, and the episode's
-reward is 1.0 if it passes, else 0.0.
+Each task is a one-line function with a planted bug (an operator, a constant, a comparison) and a visible test file
+of asserts computed from the right function. The model is offered three tools: `read_file(path)`, `write_file(path,
+content)` and `run_tests()`, which runs the visible tests in a sandbox holding the episode's files and returns the
+exit code and output. A turn without a call is the model's answer: the **verifier** runs the task's hidden tests (the
+visible inputs and a wider range, each value's type checked as well as its value, ending by printing a nonce drawn
+then) in a fresh sandbox of the episode's files; the reward is 1.0 if they pass and print the nonce, else 0.0. A
+rewritten test file, a solution that exits 0 on import, an object whose `==` says yes to everything or a table of
+the visible answers all score 0.
 
 The episode's state is its files (a dict of path -> text), not a directory: each `run_tests` and the verifier build a
 sandbox from them and remove it after, so any worker can take any step, nothing is left behind when an episode ends
@@ -21,6 +23,7 @@ one that leaves it is answered with an error the model reads.
 from __future__ import annotations
 
 import random
+import secrets
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +35,8 @@ from rollout.tools import ToolReply, call_tool, tool_messages, tool_schema
 
 SOLUTION, TESTS = "solution.py", "test_solution.py"
 
-# (function name, right body, buggy body, the inputs the tests try); K is a per-task constant.
+# (function name, right body, buggy body, the inputs the visible tests try); K is a per-task constant. The hidden
+# tests, the verifier's, try inputs from a wider range.
 BUGS = [
     ("add_k", "x + K", "x - K", range(-3, 4)),
     ("scale", "x * K", "x + K", range(-3, 4)),
@@ -41,24 +45,37 @@ BUGS = [
     ("clamp_low", "max(x, K)", "min(x, K)", range(-5, 15)),
     ("last_digit_is", "x % 10 == K % 10", "x % 10 == K", range(0, 40)),
 ]
+HIDDEN = range(-60, 61, 7)
+
+
+def _asserts(name: str, right: str, k: int, inputs) -> str:
+    """Asserts of `name`'s value and its exact type (an object whose == says yes to everything fails)."""
+    lines = []
+    for x in inputs:
+        y = eval(right.replace("K", str(k)), {}, {"x": x})  # the right answer (a constant expression)
+        lines.append(f"r = {name}({x!r})\nassert type(r) is {type(y).__name__} and r == {y!r}, ({x!r}, r)\n")
+    return "".join(lines)
 
 
 def coding_tasks(n: int, seed: int = 0) -> list[dict]:
-    """`n` tasks, the same for a seed: a row each, its `prompt` (the instruction) and `files`."""
+    """`n` tasks, the same for a seed: a row each, its `prompt` (the instruction), the `files` the model sees and
+    the `hidden` tests the verifier runs."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         name, right, wrong, inputs = BUGS[i % len(BUGS)]
         k = rng.randint(2, 9)
         solution = f"def {name}(x):\n    return {wrong.replace('K', str(k))}\n"
-        cases = [(x, eval(right.replace("K", str(k)), {}, {"x": x})) for x in inputs]  # the right answers
-        tests = f"from solution import {name}\n\n" + "".join(f"assert {name}({x!r}) == {y!r}\n" for x, y in cases)
-        tests += 'print("all tests passed")\n'
+        head = f"from solution import {name}\n\n"
+        tests = head + _asserts(name, right, k, inputs) + 'print("all tests passed")\n'
         prompt = (
             f"The function `{name}` in {SOLUTION} fails its tests in {TESTS}. Fix {SOLUTION} so that the tests pass. "
             "Use the tools to read the files, write the fix and run the tests; answer when they pass."
         )
-        rows.append({"prompt": prompt, "files": {SOLUTION: solution, TESTS: tests}, "task": f"{name}-{k}"})
+        hidden = head + _asserts(name, right, k, [*inputs, *HIDDEN])
+        rows.append(
+            {"prompt": prompt, "files": {SOLUTION: solution, TESTS: tests}, "hidden": hidden, "task": f"{name}-{k}"}
+        )
     return rows
 
 
@@ -97,13 +114,21 @@ class CodingEnvironment(Environment):
     def reset(self, row: dict) -> EnvStart:
         files = dict(row["files"])
         message = f"{row['prompt']}\n\nFiles: {', '.join(sorted(files))}."
-        state = {"files": files, "tests": {TESTS: files[TESTS]}}
+        state = {"files": files, "hidden": row["hidden"]}
         return EnvStart([{"role": "user", "content": message}], list(SCHEMAS.values()), state=state)
 
-    def _run(self, files: dict[str, str]) -> tuple[int, str]:
+    def verify(self, files: dict[str, str], hidden: str) -> float:
+        """1.0 if the hidden tests pass on a fresh sandbox of the episode's files, else 0.0. They end by printing a
+        nonce drawn now: a solution that exits early with status 0 (or rewrites the tests) does not print it."""
+        nonce = secrets.token_hex(16)
+        name = f"verify_{nonce[:8]}.py"
+        code, output = self._run({**files, name: hidden + f"print({nonce!r})\n"}, name)
+        return 1.0 if code == 0 and nonce in output else 0.0
+
+    def _run(self, files: dict[str, str], tests: str = TESTS) -> tuple[int, str]:
         box = self.runtime.create(files)
         try:
-            result = box.run([sys.executable, TESTS], self.limits)
+            result = box.run([sys.executable, tests], self.limits)
         finally:
             box.close()
         if result.timed_out:
@@ -115,9 +140,8 @@ class CodingEnvironment(Environment):
         if turn.malformed is not None:
             message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
             return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
-        if not turn.tool_calls:  # the answer: the task's own tests, in a fresh sandbox of the episode's files
-            code, _ = self._run({**files, **state["tests"]})
-            return EnvReply(done=True, reward=1.0 if code == 0 else 0.0, state=state)
+        if not turn.tool_calls:  # the answer: the verifier
+            return EnvReply(done=True, reward=self.verify(files, state["hidden"]), state=state)
 
         def read(path: str) -> str:
             name = relative_path(path)
@@ -138,5 +162,5 @@ class CodingEnvironment(Environment):
             call_tool(tools.get(c.name), SCHEMAS.get(c.name), c, self.limits.wall_s + 5) for c in turn.tool_calls
         ]
         errors = sum(r.error is not None for r in replies)
-        new = {"files": files, "tests": state["tests"]}
+        new = {"files": files, "hidden": state["hidden"]}
         return EnvReply(tool_messages(turn.tool_calls, replies), state=new, tool_calls=len(replies), tool_errors=errors)

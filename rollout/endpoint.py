@@ -149,7 +149,7 @@ class Endpoint:
         """Stop recording `episode`: its segments (`Segment.completion()`: a trajectory), in the order they started;
         later calls to its URL are 404s."""
         self.calls.pop(episode, None)
-        return self.recorders.pop(episode).segments
+        return self.recorders.pop(episode).close()
 
     def close(self) -> None:
         if self._server is not None:
@@ -260,6 +260,8 @@ class Endpoint:
         recorder = self._recorder(episode)
         body = CompletionRequest.model_validate(raw)
         ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+        if not ids:
+            raise Refused("the prompt is empty")
         call = recorder.prompt_tokens(ids)
         params = [self._turn_params(episode, body, len(ids), body.max_tokens, k) for k in range(body.n)]
         self._count_overrides(body)

@@ -69,9 +69,11 @@ class Environment:
 
 @dataclass(frozen=True)
 class EnvFailure:
-    """A reset or step that gave no usable answer, and why."""
+    """A reset or step that gave no usable answer, and why. `infrastructure`: the call timed out or killed its
+    worker (not an answer the environment chose to give: what a retry may fix)."""
 
     message: str
+    infrastructure: bool = False
 
 
 class EnvironmentRunner:
@@ -106,7 +108,8 @@ class EnvironmentRunner:
 
     def _checked(self, result, kind: type[EnvStart] | type[EnvReply], method: str) -> Any:
         if result.error is not None:
-            return EnvFailure(f"{self.spec}.{method}: {result.error}")
+            lost = result.error.startswith(("timed out", "its worker died"))
+            return EnvFailure(f"{self.spec}.{method}: {result.error}", infrastructure=lost)
         value: Any = result.value
         if not isinstance(value, kind):
             return EnvFailure(f"{self.spec}.{method} returned a {type(value).__name__}, not a {kind.__name__}")

@@ -119,17 +119,19 @@ def run_episodes(
 ) -> list[Episode]:
     """Run one episode per row to its end, at most `concurrency` of them at a time (None: all). `turns` samples the
     turns (`rollout.turns`); `params` is the per-turn sampling, its seed mixed with each episode's index, attempt
-    and turn so that no two turns share a random stream. An episode whose environment failed (its reset or a step
-    raised, hung, or answered something unusable) is started again from its row, with a fresh environment state,
-    up to `retries` times; each attempt's cause is kept (`Episode.retried`)."""
+    and turn so that no two turns share a random stream. An episode whose environment failed, not its model (its
+    reset failed, or a step timed out or killed its worker), is started again from its row, with a fresh
+    environment state and seeds, up to `retries` times; each attempt's cause is kept (`Episode.retried`)."""
     episodes = [Episode(dict(r)) for r in rows]
     t0 = time.perf_counter()
-    for episode, start in zip(episodes, env.reset(rows), strict=True):
-        _begin(episode, start, tokenizer, limits)
-    for i, e in enumerate(episodes):  # a failed reset: started again at once, up to `retries` times
-        while e.finish == "failed" and len(e.retried) < retries:
-            episodes[i] = e = _again(e, "reset")
-            _begin(e, env.reset([e.row])[0], tokenizer, limits)
+    for i, start in enumerate(env.reset(rows)):
+        _begin(episodes[i], start, tokenizer, limits)
+        # A reset that failed (the model has not acted yet): again at once, up to `retries` times. A prompt the
+        # template cannot render or that does not fit fails the same way every time: not retried.
+        while isinstance(start, EnvFailure) and len(episodes[i].retried) < retries:
+            episodes[i] = _again(episodes[i], "reset")
+            start = env.reset([episodes[i].row])[0]
+            _begin(episodes[i], start, tokenizer, limits)
     _share(episodes, time.perf_counter() - t0)
     waiting = deque(i for i, e in enumerate(episodes) if not e.done)
     running: set[int] = set()
@@ -176,11 +178,17 @@ def run_episodes(
         _share([episodes[i] for i, _ in stepping], time.perf_counter() - t1)
         for (i, parsed), reply in zip(stepping, replies, strict=True):
             _take(episodes[i], parsed, reply, tokenizer, limits)
+            # A step that timed out or killed its worker failed for the environment, not for what the model wrote
+            # (a step that raised on the model's turn may well be the model's doing: not retried): again, afresh.
             failure: EnvStart | EnvReply | EnvFailure = reply
-            while isinstance(failure, EnvFailure) and episodes[i].done and len(episodes[i].retried) < retries:
-                episodes[i] = _again(episodes[i], "step")  # the environment failed, not the model: again, afresh
+            cause = "step"
+            while isinstance(failure, EnvFailure) and (failure.infrastructure or cause == "reset"):
+                if len(episodes[i].retried) >= retries:
+                    break
+                episodes[i] = _again(episodes[i], cause)
                 failure = env.reset([episodes[i].row])[0]
                 _begin(episodes[i], failure, tokenizer, limits)
+                cause = "reset"
             if episodes[i].done:
                 running.discard(i)
             else:

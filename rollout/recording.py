@@ -28,6 +28,7 @@ client that echoes the reply as `message.model_dump()` or as a dict of its own e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import uuid
@@ -133,7 +134,23 @@ class Recorder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.segments: list[Segment] = []
+        self.closed = False  # finished: a call still in flight records nothing more
         self._lock = threading.Lock()
+
+    def close(self) -> list[Segment]:
+        """Stop recording: copies of the segments as they are now (a late call's reply is refused, not added)."""
+        with self._lock:
+            self.closed = True
+            return [
+                dataclasses.replace(
+                    s,
+                    token_ids=list(s.token_ids),
+                    sampled=list(s.sampled),
+                    logprobs=list(s.logprobs),
+                    marks=list(s.marks),
+                )
+                for s in self.segments
+            ]
 
     def prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> Call:
         """The prompt of a call with `messages` (OpenAI's dicts) and `tools` (JSON schemas): the tokens of the
@@ -183,13 +200,17 @@ class Recorder:
         stopped = bool(out.token_ids) and (out.finish_reason == "stop" if ended is None else ended)
         logprobs = list(out.logprobs) if out.logprobs is not None else [0.0] * len(out.token_ids)
         with self._lock:
+            if self.closed:
+                raise RuntimeError("the episode is finished: its recording is closed")
             if call.base is None:
                 segment = Segment([], call.tools_key, list(call.token_ids), policy_version=out.policy_version)
                 self.segments.append(segment)
             else:
                 assert call.mark is not None
                 segment = self.segments[call.base]
-                if len(segment.token_ids) != call.mark.tokens or segment.cut:  # it went on past the point: a fork
+                # it went on past the point (or, in a chat, its last reply was cut): a fork
+                moved = len(segment.token_ids) != call.mark.tokens
+                if moved or (segment.cut and call.tools_key != RAW):
                     segment = segment.until(call.mark)
                     self.segments.append(segment)
                 segment.token_ids += call.context

@@ -12,14 +12,19 @@ command in its directory under `Limits` and copies itself. That is all a contain
 has to provide to replace the local one: files in, a command run with limits, its exit code and output out, and a
 copy.
 
-`LocalRuntime` confines each command with Linux namespaces (`unshare -r -m -n`: an unprivileged user namespace, a
-mount namespace and an empty network namespace) and resource limits:
-- **files**: every mount is read-only inside the command's namespace except the sandbox's directory; the file
-  methods refuse a path that is absolute, leaves the directory (`..`) or resolves outside it (a symlink);
-- **network**: none (the command's namespace has no interface up, so a connect fails at once);
-- **CPU, memory, file size, processes, open files**: `setrlimit` in the command's process (`Limits`);
-- **wall time**: the command's process group is killed at `wall_s`; **output**: stdout and stderr are cut at
-  `output_bytes` each.
+`LocalRuntime` confines each command with unprivileged Linux namespaces (`unshare -r -m -n -p --fork
+--mount-proc`: user, mount, network and PID namespaces) and resource limits:
+- **files**: every mount is read-only inside the command's mount namespace except the sandbox's directory (a mount
+  that cannot be made read-only stops the command: fail closed); the file methods refuse a path that is absolute,
+  leaves the directory (`..`) or resolves outside it (a symlink);
+- **network**: no IP networking (the network namespace has no interface up). Unix sockets on the filesystem
+  (docker's, a session bus, Ray's under /tmp) can still be connected to, and the whole filesystem can be read: for
+  untrusted code, run the trainer as an unprivileged user with nothing to reach, or use a container runtime;
+- **processes**: the command sees only its own (PID namespace), cannot signal the run's, and every process it
+  started, daemonised or not, dies with it at `wall_s`;
+- **CPU, memory, file size, open files**: `setrlimit` (`Limits`); no limit on the number of processes or on the
+  disk the sandbox's directory may take (a cgroup's or a container's job);
+- **output**: stdout and stderr are cut at `output_bytes` each.
 A machine without unprivileged user namespaces cannot confine: `LocalRuntime()` refuses there, naming what is
 missing, rather than run commands unconfined.
 """
@@ -48,7 +53,6 @@ class Limits:
     cpu_s: int = 10
     memory_mb: int = 1024  # address space
     file_mb: int = 16  # the largest file a command may write
-    processes: int = 64
     open_files: int = 256
     output_bytes: int = 64_000  # of stdout, and of stderr
 
@@ -77,18 +81,22 @@ class Runtime(Protocol):
     def create(self, files: Mapping[str, str]) -> Sandbox: ...
 
 
-# Inside the namespaces: every mount read-only but the sandbox's directory, then the command in it.
-CONFINE = """
+# Inside the namespaces: every mount read-only but the sandbox's directory (a mount that cannot be made read-only
+# stops the command: fail closed), then the command in it. Mount points with spaces are octal-escaped in the table.
+CONFINE = r"""
 set -e
 root="$1"; shift
 mount --rbind / /
 mount --bind "$root" "$root"
-for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do
-  case "$m" in "$root"|"$root"/*) ;; *) mount -o remount,bind,ro "$m" 2>/dev/null || true ;; esac
+awk '{print $2}' /proc/self/mounts | sort -u | while IFS= read -r m; do
+  m=$(printf '%b' "$m")
+  case "$m" in "$root"|"$root"/*) continue ;; esac
+  mount -o remount,bind,ro "$m" 2>/dev/null || { echo "sandbox: cannot make $m read-only" >&2; exit 125; }
 done
 cd "$root"
 exec "$@"
 """
+UNSHARE = ["unshare", "-r", "-m", "-n", "-p", "--fork", "--mount-proc"]
 
 
 def relative_path(path: str) -> str:
@@ -100,16 +108,16 @@ def relative_path(path: str) -> str:
 
 
 def namespaces_work() -> str | None:
-    """None where `unshare -r -m -n` confines a command here; else why not."""
+    """None where `unshare` can confine a command here (user, mount, network and PID namespaces); else why not."""
     unshare = shutil.which("unshare")
     if unshare is None:
         return "the unshare command is not installed (util-linux)"
     try:
-        out = subprocess.run([unshare, "-r", "-m", "-n", "true"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([unshare, *UNSHARE[1:], "true"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return f"unshare -r -m -n failed: {err}"
+        return f"{' '.join(UNSHARE)} failed: {err}"
     if out.returncode != 0:
-        return f"unshare -r -m -n failed: {out.stderr.strip() or out.returncode} (unprivileged user namespaces off?)"
+        return f"{' '.join(UNSHARE)} failed: {out.stderr.strip() or out.returncode} (unprivileged user namespaces off?)"
     return None
 
 
@@ -161,11 +169,10 @@ class LocalSandbox:
             resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
             resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
             resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
             resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
 
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.root), "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = ["unshare", "-r", "-m", "-n", "sh", "-c", CONFINE, "confine", str(self.root), *argv]
+        cmd = [*UNSHARE, "sh", "-c", CONFINE, "confine", str(self.root), *argv]
         proc = subprocess.Popen(
             cmd, cwd=self.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             preexec_fn=confine, start_new_session=True,

@@ -44,14 +44,14 @@ from rollout.tools import call_tool, tool_messages, tool_schema
 RESERVED = ("reset", "get_reward")
 
 
-def is_trl_environment(cls: Any) -> bool:
-    """A class with TRL's shape: `reset`, and no `step` (Temper's environments have both)."""
-    return (
-        isinstance(cls, type)
-        and not issubclass(cls, Environment)
-        and callable(getattr(cls, "reset", None))
-        and not callable(getattr(cls, "step", None))
-    )
+def is_trl_environment(cls: Any) -> bool:  # cls: Any (a class of unknown shape)
+    """A class with TRL's shape: not a Temper `Environment`, and a `reset` that takes the row as keywords (TRL calls
+    `reset(**row)`; Temper's `reset(row)` takes it positionally). A TRL class may have a tool named `step`."""
+    if not isinstance(cls, type) or issubclass(cls, Environment) or not callable(getattr(cls, "reset", None)):
+        return False
+    reset: Any = getattr(cls, "reset")  # noqa: B009 - mypy narrows cls to a bare type
+    params = list(inspect.signature(reset).parameters.values())[1:]  # after self
+    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
 def tool_methods(cls: Any) -> list[str]:
@@ -65,7 +65,7 @@ class TRLEnvironment(Environment):
     def __init__(self, factory: str, tool_timeout_s: float = 30.0):
         self.cls: Any = resolve(factory, "environment")
         if not is_trl_environment(self.cls):
-            raise TypeError(f"{factory} is not a TRL-style environment class (a reset() and no step())")
+            raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
         self.names = tool_methods(self.cls)
         asynchronous = [n for n in [*self.names, *RESERVED] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
         if asynchronous:

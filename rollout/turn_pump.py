@@ -8,8 +8,8 @@
 A `Turns` is driven by one loop (`put` a turn, `take` those that finished), as `rollout.episodes.run_episodes`
 does. Here the callers are concurrent (an HTTP server's handlers), so one thread owns the `Turns`: it puts every
 turn submitted since its last look, takes what finished and resolves those futures, and waits for new turns when
-none is in flight. A turn joins the ones running at the engine's next step (vLLM's continuous batching, the JAX
-sampler's slots), so no call waits for another's to end.
+none is in flight. A turn joins the ones running when the pump next looks, which is when some turn in flight has
+finished (`take` returns once one has): a new call waits for the first of the running ones, not for all of them.
 
 `affinity` names where a turn's history was sampled before (an episode, a conversation): while no turn of it is in
 flight, its turns reuse one key, which the engines use to send a turn to the engine (or JAX slot) that holds its
@@ -85,6 +85,9 @@ class TurnPump:
                 for future in self._futures.values():
                     future.set_exception(err)
                 self._futures.clear()
+                # The engine may still hold those turns and return them later: their keys are never used again
+                # (a late one is dropped, not taken for a new turn's).
+                self._affine.clear()
                 continue
             for key, completion in done:
                 if key in self._futures:

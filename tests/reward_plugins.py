@@ -71,8 +71,9 @@ def verdict_chars(verdict):
 
 
 class FlakyEnvironment:
-    """An environment whose first reset and first step of every row fail (a counter in a file under `dir`, so that
-    the worker processes share it), and which works after: what a crashed environment server looks like."""
+    """An environment whose first reset, or first step, of a row fails (a mark in a file under `dir`, shared by the
+    worker processes): `flaky: reset` raises there, `flaky: hang` hangs its first step (a lost server), `flaky:
+    raise` raises at every step (a step that may be the model's doing)."""
 
     def __init__(self, dir: str):
         from pathlib import Path
@@ -80,7 +81,9 @@ class FlakyEnvironment:
         self.dir = Path(dir)
 
     def _first(self, what: str, row: dict) -> bool:
-        mark = self.dir / f"{what}-{abs(hash(row['prompt'])) % 10**8}"
+        import zlib
+
+        mark = self.dir / f"{what}-{zlib.crc32(str(row['prompt']).encode())}"
         first = not mark.exists()
         mark.touch()
         return first
@@ -93,8 +96,12 @@ class FlakyEnvironment:
         return EnvStart([{"role": "user", "content": str(row["prompt"])}], state=dict(row))
 
     def step(self, state, turn):
+        import time
+
         from rollout.environment import EnvReply
 
-        if state.get("flaky") == "step" and self._first("step", state):
-            raise ConnectionError("the environment server went away")
+        if state.get("flaky") == "hang" and self._first("step", state):
+            time.sleep(600)
+        if state.get("flaky") == "raise":
+            raise ValueError(f"cannot read {turn.content!r} as a move")
         return EnvReply(done=True, reward=1.0, state=state)

@@ -345,34 +345,35 @@ def test_online_dpo_pairs_of_trajectories_train_on_the_models_tokens_only():
 
 
 def test_an_episode_whose_environment_failed_is_started_again_and_counted(tmp_path_factory, tmp_path):
-    """An environment that fails once per row (at reset for one row, at its first step for another) is not the
-    model's failure: each of those episodes starts again from its row, with new seeds, and ends done, its attempts'
-    causes kept; with no retries left it fails, and the counts say why."""
+    """A reset that fails, or a step that hangs (a lost environment server), is the environment's failure, not the
+    model's: that episode starts again from its row and ends done, its attempts' causes kept. A step that raises on
+    what the model wrote is not retried. Without retries, the failures stand."""
     from posttrain.onpolicy.agent import episode_metrics
 
     tok = make_tokenizer(tmp_path_factory, "qwen2_5")
-    rows = [{"prompt": "A.", "flaky": "reset"}, {"prompt": "B.", "flaky": "step"}, {"prompt": "C."}]
+    rows = [{"prompt": p, "flaky": f} for p, f in (("A.", "reset"), ("B.", "hang"), ("C.", "raise"), ("D.", ""))]
     params = SamplingParams(n=1, temperature=1.0, max_tokens=50, seed=3)
-    pool = WorkerPool(1)
+    pool = WorkerPool(2)
     try:
         for retries, attempt in ((1, "again"), (0, "once")):
-            env = EnvironmentRunner(
-                "tests.reward_plugins:FlakyEnvironment", {"dir": str(tmp_path / attempt)}, pool, timeout_s=60.0
-            )
             (tmp_path / attempt).mkdir()
+            env = EnvironmentRunner(
+                "tests.reward_plugins:FlakyEnvironment", {"dir": str(tmp_path / attempt)}, pool, timeout_s=3.0
+            )
             sampler = Scripted(tok, ["Done."])
             episodes = run_episodes(
                 LockstepTurns(sampler), env, tok, rows, EpisodeLimits(2, 50, 3000), params, ToolParsers("hermes", tok),
                 retries=retries,
             )  # fmt: skip
             if retries:
-                assert [e.finish for e in episodes] == ["done", "done", "done"], episodes
-                assert [e.retried for e in episodes] == [["reset"], ["step"], []]
+                assert [e.finish for e in episodes] == ["done", "done", "failed", "done"], episodes
+                assert [e.retried for e in episodes] == [["reset"], ["step"], [], []]
+                assert "cannot read" in episodes[2].error  # the model's turn: not retried
                 m = episode_metrics(episodes)
-                assert m["agent/failed"] == 0 and m["agent/retries/reset"] == m["agent/retries/step"] == 1 / 3
-                assert sum(len(r[0]) for r in sampler.requests) == 4  # B's first attempt's turn, then its second
+                assert m["agent/retries/reset"] == m["agent/retries/step"] == 1 / 4
+                assert sum(len(r[0]) for r in sampler.requests) == 5  # B's first attempt's turn, then its second
             else:
-                assert [e.finish for e in episodes] == ["failed", "failed", "done"]
-                assert "went away" in episodes[0].error and "went away" in episodes[1].error
+                assert [e.finish for e in episodes] == ["failed", "failed", "failed", "done"]
+                assert "went away" in episodes[0].error and "timed out" in episodes[1].error
     finally:
         pool.close()

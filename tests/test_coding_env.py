@@ -1,6 +1,7 @@
 """The coding environment (`rollout/coding_env.py`): tasks generated offline whose planted bug fails their tests;
-the tools read, write and run in a sandbox built from the episode's files; the verifier runs the task's own tests on
-a fresh copy (a rewritten test file gains nothing); paths outside are refused as errors the model reads."""
+the tools read, write and run in a sandbox built from the episode's files; the verifier runs the hidden tests on a
+fresh copy and rewards only a real fix (not rewritten tests, an early exit, an always-equal object or a table of
+the visible answers); paths outside are refused as errors the model reads."""
 
 from __future__ import annotations
 
@@ -52,8 +53,26 @@ def test_tasks_fail_as_given_and_the_verifier_rewards_only_a_real_fix():
         replies = env.step([states[0]], [fix])
         assert replies[0].messages[1]["content"].startswith("exit code 0")
         answer = ParsedTurn("Fixed.", "Fixed.")
-        ends = env.step([replies[0].state, states[1], states[2]], [answer, answer, answer])
-        assert [e.done for e in ends] == [True] * 3
-        assert [e.reward for e in ends] == [1.0, 0.0, 0.0]  # the fix passes; the rewritten tests do not count
+        # ways to pass the visible tests without the fix: each scores 0 with the verifier
+        visible = {x: x + int(k) for x in range(-3, 4)}
+        cheats = {
+            "exits": "import sys\nsys.exit(0)\n",
+            "equal_to_all": (
+                "class Yes:\n    def __eq__(self, o):\n        return True\n\ndef add_k(x):\n    return Yes()\n"
+            ),
+            "table": f"def add_k(x):\n    return {visible!r}.get(x, 0)\n",
+        }
+        cheat_states = []
+        for text in cheats.values():
+            (r,) = env.step(
+                [states[0]], [_calls(("write_file", {"path": SOLUTION, "content": text}), ("run_tests", {}))]
+            )
+            cheat_states.append(r.state)
+        assert "exit code 0" in r.messages[1]["content"]  # the table passes the visible tests
+        finals = [replies[0].state, states[1], states[2], *cheat_states]
+        ends = env.step(finals, [answer] * len(finals))
+        assert [e.done for e in ends] == [True] * len(finals)
+        # the fix passes; rewritten tests, an early exit, an always-equal object and a table of answers do not
+        assert [e.reward for e in ends] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     finally:
         pool.close()

@@ -155,6 +155,8 @@ def test_what_the_endpoint_refuses(tmp_path_factory, tmp_path):
         for kwargs, message in cases:
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(**{"model": "temper", "messages": user, **kwargs})
+        with pytest.raises(openai.BadRequestError, match="the prompt is empty"):
+            client.completions.create(model="temper", prompt="", max_tokens=4)
         raw = client.completions.create(model="temper", prompt="What is 2 + 3?", max_tokens=4, logprobs=1)
         assert raw.choices[0].text is not None and len(raw.choices[0].logprobs.token_logprobs) >= 1
         (segment,) = [s.completion() for s in endpoint.finish("ep")]
@@ -190,8 +192,10 @@ def test_the_pump_fails_the_turns_of_an_engine_that_raises_and_goes_on():
             pump.submit([0], SamplingParams(), affinity="a").result(10)
         assert pump.submit([1], SamplingParams(), affinity="b").result(10).token_ids == [7]
         assert pump.submit([2], SamplingParams(), affinity="b").result(10).token_ids == [7]
+        assert pump.submit([4], SamplingParams(), affinity="a").result(10).token_ids == [7]
     finally:
         pump.close()
     assert turns.keys[1] == turns.keys[2]  # "b"'s second turn went where its first did
+    assert turns.keys[3] not in turns.keys[:3]  # "a"'s failed turn may come back late: its key is not used again
     with pytest.raises(RuntimeError, match="closed"):
         pump.submit([3], SamplingParams())

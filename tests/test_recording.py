@@ -13,7 +13,7 @@ from core.chat_template import render_template
 from rollout.calculator import calculator
 from rollout.recording import Recorder, canonical
 from rollout.sampler import Completion
-from rollout.tool_parsing import ToolParsers
+from rollout.tool_parsing import ParsedTurn, ToolParsers
 from rollout.tools import tool_schema
 from tests.chat_families import FAMILIES, chat_tokenizer
 from tests.test_chat import A1, A2, Q1, Q2, R1, R2, SYSTEM, TOOL, make_tokenizer
@@ -146,3 +146,23 @@ def test_a_turn_cut_at_its_limit_cannot_be_extended(tmp_path_factory):
     assert call.base is None  # no stop token to continue after: a new segment
     with pytest.raises(ValueError, match="at least one message"):
         recorder.prompt([], TOOLS)
+
+
+def test_raw_completions_continue_their_tokens_and_a_finished_recording_takes_nothing(tmp_path_factory):
+    """`/completions` calls: a prompt that starts with a raw segment's tokens continues it (what follows is
+    context), even though a raw turn has no stop token; once the episode is finished, a late reply is refused and
+    the segments handed out do not change."""
+    tok = make_tokenizer(tmp_path_factory, "qwen2_5")
+    recorder, none = Recorder(tok), ParsedTurn("", "")
+    first = recorder.prompt_tokens([5, 6, 7])
+    recorder.record(first, Completion([5, 6, 7], [8, 9], [-1.0, -1.0], "length", ""), none, ended=False)
+    second = recorder.prompt_tokens([5, 6, 7, 8, 9, 10])
+    assert second.base == 0 and second.context == [10]
+    recorder.record(second, Completion(second.token_ids, [11], [-2.0], "length", ""), none, ended=False)
+    (segment,) = recorder.segments
+    assert segment.token_ids == [8, 9, 10, 11] and segment.sampled == [True, True, False, True]
+    handed = recorder.close()
+    late = recorder.prompt_tokens([5, 6, 7, 8, 9, 10, 11, 12])
+    with pytest.raises(RuntimeError, match="recording is closed"):
+        recorder.record(late, Completion(late.token_ids, [13], [-1.0], "length", ""), none, ended=False)
+    assert handed[0].token_ids == [8, 9, 10, 11] and handed[0] is not segment

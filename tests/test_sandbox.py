@@ -1,6 +1,7 @@
-"""The local sandbox (`rollout/sandbox.py`): files only inside its directory, no network, and its CPU, memory, wall
-time and output limits, each shown by a command that tries to break it; on a machine that cannot confine, it
-refuses to start rather than run commands unconfined."""
+"""The local sandbox (`rollout/sandbox.py`): files only inside its directory, no IP network, its own processes only
+(a daemonised child dies at the wall time; the run's processes cannot be signalled), and its CPU, memory, file-size,
+open-files, wall-time and output limits, each shown by a command that tries to break it; on a machine that cannot
+confine, it refuses to start rather than run commands unconfined."""
 
 from __future__ import annotations
 
@@ -47,6 +48,25 @@ def test_files_stay_inside_and_commands_run_without_network_within_their_limits(
         assert hog.returncode != 0 and "MemoryError" in hog.stderr
         slow = box.run(["sleep", "30"], Limits(wall_s=1))
         assert slow.timed_out
+        # a daemonised child dies with the command at its wall time, and the run's processes are out of reach
+        import subprocess
+        import time
+
+        host = subprocess.Popen(["sleep", "60"])
+        try:
+            escape = f"(setsid sleep 77 &); kill -9 {host.pid}; echo killed=$?; sleep 60"
+            start = time.monotonic()
+            fled = box.run(["sh", "-c", escape], Limits(wall_s=2))
+            assert fled.timed_out and time.monotonic() - start < 15 and "killed=1" in fled.stdout
+            assert host.poll() is None  # the run's process is alive: the sandbox could not see it
+            survivors = subprocess.run(["pgrep", "-f", "sleep 77"], capture_output=True, text=True).stdout
+            assert survivors == "", survivors
+        finally:
+            host.kill()
+        big = box.run([python, "-c", "open('big.bin', 'wb').write(b'x' * 4 * 1024**2)"], Limits(file_mb=1))
+        assert big.returncode != 0 and (box.root / "big.bin").stat().st_size <= 1024**2  # killed at 1 MiB
+        files = box.run([python, "-c", "fs = [open(f'f{i}', 'w') for i in range(100)]"], Limits(open_files=32))
+        assert files.returncode != 0 and "Too many open files" in files.stderr
         loud = box.run([python, "-c", "print('x' * 100_000)"], Limits(output_bytes=1000))
         assert loud.truncated and len(loud.stdout) == 1000
         fresh = box.copy()

@@ -94,3 +94,13 @@ def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
         assert e.state.calls == 3  # the instance the episode ended with ran the calls of its three turns
         replies = tok.decode([t for t, own in zip(e.token_ids, e.sampled, strict=True) if not own])
         assert replies.count("42") >= 2, replies
+
+
+def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_row():
+    from rollout.tool_env import ToolEnvironment
+    from rollout.trl_env import is_trl_environment
+    from tests.trl_envs import Calculator, Counter, Walker
+
+    assert is_trl_environment(Counter) and is_trl_environment(Calculator)
+    assert is_trl_environment(Walker)  # a tool named step does not make it a Temper environment
+    assert not is_trl_environment(ToolEnvironment) and not is_trl_environment(len)

@@ -56,3 +56,20 @@ class Unpicklable:
             The text.
         """
         return self.handle.read()
+
+
+class Walker:
+    """A TRL class with a tool named `step` (Temper's environments have a step(state, turn) of their own)."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.position = 0
+        return None
+
+    def step(self, n: int) -> str:
+        """Walk forward.
+
+        Args:
+            n: How many steps.
+        """
+        self.position += n
+        return str(self.position)

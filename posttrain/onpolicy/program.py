@@ -22,6 +22,7 @@ agent rewrote its history): training several trajectories of one episode is not 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,7 +70,8 @@ class ProgramRollouts:
         )
         endpoint.start()
         try:
-            ids = [f"episode-{self.started + i}" for i in range(len(starts))]
+            # unguessable: the endpoint has no authentication, only its loopback address and these ids
+            ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in range(len(starts))]
             urls = [endpoint.open(i) for i in ids]
             timeout = self.agent.program_timeout_s
             shards = _shards(len(starts), self.pool.num_procs)
