@@ -162,20 +162,11 @@ def scripted_model(path, tokenizer, arch: str, successors: dict[int, int], scale
     return path
 
 
-def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(tmp_path):
-    """`rl.agent={environment: tools, environment_kwargs: {tools: [calculator]}}` on a real sampler: a scripted
-    model calls the calculator in every turn (Qwen2.5's template and Hermes calls: `<tool_call>`, the JSON, then
-    `</tool_call>`); each call is parsed, run, and its result comes back as a `tool` message whose tokens sit
-    between the turns, untrained; an episode runs its three turns."""
+def calling_agent(tmp_path):
+    """Qwen2.5's template with the Hermes call markers and the calculator call as added tokens, and a scripted
+    model that answers every generation prompt with `<tool_call>`, the call, `</tool_call>`, EOS: (tokenizer, its
+    model's directory, the ids of the three call tokens)."""
     from core.chat import chat_prompt_ids
-    from core.hf.directory import load_hf
-    from rewards.pool import WorkerPool
-    from rollout.environment import EnvironmentRunner
-    from rollout.episodes import EpisodeLimits, run_episodes
-    from rollout.jax_engine import SlotTurns
-    from rollout.jax_sampler import JaxSampler
-    from rollout.sampler import SamplingParams
-    from rollout.tool_parsing import ToolParsers
     from tests.chat_families import FAMILIES, chat_tokenizer
 
     spec = {**FAMILIES["qwen2_5"], "added": ["<tool_call>", "</tool_call>", CALL]}
@@ -185,16 +176,32 @@ def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(t
     path = scripted_model(
         tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
     )
+    return tok, path, (start, body, end)
+
+
+def calculator_episodes(tmp_path, environment: str):
+    """Two rows' episodes of up to three turns on the JAX sampler with the calling agent and `environment` (one
+    that runs its calculator calls), each call's result checked: (the episodes, the tokenizer)."""
+    from core.hf.directory import load_hf
+    from rewards.pool import WorkerPool
+    from rollout.environment import EnvironmentRunner
+    from rollout.episodes import EpisodeLimits, run_episodes
+    from rollout.jax_engine import SlotTurns
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+    from rollout.tool_parsing import ToolParsers
+
+    tok, path, calls = calling_agent(tmp_path)
     sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=2048, seed=0)  # the tools' schema: ~700
+    kwargs = {"tools": ["calculator"]} if environment == "tools" else {}
     pool = WorkerPool(1)
     try:
-        env = EnvironmentRunner("tools", {"tools": ["calculator"]}, pool, timeout_s=30.0)
-        rows = [{"prompt": "What is 12 + 30?"}, {"prompt": "Add 12 and 30."}]
+        env = EnvironmentRunner(environment, kwargs, pool, timeout_s=30.0)
         episodes = run_episodes(
             SlotTurns(sampler, slots=2),
             env,
             tok,
-            rows,
+            [{"prompt": "What is 12 + 30?"}, {"prompt": "Add 12 and 30."}],
             EpisodeLimits(3, 16, 2048),
             SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=5),
             ToolParsers("hermes", tok),
@@ -203,14 +210,18 @@ def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(t
         pool.close()
     for e in episodes:
         assert e.error is None and e.turns == 3 and e.tool_calls == 3 and e.tool_errors == 0, e
-        assert [t for t, own in zip(e.token_ids, e.sampled, strict=True) if own] == [
-            start,
-            body,
-            end,
-            tok.eos_token_id,
-        ] * 3
+        assert [t for t, own in zip(e.token_ids, e.sampled, strict=True) if own] == [*calls, tok.eos_token_id] * 3
         replies = tok.decode([t for t, own in zip(e.token_ids, e.sampled, strict=True) if not own])
         assert replies.count("42") >= 2, replies  # the calculator's result after the turns' calls
+    return episodes, tok
+
+
+def test_the_built_in_tools_environment_runs_the_calculator_on_the_jax_sampler(tmp_path):
+    """`rl.agent={environment: tools, environment_kwargs: {tools: [calculator]}}` on a real sampler: a scripted
+    model calls the calculator in every turn (Qwen2.5's template and Hermes calls: `<tool_call>`, the JSON, then
+    `</tool_call>`); each call is parsed, run, and its result comes back as a `tool` message whose tokens sit
+    between the turns, untrained; an episode runs its three turns."""
+    calculator_episodes(tmp_path, "tools")
 
 
 @pytest.mark.integration

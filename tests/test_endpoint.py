@@ -12,7 +12,7 @@ import pytest
 
 from rollout.calculator import calculator
 from rollout.tools import tool_schema
-from tests.test_agent_run import CALL, assert_completions_carry_the_samplers_log_probs, scripted_model, stopping_model
+from tests.test_agent_run import assert_completions_carry_the_samplers_log_probs, calling_agent, stopping_model
 
 TOOLS = [tool_schema(calculator)]
 
@@ -41,15 +41,8 @@ def test_an_agent_calling_tools_through_the_openai_client_leaves_its_trajectory(
     import openai
 
     from core.chat import chat_prompt_ids
-    from tests.chat_families import FAMILIES, chat_tokenizer
 
-    spec = {**FAMILIES["qwen2_5"], "added": ["<tool_call>", "</tool_call>", CALL]}
-    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec=spec)
-    start, body, end = (tok.convert_tokens_to_ids(t) for t in ("<tool_call>", CALL, "</tool_call>"))
-    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
-    path = scripted_model(
-        tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
-    )
+    tok, path, (start, body, end) = calling_agent(tmp_path)
     endpoint = _endpoint(tok, path)
 
     returned: list[float] = []

@@ -57,43 +57,10 @@ def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
     """The calculator as a TRL-style class (`tests.trl_envs:Calculator`) on a real sampler: a scripted model calls
     it every turn (Qwen2.5's template, Hermes calls); each call runs on the episode's instance and its result comes
     back as a `tool` message between the turns, untrained."""
-    from core.chat import chat_prompt_ids
-    from core.hf.directory import load_hf
-    from rollout.episodes import EpisodeLimits, run_episodes
-    from rollout.jax_engine import SlotTurns
-    from rollout.jax_sampler import JaxSampler
-    from rollout.sampler import SamplingParams
-    from rollout.tool_parsing import ToolParsers
-    from tests.chat_families import FAMILIES, chat_tokenizer
-    from tests.test_agent_run import CALL, scripted_model
+    from tests.test_agent_run import calculator_episodes
 
-    spec = {**FAMILIES["qwen2_5"], "added": ["<tool_call>", "</tool_call>", CALL]}
-    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec=spec)
-    start, body, end = (tok.convert_tokens_to_ids(t) for t in ("<tool_call>", CALL, "</tool_call>"))
-    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
-    path = scripted_model(
-        tmp_path / "model", tok, "qwen2", {header: start, start: body, body: end, end: tok.eos_token_id}
-    )
-    sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=2048, seed=0)
-    pool = WorkerPool(1)
-    try:
-        env = EnvironmentRunner("tests.trl_envs:Calculator", {}, pool, timeout_s=30.0)
-        episodes = run_episodes(
-            SlotTurns(sampler, slots=2),
-            env,
-            tok,
-            [{"prompt": "What is 12 + 30?"}, {"prompt": "Add 12 and 30."}],
-            EpisodeLimits(3, 16, 2048),
-            SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=5),
-            ToolParsers("hermes", tok),
-        )
-    finally:
-        pool.close()
-    for e in episodes:
-        assert e.error is None and e.turns == 3 and e.tool_calls == 3 and e.tool_errors == 0, e
-        assert e.state.calls == 3  # the instance the episode ended with ran the calls of its three turns
-        replies = tok.decode([t for t, own in zip(e.token_ids, e.sampled, strict=True) if not own])
-        assert replies.count("42") >= 2, replies
+    episodes, _ = calculator_episodes(tmp_path, "tests.trl_envs:Calculator")
+    assert [e.state.calls for e in episodes] == [3, 3]  # the instance each episode ended with ran its three calls
 
 
 def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_row():
