@@ -1,6 +1,6 @@
 """GRPO's clipped objective vs CISPO vs SAPO, each with and without a rollout correction, on the quickstart task.
 
-    .venv/bin/python bench/rl_objectives.py                          # every arm, seeds 0 1 2 (about 70 minutes)
+    .venv/bin/python bench/rl_objectives.py                          # every arm, seeds 0 1 2 (about 60 minutes)
     .venv/bin/python bench/rl_objectives.py --arms clip:off cispo:off --seeds 0 --steps 50
 
 The quickstart's stages 1-4 (problems, tokenizer, pretraining, fine-tuning) run once into `OUT/base`; every arm then

@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 
 from core.config import Section
 
-BUILTIN_TIMEOUT_S = {"reward_model": 300.0}  # built-ins whose deadline is not `reward.math_verify_timeout`
+# Built-ins whose deadline is not `reward.math_verify_timeout`, by their name and by their full spec.
+BUILTIN_TIMEOUT_S = {"reward_model": 300.0, "rewards.model:reward_model": 300.0}
 
 
 class RewardFn(Section):

@@ -263,7 +263,8 @@ def test_a_reward_model_gets_a_deadline_that_leaves_room_to_load_it():
     each worker loads the model on its first batch, and a worker killed at the deadline would load it again."""
     from rewards.config import RewardConfig
 
-    cfg = RewardConfig.model_validate({"functions": [{"fn": "reward_model"}, {"fn": "math_verify"}]})
-    assert [f.timeout_s for f in cfg.functions] == [300.0, None]
+    functions = [{"fn": "reward_model"}, {"fn": "rewards.model:reward_model"}, {"fn": "math_verify"}]
+    cfg = RewardConfig.model_validate({"functions": functions})
+    assert [f.timeout_s for f in cfg.functions] == [300.0, 300.0, None]
     mine = RewardConfig.model_validate({"functions": [{"fn": "reward_model", "timeout_s": 60}]})
     assert mine.functions[0].timeout_s == 60.0
