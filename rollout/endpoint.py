@@ -113,6 +113,7 @@ class Endpoint:
         self.pump = TurnPump(turns)
         self.recorders: dict[str, Recorder] = {}
         self.calls: dict[str, int] = {}  # per episode: its calls so far (each turn's seed)
+        self.seed_keys: dict[str, int] = {}  # per episode: its turns' seeds' key
         self.overridden = 0  # calls whose temperature / top_p the run's replaced
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -139,16 +140,20 @@ class Endpoint:
     def root(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def open(self, episode: str) -> str:
-        """Start recording `episode`; its base URL (what `OPENAI_BASE_URL` is set to)."""
+    def open(self, episode: str, seed_key: int | None = None) -> str:
+        """Start recording `episode`; its base URL (what `OPENAI_BASE_URL` is set to). `seed_key`: what its turns'
+        seeds are drawn from with the run's seed (default: the id's CRC; a run passes the episode's index, so that
+        its draws do not depend on the id, which is random)."""
         self.recorders[episode] = Recorder(self.tokenizer)
         self.calls[episode] = 0
+        self.seed_keys[episode] = zlib.crc32(episode.encode()) if seed_key is None else seed_key
         return f"{self.root}/episodes/{episode}/v1"
 
     def finish(self, episode: str) -> list[Segment]:
         """Stop recording `episode`: its segments (`Segment.completion()`: a trajectory), in the order they started;
         later calls to its URL are 404s."""
         self.calls.pop(episode, None)
+        self.seed_keys.pop(episode, None)
         return self.recorders.pop(episode).close()
 
     def close(self) -> None:
@@ -211,7 +216,7 @@ class Endpoint:
             n=1,
             max_tokens=max(1, min(max_tokens or self.params.max_tokens, self.params.max_tokens, room)),
             stop=stop,
-            seed=turn_seed(seed, zlib.crc32(episode.encode()), self.calls.get(episode, 0) * 1024 + k),
+            seed=turn_seed(seed, self.seed_keys.get(episode, 0), self.calls.get(episode, 0) * 1024 + k),
             logprobs=True,
         )
 

@@ -79,7 +79,7 @@ class EnvFailure:
 class EnvironmentRunner:
     """The run's side of an environment: its resets and steps as calls into the worker pool, each checked."""
 
-    def __init__(self, spec: str, kwargs: dict, pool: WorkerPool, timeout_s: float):
+    def __init__(self, spec: str | dict, kwargs: dict, pool: WorkerPool, timeout_s: float):
         from rollout.trl_env import environment_spec
 
         # A class written for TRL's environment_factory runs through its adapter (rollout/trl_env.py).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 from rewards.registry import resolve
@@ -59,23 +60,66 @@ def tool_methods(cls: Any) -> list[str]:
     return [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n not in RESERVED and not n.startswith("_")]
 
 
-class TRLEnvironment(Environment):
-    """A TRL-style class as a Temper environment (module docstring); built once per worker."""
+@dataclass(frozen=True)
+class _Kind:
+    """One TRL-style class: its tools' names and schemas."""
 
-    def __init__(self, factory: str, tool_timeout_s: float = 30.0):
-        self.cls: Any = resolve(factory, "environment")
-        if not is_trl_environment(self.cls):
-            raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
-        self.names = tool_methods(self.cls)
-        asynchronous = [n for n in [*self.names, *RESERVED] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
-        if asynchronous:
-            raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
-        self.schemas = {n: tool_schema(getattr(self.cls, n)) for n in self.names}
-        self.tool_timeout_s = tool_timeout_s
+    cls: Any
+    schemas: dict[str, dict]
+
+
+def _kind(factory: str) -> _Kind:
+    cls: Any = resolve(factory, "environment")
+    if not is_trl_environment(cls):
+        raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
+    names = tool_methods(cls)
+    asynchronous = [n for n in [*names, *RESERVED] if inspect.iscoroutinefunction(getattr(cls, n, None))]
+    if asynchronous:
+        raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
+    return _Kind(cls, {n: tool_schema(getattr(cls, n)) for n in names})
+
+
+@dataclass
+class _Episode:
+    """An episode's state: the class's name among several (None: the one class), and its instance."""
+
+    name: str | None
+    instance: Any
+
+
+class TRLEnvironment(Environment):
+    """TRL-style classes as a Temper environment (module docstring); built once per worker. `factory`: one class;
+    `factories`: several by name, each row choosing its own by its `column` (TRL's `environment` field), with only
+    that class's tools offered."""
+
+    def __init__(
+        self,
+        factory: str | None = None,
+        factories: dict[str, str] | None = None,
+        column: str = "environment",
+        tool_timeout_s: float = 30.0,
+    ):
+        if (factory is None) == (factories is None):
+            raise ValueError("a TRL environment needs one class (factory) or several by name (factories)")
+        self.kinds: dict[str | None, _Kind] = (
+            {None: _kind(factory)} if factory is not None else {n: _kind(f) for n, f in (factories or {}).items()}
+        )
+        self.column, self.tool_timeout_s = column, tool_timeout_s
+
+    def _kind_of(self, row: dict) -> str | None:
+        if None in self.kinds:
+            return None
+        name = row.get(self.column)
+        if name not in self.kinds:
+            raise ValueError(f"the row's {self.column!r} is {name!r}, not one of {', '.join(map(str, self.kinds))}")
+        return name
 
     def reset(self, row: dict) -> EnvStart:
-        instance = self.cls()
-        observation = instance.reset(**row)
+        name = self._kind_of(row)
+        kind = self.kinds[name]
+        instance = kind.cls()
+        # TRL passes the row without its routing field when it routes
+        observation = instance.reset(**{k: v for k, v in row.items() if name is None or k != self.column})
         content = str(row.get("prompt", ""))
         if observation is not None:
             content += str(observation)
@@ -83,21 +127,23 @@ class TRLEnvironment(Environment):
             pickle.dumps(instance)
         except Exception as err:
             raise TypeError(
-                f"{self.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
+                f"{kind.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
             ) from None
-        return EnvStart([{"role": "user", "content": content}], list(self.schemas.values()), state=instance)
+        state = _Episode(name, instance)
+        return EnvStart([{"role": "user", "content": content}], list(kind.schemas.values()), state=state)
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
+        kind, instance = self.kinds[state.name], state.instance
         if turn.malformed is not None:
             message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
             return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
         if not turn.tool_calls:
-            reward = getattr(state, "get_reward", None)
+            reward = getattr(instance, "get_reward", None)
             return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
         replies = [
             call_tool(
-                getattr(state, c.name) if c.name in self.schemas else None,
-                self.schemas.get(c.name),
+                getattr(instance, c.name) if c.name in kind.schemas else None,
+                kind.schemas.get(c.name),
                 c,
                 self.tool_timeout_s,
             )
@@ -109,9 +155,12 @@ class TRLEnvironment(Environment):
         )
 
 
-def environment_spec(spec: str, kwargs: dict) -> tuple[str, dict]:
-    """The spec and kwargs the workers build: a TRL-style class goes through `TRLEnvironment` (its kwargs are the
-    adapter's, `tool_timeout_s`), any other as it is."""
+def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:
+    """The spec and kwargs the workers build: a TRL-style class, or a mapping of them by name (each row choosing by
+    its `environment` column), goes through `TRLEnvironment` (its kwargs are the adapter's: `tool_timeout_s`,
+    `column`); any other as it is."""
+    if isinstance(spec, dict):
+        return "rollout.trl_env:TRLEnvironment", {"factories": dict(spec), **kwargs}
     try:
         cls = resolve(spec, "environment")
     except Exception:

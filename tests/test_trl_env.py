@@ -60,7 +60,10 @@ def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
     from tests.test_agent_run import calculator_episodes
 
     episodes, _ = calculator_episodes(tmp_path, "tests.trl_envs:Calculator")
-    assert [e.state.calls for e in episodes] == [3, 3]  # the instance each episode ended with ran its three calls
+    assert [e.state.instance.calls for e in episodes] == [
+        3,
+        3,
+    ]  # the instance each episode ended with ran its three calls
 
 
 def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_row():
@@ -71,3 +74,40 @@ def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_ro
     assert is_trl_environment(Counter) and is_trl_environment(Calculator)
     assert is_trl_environment(Walker)  # a tool named step does not make it a Temper environment
     assert not is_trl_environment(ToolEnvironment) and not is_trl_environment(len)
+
+
+def test_a_mapping_of_trl_classes_routes_each_row_by_its_environment_column():
+    """TRL's multi-environment form: each row's `environment` names its class; only that class's tools are offered,
+    its `reset` gets the row without the routing field, and a row naming no known class fails its episode, named.
+    The metrics split by environment."""
+    from posttrain.onpolicy.agent import episode_metrics
+    from rollout.episodes import Episode
+
+    pool = WorkerPool(1)
+    try:
+        spec = {"counter": "tests.trl_envs:Counter", "calculator": "tests.trl_envs:Calculator"}
+        env = EnvironmentRunner(spec, {}, pool, timeout_s=30.0)
+        env.check()
+        rows = [
+            {"prompt": "Count.", "environment": "counter", "target": 3},
+            {"prompt": "Add.", "environment": "calculator"},
+            {"prompt": "?", "environment": "chess"},
+        ]
+        counter, calculator, unknown = env.reset(rows)
+        assert [t["function"]["name"] for t in counter.tools] == ["increment"]
+        assert [t["function"]["name"] for t in calculator.tools] == ["calculator"]
+        assert counter.messages[0]["content"] == "Count. Reach 3."
+        assert isinstance(unknown, EnvFailure) and "'chess', not one of counter, calculator" in unknown.message
+        a, b = env.step(
+            [counter.state, calculator.state], [_call("increment", step=3), _call("calculator", expression="2 + 3")]
+        )
+        assert a.messages[0]["content"] == "3" and b.messages[0]["content"] == "5"
+        (wrong,) = env.step([calculator.state], [_call("increment", step=1)])  # the other class's tool
+        assert "no tool named 'increment'" in wrong.messages[0]["content"]
+        (end,) = env.step([a.state], [ParsedTurn("Done.", "Done.")])
+        assert end.done and end.reward == 1.0
+    finally:
+        pool.close()
+    episodes = [Episode(r, turns=t, finish=f) for r, t, f in zip(rows, (2, 1, 0), ("done", "done", "failed"))]
+    m = episode_metrics(episodes)
+    assert (m["agent/counter/turns"], m["agent/calculator/turns"], m["agent/chess/failed"]) == (2.0, 1.0, 1.0)

@@ -106,7 +106,19 @@ class AgentRollouts:
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Turns, tool calls and errors per trajectory, truncated and failed shares, environment time, and the tokens
-    each source wrote (the model's, the environment's) per trajectory."""
+    each source wrote (the model's, the environment's) per trajectory; and, where rows name their environment (a
+    mapping of TRL-style classes), turns, failures and environment reward per environment."""
+    out = _episode_metrics(episodes)
+    named = sorted({str(e.row["environment"]) for e in episodes if isinstance(e.row.get("environment"), str)})
+    for name in named:
+        mine = [e for e in episodes if e.row.get("environment") == name]
+        out[f"agent/{name}/turns"] = sum(e.turns for e in mine) / len(mine)
+        out[f"agent/{name}/failed"] = sum(e.finish == "failed" for e in mine) / len(mine)
+        out[f"agent/{name}/reward"] = sum(sum(e.rewards) for e in mine) / len(mine)
+    return out
+
+
+def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     n = max(1, len(episodes))
     model = sum(sum(e.sampled) for e in episodes)
     tokens = sum(len(e.sampled) for e in episodes)

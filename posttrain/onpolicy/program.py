@@ -72,7 +72,7 @@ class ProgramRollouts:
         try:
             # unguessable: the endpoint has no authentication, only its loopback address and these ids
             ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in range(len(starts))]
-            urls = [endpoint.open(i) for i in ids]
+            urls = [endpoint.open(i, seed_key=self.started + k) for k, i in enumerate(ids)]
             timeout = self.agent.program_timeout_s
             shards = _shards(len(starts), self.pool.num_procs)
             kwargs = {"program": self.agent.program, "timeout_s": timeout}
