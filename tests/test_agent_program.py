@@ -76,9 +76,24 @@ def test_every_way_a_program_fails_fails_its_episode_with_the_reason():
     assert episode_value(None) == (None, None) and episode_value(2) == (2.0, None)
 
 
+def test_a_program_that_makes_no_call_or_returns_nothing_to_score_fails_its_episode():
+    """`ProgramRollouts._episode` on what a step hands it (a unit test of its own rules; the run below shows the
+    path end to end)."""
+    from types import SimpleNamespace
+
+    from posttrain.onpolicy.program import ProgramRollouts
+
+    rollouts = SimpleNamespace(has_functions=False)
+    row = {"prompt": "q"}
+    silent = ProgramRollouts._episode(rollouts, row, [], 1.0, None)  # type: ignore[arg-type]
+    assert silent.finish == "failed" and "made no call" in silent.error
+    raised = ProgramRollouts._episode(rollouts, row, [], None, "the program raised ValueError: x")  # type: ignore[arg-type]
+    assert raised.finish == "failed" and raised.error == "the program raised ValueError: x"
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("program,why", [("never_calls", "made no call"), ("rewrites", "formed 2 segments")])
-def test_a_program_that_makes_no_call_or_rewrites_its_history_fails_its_episode(tmp_path, monkeypatch, program, why):
+@pytest.mark.parametrize("program,why", [("rewrites", "formed 2 segments")])
+def test_a_program_that_rewrites_its_history_fails_its_episode(tmp_path, monkeypatch, program, why):
     from posttrain.grpo import GRPO
     from posttrain.onpolicy.program import ProgramRollouts
     from posttrain.onpolicy.run import build_sampler_run
@@ -118,3 +133,22 @@ def test_a_program_that_cannot_run_is_refused_at_start(tmp_path, agent, message)
     with pytest.raises(ConfigError, match=message):
         cfg = _cfg(tmp_path, "chatter", f"rl.agent={agent}")
         build_sampler_run(cfg, GRPO)
+
+
+def test_an_episode_that_failed_before_its_prompt_keeps_its_place_in_the_batch():
+    """A failed group's episode with no token at all (a reset that failed, a program that never called the model)
+    takes one pad token in the trainer's batch, and trains nothing; the other group trains as it would."""
+    from core.config_loader import load_config
+    from posttrain.advantages import Advantages
+    from posttrain.config import PostTrainConfig
+    from posttrain.onpolicy.policy_gradient import rl_batch
+    from rollout.sampler import Completion
+
+    cfg = load_config("recipes/configs/grpo_tiny.yml", ["rl.batch.num_generations=2"], schema=PostTrainConfig)
+    ok = Completion([5, 6], [7, 8], [-1.0, -1.0], "stop", "")
+    empty = Completion([], [], [], "stop", "")
+    keep = np.array([True, True, False, False])
+    adv = Advantages(np.array([1.0, -1.0, 0.0, 0.0], np.float32), keep, keep, 0, 1)
+    batch = rl_batch(cfg, [ok, ok, empty, empty], adv, row_len=32, row_multiple=1)
+    mask = np.asarray(batch.loss_mask)
+    assert mask[:2].sum() == 4 and mask[2:].sum() == 0
