@@ -158,7 +158,7 @@ class WorkerPool:
 
     def _run(self, spec, kwargs, prompts, completions, columns, timeout) -> tuple[list[float | None], list[str]]:
         n = len(completions)
-        bounds = _shards(n, self.num_procs)
+        bounds = shards_of(n, self.num_procs)
         values: list[float | None] = [None] * n
         errors: list[str] = []
         pending = {}
@@ -272,7 +272,7 @@ class WorkerPool:
         self._workers = []
 
 
-def _shards(n: int, k: int) -> list[tuple[int, int]]:
+def shards_of(n: int, k: int) -> list[tuple[int, int]]:
     """Up to k contiguous [lo, hi) ranges covering n items, as even as possible."""
     k = max(1, min(k, n))
     step, extra = divmod(n, k)

@@ -30,8 +30,9 @@ from typing import Any
 
 from rollout.environment import Environment, EnvReply, EnvStart
 from rollout.sandbox import Limits, LocalRuntime, relative_path
+from rollout.tool_env import tool_calls_reply
 from rollout.tool_parsing import ParsedTurn
-from rollout.tools import ToolReply, call_tool, tool_messages, tool_schema
+from rollout.tools import tool_schema
 
 SOLUTION, TESTS = "solution.py", "test_solution.py"
 
@@ -136,12 +137,7 @@ class CodingEnvironment(Environment):
         return result.returncode, (result.stdout + result.stderr)[-self.limits.output_bytes :]
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
-        files = dict(state["files"])
-        if turn.malformed is not None:
-            message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
-            return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
-        if not turn.tool_calls:  # the answer: the verifier
-            return EnvReply(done=True, reward=self.verify(files, state["hidden"]), state=state)
+        files = dict(state["files"])  # the tools write into this copy: the next state's
 
         def read(path: str) -> str:
             name = relative_path(path)
@@ -158,9 +154,8 @@ class CodingEnvironment(Environment):
             return f"exit code {code}\n{output}"
 
         tools: dict[str, Callable[..., str]] = {"read_file": read, "write_file": write, "run_tests": run}
-        replies: list[ToolReply] = [
-            call_tool(tools.get(c.name), SCHEMAS.get(c.name), c, self.limits.wall_s + 5) for c in turn.tool_calls
-        ]
-        errors = sum(r.error is not None for r in replies)
         new = {"files": files, "hidden": state["hidden"]}
-        return EnvReply(tool_messages(turn.tool_calls, replies), state=new, tool_calls=len(replies), tool_errors=errors)
+        reply = tool_calls_reply(turn, tools, SCHEMAS, self.limits.wall_s + 5, new)
+        if reply is not None:
+            return reply
+        return EnvReply(done=True, reward=self.verify(files, state["hidden"]), state=state)  # the answer: the verifier

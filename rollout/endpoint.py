@@ -200,8 +200,9 @@ class Endpoint:
             raise Refused(f"no episode {episode!r} is open on this endpoint", status=404)
         return self.recorders[episode]
 
-    def _turn_params(self, episode: str, body: Any, prompt_len: int, max_tokens: int | None, k: int):
-        """One choice's sampling: the run's, with the call's budget, stop strings and seed."""
+    def _turn_params(self, episode: str, body: Any, prompt_len: int, max_tokens: int | None) -> list[SamplingParams]:
+        """Each of the call's `n` choices' sampling: the run's, with the call's budget and stop strings, and a seed
+        of its own."""
         if body.stream:
             raise Refused("stream is not supported: the endpoint answers whole turns")
         if body.n < 1:
@@ -211,14 +212,10 @@ class Endpoint:
             raise Refused(f"the prompt takes {prompt_len} tokens of the context's {self.max_model_len}")
         seed = body.seed if body.seed is not None else self.params.seed
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        return dataclasses.replace(
-            self.params,
-            n=1,
-            max_tokens=max(1, min(max_tokens or self.params.max_tokens, self.params.max_tokens, room)),
-            stop=stop,
-            seed=turn_seed(seed, self.seed_keys.get(episode, 0), self.calls.get(episode, 0) * 1024 + k),
-            logprobs=True,
-        )
+        budget = max(1, min(max_tokens or self.params.max_tokens, self.params.max_tokens, room))
+        turn = dataclasses.replace(self.params, n=1, max_tokens=budget, stop=stop, logprobs=True)
+        key, call = self.seed_keys.get(episode, 0), self.calls.get(episode, 0)
+        return [dataclasses.replace(turn, seed=turn_seed(seed, key, call * 1024 + k)) for k in range(body.n)]
 
     def _count_overrides(self, body: Any) -> None:
         asked = (body.temperature, self.params.temperature), (body.top_p, self.params.top_p)
@@ -239,16 +236,16 @@ class Endpoint:
             raise Refused(f"tool_choice={choice!r} is not supported: auto or none (the sampler cannot force a call)")
         call = recorder.prompt(body.messages, body.tools)
         limit = body.max_completion_tokens or body.max_tokens
-        params = [self._turn_params(episode, body, len(call.token_ids), limit, k) for k in range(body.n)]
+        params = self._turn_params(episode, body, len(call.token_ids), limit)
         self._count_overrides(body)
         self.calls[episode] = self.calls.get(episode, 0) + 1
         outs = await self._sample(call.token_ids, params, (episode, call.base))
+        tools = body.tools if choice == "auto" else None
         choices, used = [], 0
         for k, out in enumerate(outs):
             ids = list(out.token_ids)
             ended = bool(ids) and ids[-1] in self.stop_ids
             text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-            tools = body.tools if choice == "auto" else None
             parsed = self.parsers.for_tools(tools).parse(text) if tools else ParsedTurn(text, text)
             message = recorder.record(call, out, parsed, ended=ended)
             finish = (
@@ -268,7 +265,7 @@ class Endpoint:
         if not ids:
             raise Refused("the prompt is empty")
         call = recorder.prompt_tokens(ids)
-        params = [self._turn_params(episode, body, len(ids), body.max_tokens, k) for k in range(body.n)]
+        params = self._turn_params(episode, body, len(ids), body.max_tokens)
         self._count_overrides(body)
         self.calls[episode] = self.calls.get(episode, 0) + 1
         outs = await self._sample(list(ids), params, (episode, call.base))

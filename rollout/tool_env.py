@@ -14,7 +14,7 @@ without a call is the answer: the episode ends, and the run's reward functions s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rewards.registry import resolve
@@ -47,16 +47,28 @@ class ToolEnvironment(Environment):
         return start
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
-        if turn.malformed is not None:
-            message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
-            return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
-        if not turn.tool_calls:
-            return EnvReply(done=True, state=state)
-        replies: list[ToolReply] = [
-            call_tool(self.functions.get(c.name), self.schemas.get(c.name), c, self.tool_timeout_s)
-            for c in turn.tool_calls
-        ]
-        errors = sum(r.error is not None for r in replies)
-        return EnvReply(
-            tool_messages(turn.tool_calls, replies), state=state, tool_calls=len(replies), tool_errors=errors
-        )
+        reply = tool_calls_reply(turn, self.functions, self.schemas, self.tool_timeout_s, state)
+        return reply if reply is not None else EnvReply(done=True, state=state)
+
+
+def tool_calls_reply(
+    turn: ParsedTurn,
+    functions: Mapping[str, Callable[..., Any]],
+    schemas: Mapping[str, dict],
+    timeout_s: float,
+    state: Any,
+) -> EnvReply | None:
+    """The reply to a turn that calls tools, as every tool-offering environment gives it: a call the parser could
+    not read comes back as an error, the calls run in order (each checked against its schema, under `timeout_s`),
+    their results or errors as `tool` messages. None: the turn called nothing (the answer; the environment ends
+    the episode with its own reward)."""
+    if turn.malformed is not None:
+        message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
+        return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
+    if not turn.tool_calls:
+        return None
+    replies: list[ToolReply] = [
+        call_tool(functions.get(c.name), schemas.get(c.name), c, timeout_s) for c in turn.tool_calls
+    ]
+    errors = sum(r.error is not None for r in replies)
+    return EnvReply(tool_messages(turn.tool_calls, replies), state=state, tool_calls=len(replies), tool_errors=errors)

@@ -39,8 +39,9 @@ from typing import Any
 
 from rewards.registry import resolve
 from rollout.environment import Environment, EnvReply, EnvStart
+from rollout.tool_env import tool_calls_reply
 from rollout.tool_parsing import ParsedTurn
-from rollout.tools import call_tool, tool_messages, tool_schema
+from rollout.tools import tool_schema
 
 RESERVED = ("reset", "get_reward")
 
@@ -134,25 +135,12 @@ class TRLEnvironment(Environment):
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
         kind, instance = self.kinds[state.name], state.instance
-        if turn.malformed is not None:
-            message = {"role": "tool", "content": f"Error: your tool call could not be read: {turn.malformed}."}
-            return EnvReply([message], state=state, tool_calls=1, tool_errors=1)
-        if not turn.tool_calls:
-            reward = getattr(instance, "get_reward", None)
-            return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
-        replies = [
-            call_tool(
-                getattr(instance, c.name) if c.name in kind.schemas else None,
-                kind.schemas.get(c.name),
-                c,
-                self.tool_timeout_s,
-            )
-            for c in turn.tool_calls
-        ]
-        errors = sum(r.error is not None for r in replies)
-        return EnvReply(
-            tool_messages(turn.tool_calls, replies), state=state, tool_calls=len(replies), tool_errors=errors
-        )
+        functions = {name: getattr(instance, name) for name in kind.schemas}
+        reply = tool_calls_reply(turn, functions, kind.schemas, self.tool_timeout_s, state)
+        if reply is not None:
+            return reply
+        reward = getattr(instance, "get_reward", None)
+        return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
 
 
 def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:

@@ -56,10 +56,7 @@ class AgentRollouts:
             self.env.check()
         except Exception as err:
             raise ConfigError(f"{where} cannot be built: {type(err).__name__}: {err}") from None
-        try:
-            self.parsers.for_tools([])
-        except ValueError as err:
-            raise ConfigError(f"rl.agent.tool_parser: {err}") from None
+        check_tool_parser(self.parsers)
         # A turn stops on one of the template's turn ends (`core.chat.turn_stop_ids`): an environment's reply must
         # continue after each (a turn of tool calls or a reply). A base model's EOS (`<|endoftext|>` beside
         # ChatML's `<|im_end|>`) is no turn end of the template: an episode whose turn ends there cannot go on,
@@ -97,11 +94,27 @@ class AgentRollouts:
         episodes = rolled.episodes
         assert episodes is not None  # `run`'s
         gamma = self.agent.discount
-        values = np.array([sum(r * gamma**t for t, r in enumerate(e.rewards)) for e in episodes], np.float32)
-        failed = np.array([e.finish == "failed" for e in episodes])
-        errors = [e.error for e in episodes if e.error]
-        base = scored if scored is not None else RewardBatch.empty(len(episodes))
-        return base.plus("environment", values, failed, errors[:1])
+        values = [sum(r * gamma**t for t, r in enumerate(e.rewards)) for e in episodes]
+        return with_episode_rewards(scored, "environment", episodes, values)
+
+
+def check_tool_parser(parsers: ToolParsers) -> None:
+    """`rl.agent.tool_parser` is one vLLM has (refused at start, with the list, where it is not)."""
+    try:
+        parsers.for_tools([])
+    except ValueError as err:
+        raise ConfigError(f"rl.agent.tool_parser: {err}") from None
+
+
+def with_episode_rewards(
+    scored: RewardBatch | None, name: str, episodes: Sequence[Episode], values: Sequence[float]
+) -> RewardBatch:
+    """`scored` (the reward functions', or none) with the episodes' own rewards added as `name`; a failed episode
+    fails its item (its group is dropped), its first error kept."""
+    failed = np.array([e.finish == "failed" for e in episodes])
+    errors = [e.error for e in episodes if e.error]
+    base = scored if scored is not None else RewardBatch.empty(len(episodes))
+    return base.plus(name, np.asarray(values, np.float32), failed, errors[:1])
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -25,14 +25,13 @@ import dataclasses
 import secrets
 from collections.abc import Sequence
 
-import numpy as np
-
 from core.config_loader import ConfigError
 from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig
+from posttrain.onpolicy.agent import check_tool_parser, with_episode_rewards
 from posttrain.onpolicy.prompts import prompt_text
 from posttrain.onpolicy.rollouts import Rolled, Samplers
-from rewards.pool import Call, WorkerPool, _shards
+from rewards.pool import Call, WorkerPool, shards_of
 from rewards.runner import RewardBatch
 from rollout.agent_program import check_program
 from rollout.endpoint import Endpoint
@@ -56,10 +55,7 @@ class ProgramRollouts:
             check_program(agent.program)
         except Exception as err:
             raise ConfigError(f"rl.agent.program={agent.program!r}: {err}") from None
-        try:
-            self.parsers.for_tools([])
-        except ValueError as err:
-            raise ConfigError(f"rl.agent.tool_parser: {err}") from None
+        check_tool_parser(self.parsers)
 
     def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
         """`params.n` episodes a row, row-major, every episode's program running at once against the endpoint."""
@@ -74,7 +70,7 @@ class ProgramRollouts:
             ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in range(len(starts))]
             urls = [endpoint.open(i, seed_key=self.started + k) for k, i in enumerate(ids)]
             timeout = self.agent.program_timeout_s
-            shards = _shards(len(starts), self.pool.num_procs)
+            shards = shards_of(len(starts), self.pool.num_procs)
             kwargs = {"program": self.agent.program, "timeout_s": timeout}
             calls = [Call("agent", RUNNER, kwargs, "run", (starts[lo:hi], urls[lo:hi])) for lo, hi in shards]
             # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
@@ -119,8 +115,4 @@ class ProgramRollouts:
         """The programs' rewards added to the functions' scores (or alone)."""
         episodes = rolled.episodes
         assert episodes is not None  # `run`'s
-        values = np.array([sum(e.rewards) for e in episodes], np.float32)
-        failed = np.array([e.finish == "failed" for e in episodes])
-        errors = [e.error for e in episodes if e.error]
-        base = scored if scored is not None else RewardBatch.empty(len(episodes))
-        return base.plus("agent", values, failed, errors[:1])
+        return with_episode_rewards(scored, "agent", episodes, [sum(e.rewards) for e in episodes])
