@@ -1,6 +1,6 @@
 """Agents written against the `openai` client as a run's rollouts (`rl.agent.program`): GRPO trains on what their
-calls sampled through the endpoint, on the JAX sampler; every way a program can fail fails its episode with the
-reason, counted; a program that cannot run is refused at start."""
+calls sampled through the endpoint, on vLLM, token in / token out; every way a program can fail fails its episode
+with the reason, counted; a program that cannot run is refused at start."""
 
 from __future__ import annotations
 
@@ -36,24 +36,34 @@ def _cfg(tmp_path, program: str, *overrides: str):
 
 
 @pytest.mark.integration
-def test_grpo_trains_on_what_an_openai_client_agents_calls_sampled(tmp_path):
+@pytest.mark.serial
+def test_grpo_trains_on_what_an_openai_client_agents_calls_sampled_on_vllm(tmp_path):
     """Each episode is `chatter`: three calls through its own base URL, the replies sent back as the client got
-    them. The trajectory is one segment of three turns (the user turns between them as context), its reward the
-    program's; GRPO steps on it."""
+    them, on the vLLM sampler on Ray (float32). The trajectory is one segment of three turns (the user turns
+    between them as context), its reward the program's; GRPO steps on it. Token in / token out: the trainer's
+    log-prob of every token the model wrote equals the one vLLM returned with it (a re-rendered reply, or the user
+    turns' tokens counted as the model's, would not)."""
+    import ray
+
     from posttrain.grpo import GRPO
     from posttrain.onpolicy.run import build_sampler_run
+    from rollout.ray import ensure_ray
 
-    run = build_sampler_run(_cfg(tmp_path, "chatter"), GRPO)
+    ensure_ray(num_cpus=2)
+    run = build_sampler_run(_cfg(tmp_path, "chatter", "rollout.sampler=vllm", "rollout.dtype=float32"), GRPO)
     seen: list[dict] = []
     try:
         run.train(on_step=lambda r, step, m: seen.append(m))
     finally:
         run.close()
+        ray.shutdown()
+    print({k: v for k, v in seen[-1].items() if k.startswith(("agent/", "mismatch/", "reward/"))})
     assert len(seen) == 2
     for m in seen:
         assert m["agent/failed"] == 0 and m["agent/turns"] == 3.0, m
         assert m["agent/env_tokens"] > 0 and m["agent/model_tokens"] > 0
         assert np.isfinite(m["reward/agent/mean"]) and np.isfinite(m["loss"])
+    assert seen[0]["mismatch/logp_gap_max"] < 1e-4, seen[0]  # step 1 samples on the weights the trainer holds
     assert any(m["grad_norm"] > 0 for m in seen)
 
 
