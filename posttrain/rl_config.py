@@ -167,8 +167,9 @@ class AgentConfig(Section):
 
     # The environment plugin: `tools` (built-in: the model calls `environment_kwargs.tools`), package.module:Class,
     # path/to/file.py:Class, or an entry point of `temper.environments`.
-    # None: `tools` (without a program). A mapping {name: spec} of classes written for TRL's environment_factory:
-    # each row chooses one by its `environment` column (TRL's field), with only that class's tools offered.
+    # None: `tools` (without a program). A class written for TRL's environment_factory runs through its adapter. A
+    # mapping {name: spec} of any of these: each row chooses one by its `environment` column (TRL's field), with only
+    # that environment's tools offered (environment_kwargs then go under each name, beside `column`).
     environment: str | dict[str, str] | None = None
     environment_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str = "hermes"  # vLLM's parser for the family's tool calls (hermes: Qwen2.5 / Qwen3)

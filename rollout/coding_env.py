@@ -44,7 +44,7 @@ BUGS = [
     ("is_multiple", "x % K == 0", "x % K == 1", range(0, 12)),
     ("at_least", "x >= K", "x > K", range(0, 12)),
     ("clamp_low", "max(x, K)", "min(x, K)", range(-5, 15)),
-    ("last_digit_is", "x % 10 == K % 10", "x % 10 == K", range(0, 40)),
+    ("last_digit_is", "x % 10 == K", "x // 10 == K", range(0, 40)),
 ]
 HIDDEN = range(-60, 61, 7)
 

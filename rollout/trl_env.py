@@ -80,47 +80,15 @@ def _kind(factory: str) -> _Kind:
     return _Kind(cls, {n: tool_schema(getattr(cls, n)) for n in names})
 
 
-@dataclass
-class _Episode:
-    """An episode's state: the class's name among several (None: the one class), and its instance."""
-
-    name: str | None
-    instance: Any
-
-
 class TRLEnvironment(Environment):
-    """TRL-style classes as a Temper environment (module docstring); built once per worker. `factory`: one class;
-    `factories`: several by name, each row choosing its own by its `column` (TRL's `environment` field), with only
-    that class's tools offered."""
+    """A TRL-style class as a Temper environment (module docstring); built once per worker."""
 
-    def __init__(
-        self,
-        factory: str | None = None,
-        factories: dict[str, str] | None = None,
-        column: str = "environment",
-        tool_timeout_s: float = 30.0,
-    ):
-        if (factory is None) == (factories is None):
-            raise ValueError("a TRL environment needs one class (factory) or several by name (factories)")
-        self.kinds: dict[str | None, _Kind] = (
-            {None: _kind(factory)} if factory is not None else {n: _kind(f) for n, f in (factories or {}).items()}
-        )
-        self.column, self.tool_timeout_s = column, tool_timeout_s
-
-    def _kind_of(self, row: dict) -> str | None:
-        if None in self.kinds:
-            return None
-        name = row.get(self.column)
-        if name not in self.kinds:
-            raise ValueError(f"the row's {self.column!r} is {name!r}, not one of {', '.join(map(str, self.kinds))}")
-        return name
+    def __init__(self, factory: str, tool_timeout_s: float = 30.0):
+        self.kind, self.tool_timeout_s = _kind(factory), tool_timeout_s
 
     def reset(self, row: dict) -> EnvStart:
-        name = self._kind_of(row)
-        kind = self.kinds[name]
-        instance = kind.cls()
-        # TRL passes the row without its routing field when it routes
-        observation = instance.reset(**{k: v for k, v in row.items() if name is None or k != self.column})
+        instance = self.kind.cls()
+        observation = instance.reset(**row)
         content = str(row.get("prompt", ""))
         if observation is not None:
             content += str(observation)
@@ -128,27 +96,31 @@ class TRLEnvironment(Environment):
             pickle.dumps(instance)
         except Exception as err:
             raise TypeError(
-                f"{kind.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
+                f"{self.kind.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
             ) from None
-        state = _Episode(name, instance)
-        return EnvStart([{"role": "user", "content": content}], list(kind.schemas.values()), state=state)
+        return EnvStart([{"role": "user", "content": content}], list(self.kind.schemas.values()), state=instance)
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
-        kind, instance = self.kinds[state.name], state.instance
-        functions = {name: getattr(instance, name) for name in kind.schemas}
-        reply = tool_calls_reply(turn, functions, kind.schemas, self.tool_timeout_s, state)
+        functions = {name: getattr(state, name) for name in self.kind.schemas}
+        reply = tool_calls_reply(turn, functions, self.kind.schemas, self.tool_timeout_s, state)
         if reply is not None:
             return reply
-        reward = getattr(instance, "get_reward", None)
+        reward = getattr(state, "get_reward", None)
         return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
 
 
 def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:
-    """The spec and kwargs the workers build: a TRL-style class, or a mapping of them by name (each row choosing by
-    its `environment` column), goes through `TRLEnvironment` (its kwargs are the adapter's: `tool_timeout_s`,
-    `column`); any other as it is."""
+    """The spec and kwargs the workers build: a TRL-style class goes through `TRLEnvironment` (its kwargs are the
+    adapter's: `tool_timeout_s`), a mapping of environments by name through `rollout.routed_env` (its kwargs: each
+    environment's under its name, and `column`); any other as it is."""
     if isinstance(spec, dict):
-        return "rollout.trl_env:TRLEnvironment", {"factories": dict(spec), **kwargs}
+        column = kwargs.get("column", "environment")
+        per_name = {k: v for k, v in kwargs.items() if k != "column"}
+        return "rollout.routed_env:RoutedEnvironment", {
+            "environments": dict(spec),
+            "kwargs": per_name,
+            "column": column,
+        }
     try:
         cls = resolve(spec, "environment")
     except Exception:

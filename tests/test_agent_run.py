@@ -137,11 +137,12 @@ def test_every_trained_token_carries_the_samplers_own_log_prob(tmp_path_factory,
 CALL = '\n{"name": "calculator", "arguments": {"expression": "12 + 30"}}\n'  # one added token: the call's JSON
 
 
-def scripted_model(path, tokenizer, arch: str, successors: dict[int, int], scale: float = 60.0):
-    """A tiny random `arch` model whose next token depends on the current token alone, by `successors` (a -> b):
-    every layer's attention output and MLP down projection are zero, so the last hidden state is the token's own
-    embedding, and b's output row points along a's embedding after the final norm. A deterministic agent, served
-    by any sampler from its Hugging Face files."""
+def scripted_model(path, tokenizer, arch: str, successors, scale: float = 60.0):
+    """A tiny random `arch` model whose next token depends on the current token alone, by `successors` (a -> b, a
+    dict or (a, b) pairs; a token may have several successors, and several tokens one): every layer's attention
+    output and MLP down projection are zero, so the last hidden state is the token's own embedding, and b's output
+    row points along the embeddings (after the final norm) of the tokens it follows. A deterministic agent at the
+    default scale, served by any sampler from its Hugging Face files; a stochastic one at a small scale."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -155,9 +156,12 @@ def scripted_model(path, tokenizer, arch: str, successors: dict[int, int], scale
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        for a, b in successors.items():
+        pairs = list(successors.items() if isinstance(successors, dict) else successors)
+        for b in {b for _, b in pairs}:
+            model.lm_head.weight[b] = 0.0
+        for a, b in pairs:
             h = model.model.norm(model.model.embed_tokens.weight[a])
-            model.lm_head.weight[b] = scale * h / h.norm() ** 2  # logit of b after a: `scale`; others ~N(0, 1)
+            model.lm_head.weight[b] += scale * h / h.norm() ** 2  # logit of b after a: ~`scale`; others ~N(0, 1)
     model.save_pretrained(path)
     return path
 

@@ -76,3 +76,16 @@ def test_tasks_fail_as_given_and_the_verifier_rewards_only_a_real_fix():
         assert [e.reward for e in ends] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     finally:
         pool.close()
+
+
+def test_every_kind_of_task_fails_as_given_and_passes_with_its_right_body():
+    """The verifier on each of the six kinds of task: 0 on the files as given (a planted bug that changes nothing
+    would be a free reward: `last_digit_is` had one, found by a GRPO run's reward), 1 with the right body."""
+    from rollout.coding_env import BUGS, CodingEnvironment
+
+    env = CodingEnvironment()
+    for row, (name, right, _, _) in zip(coding_tasks(len(BUGS), seed=0), BUGS, strict=True):
+        k = row["task"].split("-")[1]
+        assert env.verify(row["files"], row["hidden"]) == 0.0, row["task"]
+        fixed = {**row["files"], SOLUTION: f"def {name}(x):\n    return {right.replace('K', k)}\n"}
+        assert env.verify(fixed, row["hidden"]) == 1.0, row["task"]

@@ -1,11 +1,13 @@
 """Environment classes written for TRL's `environment_factory`, used unchanged (`rollout/trl_env.py`): their public
 methods are the tools, `reset(**row)`'s observation joins the prompt, `get_reward()` is the episode's reward; the
-instance travels between the worker pool's processes; on the JAX sampler a scripted model's calls run on it."""
+instance travels between the worker pool's processes; on the JAX sampler a scripted model's calls run on it; a
+mapping routes each row to its environment (TRL-style or Temper's); GRPO trains over one on vLLM."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from rewards.pool import WorkerPool
@@ -60,7 +62,7 @@ def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
     from tests.test_agent_run import calculator_episodes
 
     episodes, _ = calculator_episodes(tmp_path, "tests.trl_envs:Calculator")
-    assert [e.state.instance.calls for e in episodes] == [
+    assert [e.state.calls for e in episodes] == [
         3,
         3,
     ]  # the instance each episode ended with ran its three calls
@@ -76,38 +78,126 @@ def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_ro
     assert not is_trl_environment(ToolEnvironment) and not is_trl_environment(len)
 
 
-def test_a_mapping_of_trl_classes_routes_each_row_by_its_environment_column():
-    """TRL's multi-environment form: each row's `environment` names its class; only that class's tools are offered,
-    its `reset` gets the row without the routing field, and a row naming no known class fails its episode, named.
-    The metrics split by environment."""
+def test_a_mapping_routes_each_row_to_its_environment_by_its_column():
+    """TRL's multi-environment form, for any environment: each row's `environment` names its own (two TRL-style
+    classes and the built-in coding environment with its own kwargs); only that environment's tools are offered,
+    its `reset` gets the row without the routing field, each step goes to it with its own state, and a row naming
+    no known environment fails its episode, named. The metrics split by environment. Kwargs under a name the
+    mapping does not have are refused when the environment is built (at start)."""
     from posttrain.onpolicy.agent import episode_metrics
+    from rollout.coding_env import coding_tasks
     from rollout.episodes import Episode
 
     pool = WorkerPool(1)
     try:
-        spec = {"counter": "tests.trl_envs:Counter", "calculator": "tests.trl_envs:Calculator"}
-        env = EnvironmentRunner(spec, {}, pool, timeout_s=30.0)
+        spec = {"counter": "tests.trl_envs:Counter", "calculator": "tests.trl_envs:Calculator", "coding": "coding"}
+        env = EnvironmentRunner(spec, {"coding": {"wall_s": 7}}, pool, timeout_s=30.0)
         env.check()
         rows = [
             {"prompt": "Count.", "environment": "counter", "target": 3},
             {"prompt": "Add.", "environment": "calculator"},
+            {**coding_tasks(1, seed=0)[0], "environment": "coding"},
             {"prompt": "?", "environment": "chess"},
         ]
-        counter, calculator, unknown = env.reset(rows)
+        counter, calculator, coding, unknown = env.reset(rows)
         assert [t["function"]["name"] for t in counter.tools] == ["increment"]
         assert [t["function"]["name"] for t in calculator.tools] == ["calculator"]
+        assert [t["function"]["name"] for t in coding.tools] == ["read_file", "write_file", "run_tests"]
         assert counter.messages[0]["content"] == "Count. Reach 3."
-        assert isinstance(unknown, EnvFailure) and "'chess', not one of counter, calculator" in unknown.message
-        a, b = env.step(
-            [counter.state, calculator.state], [_call("increment", step=3), _call("calculator", expression="2 + 3")]
+        assert isinstance(unknown, EnvFailure) and "'chess', not one of counter, calculator, coding" in unknown.message
+        a, b, c = env.step(
+            [counter.state, calculator.state, coding.state],
+            [_call("increment", step=3), _call("calculator", expression="2 + 3"), _call("run_tests")],
         )
         assert a.messages[0]["content"] == "3" and b.messages[0]["content"] == "5"
+        assert c.messages[0]["content"].startswith("exit code 1") and "AssertionError" in c.messages[0]["content"]
         (wrong,) = env.step([calculator.state], [_call("increment", step=1)])  # the other class's tool
         assert "no tool named 'increment'" in wrong.messages[0]["content"]
         (end,) = env.step([a.state], [ParsedTurn("Done.", "Done.")])
         assert end.done and end.reward == 1.0
+        with pytest.raises(ValueError, match="environment_kwargs names coder, not an environment of the mapping"):
+            EnvironmentRunner(spec, {"coder": {"wall_s": 7}}, pool, timeout_s=30.0).check()
     finally:
         pool.close()
-    episodes = [Episode(r, turns=t, finish=f) for r, t, f in zip(rows, (2, 1, 0), ("done", "done", "failed"))]
+    episodes = [Episode(r, turns=t, finish=f) for r, t, f in zip(rows, (2, 1, 1, 0), ("done",) * 3 + ("failed",))]
     m = episode_metrics(episodes)
     assert (m["agent/counter/turns"], m["agent/calculator/turns"], m["agent/chess/failed"]) == (2.0, 1.0, 1.0)
+    assert m["agent/coding/turns"] == 1.0
+
+
+@pytest.mark.integration
+@pytest.mark.serial
+def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path):
+    """GRPO on the vLLM sampler (float32, on Ray) over a mapping of a TRL-style class and the sandboxed coding
+    environment, rows of both in every step. A scripted model (Qwen2.5's template, Hermes calls) calls the
+    calculator or answers at once, about as often (sampling at temperature 1 on logits of 10): the class runs its calls
+    on the episode's instance, its `get_reward()` is the calls made, so episodes differ and the step has a gradient;
+    the coding episodes' calculator calls are answered with the coding tools' error and their answers go to the
+    verifier in the sandbox (0: nothing was fixed). Token in / token out: the trainer's log-probs of the model's
+    tokens equal vLLM's, with the tool results between the turns."""
+    import ray
+
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.grpo import GRPO
+    from posttrain.onpolicy.run import build_sampler_run
+    from rollout.coding_env import coding_tasks
+    from rollout.ray import ensure_ray
+    from tests.test_agent_run import calling_agent, scripted_model
+
+    tok, _, (start, body, end) = calling_agent(tmp_path)
+    from core.chat import chat_prompt_ids
+
+    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
+    successors = [(header, start), (start, body), (body, end), (end, tok.eos_token_id), (header, tok.eos_token_id)]
+    model = scripted_model(tmp_path / "model8", tok, "qwen2", successors, scale=10.0)
+    rows = [{"prompt": "What is 12 + 30?", "environment": "calculator"}] * 8
+    rows += [{**r, "environment": "coding"} for r in coding_tasks(8, seed=0)]
+    rows = [r for pair in zip(rows[:8], rows[8:], strict=True) for r in pair]  # alternating: both in every step
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    environments = {"calculator": "tests.trl_envs:CountingCalculator", "coding": "coding"}
+    cfg = load_config(
+        "recipes/configs/grpo_tiny.yml",
+        [
+            f"run.run_dir={tmp_path / 'run'}",
+            f"checkpoint.init_from={model}",
+            f"data.tokenizer_dir={tok.name_or_path}",
+            f"data.source={data}",
+            "data.eval_fraction=0",
+            "rl.prompt_template='{prompt}'",
+            "rollout.max_tokens=8",
+            "rollout.max_model_len=2048",
+            "rollout.kv_cache_gib=0.25",
+            "train.steps=2",
+            "rl.batch.prompts_per_step=2",
+            "rl.batch.num_generations=8",
+            "reward.functions=[]",
+            "rl.accuracy_fn=null",
+            "checkpoint.enabled=false",
+            "checkpoint.export_hf=false",
+            f"rl.agent={{environment: {json.dumps(environments)}, max_turns: 3}}",
+            "rl.agent.environment_kwargs={coding: {wall_s: 10}}",
+        ],
+        schema=PostTrainConfig,
+    )
+    ensure_ray(num_cpus=2)
+    run = build_sampler_run(cfg, GRPO)
+    seen: list[dict] = []
+    try:
+        run.train(on_step=lambda r, step, m: seen.append(m))
+    finally:
+        run.close()
+        ray.shutdown()
+    print([{k: v for k, v in m.items() if k.startswith(("agent/", "reward/"))} for m in seen])
+    assert len(seen) == 2
+    for m in seen:
+        assert m["agent/failed"] == 0 and m["agent/calculator/failed"] == 0 and m["agent/coding/failed"] == 0, m
+        assert m["agent/coding/reward"] == 0.0  # nothing fixed
+        assert np.isfinite(m["loss"])
+    for name in ("calculator", "coding"):
+        assert max(m[f"agent/{name}/turns"] for m in seen) > 1, seen  # calls answered, the episode went on
+    assert all(m["agent/tool_calls"] > 0 and m["agent/env_tokens"] > 0 for m in seen)
+    assert max(m["agent/calculator/reward"] for m in seen) > 0  # the class's get_reward, read at the answer
+    assert seen[0]["mismatch/logp_gap_max"] < 1e-4, seen[0]
+    assert any(m["grad_norm"] > 0 for m in seen)

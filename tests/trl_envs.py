@@ -73,3 +73,10 @@ class Walker:
         """
         self.position += n
         return str(self.position)
+
+
+class CountingCalculator(Calculator):
+    """The calculator whose reward is the calls the episode made before it answered (episodes that differ)."""
+
+    def get_reward(self) -> float:
+        return float(self.calls)
