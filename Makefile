@@ -11,9 +11,9 @@ EXTRAS ?= cpu,dev
 # fault in 2 MiB at a time and are reused, not faulted in again every step (core/host_memory.py HOST_MALLOC,
 # the same list). Not for the tests: their many short processes start slower with it.
 HOST_MALLOC := glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
-demo demo-dpo demo-ppo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
+demo demo-dpo demo-ppo demo-distill demo-tools demo-agent demo-pretrain demo-sft demo-dpo-offline bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent: export GLIBC_TUNABLES ?= $(HOST_MALLOC)
 
-.PHONY: install test test-gpu test-fast lint demo demo-dpo demo-ppo demo-distill demo-tools demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent clean
+.PHONY: install test test-gpu test-fast lint demo demo-dpo demo-ppo demo-distill demo-tools demo-agent demo-pretrain demo-sft demo-dpo-offline demo-hf bench bench-grpo bench-sft bench-dpo bench-distill bench-lora bench-agent clean
 
 install: $(STAMP)
 
@@ -65,6 +65,9 @@ demo-distill: $(STAMP)
 
 demo-tools: $(STAMP)
 	$(PY) -m recipes.quickstart --method tools
+
+demo-agent: $(STAMP)
+	$(PY) -m recipes.quickstart --method agent
 
 demo-dpo-offline: $(STAMP)
 	$(PY) -m recipes.dpo

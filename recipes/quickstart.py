@@ -4,6 +4,7 @@
     python -m recipes.quickstart --method dpo [--run-dir runs/quickstart_dpo]               # `make demo-dpo`
     python -m recipes.quickstart --method distill [--run-dir runs/quickstart_distill]       # `make demo-distill`
     python -m recipes.quickstart --method tools [--run-dir runs/quickstart_tools]           # `make demo-tools`
+    python -m recipes.quickstart --method agent [--run-dir runs/quickstart_agent]           # `make demo-agent`
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -74,11 +75,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), else runs/quickstart_METHOD")
     p.add_argument(
         "--method",
-        choices=("grpo", "dpo", "ppo", "distill", "tools"),
+        choices=("grpo", "dpo", "ppo", "distill", "tools", "agent"),
         default="grpo",
         help="stage 5: GRPO, online DPO or PPO (with a critic); distill: the GRPO model distilled into a smaller "
         "student (recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
-        "(recipes/quickstart_tools.py)",
+        "(recipes/quickstart_tools.py); agent: the same with an agent written against the openai client",
     )
     p.add_argument("--teacher-run", default="runs/quickstart", help="--method distill: the GRPO quickstart to distil")
     p.add_argument(
@@ -100,11 +101,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
-    if args.method == "tools":  # its own pipeline (no pretraining, its own sloppy agent and evaluation)
+    if args.method in ("tools", "agent"):  # their own pipeline (no pretraining, a sloppy agent, its evaluation)
         unused = [f"--{k.replace('_', '-')}" for k in ("pretrain_steps", "eval_prompts") if getattr(args, k)]
         unused += ["--sign-slip"] if args.sign_slip != SIGN_SLIP else []
         if unused:
-            p.error(f"--method tools does not take {', '.join(unused)}")
+            p.error(f"--method {args.method} does not take {', '.join(unused)}")
     if args.run_dir is None:
         args.run_dir = f"runs/quickstart_{args.method}" if args.method != "grpo" else "runs/quickstart"
     return args
@@ -137,10 +138,10 @@ def main(argv: list[str]) -> int:
         from recipes import quickstart_distill
 
         return quickstart_distill.main(out, Path(args.teacher_run), args.seed)
-    if args.method == "tools":
+    if args.method in ("tools", "agent"):
         from recipes import quickstart_tools
 
-        return quickstart_tools.main(out, args.seed, args.grpo_steps, args.sft_steps)
+        return quickstart_tools.main(out, args.seed, args.grpo_steps, args.sft_steps, args.method)
     settings = {k: v for k, v in vars(args).items() if k not in ("run_dir", "teacher_run")}
     done = out / SUMMARY
     if done.exists():  # a finished quickstart: say so and show its result (nothing resumes, nothing is redone)

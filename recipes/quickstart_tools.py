@@ -1,6 +1,7 @@
 """The tools quickstart: a tiny model learns to use a calculator for arithmetic it cannot do in its head.
 
     python -m recipes.quickstart --method tools [--run-dir runs/quickstart_tools] [--seed S]     # `make demo-tools`
+    python -m recipes.quickstart --method agent [--run-dir runs/quickstart_agent]                 # `make demo-agent`
 
 1. 2-term +/- problems with 3- and 4-digit numbers, generated offline with reasoning-gym (exact answers): a
    4-layer, 128-wide model trained for minutes gets almost none of them right in its head;
@@ -15,6 +16,11 @@
    turns on the vLLM sampler on Ray, the math_verify reward on the final answer);
 5. GRPO without the tool, the same budget from the same fine-tuned model: one completion a prompt, the answer
    in its head.
+
+With `--method agent` (`make demo-agent`), stages 1-3 and one GRPO arm whose episodes are the calculator agent of
+`recipes/calculator_agent.py`, written against the `openai` client (`rl.agent.program`): the run serves its samplers
+behind an OpenAI-compatible endpoint, the agent calls it and runs the calculator itself, and GRPO trains on what
+its calls sampled (token in / token out).
 
 Held-out greedy accuracy (math_verify, the same 200 problems) after SFT and after each GRPO arm is printed, saved
 to `quickstart_tools.json` and plotted (`quickstart_tools.png`: the arms' held-out accuracy over the steps). A
@@ -103,20 +109,31 @@ def sloppy_trace(row: dict, rng: random.Random, skip_tool: dict[str, float]) -> 
     ]
 
 
-def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | None = None) -> int:
+# The GRPO arms of each method: (name, label, how its episodes run).
+ARMS = {
+    "tools": (("tool", "with the calculator", "tools"), ("no_tool", "without it", None)),
+    "agent": (("program", "the openai-client agent", "program"),),
+}
+AGENT = "recipes.calculator_agent:run"
+COLORS = {"tool": "#4477aa", "no_tool": "#aa4444", "program": "#228833"}
+
+
+def main(
+    out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | None = None, method: str = "tools"
+) -> int:
     from core.tokenizer import build_tokenizer, tokenizer_for_run
     from rollout.calculator import calculator
     from rollout.tools import tool_schema
 
-    settings = {"method": "tools", "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
+    settings = {"method": method, "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
     done = out / SUMMARY
     if done.exists():
         summary = json.loads(done.read_text())
         if summary["settings"] != settings:
             from core.errors import UserError
 
-            raise UserError(f"{out} holds a tools quickstart with other settings ({summary['settings']})")
-        print(f"the tools quickstart in {out} is complete ({done}); its result:")
+            raise UserError(f"{out} holds a {method} quickstart with other settings ({summary['settings']})")
+        print(f"the {method} quickstart in {out} is complete ({done}); its result:")
         report(summary)
         return 0
     start = time.perf_counter()
@@ -157,12 +174,12 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
         )
     )
     arms = {}
-    for i, (name, with_tool) in enumerate((("tool", True), ("no_tool", False))):
-        label = "with the calculator" if with_tool else "without it (answers in its head)"
-        print(f"== {4 + i}/5 GRPO {label}", flush=True)
-        arms[name] = grpo_arm(out, name, with_tool, rl, tokenizer, seed, grpo_steps)
+    stages = 3 + len(ARMS[method])
+    for i, (name, label, rollouts) in enumerate(ARMS[method]):
+        print(f"== {4 + i}/{stages} GRPO {label}", flush=True)
+        arms[name] = grpo_arm(out, name, rollouts, rl, tokenizer, seed, grpo_steps)
 
-    plot = plot_arms(out, out / "quickstart_tools.png")
+    plot = plot_arms(out, out / f"quickstart_{method}.png", method)
     result = {
         "settings": settings,
         "arms": arms,
@@ -175,8 +192,9 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
     return 0
 
 
-def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, seed: int, steps: int | None) -> dict:
-    """One GRPO arm from the fine-tuned model: its held-out accuracy before and after (kept for a resumed arm)."""
+def grpo_arm(out: Path, name: str, rollouts: str | None, rl: str, tokenizer: str, seed: int, steps: int | None) -> dict:
+    """One GRPO arm from the fine-tuned model, its episodes the built-in `tools` environment's, the calculator
+    agent's (`program`) or single turns (None): its held-out accuracy before and after (kept for a resumed arm)."""
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
@@ -193,8 +211,10 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
         *([f"train.steps={steps}"] if steps else []),
         "train.eval_on_start=true",
     ]
-    if not with_tool:
+    if rollouts is None:
         overrides.append("rl.agent=null")
+    elif rollouts == "program":  # the agent runs its own turns (up to 3) and the calculator
+        overrides.append(f"rl.agent={{program: '{AGENT}', tool_parser: hermes}}")
     cfg = load_config(CONFIGS / "tools_grpo.yml", overrides, schema=PostTrainConfig)
     if cfg.train.steps % cfg.train.eval_every:  # an evaluation on the last step, whatever the step count
         cfg = load_config(CONFIGS / "tools_grpo.yml", [*overrides, f"train.eval_every={cfg.train.steps}"],
@@ -204,8 +224,8 @@ def grpo_arm(out: Path, name: str, with_tool: bool, rl: str, tokenizer: str, see
     return {"before": evals[0], "after": evals[summary.steps], "steps": summary.steps}
 
 
-def plot_arms(out: Path, path: Path) -> str:
-    """Both arms' held-out greedy accuracy (evaluations, step 0 = after SFT) and training accuracy over the steps."""
+def plot_arms(out: Path, path: Path, method: str = "tools") -> str:
+    """The arms' held-out greedy accuracy (evaluations, step 0 = after SFT) and training accuracy over the steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,8 +234,8 @@ def plot_arms(out: Path, path: Path) -> str:
     from core.metrics import read_metrics
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, label, color in (("tool", "with the calculator", "#4477aa"), ("no_tool", "without it", "#aa4444")):
-        rows = read_metrics(out / name)
+    for name, label, _ in ARMS[method]:
+        rows, color = read_metrics(out / name), COLORS[name]
         evals = [(r["step"], 100 * r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
         train = [(r["step"], 100 * r["accuracy"]) for r in rows if "accuracy" in r]
         if evals:
@@ -224,7 +244,7 @@ def plot_arms(out: Path, path: Path) -> str:
             ax.plot(*zip(*train), color=color, alpha=0.4, label=f"GRPO {label}: sampled (training)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title("3- and 4-digit arithmetic, a tiny model, with and without a calculator")
+    ax.set_title("3- and 4-digit arithmetic, a tiny model, and a calculator")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -236,7 +256,7 @@ def plot_arms(out: Path, path: Path) -> str:
 def report(summary: dict) -> None:
     arms = summary["arms"]
     print("held-out greedy accuracy after SFT on the sloppy agent's traces, then after GRPO:")
-    for name, label in (("tool", "with the calculator"), ("no_tool", "without it")):
+    for name, label, _ in ARMS[summary["settings"]["method"]]:
         a = arms[name]
         print(f"  GRPO {label:<20} {a['before']:.1%} -> {a['after']:.1%} ({a['steps']} steps)")
     print(f"total {summary['minutes']:.1f} min; curves: {summary['plot']}")

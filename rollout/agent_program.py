@@ -11,7 +11,8 @@ on the run's endpoint (`rollout.endpoint`). Its calls are what the method trains
 episode's reward. `ProgramRunner` runs a shard of a step's episodes in one worker, concurrently (an agent mostly
 waits for the model), each under its own timeout; the pool's deadline bounds the whole shard (an agent that blocks
 the worker's event loop is killed with its worker). An episode whose program raises, times out or returns
-something else fails, with the reason.
+something else fails, with the reason; one that timed out, or whose calls failed on the endpoint's side (it could
+not be reached, or answered 5xx: an engine failed), is marked for another attempt (`lost`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def episode_value(out: Any) -> tuple[float | dict[str, float] | None, str | None
     return (float(out) if not isinstance(out, dict) else {str(k): float(v) for k, v in out.items()}), None
 
 
+def lost(err: BaseException) -> bool:
+    """Whether a program's exception came from outside the model and the program: the endpoint could not be reached
+    or failed serving the call (an engine that raised or restarted), as opposed to a refusal (4xx) or the agent's
+    own bug. Such an episode is worth another attempt (`rl.agent.retries`)."""
+    import openai
+
+    if isinstance(err, openai.APIConnectionError):  # includes APITimeoutError
+        return True
+    return isinstance(err, openai.APIStatusError) and err.status_code >= 500
+
+
+# An episode's outcome: its value (None: the reward functions'), why it failed (None: it did not), and whether the
+# failure came from outside the model (a timeout, the endpoint or engine failing; retried).
+Outcome = tuple[Any, str | None, bool]
+
+
 class ProgramRunner:
     """What a worker of the pool builds once per program (`rewards.pool.Call`)."""
 
@@ -56,14 +73,14 @@ class ProgramRunner:
         self.program: Any = resolve(program, "agent")
         self.timeout_s = timeout_s
 
-    def run(self, rows: Sequence[dict], urls: Sequence[str]) -> list[tuple[Any, str | None]]:
-        """Each episode's (value, None) or (None, why it failed), in order."""
+    def run(self, rows: Sequence[dict], urls: Sequence[str]) -> list[Outcome]:
+        """Each episode's `Outcome`, in order."""
         return asyncio.run(self._all(rows, urls))
 
-    async def _all(self, rows: Sequence[dict], urls: Sequence[str]) -> list[tuple[Any, str | None]]:
+    async def _all(self, rows: Sequence[dict], urls: Sequence[str]) -> list[Outcome]:
         return list(await asyncio.gather(*(self._one(r, u) for r, u in zip(rows, urls, strict=True))))
 
-    async def _one(self, row: dict, url: str) -> tuple[Any, str | None]:
+    async def _one(self, row: dict, url: str) -> Outcome:
         import openai
 
         # No retries: a call the endpoint refuses is the program's error, and a retried call would sample again.
@@ -71,10 +88,10 @@ class ProgramRunner:
         try:
             out = await asyncio.wait_for(self.program(dict(row), client), self.timeout_s)
         except TimeoutError:
-            return None, f"the program did not finish in {self.timeout_s:g} s"
+            return None, f"the program did not finish in {self.timeout_s:g} s", True
         except Exception as err:
-            return None, f"the program raised {type(err).__name__}: {err}"
+            return None, f"the program raised {type(err).__name__}: {err}", lost(err)
         finally:
             await client.close()
         value, why = episode_value(out)
-        return (value, None) if why is None else (None, why)
+        return (value, None, False) if why is None else (None, why, False)

@@ -72,7 +72,9 @@ class Episode:
     error: str | None = None  # why it failed
     final_text: str = ""  # the last assistant turn's text (what reward functions score)
     policy_version: int = 0  # of its first turn
-    retried: list[str] = field(default_factory=list)  # the cause of each earlier attempt's failure: reset, step
+    retried: list[str] = field(
+        default_factory=list
+    )  # the cause of each earlier attempt's failure: reset, step, program
 
     @property
     def done(self) -> bool:

@@ -43,3 +43,16 @@ async def rewrites(row, client):
 
 def not_async(row, client):
     return 1.0
+
+
+async def hangs_once(row, client):
+    """The first episode to start on a row's marker hangs (an agent stuck on something outside the model); every
+    other one, a retry included, makes one call and returns 1."""
+    import os
+
+    try:
+        os.close(os.open(row["marker"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        await client.chat.completions.create(model="temper", messages=[{"role": "user", "content": row["prompt"]}])
+        return 1.0
+    await asyncio.sleep(3600)

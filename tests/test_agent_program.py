@@ -77,10 +77,14 @@ def test_every_way_a_program_fails_fails_its_episode_with_the_reason():
         "raises": "the program raised",
     }
     for name, why in cases.items():
-        ((value, error),) = ProgramRunner(f"tests.agent_programs:{name}", 0.5).run(
+        ((value, error, lost),) = ProgramRunner(f"tests.agent_programs:{name}", 0.5).run(
             [{"prompt": "q"}], ["http://127.0.0.1:9/v1"]
         )
         assert value is None and why in error, (name, error)
+        # a hang is retried; so is a call that cannot reach the endpoint (nothing listens on port 9)
+        assert lost == (name in ("hangs", "raises")), (name, error)
+    ((value, error, lost),) = ProgramRunner("tests.agent_programs:says_yes", 0.5).run([{"prompt": "q"}], ["x"])
+    assert not lost and "returned str" in error
     assert episode_value({"a": 1, "b": 2.5}) == ({"a": 1.0, "b": 2.5}, None)
     assert "not a finite number" in episode_value({"a": float("nan")})[1]
     assert episode_value(None) == (None, None) and episode_value(2) == (2.0, None)
@@ -162,3 +166,62 @@ def test_an_episode_that_failed_before_its_prompt_keeps_its_place_in_the_batch()
     batch = rl_batch(cfg, [ok, ok, empty, empty], adv, row_len=32, row_multiple=1)
     mask = np.asarray(batch.loss_mask)
     assert mask[:2].sum() == 4 and mask[2:].sum() == 0
+
+
+def test_what_counts_as_a_failure_outside_the_model():
+    """`lost`: the endpoint unreachable or answering 5xx (an engine failed) is retried; a refusal (4xx) or the
+    agent's own exception is not."""
+    import httpx
+    import openai
+
+    from rollout.agent_program import lost
+
+    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+
+    def status(code: int) -> openai.APIStatusError:
+        cls = openai.InternalServerError if code >= 500 else openai.BadRequestError
+        return cls("x", response=httpx.Response(code, request=request), body=None)
+
+    assert lost(openai.APIConnectionError(request=request)) and lost(openai.APITimeoutError(request))
+    assert lost(status(500)) and lost(status(503))
+    assert not lost(status(400)) and not lost(ValueError("the agent's bug"))
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path, retries):
+    """`ProgramRollouts.run` on the JAX sampler's slots: of a row's four episodes the first to start hangs (past
+    `program_timeout_s`). With a retry it runs again from its row on a fresh URL and ends like the others, its
+    attempt counted (`agent/retries/program`); without, it fails, named."""
+    from types import SimpleNamespace
+
+    from core.chat_template import turn_stop_ids
+    from core.data import load_tokenizer
+    from core.hf.directory import load_hf
+    from posttrain.onpolicy.agent import episode_metrics
+    from posttrain.onpolicy.program import ProgramRollouts
+    from rewards.pool import WorkerPool
+    from rollout.jax_engine import SlotTurns
+    from rollout.jax_sampler import JaxSampler
+    from rollout.sampler import SamplingParams
+
+    cfg = _cfg(tmp_path, "hangs_once", f"rl.agent.retries={retries}", "rl.agent.program_timeout_s=3")
+    tok = load_tokenizer(cfg.data.tokenizer_dir)
+    sampler = JaxSampler(load_hf(cfg.checkpoint.init_from)[0], cfg.data.tokenizer_dir, max_model_len=256, seed=0)
+    samplers = SimpleNamespace(turns=lambda n: SlotTurns(sampler, slots=4))
+    pool = WorkerPool(1)
+    try:
+        rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False)
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
+        rows = [{"question": "What is 1 + 1?", "marker": str(tmp_path / "marker")}]
+        episodes = rollouts.run(rows, params, samplers).episodes  # type: ignore[arg-type]
+    finally:
+        pool.close()
+    assert episodes is not None and len(episodes) == 4
+    hung = [e for e in episodes if e.retried or e.finish == "failed"]
+    assert len(hung) == 1, [(e.finish, e.error, e.retried) for e in episodes]
+    if retries:
+        assert hung[0].retried == ["program"] and hung[0].finish == "done" and hung[0].rewards == [1.0]
+        assert episode_metrics(episodes)["agent/retries/program"] == 0.25
+    else:
+        assert hung[0].retried == [] and "did not finish in 3 s" in hung[0].error
+    assert all(e.finish == "done" and e.rewards == [1.0] for e in episodes if e is not hung[0])

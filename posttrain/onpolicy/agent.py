@@ -147,4 +147,5 @@ def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         # attempts started again because the environment failed (rl.agent.retries), per trajectory, by cause
         "agent/retries/reset": sum(e.retried.count("reset") for e in episodes) / n,
         "agent/retries/step": sum(e.retried.count("step") for e in episodes) / n,
+        "agent/retries/program": sum(e.retried.count("program") for e in episodes) / n,
     }

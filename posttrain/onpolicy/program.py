@@ -11,6 +11,10 @@ each the program (`rollout.agent_program`) with a client whose base URL is that 
 pool. What the episode's calls sampled is its trajectory, token in / token out (`rollout.recording`), trained on
 the model's tokens only; the row the program gets carries the formatted `rl.prompt_template` as `prompt`.
 
+An episode whose program timed out, or whose calls failed on the endpoint's side (an engine that failed), or whose
+worker died, is run again from its row with a fresh id and random stream, up to `rl.agent.retries` times, each
+attempt counted (`agent/retries/program`); what the failed attempt sampled is not trained on.
+
 Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
 score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
 functions. An episode fails (counted in `agent/failed`, its group dropped from the loss as a failed reward's is)
@@ -58,35 +62,57 @@ class ProgramRollouts:
         check_tool_parser(self.parsers)
 
     def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
-        """`params.n` episodes a row, row-major, every episode's program running at once against the endpoint."""
+        """`params.n` episodes a row, row-major, every episode's program running at once against the endpoint; an
+        episode that failed from outside the model (`rollout.agent_program.lost`) runs again, afresh, up to
+        `rl.agent.retries` times."""
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
         turn = dataclasses.replace(params, n=1)
         endpoint = Endpoint(
             samplers.turns(len(starts)), self.tokenizer, self.parsers, turn, self.cfg.rollout.max_model_len
         )
         endpoint.start()
+        retried: list[list[str]] = [[] for _ in starts]
+        done: dict[int, tuple[list[Segment], object, str | None]] = {}
         try:
-            # unguessable: the endpoint has no authentication, only its loopback address and these ids
-            ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in range(len(starts))]
-            urls = [endpoint.open(i, seed_key=self.started + k) for k, i in enumerate(ids)]
-            timeout = self.agent.program_timeout_s
-            shards = shards_of(len(starts), self.pool.num_procs)
-            kwargs = {"program": self.agent.program, "timeout_s": timeout}
-            calls = [Call("agent", RUNNER, kwargs, "run", (starts[lo:hi], urls[lo:hi])) for lo, hi in shards]
-            # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
-            results = self.pool.call(calls, timeout + 30.0)
-            outcomes: list[tuple[object, str | None]] = []
-            for (lo, hi), result in zip(shards, results, strict=True):
-                shard = result.value if result.error is None else [(None, f"its worker: {result.error}")] * (hi - lo)
-                outcomes.extend(shard)
-            episodes = [
-                self._episode(row, endpoint.finish(i), value, why)
-                for row, i, (value, why) in zip(starts, ids, outcomes, strict=True)
-            ]
+            pending = list(range(len(starts)))
+            while pending:
+                outcomes = self._attempt(endpoint, starts, pending, retried)
+                again = []
+                for i, (segments, value, why, lost) in zip(pending, outcomes, strict=True):
+                    if lost and len(retried[i]) < self.agent.retries:
+                        retried[i].append("program")
+                        again.append(i)
+                    else:
+                        done[i] = (segments, value, why)
+                pending = again
         finally:
             endpoint.close()
+        episodes = [self._episode(row, *done[i]) for i, row in enumerate(starts)]
+        for e, causes in zip(episodes, retried, strict=True):
+            e.retried = causes
         self.started += len(starts)
         return Rolled([e.completion() for e in episodes], episodes)
+
+    def _attempt(self, endpoint: Endpoint, starts: list[dict], which: list[int], retried: list[list[str]]) -> list:
+        """One attempt at the episodes `which`, each on its own base URL: (its segments, value, why it failed,
+        whether that was from outside the model) each, in order."""
+        # unguessable: the endpoint has no authentication, only its loopback address and these ids
+        ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in which]
+        # another attempt, another random stream (as for an environment's episodes)
+        keys = [self.started + i + len(starts) * len(retried[i]) for i in which]
+        urls = [endpoint.open(e, seed_key=k) for e, k in zip(ids, keys, strict=True)]
+        timeout = self.agent.program_timeout_s
+        shards = shards_of(len(which), self.pool.num_procs)
+        kwargs = {"program": self.agent.program, "timeout_s": timeout}
+        rows = [starts[i] for i in which]
+        calls = [Call("agent", RUNNER, kwargs, "run", (rows[lo:hi], urls[lo:hi])) for lo, hi in shards]
+        # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
+        results = self.pool.call(calls, timeout + 30.0)
+        outcomes: list[tuple[object, str | None, bool]] = []
+        for (lo, hi), result in zip(shards, results, strict=True):
+            lost_worker = [(None, f"its worker: {result.error}", True)] * (hi - lo)
+            outcomes.extend(result.value if result.error is None else lost_worker)
+        return [(endpoint.finish(e), *o) for e, o in zip(ids, outcomes, strict=True)]
 
     def _episode(self, row: dict, segments: list[Segment], value: object, why: str | None) -> Episode:
         e = Episode(row)
