@@ -69,12 +69,14 @@ class Call:
     kwargs: Mapping[str, Any]
     method: str
     args: tuple
+    worker: int | None = None  # the worker that must run it (one keeping what an earlier call left there); None: any
 
 
 @dataclass(frozen=True)
 class CallResult:
     value: Any = None
     error: str | None = None  # why there is no value: the call raised, timed out or killed its worker
+    worker: int | None = None  # the worker that ran it
 
 
 def _worker_main(conn) -> None:
@@ -213,18 +215,26 @@ class WorkerPool:
 
     def _call(self, calls: Sequence[Call], timeout: float) -> list[CallResult]:
         results: list[CallResult | None] = [None] * len(calls)
-        queue = list(range(len(calls)))[::-1]
+        for i, c in enumerate(calls):
+            if c.worker is not None and not 0 <= c.worker < len(self._workers):
+                results[i] = CallResult(error=f"its worker died (the pool has no worker {c.worker})")
+        queue = [i for i in range(len(calls)) if results[i] is None]  # in order; a pinned call waits for its worker
         idle = list(self._workers)
         running: dict[Any, tuple[_Worker, int, float]] = {}  # conn -> (worker, call index, deadline)
         while queue or running:
-            while queue and idle:
-                worker, i = idle.pop(), queue.pop()
+            for worker in list(idle):
+                at = self._workers.index(worker)
+                pick = next((j for j in queue if calls[j].worker in (None, at)), None)
+                if pick is None:
+                    continue
+                idle.remove(worker)
+                queue.remove(pick)
                 try:
-                    worker.conn.send(calls[i])
-                    running[worker.conn] = (worker, i, time.monotonic() + timeout)
+                    worker.conn.send(calls[pick])
+                    running[worker.conn] = (worker, pick, time.monotonic() + timeout)
                 except (BrokenPipeError, OSError):  # died between calls: replaced, the call goes back in line
                     idle.append(self._replace(worker))
-                    queue.append(i)
+                    queue.insert(0, pick)
             if not running:
                 continue
             first_deadline = min(d for _, _, d in running.values())
@@ -233,7 +243,7 @@ class WorkerPool:
                 worker, i, _ = running.pop(conn)
                 try:
                     status, value, message = worker.conn.recv()
-                    results[i] = CallResult(value if status == "ok" else None, message)
+                    results[i] = CallResult(value if status == "ok" else None, message, self._workers.index(worker))
                     idle.append(worker)
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)

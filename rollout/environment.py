@@ -41,6 +41,23 @@ class EnvStart:
     messages: list[dict]
     tools: list[dict] = field(default_factory=list)  # JSON schemas, as `rollout.tools.tool_schema` makes them
     state: Any = None
+    # The state refers to what the worker that ran the reset keeps in its memory (an object that does not pickle):
+    # every step of the episode goes to that worker (`Pinned`), and `release(state)` is called if it ends without
+    # the environment saying done. Lost with its worker (`StateLost`): the episode restarts.
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A pinned episode's state as the run holds it: the worker that keeps what it refers to, and the state."""
+
+    worker: int
+    state: Any
+
+
+class StateLost(LookupError):
+    """Raised by an environment whose pinned state is no longer in this worker's memory (the worker was replaced,
+    or the run resumed from a checkpoint): the episode's failure is not the model's, and it is started again."""
 
 
 @dataclass
@@ -98,17 +115,37 @@ class EnvironmentRunner:
 
     def reset(self, rows: Sequence[dict]) -> list[EnvStart | EnvFailure]:
         calls = [Call("environment", self.spec, self.kwargs, "reset", (dict(r),)) for r in rows]
-        return [self._checked(r, EnvStart, "reset") for r in self.pool.call(calls, self.timeout_s)]
+        results = self.pool.call(calls, self.timeout_s)
+        starts = [self._checked(r, EnvStart, "reset") for r in results]
+        for start, result in zip(starts, results, strict=True):
+            if isinstance(start, EnvStart) and start.pinned:
+                assert result.worker is not None  # a call that returned ran on a worker
+                start.state = Pinned(result.worker, start.state)
+        return starts
 
     def step(self, states: Sequence[Any], turns: Sequence[ParsedTurn]) -> list[EnvReply | EnvFailure]:
-        calls = [
-            Call("environment", self.spec, self.kwargs, "step", (s, t)) for s, t in zip(states, turns, strict=True)
-        ]
-        return [self._checked(r, EnvReply, "step") for r in self.pool.call(calls, self.timeout_s)]
+        calls = [self._call("step", s, t) for s, t in zip(states, turns, strict=True)]
+        replies = [self._checked(r, EnvReply, "step") for r in self.pool.call(calls, self.timeout_s)]
+        for state, reply in zip(states, replies, strict=True):
+            if isinstance(state, Pinned) and isinstance(reply, EnvReply):
+                reply.state = Pinned(state.worker, reply.state)
+        return replies
+
+    def release(self, states: Sequence[Any]) -> None:
+        """Let the workers drop what pinned episodes that ended without the environment saying done kept (an
+        environment without `release` keeps nothing to drop; a failed release loses nothing)."""
+        calls = [self._call("release", s) for s in states if isinstance(s, Pinned)]
+        if calls:
+            self.pool.call(calls, self.timeout_s)
+
+    def _call(self, method: str, state: Any, *args: Any) -> Call:
+        if isinstance(state, Pinned):  # to the worker that keeps it, unwrapped
+            return Call("environment", self.spec, self.kwargs, method, (state.state, *args), worker=state.worker)
+        return Call("environment", self.spec, self.kwargs, method, (state, *args))
 
     def _checked(self, result, kind: type[EnvStart] | type[EnvReply], method: str) -> Any:
         if result.error is not None:
-            lost = result.error.startswith(("timed out", "its worker died"))
+            lost = result.error.startswith(("timed out", "its worker died", StateLost.__name__))
             return EnvFailure(f"{self.spec}.{method}: {result.error}", infrastructure=lost)
         value: Any = result.value
         if not isinstance(value, kind):

@@ -72,9 +72,7 @@ class Episode:
     error: str | None = None  # why it failed
     final_text: str = ""  # the last assistant turn's text (what reward functions score)
     policy_version: int = 0  # of its first turn
-    retried: list[str] = field(
-        default_factory=list
-    )  # the cause of each earlier attempt's failure: reset, step, program
+    retried: list[str] = field(default_factory=list)  # each earlier attempt's failure: reset, step, program
 
     @property
     def done(self) -> bool:
@@ -195,6 +193,8 @@ def run_episodes(
                 running.discard(i)
             else:
                 turns.put([next_turn(i)])
+    # what the workers keep for episodes the environment did not end (cut, out of turns, failed) is dropped
+    env.release([e.state for e in episodes if e.finish != "done" and e.state is not None])
     return episodes
 
 

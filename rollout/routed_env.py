@@ -64,6 +64,11 @@ class RoutedEnvironment(Environment):
             raise TypeError(f"{name}.reset returned a {type(start).__name__}, not an EnvStart")
         return dataclasses.replace(start, state=Routed(name, start.state))
 
+    def release(self, state: Routed) -> None:
+        release = getattr(self.environments[state.name], "release", None)
+        if callable(release):
+            release(state.state)
+
     def step(self, state: Routed, turn: ParsedTurn) -> EnvReply:
         reply = self.environments[state.name].step(state.state, turn)
         if not isinstance(reply, EnvReply):

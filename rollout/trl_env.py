@@ -25,20 +25,24 @@ turn without a call is the answer: the episode ends, with `get_reward()` as its 
 has one (the run's reward functions score the answer too, when set). Async methods are not supported (refused).
 
 Temper's environments keep their state as a value that travels with every call (`rollout.environment`); here that
-value is the instance itself, pickled between the worker pool's processes, so a class whose instances do not pickle
-(an open socket, a subprocess) is refused at its first reset. After kill -9 an episode in flight restarts: a resumed
-run samples its steps again, with fresh instances.
+value is the instance itself, pickled between the worker pool's processes. An instance that does not pickle (an
+open socket, a subprocess, a client) is kept by the worker that built it, and every step of its episode goes to
+that worker (`EnvStart.pinned`); it is dropped when the episode ends. If that worker is replaced (a step that hung
+or killed it), or the run resumed from a checkpoint after kill -9, the instance is gone: the next step raises
+`StateLost` and the episode restarts from its row with a fresh instance (`rl.agent.retries`). A picklable instance's
+episode in flight is checkpointed with it; after kill -9 a resumed run samples the step again anyway.
 """
 
 from __future__ import annotations
 
 import inspect
 import pickle
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from rewards.registry import resolve
-from rollout.environment import Environment, EnvReply, EnvStart
+from rollout.environment import Environment, EnvReply, EnvStart, StateLost
 from rollout.tool_env import tool_calls_reply
 from rollout.tool_parsing import ParsedTurn
 from rollout.tools import tool_schema
@@ -59,6 +63,13 @@ def is_trl_environment(cls: Any) -> bool:  # cls: Any (a class of unknown shape)
 def tool_methods(cls: Any) -> list[str]:
     """The public methods TRL offers as tools."""
     return [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n not in RESERVED and not n.startswith("_")]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The state of an episode whose instance does not pickle: its key in the worker that keeps the instance."""
+
+    key: str
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class TRLEnvironment(Environment):
 
     def __init__(self, factory: str, tool_timeout_s: float = 30.0):
         self.kind, self.tool_timeout_s = _kind(factory), tool_timeout_s
+        self.kept: dict[str, Any] = {}  # the instances that do not pickle, by their episodes' keys
 
     def reset(self, row: dict) -> EnvStart:
         instance = self.kind.cls()
@@ -92,21 +104,38 @@ class TRLEnvironment(Environment):
         content = str(row.get("prompt", ""))
         if observation is not None:
             content += str(observation)
+        messages, tools = [{"role": "user", "content": content}], list(self.kind.schemas.values())
         try:
             pickle.dumps(instance)
-        except Exception as err:
-            raise TypeError(
-                f"{self.kind.cls.__name__} instances must pickle (they travel between the worker processes): {err}"
-            ) from None
-        return EnvStart([{"role": "user", "content": content}], list(self.kind.schemas.values()), state=instance)
+        except Exception:  # an open socket, a subprocess, a client: kept here, its episode pinned to this worker
+            key = secrets.token_hex(8)
+            self.kept[key] = instance
+            return EnvStart(messages, tools, state=Kept(key), pinned=True)
+        return EnvStart(messages, tools, state=instance)
 
     def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
-        functions = {name: getattr(state, name) for name in self.kind.schemas}
+        instance = self._instance(state)
+        functions = {name: getattr(instance, name) for name in self.kind.schemas}
         reply = tool_calls_reply(turn, functions, self.kind.schemas, self.tool_timeout_s, state)
         if reply is not None:
             return reply
-        reward = getattr(state, "get_reward", None)
-        return EnvReply(done=True, reward=float(reward()) if callable(reward) else 0.0, state=state)
+        reward = getattr(instance, "get_reward", None)
+        value = float(reward()) if callable(reward) else 0.0
+        self.release(state)
+        return EnvReply(done=True, reward=value, state=state)
+
+    def release(self, state: Any) -> None:
+        if isinstance(state, Kept):
+            self.kept.pop(state.key, None)
+
+    def _instance(self, state: Any) -> Any:
+        if not isinstance(state, Kept):
+            return state  # the instance itself, pickled between the workers
+        if state.key not in self.kept:
+            raise StateLost(
+                f"this worker no longer keeps the episode's {self.kind.cls.__name__} (restarted or resumed)"
+            )
+        return self.kept[state.key]
 
 
 def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:

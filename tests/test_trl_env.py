@@ -47,11 +47,50 @@ def test_a_trl_class_runs_unchanged_in_the_worker_pool():
         assert "bad call to increment" in replies[1] and "no tool named 'nope'" in replies[2]
         (end,) = env.step([state], [ParsedTurn("Done.", "Done.")])
         assert end.done and end.reward == 1.0  # get_reward() when the model answers
-        failed = EnvironmentRunner("tests.trl_envs:Unpicklable", {}, pool, timeout_s=30.0)
-        (bad,) = failed.reset([{"prompt": "Read."}])
-        assert isinstance(bad, EnvFailure) and "instances must pickle" in bad.message
     finally:
         pool.close()
+
+
+def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
+    """An instance holding an open file is kept by the worker that ran its reset, and every step of its episode goes
+    there (each read goes on from where the last one stopped). When that worker is replaced the instance is gone:
+    the episode's next step fails as the environment's failure, not the model's (`infrastructure`: it restarts);
+    the episodes on the other worker go on. The adapter drops an instance when its episode ends or is released."""
+    import tests.trl_envs
+    from rollout.environment import Pinned
+    from rollout.trl_env import TRLEnvironment
+
+    lines = [line.strip() for line in open(tests.trl_envs.__file__)]  # noqa: SIM115
+    pool = WorkerPool(2)
+    try:
+        env = EnvironmentRunner("tests.trl_envs:Unpicklable", {}, pool, timeout_s=30.0)
+        starts = env.reset([{"prompt": "Read."}] * 6)
+        states = [s.state for s in starts]
+        assert all(isinstance(s, Pinned) for s in states), starts
+        workers = [s.worker for s in states]
+        assert set(workers) == {0, 1}  # both workers keep some
+        for k in range(3):
+            replies = env.step(states, [_call("read")] * 6)
+            assert [r.messages[0]["content"].strip() for r in replies] == [lines[k]] * 6, replies
+            states = [r.state for r in replies]
+            assert [s.worker for s in states] == workers
+        victim = workers[0]
+        pool._workers[victim].kill()
+        replies = env.step(states, [_call("read")] * 6)
+        for worker, reply in zip(workers, replies, strict=True):
+            if worker == victim:
+                assert isinstance(reply, EnvFailure) and reply.infrastructure, reply
+                assert "StateLost" in reply.message or "its worker died" in reply.message
+            else:
+                assert reply.messages[0]["content"].strip() == lines[3]
+    finally:
+        pool.close()
+    local = TRLEnvironment("tests.trl_envs:Unpicklable")
+    done, cut = local.reset({"prompt": "Read."}), local.reset({"prompt": "Read."})
+    assert done.pinned and len(local.kept) == 2
+    assert local.step(done.state, ParsedTurn("Done.", "Done.")).done and len(local.kept) == 1
+    local.release(cut.state)
+    assert local.kept == {}
 
 
 @pytest.mark.integration

@@ -50,12 +50,12 @@ class Unpicklable:
         return None
 
     def read(self) -> str:
-        """Read.
+        """Read the next line.
 
         Returns:
-            The text.
+            The line.
         """
-        return self.handle.read()
+        return self.handle.readline()
 
 
 class Walker:
