@@ -55,7 +55,10 @@ def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
     """An instance holding an open file is kept by the worker that ran its reset, and every step of its episode goes
     there (each read goes on from where the last one stopped). When that worker is replaced the instance is gone:
     the episode's next step fails as the environment's failure, not the model's (`infrastructure`: it restarts);
-    the episodes on the other worker go on. The adapter drops an instance when its episode ends or is released."""
+    the episodes on the other worker go on. A resumed run's new workers keep nothing: the stored episodes' next steps
+    fail the same way (they restart). The adapter drops an instance when its episode ends or is released."""
+    import pickle
+
     import tests.trl_envs
     from rollout.environment import Pinned
     from rollout.trl_env import TRLEnvironment
@@ -83,8 +86,16 @@ def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
                 assert "StateLost" in reply.message or "its worker died" in reply.message
             else:
                 assert reply.messages[0]["content"].strip() == lines[3]
+        stored = pickle.dumps(states)  # as a checkpoint stores the episodes in flight
     finally:
         pool.close()
+    resumed = WorkerPool(2)  # the run after kill -9: new workers, which keep nothing
+    try:
+        env = EnvironmentRunner("tests.trl_envs:Unpicklable", {}, resumed, timeout_s=30.0)
+        replies = env.step(pickle.loads(stored), [_call("read")] * 6)
+        assert all(isinstance(r, EnvFailure) and r.infrastructure and "StateLost" in r.message for r in replies)
+    finally:
+        resumed.close()
     local = TRLEnvironment("tests.trl_envs:Unpicklable")
     done, cut = local.reset({"prompt": "Read."}), local.reset({"prompt": "Read."})
     assert done.pinned and len(local.kept) == 2
