@@ -187,6 +187,10 @@ class AgentConfig(Section):
     # An agent written against an OpenAI client in place of an environment (rollout/agent_program.py): a coroutine
     # `async def run(row, client)` named as reward functions are; each episode under `program_timeout_s`.
     program: str | None = None
+    # Or a command run per episode (rollout/agent_program.py CommandRunner): the row as JSON on stdin,
+    # OPENAI_BASE_URL set to the episode's base URL, its reward the last line it prints (JSON). Split as a shell
+    # would split it, never run by one. Under program_timeout_s too.
+    command: str | None = None
     program_timeout_s: float = Field(300.0, gt=0.0)
 
     @model_validator(mode="before")
@@ -194,13 +198,22 @@ class AgentConfig(Section):
     def _one_driver(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if data.get("program") is None:
+        drivers = [k for k in ("program", "command") if data.get(k) is not None]
+        if not drivers:
             return {**data, "environment": data.get("environment") or "tools"}
+        if len(drivers) > 1:
+            raise ValueError("rl.agent.program and rl.agent.command are two ways to run the agent: set one")
         if data.get("environment") is not None or data.get("environment_kwargs"):
             raise ValueError(
-                "rl.agent.program drives the episodes itself: leave rl.agent.environment and environment_kwargs unset"
+                f"rl.agent.{drivers[0]} drives the episodes itself: leave rl.agent.environment and environment_kwargs "
+                "unset"
             )
         return data
+
+    @property
+    def runs_agents(self) -> bool:
+        """Whether the episodes are an agent's (a program or a command) against the endpoint, not an environment's."""
+        return self.program is not None or self.command is not None
 
 
 # The objectives that read none of clip's settings (epsilon, epsilon_high, dual_clip), and what they read instead.

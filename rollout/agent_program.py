@@ -1,4 +1,5 @@
-"""Agent programs written against an OpenAI client, run in the reward worker pool (`rl.agent.program`).
+"""Agent programs written against an OpenAI client, run in the reward worker pool (`rl.agent.program`), and agents run
+as commands (`rl.agent.command`, `CommandRunner`).
 
     async def run(row: dict, client: openai.AsyncOpenAI) -> float | dict | None:
         reply = await client.chat.completions.create(model="temper", messages=[...], tools=[...])
@@ -18,8 +19,14 @@ not be reached, or answered 5xx: an engine failed), is marked for another attemp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
 import math
+import os
+import shlex
+import shutil
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,3 +102,60 @@ class ProgramRunner:
             await client.close()
         value, why = episode_value(out)
         return (value, None, False) if why is None else (None, why, False)
+
+
+def command_argv(command: str) -> list[str]:
+    """A command's argv (split as a shell would, never run by one); refused, at start, when its program is not
+    found."""
+    argv = shlex.split(command)
+    if not argv:
+        raise ValueError("the command is empty")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"{argv[0]!r} is not an executable on PATH or a path to one")
+    return argv
+
+
+class CommandRunner:
+    """Agents run as commands (`rl.agent.command`), one process per episode, concurrently, in its own process group:
+    the row as JSON on stdin; `OPENAI_BASE_URL` (the episode's base URL: the `openai` clients read it),
+    `OPENAI_API_KEY` and `TEMPER_EPISODE_URL` set; its reward the last line it prints, as JSON (a number, an object
+    of numbers, or null: the reward functions'). A non-zero exit fails the episode with the end of its stderr; one
+    past `timeout_s` is killed with its group (a failure outside the model, retried)."""
+
+    def __init__(self, command: str, timeout_s: float):
+        self.argv, self.timeout_s = command_argv(command), timeout_s
+
+    def run(self, rows: Sequence[dict], urls: Sequence[str]) -> list[Outcome]:
+        return asyncio.run(self._all(rows, urls))
+
+    async def _all(self, rows: Sequence[dict], urls: Sequence[str]) -> list[Outcome]:
+        return list(await asyncio.gather(*(self._one(r, u) for r, u in zip(rows, urls, strict=True))))
+
+    async def _one(self, row: dict, url: str) -> Outcome:
+        env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "temper", "TEMPER_EPISODE_URL": url}
+        pipe = asyncio.subprocess.PIPE
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env, start_new_session=True
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(json.dumps(row).encode()), self.timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the command and whatever it started
+            await proc.wait()
+            return None, f"the command did not finish in {self.timeout_s:g} s", True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what it left running in its group
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip()[-500:]
+            return None, f"the command exited with status {proc.returncode}: {tail}", False
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return None, "the command printed nothing (its last line is the reward: a number, an object or null)", False
+        try:
+            value = json.loads(lines[-1])
+        except ValueError:
+            return None, f"the command's last line is not JSON: {lines[-1][:200]!r}", False
+        value, why = episode_value(value)
+        return (value, None, False) if why is None else (None, why.replace("the program", "the command"), False)

@@ -137,6 +137,8 @@ def test_a_program_that_rewrites_its_history_fails_its_episode(tmp_path, monkeyp
         ("{program: 'tests.agent_programs:not_async'}", "is not a coroutine function"),
         ("{program: 'tests.agent_programs:nowhere'}", "rl.agent.program='tests.agent_programs:nowhere'"),
         ("{program: 'tests.agent_programs:chatter', environment: tools}", "leave rl.agent.environment"),
+        ("{command: 'no-such-agent --x'}", "rl.agent.command='no-such-agent --x': 'no-such-agent' is not an"),
+        ("{program: 'tests.agent_programs:chatter', command: 'python a.py'}", "two ways to run the agent: set one"),
     ],
 )
 def test_a_program_that_cannot_run_is_refused_at_start(tmp_path, agent, message):
@@ -187,36 +189,44 @@ def test_what_counts_as_a_failure_outside_the_model():
     assert not lost(status(400)) and not lost(ValueError("the agent's bug"))
 
 
-@pytest.mark.parametrize("retries", [1, 0])
-def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path, retries):
-    """`ProgramRollouts.run` on the JAX sampler's slots: of a row's four episodes the first to start hangs (past
-    `program_timeout_s`). With a retry it runs again from its row on a fresh URL and ends like the others, its
-    attempt counted (`agent/retries/program`); without, it fails, named."""
+def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str):
+    """`ProgramRollouts.run` of `rows` (`n` episodes each) on the JAX sampler's slots, with a worker pool of one."""
     from types import SimpleNamespace
 
     from core.chat_template import turn_stop_ids
     from core.data import load_tokenizer
     from core.hf.directory import load_hf
-    from posttrain.onpolicy.agent import episode_metrics
     from posttrain.onpolicy.program import ProgramRollouts
     from rewards.pool import WorkerPool
     from rollout.jax_engine import SlotTurns
     from rollout.jax_sampler import JaxSampler
     from rollout.sampler import SamplingParams
 
-    cfg = _cfg(tmp_path, "hangs_once", f"rl.agent.retries={retries}", "rl.agent.program_timeout_s=3")
+    cfg = _cfg(tmp_path, program, *overrides)
     tok = load_tokenizer(cfg.data.tokenizer_dir)
     sampler = JaxSampler(load_hf(cfg.checkpoint.init_from)[0], cfg.data.tokenizer_dir, max_model_len=256, seed=0)
-    samplers = SimpleNamespace(turns=lambda n: SlotTurns(sampler, slots=4))
+    samplers = SimpleNamespace(turns=lambda k: SlotTurns(sampler, slots=4))
     pool = WorkerPool(1)
     try:
         rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False)
-        params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
-        rows = [{"question": "What is 1 + 1?", "marker": str(tmp_path / "marker")}]
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
         episodes = rollouts.run(rows, params, samplers).episodes  # type: ignore[arg-type]
     finally:
         pool.close()
-    assert episodes is not None and len(episodes) == 4
+    assert episodes is not None and len(episodes) == n * len(rows)
+    return episodes
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path, retries):
+    """Of a row's four episodes the first to start hangs (past `program_timeout_s`). With a retry it runs again
+    from its row on a fresh URL and ends like the others, its attempt counted (`agent/retries/program`); without,
+    it fails, named."""
+    from posttrain.onpolicy.agent import episode_metrics
+
+    rows = [{"question": "What is 1 + 1?", "marker": str(tmp_path / "marker")}]
+    overrides = (f"rl.agent.retries={retries}", "rl.agent.program_timeout_s=3")
+    episodes = _program_episodes(tmp_path, "hangs_once", rows, 4, *overrides)
     hung = [e for e in episodes if e.retried or e.finish == "failed"]
     assert len(hung) == 1, [(e.finish, e.error, e.retried) for e in episodes]
     if retries:
@@ -225,3 +235,43 @@ def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path
     else:
         assert hung[0].retried == [] and "did not finish in 3 s" in hung[0].error
     assert all(e.finish == "done" and e.rewards == [1.0] for e in episodes if e is not hung[0])
+
+
+def test_an_agent_run_as_a_command_calls_the_endpoint_its_environment_names(tmp_path):
+    """`rl.agent.command`: `tests/agent_command.py`, a process per episode with the `openai` client reading
+    `OPENAI_BASE_URL` itself, the row on stdin; its call is the episode's trajectory and the JSON object it prints
+    last its reward (summed)."""
+    import sys
+
+    command = f"rl.agent={{command: '{sys.executable} tests/agent_command.py', program_timeout_s: 60}}"
+    episodes = _program_episodes(tmp_path, "chatter", [{"question": "What is 1 + 1?"}], 3, command)
+    for e in episodes:
+        assert e.finish == "done" and e.error is None, e.error
+        assert e.turns == 1 and any(e.sampled) and e.prompt_ids
+        assert len(e.rewards) == 1 and 1.0 <= e.rewards[0] <= 3.0  # called + length % 3
+
+
+def test_every_way_a_command_fails_fails_its_episode_with_the_reason(tmp_path):
+    """`CommandRunner` in this process (nothing listens at the URL: the failures come before any call, or from it)."""
+    import sys
+
+    from rollout.agent_program import CommandRunner
+
+    script = tmp_path / "agent.py"
+    cases = {
+        "import sys; sys.exit('broken')": ("exited with status 1: broken", False),
+        "print('no json here')": ("last line is not JSON: 'no json here'", False),
+        "pass": ("printed nothing", False),
+        "print('\"yes\"')": ("the command returned str", False),
+        "import time; time.sleep(60)": ("did not finish in 1 s", True),
+    }
+    for code, (why, lost) in cases.items():
+        script.write_text(code)
+        ((value, error, was_lost),) = CommandRunner(f"{sys.executable} {script}", 1.0).run([{"prompt": "q"}], ["x"])
+        assert value is None and why in error and was_lost == lost, (code, error)
+    script.write_text("import json, sys; row = json.load(sys.stdin); print(json.dumps(len(row['prompt'])))")
+    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "four"}], ["x"]) == [(4.0, None, False)]
+    script.write_text("print('null')")
+    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "q"}], ["x"]) == [(None, None, False)]
+    with pytest.raises(ValueError, match="not an executable"):
+        CommandRunner("no-such-agent --flag", 1.0)

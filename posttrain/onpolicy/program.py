@@ -37,28 +37,31 @@ from posttrain.onpolicy.prompts import prompt_text
 from posttrain.onpolicy.rollouts import Rolled, Samplers
 from rewards.pool import Call, WorkerPool, shards_of
 from rewards.runner import RewardBatch
-from rollout.agent_program import check_program
+from rollout.agent_program import check_program, command_argv
 from rollout.endpoint import Endpoint
 from rollout.episodes import Episode
 from rollout.recording import Segment
 from rollout.sampler import SamplingParams
 from rollout.tool_parsing import ToolParsers
 
-RUNNER = "rollout.agent_program:ProgramRunner"
+RUNNERS = {"program": "rollout.agent_program:ProgramRunner", "command": "rollout.agent_program:CommandRunner"}
 
 
 class ProgramRollouts:
     def __init__(self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool, has_functions: bool):
         agent = cfg.rl.agent
-        assert agent is not None and agent.program is not None
+        assert agent is not None and agent.runs_agents
         self.cfg, self.agent, self.pool, self.has_functions = cfg, agent, pool, has_functions
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
         self.started = 0  # episodes so far: each one's id on the endpoint
+        self.kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
+        assert spec is not None
+        self.runner = (RUNNERS[self.kind], {self.kind: spec, "timeout_s": agent.program_timeout_s})
         try:
-            check_program(agent.program)
+            check_program(spec) if self.kind == "program" else command_argv(spec)
         except Exception as err:
-            raise ConfigError(f"rl.agent.program={agent.program!r}: {err}") from None
+            raise ConfigError(f"rl.agent.{self.kind}={spec!r}: {err}") from None
         check_tool_parser(self.parsers)
 
     def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
@@ -101,13 +104,12 @@ class ProgramRollouts:
         # another attempt, another random stream (as for an environment's episodes)
         keys = [self.started + i + len(starts) * len(retried[i]) for i in which]
         urls = [endpoint.open(e, seed_key=k) for e, k in zip(ids, keys, strict=True)]
-        timeout = self.agent.program_timeout_s
         shards = shards_of(len(which), self.pool.num_procs)
-        kwargs = {"program": self.agent.program, "timeout_s": timeout}
+        runner, kwargs = self.runner
         rows = [starts[i] for i in which]
-        calls = [Call("agent", RUNNER, kwargs, "run", (rows[lo:hi], urls[lo:hi])) for lo, hi in shards]
+        calls = [Call("agent", runner, kwargs, "run", (rows[lo:hi], urls[lo:hi])) for lo, hi in shards]
         # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
-        results = self.pool.call(calls, timeout + 30.0)
+        results = self.pool.call(calls, self.agent.program_timeout_s + 30.0)
         outcomes: list[tuple[object, str | None, bool]] = []
         for (lo, hi), result in zip(shards, results, strict=True):
             lost_worker = [(None, f"its worker: {result.error}", True)] * (hi - lo)
