@@ -4,6 +4,7 @@ and Temper's trajectories per second with `rl.agent.max_concurrency` 1 vs 16.
 
     python bench/agent_step.py                       # after `make demo-tools` (its fine-tuned model)
     python bench/agent_step.py --steps 3 --prompts 4 --generations 8
+    python bench/agent_step.py --compare endpoint    # built-in environment vs endpoint vs TRL environment_factory
 
 The model is `make demo-tools`' fine-tuned one (runs/quickstart_tools/sft/hf): it calls the calculator, reads its
 result and answers, so episodes take real turns; a random model would stop after one. The prompts are the demo's
@@ -41,20 +42,23 @@ from bench.grpo_step import trl_python  # noqa: E402
 
 DEMO = ROOT / "runs" / "quickstart_tools"
 REWARDS = ROOT / "bench" / "bench_rewards.py"
+AGENT = "recipes.calculator_agent:run"
 
 
 def temper_step(
     args, work: Path, concurrency: int | None, prompts: int, steps: int, sampler: str = "vllm", cache: str = "",
-    tag: str = "",
+    tag: str = "", agent: str = "environment",
 ) -> dict:  # fmt: skip
-    """`steps` timed steps after a warm-up one; `cache`: a compilation cache directory (empty: the user's default)."""
+    """`steps` timed steps after a warm-up one; `cache`: a compilation cache directory (empty: the user's default).
+    `agent`: the built-in `tools` environment's episodes, or `program`: the same calculator agent written against
+    the `openai` client (recipes/calculator_agent.py, at most 3 calls) through the run's endpoint."""
     from core.config_loader import load_config
     from core.metrics import read_metrics
     from posttrain.config import PostTrainConfig
     from posttrain.fit import fit
     from posttrain.grpo import GRPO
 
-    run_dir = work / f"temper_{sampler}_{concurrency}_{prompts}{tag}"
+    run_dir = work / f"temper_{sampler}_{agent}_{concurrency}_{prompts}{tag}"
     cfg = load_config(
         ROOT / "recipes" / "configs" / "quickstart" / "tools_grpo.yml",
         [
@@ -77,6 +81,7 @@ def temper_step(
             f"reward.functions=[{{fn: '{REWARDS}:{args.reward}'}}]",
             "rl.accuracy_fn=null",
             *([f"compile.cache_dir={cache}"] if cache else []),
+            *([f"rl.agent={{program: '{AGENT}', tool_parser: hermes}}"] if agent == "program" else []),
         ],
         schema=PostTrainConfig,
     )
@@ -115,7 +120,8 @@ def temper_step(
     }
 
 
-def trl_step(args, work: Path) -> dict:
+def trl_step(args, work: Path, environment: bool = False) -> dict:
+    """TRL's step with the calculator as `tools=`, or as an `environment_factory` class."""
     out = work / "trl.json"
     cmd = [
         str(trl_python()),
@@ -124,6 +130,7 @@ def trl_step(args, work: Path) -> dict:
         *("--prompts-per-step", str(args.prompts), "--generations", str(args.generations)),
         *("--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens), "--out", str(out)),
         *("--reward", args.reward),
+        *(["--environment"] if environment else []),
     ]
     # TRL runs in its default environment (no huge-page malloc: bench/grpo_step.py measured torch slower with it).
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -155,11 +162,52 @@ def check_model(args) -> None:
         raise SystemExit(f"no model at {args.model}: run `make demo-tools` first (its fine-tuned model calls the tool)")
 
 
+def endpoint_comparison(args, work: Path) -> dict:
+    """The endpoint path (`--compare endpoint`): Temper's built-in environment and the same agent written against
+    the `openai` client through the endpoint, both on vLLM, beside TRL's `environment_factory`, in one run."""
+    sides = {
+        "environment": temper_step(args, work, None, args.prompts, args.steps),
+        "endpoint": temper_step(args, work, None, args.prompts, args.steps, agent="program"),
+    }
+    trl = trl_step(args, work, environment=True)
+    for name, o in sides.items():
+        print(
+            f"Temper, vLLM, {name}: {o['step_s']:.2f} s a step (median {o['median_step_s']:.2f}; generate "
+            f"{o['generate_s']:.2f}, train {o['train_s']:.2f}) | {o['trajectories_per_s']:.1f} trajectories/s | "
+            f"{o['turns']:.2f} turns, {o['tool_calls']:.2f} calls, reward {o['reward_mean']:.2f} | "
+            f"{o['timed_compilations']:.0f} compilations in the timed steps | "
+            f"ratio to TRL {o['step_s'] / trl['step_s']:.2f}",
+            flush=True,
+        )
+    episodes = args.prompts * args.generations
+    print(
+        f"TRL environment_factory: {trl['step_s']:.2f} s a step (median {trl['median_step_s']:.2f}) | "
+        f"{episodes / trl['step_s']:.1f} trajectories/s of the whole step | {trl['tool_calls']:.2f} calls, "
+        f"reward {trl['reward_mean']:.2f}",
+        flush=True,
+    )
+    return {**sides, "trl_environment_factory": trl}
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_step.json"))
+    p.add_argument(
+        "--compare",
+        choices=["samplers", "endpoint"],
+        default="samplers",
+        help="samplers: TRL tools= vs Temper's samplers, and concurrency; endpoint: Temper's built-in environment "
+        "vs its endpoint (the agent written against the openai client) vs TRL environment_factory",
+    )
     args = p.parse_args()
     check_model(args)
+    if args.compare == "endpoint":
+        with tempfile.TemporaryDirectory() as tmp:
+            results = endpoint_comparison(args, Path(tmp))
+        out = Path(args.out).with_name("agent_step_endpoint.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        return
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,9 @@ may call Temper's `calculator` (rollout/calculator.py, the same function, its JS
 `bench_rewards.<--reward>` on the last turn (default `answer_closeness`); one optimizer update (beta = 0), float32
 on CPU, generation with transformers `generate` (TRL's default). Temper's tokenizer writes calls as Qwen2.5 does
 (`<tool_call>{...}</tool_call>`), so TRL reads them with its Qwen response template. Times every step with a
-callback; the reward, its per-group spread, and TRL's tool-call counts are written with the times.
+callback; the reward, its per-group spread, and TRL's tool-call counts are written with the times. With
+`--environment` the calculator is a class in TRL's `environment_factory` shape (an instance per rollout, its public
+method the tool) instead of `tools=`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48, help="a turn's; the completion's budget is max_turns x this")
     p.add_argument("--reward", default="answer_closeness", help="a function of bench/bench_rewards.py")
+    p.add_argument(
+        "--environment",
+        action="store_true",
+        help="the calculator as an environment_factory class (one instance per rollout) instead of tools=",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -48,6 +55,18 @@ def main() -> None:
     from peer_common import grpo_arguments, step_timer
 
     from rollout.calculator import calculator  # plain Python: no Temper dependency is imported
+
+    class CalculatorEnvironment:
+        """The calculator in TRL's environment_factory shape (TRL makes one per rollout)."""
+
+        def reset(self, **kwargs) -> str | None:
+            return None
+
+        def calculator(self, expression: str) -> str:
+            return calculator(expression)
+
+    # the function's own docstring: the same schema as tools= renders, and as the fine-tuning traces carried
+    CalculatorEnvironment.calculator.__doc__ = calculator.__doc__
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
     dataset = Dataset.from_list(
@@ -71,7 +90,7 @@ def main() -> None:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        tools=[calculator],
+        **({"environment_factory": CalculatorEnvironment} if args.environment else {"tools": [calculator]}),
         callbacks=[step_timer(times)],
     )
     trainer.train()
