@@ -68,6 +68,7 @@ demo-tools: $(STAMP)
 
 demo-agent: $(STAMP)
 	$(PY) -m recipes.quickstart --method agent
+	$(PY) -m recipes.quickstart --method coding
 
 demo-dpo-offline: $(STAMP)
 	$(PY) -m recipes.dpo

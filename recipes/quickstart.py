@@ -5,6 +5,7 @@
     python -m recipes.quickstart --method distill [--run-dir runs/quickstart_distill]       # `make demo-distill`
     python -m recipes.quickstart --method tools [--run-dir runs/quickstart_tools]           # `make demo-tools`
     python -m recipes.quickstart --method agent [--run-dir runs/quickstart_agent]           # `make demo-agent`
+    python -m recipes.quickstart --method coding [--run-dir runs/quickstart_coding]         # `make demo-agent`, then
 
 1. generate 2-term +/- problems offline with reasoning-gym (exact answers);
 2. build a byte-level BPE tokenizer on them;
@@ -75,11 +76,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="default: runs/quickstart (GRPO), else runs/quickstart_METHOD")
     p.add_argument(
         "--method",
-        choices=("grpo", "dpo", "ppo", "distill", "tools", "agent"),
+        choices=("grpo", "dpo", "ppo", "distill", "tools", "agent", "coding"),
         default="grpo",
         help="stage 5: GRPO, online DPO or PPO (with a critic); distill: the GRPO model distilled into a smaller "
         "student (recipes/quickstart_distill.py); tools: a calculator learned with SFT and GRPO on harder problems "
-        "(recipes/quickstart_tools.py); agent: the same with an agent written against the openai client",
+        "(recipes/quickstart_tools.py); agent: the same with an agent written against the openai client; coding: "
+        "one-line bugs fixed in the sandboxed coding environment (recipes/quickstart_coding.py)",
     )
     p.add_argument("--teacher-run", default="runs/quickstart", help="--method distill: the GRPO quickstart to distil")
     p.add_argument(
@@ -101,7 +103,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.sign_slip <= 1.0:
         p.error(f"--sign-slip must be a probability in [0, 1], got {args.sign_slip}")
-    if args.method in ("tools", "agent"):  # their own pipeline (no pretraining, a sloppy agent, its evaluation)
+    if args.method in ("tools", "agent", "coding"):  # their own pipeline (no pretraining, a sloppy agent, its figures)
         unused = [f"--{k.replace('_', '-')}" for k in ("pretrain_steps", "eval_prompts") if getattr(args, k)]
         unused += ["--sign-slip"] if args.sign_slip != SIGN_SLIP else []
         if unused:
@@ -138,6 +140,10 @@ def main(argv: list[str]) -> int:
         from recipes import quickstart_distill
 
         return quickstart_distill.main(out, Path(args.teacher_run), args.seed)
+    if args.method == "coding":
+        from recipes import quickstart_coding
+
+        return quickstart_coding.main(out, args.seed, args.grpo_steps, args.sft_steps)
     if args.method in ("tools", "agent"):
         from recipes import quickstart_tools
 

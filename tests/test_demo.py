@@ -121,3 +121,45 @@ def test_the_tools_quickstarts_sloppy_agent_calls_the_calculator_or_misses_by_a_
         else:
             assert len(trace) == 2 and len(answer) == len(row["answer"])
             assert sum(a != b for a, b in zip(answer, row["answer"])) == 1
+
+
+def test_the_coding_quickstarts_sloppy_coder_writes_the_fix_or_the_file_unchanged():
+    """`make demo-agent`'s coding stage: the sloppy coder's conversations start from the message the coding
+    environment starts its episodes with (so the fine-tuned model sees in GRPO what it was tuned on), call the
+    environment's own tools, and write the fix (which the verifier passes) about 30% of the time, else the file as
+    it was (which it fails). `--method agent` and `--method coding` have their own run directories."""
+    import random
+
+    from recipes.quickstart import parse
+    from recipes.quickstart_coding import RIGHT_SHARE, fixed_source, sloppy_fix
+    from rollout.coding_env import SCHEMAS, SOLUTION, CodingEnvironment, coding_tasks
+
+    assert parse(["--method", "agent"]).run_dir == "runs/quickstart_agent"
+    assert parse(["--method", "coding"]).run_dir == "runs/quickstart_coding"
+    env = CodingEnvironment()
+    rows = coding_tasks(300, seed=1)
+    rng = random.Random(0)
+    fixed = 0
+    for row in rows:
+        chat = sloppy_fix(row, rng)
+        assert chat[0] == env.reset(row).messages[0]
+        calls = [m["tool_calls"][0]["function"] for m in chat if m.get("tool_calls")]
+        assert [c["name"] for c in calls] == ["read_file", "write_file"] and set(SCHEMAS) >= {"read_file", "write_file"}
+        written = calls[1]["arguments"]["content"]
+        assert written in (fixed_source(row), row["files"][SOLUTION])
+        fixed += written == fixed_source(row)
+    assert abs(fixed / len(rows) - RIGHT_SHARE) < 0.08
+    for row in rows[:6]:  # one task of each kind: the fix passes the hidden tests, the file as given does not
+        assert env.verify({**row["files"], SOLUTION: fixed_source(row)}, row["hidden"]) == 1.0, row["task"]
+        assert env.verify(row["files"], row["hidden"]) == 0.0, row["task"]
+
+
+def test_the_agent_quickstarts_calculator_agent_offers_the_tools_demos_schema():
+    """The agent written against the client offers the schema the built-in `tools` environment renders (the
+    fine-tuning traces' own), so both paths give the model the same prompt tokens."""
+    from recipes.calculator_agent import TOOLS
+    from rollout.calculator import calculator
+    from rollout.tool_env import ToolEnvironment
+
+    assert TOOLS == ToolEnvironment(tools=["calculator"]).reset({"prompt": "1 + 1"}).tools
+    assert TOOLS[0]["function"]["name"] == calculator.__name__
