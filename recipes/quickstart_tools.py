@@ -23,7 +23,7 @@ behind an OpenAI-compatible endpoint, the agent calls it and runs the calculator
 its calls sampled (token in / token out).
 
 Held-out greedy accuracy (math_verify, the same 200 problems) after SFT and after each GRPO arm is printed, saved
-to `quickstart_tools.json` and plotted (`quickstart_tools.png`: the arms' held-out accuracy over the steps). A
+to `quickstart_<method>.json` and plotted (`quickstart_<method>.png`: the arms' held-out accuracy over the steps). A
 finished stage is not redone; a finished quickstart prints its result again.
 """
 
@@ -38,7 +38,6 @@ from recipes import quickstart
 from recipes.quickstart import _check, write_jsonl
 
 CONFIGS = Path(__file__).parent / "configs" / "quickstart"
-SUMMARY = "quickstart_tools.json"
 TASK = {**quickstart.TASK, "min_digits": 3, "max_digits": 4}  # the quickstart's problems, with wider numbers
 # How often the sloppy agent answers in its head instead of calling the calculator: it trusts its head with sums
 # and reaches for the tool on differences. So the fine-tuned model's most likely first move on a sum is a guess
@@ -126,7 +125,7 @@ def main(
     from rollout.tools import tool_schema
 
     settings = {"method": method, "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
-    done = out / SUMMARY
+    done = out / f"quickstart_{method}.json"
     if done.exists():
         summary = json.loads(done.read_text())
         if summary["settings"] != settings:

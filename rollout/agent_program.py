@@ -13,7 +13,7 @@ episode's reward. `ProgramRunner` runs a shard of a step's episodes in one worke
 waits for the model), each under its own timeout; the pool's deadline bounds the whole shard (an agent that blocks
 the worker's event loop is killed with its worker). An episode whose program raises, times out or returns
 something else fails, with the reason; one that timed out, or whose calls failed on the endpoint's side (it could
-not be reached, or answered 5xx: an engine failed), is marked for another attempt (`lost`).
+not be reached, or answered 5xx: an engine failed), is marked with that cause for another attempt.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def lost(err: BaseException) -> bool:
     return isinstance(err, openai.APIStatusError) and err.status_code >= 500
 
 
-# An episode's outcome: its value (None: the reward functions'), why it failed (None: it did not), and whether the
-# failure came from outside the model (a timeout, the endpoint or engine failing; retried).
-Outcome = tuple[Any, str | None, bool]
+# An episode's outcome: its value (None: the reward functions'), why it failed (None: it did not), and, when the
+# failure came from outside the model, its cause (retried): "timeout", "engine" (the endpoint unreachable or 5xx).
+Outcome = tuple[Any, str | None, str | None]
 
 
 class ProgramRunner:
@@ -95,13 +95,13 @@ class ProgramRunner:
         try:
             out = await asyncio.wait_for(self.program(dict(row), client), self.timeout_s)
         except TimeoutError:
-            return None, f"the program did not finish in {self.timeout_s:g} s", True
+            return None, f"the program did not finish in {self.timeout_s:g} s", "timeout"
         except Exception as err:
-            return None, f"the program raised {type(err).__name__}: {err}", lost(err)
+            return None, f"the program raised {type(err).__name__}: {err}", "engine" if lost(err) else None
         finally:
             await client.close()
         value, why = episode_value(out)
-        return (value, None, False) if why is None else (None, why, False)
+        return (value, None, None) if why is None else (None, why, None)
 
 
 def command_argv(command: str) -> list[str]:
@@ -120,7 +120,8 @@ class CommandRunner:
     the row as JSON on stdin; `OPENAI_BASE_URL` (the episode's base URL: the `openai` clients read it),
     `OPENAI_API_KEY` and `TEMPER_EPISODE_URL` set; its reward the last line it prints, as JSON (a number, an object
     of numbers, or null: the reward functions'). A non-zero exit fails the episode with the end of its stderr; one
-    past `timeout_s` is killed with its group (a failure outside the model, retried)."""
+    past `timeout_s` is killed with its group (a failure outside the model, retried). A command dies with the worker
+    that started it."""
 
     def __init__(self, command: str, timeout_s: float):
         self.argv, self.timeout_s = command_argv(command), timeout_s
@@ -134,28 +135,44 @@ class CommandRunner:
     async def _one(self, row: dict, url: str) -> Outcome:
         env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "temper", "TEMPER_EPISODE_URL": url}
         pipe = asyncio.subprocess.PIPE
-        proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env, start_new_session=True
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env, preexec_fn=_own_group_dying_with_parent
+            )
+        except OSError as failure:  # removed since the start, not executable: the command's failure, not retried
+            return None, f"the command could not start: {type(failure).__name__}: {failure}", None
         try:
             out, err = await asyncio.wait_for(proc.communicate(json.dumps(row).encode()), self.timeout_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the command and whatever it started
+            _kill_group(proc.pid)  # the command and whatever it started
             await proc.wait()
-            return None, f"the command did not finish in {self.timeout_s:g} s", True
+            return None, f"the command did not finish in {self.timeout_s:g} s", "timeout"
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # what it left running in its group
+            _kill_group(proc.pid)  # what it left running in its group
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip()[-500:]
-            return None, f"the command exited with status {proc.returncode}: {tail}", False
+            return None, f"the command exited with status {proc.returncode}: {tail}", None
         lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
         if not lines:
-            return None, "the command printed nothing (its last line is the reward: a number, an object or null)", False
+            return None, "the command printed nothing (its last line is the reward: a number, an object or null)", None
         try:
             value = json.loads(lines[-1])
         except ValueError:
-            return None, f"the command's last line is not JSON: {lines[-1][:200]!r}", False
+            return None, f"the command's last line is not JSON: {lines[-1][:200]!r}", None
         value, why = episode_value(value)
-        return (value, None, False) if why is None else (None, why.replace("the program", "the command"), False)
+        return (value, None, None) if why is None else (None, why.replace("the program", "the command"), None)
+
+
+def _own_group_dying_with_parent() -> None:
+    """In the command's process before it starts: a process group of its own (killed whole on a timeout), and
+    SIGKILL when the worker that started it dies (a worker killed at its deadline, or the run killed, leaves no agent
+    running; what the command itself started is its group's, killed with it on a timeout)."""
+    import ctypes
+
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

@@ -114,6 +114,7 @@ class Endpoint:
         self.recorders: dict[str, Recorder] = {}
         self.calls: dict[str, int] = {}  # per episode: its calls so far (each turn's seed)
         self.seed_keys: dict[str, int] = {}  # per episode: its turns' seeds' key
+        self.errors: dict[str, int] = {}  # per episode: its calls the endpoint failed on its side (5xx)
         self.overridden = 0  # calls whose temperature / top_p the run's replaced
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -146,14 +147,20 @@ class Endpoint:
         its draws do not depend on the id, which is random)."""
         self.recorders[episode] = Recorder(self.tokenizer)
         self.calls[episode] = 0
+        self.errors[episode] = 0
         self.seed_keys[episode] = zlib.crc32(episode.encode()) if seed_key is None else seed_key
         return f"{self.root}/episodes/{episode}/v1"
+
+    def served_errors(self, episode: str) -> int:
+        """The calls of `episode` the endpoint failed on its side (5xx: the sampler failed the turn)."""
+        return self.errors.get(episode, 0)
 
     def finish(self, episode: str) -> list[Segment]:
         """Stop recording `episode`: its segments (`Segment.completion()`: a trajectory), in the order they started;
         later calls to its URL are 404s."""
         self.calls.pop(episode, None)
         self.seed_keys.pop(episode, None)
+        self.errors.pop(episode, None)
         return self.recorders.pop(episode).close()
 
     def close(self) -> None:
@@ -179,6 +186,11 @@ class Endpoint:
                 return error(err)
             except (ValueError, ChatTemplateError) as err:  # a malformed body, messages the template cannot render
                 return error(Refused(f"{type(err).__name__}: {err}"))
+            except Exception as err:  # the sampler failed the turn (an engine that raised or restarted): ours, 5xx
+                if episode in self.errors:
+                    self.errors[episode] += 1
+                body = {"error": {"message": f"{type(err).__name__}: {err}", "type": "server_error", "code": 500}}
+                return JSONResponse(body, status_code=500)
 
         @app.get("/v1/models")
         @app.get("/episodes/{episode}/v1/models")

@@ -91,6 +91,7 @@ class EnvFailure:
 
     message: str
     infrastructure: bool = False
+    state_lost: bool = False  # of which: the worker that kept the episode's state no longer has it (`StateLost`)
 
 
 class EnvironmentRunner:
@@ -145,8 +146,9 @@ class EnvironmentRunner:
 
     def _checked(self, result, kind: type[EnvStart] | type[EnvReply], method: str) -> Any:
         if result.error is not None:
-            lost = result.error.startswith(("timed out", "its worker died", StateLost.__name__))
-            return EnvFailure(f"{self.spec}.{method}: {result.error}", infrastructure=lost)
+            gone = result.error.startswith(f"{StateLost.__name__}: ")
+            lost = gone or result.error.startswith(("timed out", "its worker died"))
+            return EnvFailure(f"{self.spec}.{method}: {result.error}", infrastructure=lost, state_lost=gone)
         value: Any = result.value
         if not isinstance(value, kind):
             return EnvFailure(f"{self.spec}.{method} returned a {type(value).__name__}, not a {kind.__name__}")

@@ -72,7 +72,7 @@ class Episode:
     error: str | None = None  # why it failed
     final_text: str = ""  # the last assistant turn's text (what reward functions score)
     policy_version: int = 0  # of its first turn
-    retried: list[str] = field(default_factory=list)  # each earlier attempt's failure: reset, step, program
+    retried: list[str] = field(default_factory=list)  # each earlier attempt's cause (agent.RETRY_CAUSES)
 
     @property
     def done(self) -> bool:
@@ -147,54 +147,55 @@ def run_episodes(
         )
         return TurnRequest(i, e.prompt_ids + e.token_ids, turn)
 
-    while waiting or running:
-        while waiting and (concurrency is None or len(running) < concurrency):
-            running.add(i := waiting.popleft())
-            turns.put([next_turn(i)])
-        stepping: list[tuple[int, ParsedTurn]] = []
-        taken = turns.take()
-        if not taken:  # every running episode has a turn in flight: one must come back
-            raise RuntimeError(f"the turns of {len(running)} running episodes were lost")
-        for i, out in taken:
-            episode = episodes[i]
-            limit = room(episode)
-            ids, logps = list(out.token_ids[:limit]), list((out.logprobs or [0.0] * len(out.token_ids))[:limit])
-            if episode.turns == 0:
-                episode.policy_version = out.policy_version
-            episode._append(ids, True, logps)
-            episode.turns += 1
-            stopped = out.finish_reason == "stop" and len(out.token_ids) <= limit and bool(ids)
-            text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-            episode.final_text = tokenizer.decode(ids, skip_special_tokens=True)
-            if not stopped:
-                episode.finish = "length"
-                running.discard(i)
-                continue
-            stepping.append((i, parsers.for_tools(episode.tools).parse(text)))
-        if not stepping:
-            continue
-        t1 = time.perf_counter()
-        replies = env.step([episodes[i].state for i, _ in stepping], [p for _, p in stepping])
-        _share([episodes[i] for i, _ in stepping], time.perf_counter() - t1)
-        for (i, parsed), reply in zip(stepping, replies, strict=True):
-            _take(episodes[i], parsed, reply, tokenizer, limits)
-            # A step that timed out or killed its worker failed for the environment, not for what the model wrote
-            # (a step that raised on the model's turn may well be the model's doing: not retried): again, afresh.
-            failure: EnvStart | EnvReply | EnvFailure = reply
-            cause = "step"
-            while isinstance(failure, EnvFailure) and (failure.infrastructure or cause == "reset"):
-                if len(episodes[i].retried) >= retries:
-                    break
-                episodes[i] = _again(episodes[i], cause)
-                failure = env.reset([episodes[i].row])[0]
-                _begin(episodes[i], failure, tokenizer, limits)
-                cause = "reset"
-            if episodes[i].done:
-                running.discard(i)
-            else:
+    try:
+        while waiting or running:
+            while waiting and (concurrency is None or len(running) < concurrency):
+                running.add(i := waiting.popleft())
                 turns.put([next_turn(i)])
-    # what the workers keep for episodes the environment did not end (cut, out of turns, failed) is dropped
-    env.release([e.state for e in episodes if e.finish != "done" and e.state is not None])
+            stepping: list[tuple[int, ParsedTurn]] = []
+            taken = turns.take()
+            if not taken:  # every running episode has a turn in flight: one must come back
+                raise RuntimeError(f"the turns of {len(running)} running episodes were lost")
+            for i, out in taken:
+                episode = episodes[i]
+                limit = room(episode)
+                ids, logps = list(out.token_ids[:limit]), list((out.logprobs or [0.0] * len(out.token_ids))[:limit])
+                if episode.turns == 0:
+                    episode.policy_version = out.policy_version
+                episode._append(ids, True, logps)
+                episode.turns += 1
+                stopped = out.finish_reason == "stop" and len(out.token_ids) <= limit and bool(ids)
+                text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+                episode.final_text = tokenizer.decode(ids, skip_special_tokens=True)
+                if not stopped:
+                    episode.finish = "length"
+                    running.discard(i)
+                    continue
+                stepping.append((i, parsers.for_tools(episode.tools).parse(text)))
+            if not stepping:
+                continue
+            t1 = time.perf_counter()
+            replies = env.step([episodes[i].state for i, _ in stepping], [p for _, p in stepping])
+            _share([episodes[i] for i, _ in stepping], time.perf_counter() - t1)
+            for (i, parsed), reply in zip(stepping, replies, strict=True):
+                _take(episodes[i], parsed, reply, tokenizer, limits)
+                # A step that timed out or killed its worker failed for the environment, not for what the model wrote
+                # (a step that raised on the model's turn may well be the model's doing: not retried): again, afresh.
+                failure: EnvStart | EnvReply | EnvFailure = reply
+                cause = "lost" if isinstance(failure, EnvFailure) and failure.state_lost else "step"
+                while isinstance(failure, EnvFailure) and (failure.infrastructure or cause == "reset"):
+                    if len(episodes[i].retried) >= retries:
+                        break
+                    episodes[i] = _again(episodes[i], cause)
+                    failure = env.reset([episodes[i].row])[0]
+                    _begin(episodes[i], failure, tokenizer, limits)
+                    cause = "reset"
+                if episodes[i].done:
+                    running.discard(i)
+                else:
+                    turns.put([next_turn(i)])
+    finally:  # what the workers keep for episodes the environment did not end (cut, out of turns, failed, raised)
+        env.release([e.state for e in episodes if e.finish != "done" and e.state is not None])
     return episodes
 
 

@@ -24,19 +24,18 @@ as `tool` messages, and a failure is an error message the model reads, as for th
 turn without a call is the answer: the episode ends, with `get_reward()` as its environment reward where the class
 has one (the run's reward functions score the answer too, when set). Async methods are not supported (refused).
 
-Temper's environments keep their state as a value that travels with every call (`rollout.environment`); here that
-value is the instance itself, pickled between the worker pool's processes. An instance that does not pickle (an
-open socket, a subprocess, a client) is kept by the worker that built it, and every step of its episode goes to
-that worker (`EnvStart.pinned`); it is dropped when the episode ends. If that worker is replaced (a step that hung
-or killed it), or the run resumed from a checkpoint after kill -9, the instance is gone: the next step raises
-`StateLost` and the episode restarts from its row with a fresh instance (`rl.agent.retries`). A picklable instance's
-episode in flight is checkpointed with it; after kill -9 a resumed run samples the step again anyway.
+Temper's environments keep their state as a value that travels with every call (`rollout.environment`). A TRL
+instance is an object (it may hold an open socket, a subprocess, a client), so it stays in the worker that built it:
+the episode's state is its key there, and every step of the episode goes to that worker (`EnvStart.pinned`); the
+instance is dropped when the episode ends, answered, cut or failed. If that worker is replaced (a step, or a reward
+function sharing the pool, hung or killed it) the instance is gone: the next step raises `StateLost`, and the episode
+restarts from its row with a fresh instance (`rl.agent.retries`, counted as `agent/retries/lost`). After kill -9 the
+episodes in flight restart too: a checkpoint stores finished episodes only, and a resumed run samples the step again.
 """
 
 from __future__ import annotations
 
 import inspect
-import pickle
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +66,7 @@ def tool_methods(cls: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class Kept:
-    """The state of an episode whose instance does not pickle: its key in the worker that keeps the instance."""
+    """An episode's state: its instance's key in the worker that keeps it."""
 
     key: str
 
@@ -104,16 +103,12 @@ class TRLEnvironment(Environment):
         content = str(row.get("prompt", ""))
         if observation is not None:
             content += str(observation)
+        key = secrets.token_hex(8)
+        self.kept[key] = instance  # kept here, its episode pinned to this worker (it may hold a socket, a client)
         messages, tools = [{"role": "user", "content": content}], list(self.kind.schemas.values())
-        try:
-            pickle.dumps(instance)
-        except Exception:  # an open socket, a subprocess, a client: kept here, its episode pinned to this worker
-            key = secrets.token_hex(8)
-            self.kept[key] = instance
-            return EnvStart(messages, tools, state=Kept(key), pinned=True)
-        return EnvStart(messages, tools, state=instance)
+        return EnvStart(messages, tools, state=Kept(key), pinned=True)
 
-    def step(self, state: Any, turn: ParsedTurn) -> EnvReply:
+    def step(self, state: Kept, turn: ParsedTurn) -> EnvReply:
         instance = self._instance(state)
         functions = {name: getattr(instance, name) for name in self.kind.schemas}
         reply = tool_calls_reply(turn, functions, self.kind.schemas, self.tool_timeout_s, state)
@@ -124,13 +119,10 @@ class TRLEnvironment(Environment):
         self.release(state)
         return EnvReply(done=True, reward=value, state=state)
 
-    def release(self, state: Any) -> None:
-        if isinstance(state, Kept):
-            self.kept.pop(state.key, None)
+    def release(self, state: Kept) -> None:
+        self.kept.pop(state.key, None)
 
-    def _instance(self, state: Any) -> Any:
-        if not isinstance(state, Kept):
-            return state  # the instance itself, pickled between the workers
+    def _instance(self, state: Kept) -> Any:
         if state.key not in self.kept:
             raise StateLost(
                 f"this worker no longer keeps the episode's {self.kind.cls.__name__} (restarted or resumed)"

@@ -82,9 +82,7 @@ def test_every_way_a_program_fails_fails_its_episode_with_the_reason():
         )
         assert value is None and why in error, (name, error)
         # a hang is retried; so is a call that cannot reach the endpoint (nothing listens on port 9)
-        assert lost == (name in ("hangs", "raises")), (name, error)
-    ((value, error, lost),) = ProgramRunner("tests.agent_programs:says_yes", 0.5).run([{"prompt": "q"}], ["x"])
-    assert not lost and "returned str" in error
+        assert lost == {"hangs": "timeout", "raises": "engine"}.get(name), (name, error)
     assert episode_value({"a": 1, "b": 2.5}) == ({"a": 1.0, "b": 2.5}, None)
     assert "not a finite number" in episode_value({"a": float("nan")})[1]
     assert episode_value(None) == (None, None) and episode_value(2) == (2.0, None)
@@ -189,8 +187,9 @@ def test_what_counts_as_a_failure_outside_the_model():
     assert not lost(status(400)) and not lost(ValueError("the agent's bug"))
 
 
-def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str):
-    """`ProgramRollouts.run` of `rows` (`n` episodes each) on the JAX sampler's slots, with a worker pool of one."""
+def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str, wrap=lambda t: t, repeat=1):
+    """`ProgramRollouts.run` of `rows` (`n` episodes each) on the JAX sampler's slots (`wrap`ped), with a worker pool
+    of one; `repeat` runs: a list of each one's episodes."""
     from types import SimpleNamespace
 
     from core.chat_template import turn_stop_ids
@@ -205,22 +204,22 @@ def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrid
     cfg = _cfg(tmp_path, program, *overrides)
     tok = load_tokenizer(cfg.data.tokenizer_dir)
     sampler = JaxSampler(load_hf(cfg.checkpoint.init_from)[0], cfg.data.tokenizer_dir, max_model_len=256, seed=0)
-    samplers = SimpleNamespace(turns=lambda k: SlotTurns(sampler, slots=4))
+    samplers = SimpleNamespace(turns=lambda k: wrap(SlotTurns(sampler, slots=4)))
     pool = WorkerPool(1)
     try:
         rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False)
         params = SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
-        episodes = rollouts.run(rows, params, samplers).episodes  # type: ignore[arg-type]
+        runs = [rollouts.run(rows, params, samplers).episodes for _ in range(repeat)]  # type: ignore[arg-type]
     finally:
         pool.close()
-    assert episodes is not None and len(episodes) == n * len(rows)
-    return episodes
+    assert all(episodes is not None and len(episodes) == n * len(rows) for episodes in runs)
+    return runs[0] if repeat == 1 else runs
 
 
 @pytest.mark.parametrize("retries", [1, 0])
 def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path, retries):
     """Of a row's four episodes the first to start hangs (past `program_timeout_s`). With a retry it runs again
-    from its row on a fresh URL and ends like the others, its attempt counted (`agent/retries/program`); without,
+    from its row on a fresh URL and ends like the others, its attempt counted (`agent/retries/timeout`); without,
     it fails, named."""
     from posttrain.onpolicy.agent import episode_metrics
 
@@ -230,8 +229,8 @@ def test_an_episode_whose_program_hung_runs_again_afresh_and_is_counted(tmp_path
     hung = [e for e in episodes if e.retried or e.finish == "failed"]
     assert len(hung) == 1, [(e.finish, e.error, e.retried) for e in episodes]
     if retries:
-        assert hung[0].retried == ["program"] and hung[0].finish == "done" and hung[0].rewards == [1.0]
-        assert episode_metrics(episodes)["agent/retries/program"] == 0.25
+        assert hung[0].retried == ["timeout"] and hung[0].finish == "done" and hung[0].rewards == [1.0]
+        assert episode_metrics(episodes)["agent/retries/timeout"] == 0.25
     else:
         assert hung[0].retried == [] and "did not finish in 3 s" in hung[0].error
     assert all(e.finish == "done" and e.rewards == [1.0] for e in episodes if e is not hung[0])
@@ -259,19 +258,116 @@ def test_every_way_a_command_fails_fails_its_episode_with_the_reason(tmp_path):
 
     script = tmp_path / "agent.py"
     cases = {
-        "import sys; sys.exit('broken')": ("exited with status 1: broken", False),
-        "print('no json here')": ("last line is not JSON: 'no json here'", False),
-        "pass": ("printed nothing", False),
-        "print('\"yes\"')": ("the command returned str", False),
-        "import time; time.sleep(60)": ("did not finish in 1 s", True),
+        "import sys; sys.exit('broken')": ("exited with status 1: broken", None),
+        "print('no json here')": ("last line is not JSON: 'no json here'", None),
+        "pass": ("printed nothing", None),
+        "print('\"yes\"')": ("the command returned str", None),
+        "import time; time.sleep(60)": ("did not finish in 1 s", "timeout"),
     }
     for code, (why, lost) in cases.items():
         script.write_text(code)
         ((value, error, was_lost),) = CommandRunner(f"{sys.executable} {script}", 1.0).run([{"prompt": "q"}], ["x"])
         assert value is None and why in error and was_lost == lost, (code, error)
     script.write_text("import json, sys; row = json.load(sys.stdin); print(json.dumps(len(row['prompt'])))")
-    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "four"}], ["x"]) == [(4.0, None, False)]
+    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "four"}], ["x"]) == [(4.0, None, None)]
     script.write_text("print('null')")
-    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "q"}], ["x"]) == [(None, None, False)]
+    assert CommandRunner(f"{sys.executable} {script}", 5.0).run([{"prompt": "q"}], ["x"]) == [(None, None, None)]
     with pytest.raises(ValueError, match="not an executable"):
         CommandRunner("no-such-agent --flag", 1.0)
+    # what a command started goes with it on a timeout (its process group)
+    pids = tmp_path / "pids"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    ((_, error, lost),) = CommandRunner(f"{sys.executable} {script}", 2.0).run([{"prompt": "q"}], ["x"])
+    assert lost == "timeout"
+    assert _gone(int(pids.read_text())), "the command's own child outlived it"
+
+
+def test_a_command_dies_with_the_worker_that_started_it(tmp_path):
+    """The pool kills a worker past its deadline (here shorter than the command's own timeout): the command it
+    started goes too, not left running beside the run."""
+    import sys
+
+    from rewards.pool import Call, WorkerPool
+
+    pid = tmp_path / "pid"
+    script = tmp_path / "agent.py"
+    script.write_text(f"import os, time\nopen({str(pid)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    kwargs = {"command": f"{sys.executable} {script}", "timeout_s": 60.0}
+    pool = WorkerPool(1)
+    try:
+        call = Call("agent", "rollout.agent_program:CommandRunner", kwargs, "run", ([{"prompt": "q"}], ["x"]))
+        (result,) = pool.call([call], timeout=3.0)
+    finally:
+        pool.close()
+    assert result.error is not None and result.error.startswith("timed out"), result
+    assert _gone(int(pid.read_text())), "the command outlived its worker"
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether `pid` has exited (a zombie awaiting its reaper counts as gone)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+class FailingOnce:
+    """The sampler's turns, whose first `take` raises (an engine that failed with turns in flight)."""
+
+    def __init__(self, turns):
+        self.turns, self.failed = turns, False
+
+    def put(self, requests):
+        self.turns.put(requests)
+
+    def take(self):
+        if not self.failed:
+            self.failed = True
+            self.turns.take()  # what the engine had in flight is lost with it
+            raise RuntimeError("the engine died")
+        return self.turns.take()
+
+
+@pytest.mark.parametrize("agent", ["program", "command"])
+def test_an_episode_whose_call_the_engine_failed_runs_again_and_is_counted(tmp_path, agent):
+    """The engine fails the first turns in flight: the endpoint answers those calls 500, the agent (a program that
+    lets the `openai` error raise; a command that exits non-zero on it) fails, and since the endpoint failed one of
+    its calls the episode runs again, counted as `engine`; every episode ends done."""
+    import sys
+
+    from posttrain.onpolicy.agent import episode_metrics
+
+    command = f"command: '{sys.executable} tests/agent_command.py'"
+    driver = {"program": "program: 'tests.agent_programs:chatter'", "command": command}[agent]
+    overrides = (f"rl.agent={{{driver}, program_timeout_s: 60}}",)
+    rows = [{"question": "What is 1 + 1?"}]
+    episodes = _program_episodes(tmp_path, "chatter", rows, 3, *overrides, wrap=FailingOnce)
+    assert all(e.finish == "done" for e in episodes), [(e.finish, e.error) for e in episodes]
+    retried = [e.retried for e in episodes if e.retried]
+    assert retried and all(r == ["engine"] for r in retried), [e.retried for e in episodes]
+    assert episode_metrics(episodes)["agent/retries/engine"] == len(retried) / 3
+
+
+def test_a_requests_episodes_draw_what_its_seed_says_whatever_ran_before(tmp_path):
+    """What a resumed run relies on to redo a step exactly after kill -9 (a checkpoint stores finished episodes; the
+    ones in flight are sampled again, with the request's seed, which the run restores): the same request, run again
+    by the same rollouts after other episodes, draws the same tokens in every episode (its turns' seeds come from
+    the request's seed and the episode's index, not from a count of episodes before it, which a resumed run does not
+    have). Three calls an episode, four episodes at once."""
+    first, again = _program_episodes(tmp_path, "chatter", [{"question": "What is 1 + 1?"}], 4, repeat=2)
+    assert [e.token_ids for e in first] == [e.token_ids for e in again]
+    assert len({tuple(e.token_ids) for e in first}) > 1  # the episodes' own streams differ

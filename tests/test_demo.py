@@ -161,5 +161,5 @@ def test_the_agent_quickstarts_calculator_agent_offers_the_tools_demos_schema():
     from rollout.calculator import calculator
     from rollout.tool_env import ToolEnvironment
 
-    assert TOOLS == ToolEnvironment(tools=["calculator"]).reset({"prompt": "1 + 1"}).tools
+    assert ToolEnvironment(tools=["calculator"]).reset({"prompt": "1 + 1"}).tools == TOOLS
     assert TOOLS[0]["function"]["name"] == calculator.__name__

@@ -117,6 +117,12 @@ def with_episode_rewards(
     return base.plus(name, np.asarray(values, np.float32), failed, errors[:1])
 
 
+# Why an attempt at an episode was started again: its environment's reset failed, a step timed out or killed its
+# worker, the worker that kept its state was replaced (`rollout.environment.StateLost`); an agent program's or
+# command's timeout, the endpoint failing one of its calls (an engine), its worker dying.
+RETRY_CAUSES = ("reset", "step", "lost", "timeout", "engine", "worker")
+
+
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Turns, tool calls and errors per trajectory, truncated and failed shares, environment time, and the tokens
     each source wrote (the model's, the environment's) per trajectory; and, where rows name their environment (a
@@ -144,8 +150,6 @@ def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "agent/env_s": sum(e.env_seconds for e in episodes),
         "agent/model_tokens": model / n,
         "agent/env_tokens": (tokens - model) / n,
-        # attempts started again because the environment failed (rl.agent.retries), per trajectory, by cause
-        "agent/retries/reset": sum(e.retried.count("reset") for e in episodes) / n,
-        "agent/retries/step": sum(e.retried.count("step") for e in episodes) / n,
-        "agent/retries/program": sum(e.retried.count("program") for e in episodes) / n,
+        # attempts started again because they failed outside the model (rl.agent.retries), per trajectory, by cause
+        **{f"agent/retries/{c}": sum(e.retried.count(c) for e in episodes) / n for c in RETRY_CAUSES},
     }

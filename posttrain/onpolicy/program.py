@@ -11,9 +11,10 @@ each the program (`rollout.agent_program`) with a client whose base URL is that 
 pool. What the episode's calls sampled is its trajectory, token in / token out (`rollout.recording`), trained on
 the model's tokens only; the row the program gets carries the formatted `rl.prompt_template` as `prompt`.
 
-An episode whose program timed out, or whose calls failed on the endpoint's side (an engine that failed), or whose
-worker died, is run again from its row with a fresh id and random stream, up to `rl.agent.retries` times, each
-attempt counted (`agent/retries/program`); what the failed attempt sampled is not trained on.
+An episode that failed from outside the model is run again from its row with a fresh id and random stream, up to
+`rl.agent.retries` times, each attempt counted by its cause: the program timed out (`agent/retries/timeout`), a call
+could not reach the endpoint or the endpoint answered one of its calls 5xx (an engine failed; `.../engine`, however
+the agent handled it), its worker died (`.../worker`). What the failed attempt sampled is not trained on.
 
 Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
 score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
@@ -54,7 +55,6 @@ class ProgramRollouts:
         self.cfg, self.agent, self.pool, self.has_functions = cfg, agent, pool, has_functions
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
-        self.started = 0  # episodes so far: each one's id on the endpoint
         self.kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
         assert spec is not None
         self.runner = (RUNNERS[self.kind], {self.kind: spec, "timeout_s": agent.program_timeout_s})
@@ -82,8 +82,8 @@ class ProgramRollouts:
                 outcomes = self._attempt(endpoint, starts, pending, retried)
                 again = []
                 for i, (segments, value, why, lost) in zip(pending, outcomes, strict=True):
-                    if lost and len(retried[i]) < self.agent.retries:
-                        retried[i].append("program")
+                    if lost is not None and len(retried[i]) < self.agent.retries:
+                        retried[i].append(lost)
                         again.append(i)
                     else:
                         done[i] = (segments, value, why)
@@ -93,16 +93,16 @@ class ProgramRollouts:
         episodes = [self._episode(row, *done[i]) for i, row in enumerate(starts)]
         for e, causes in zip(episodes, retried, strict=True):
             e.retried = causes
-        self.started += len(starts)
         return Rolled([e.completion() for e in episodes], episodes)
 
     def _attempt(self, endpoint: Endpoint, starts: list[dict], which: list[int], retried: list[list[str]]) -> list:
         """One attempt at the episodes `which`, each on its own base URL: (its segments, value, why it failed,
         whether that was from outside the model) each, in order."""
         # unguessable: the endpoint has no authentication, only its loopback address and these ids
-        ids = [f"episode-{self.started + i}-{secrets.token_hex(8)}" for i in which]
-        # another attempt, another random stream (as for an environment's episodes)
-        keys = [self.started + i + len(starts) * len(retried[i]) for i in which]
+        ids = [f"episode-{i}-{secrets.token_hex(8)}" for i in which]
+        # the request's seed (restored on resume) with the episode's index: a resumed run draws what the stopped
+        # one drew; another attempt, another random stream (as for an environment's episodes)
+        keys = [i + len(starts) * len(retried[i]) for i in which]
         urls = [endpoint.open(e, seed_key=k) for e, k in zip(ids, keys, strict=True)]
         shards = shards_of(len(which), self.pool.num_procs)
         runner, kwargs = self.runner
@@ -110,11 +110,16 @@ class ProgramRollouts:
         calls = [Call("agent", runner, kwargs, "run", (rows[lo:hi], urls[lo:hi])) for lo, hi in shards]
         # each episode has its own timeout inside the worker; the worker's deadline is that and some slack
         results = self.pool.call(calls, self.agent.program_timeout_s + 30.0)
-        outcomes: list[tuple[object, str | None, bool]] = []
+        outcomes: list[tuple[object, str | None, str | None]] = []
         for (lo, hi), result in zip(shards, results, strict=True):
-            lost_worker = [(None, f"its worker: {result.error}", True)] * (hi - lo)
+            lost_worker = [(None, f"its worker: {result.error}", "worker")] * (hi - lo)
             outcomes.extend(result.value if result.error is None else lost_worker)
-        return [(endpoint.finish(e), *o) for e, o in zip(ids, outcomes, strict=True)]
+        out = []
+        for e, (value, why, lost) in zip(ids, outcomes, strict=True):
+            if why is not None and lost is None and endpoint.served_errors(e):
+                lost = "engine"  # whatever the agent made of it, the endpoint failed one of its calls (5xx)
+            out.append((endpoint.finish(e), value, why, lost))
+        return out
 
     def _episode(self, row: dict, segments: list[Segment], value: object, why: str | None) -> Episode:
         e = Episode(row)
