@@ -23,8 +23,8 @@ import random
 import time
 from pathlib import Path
 
-from recipes.quickstart import _check, write_jsonl
-from recipes.quickstart_tools import CONFIGS, end_turns_with_im_end
+from recipes.quickstart import write_jsonl
+from recipes.quickstart_tools import CONFIGS, chat_tokenizer, fine_tune
 
 SUMMARY = "quickstart_coding.json"
 RIGHT_SHARE = 0.3  # how often the sloppy coder writes the fix (else it writes the file back unchanged)
@@ -62,7 +62,6 @@ def sloppy_fix(row: dict, rng: random.Random, right_share: float = RIGHT_SHARE) 
 
 
 def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | None = None) -> int:
-    from core.tokenizer import build_tokenizer, tokenizer_for_run
     from rollout.coding_env import SCHEMAS, coding_tasks
 
     settings = {"method": "coding", "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
@@ -88,28 +87,9 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
     rl = write_jsonl(data / "rl.jsonl", coding_tasks(2000, seed=1_000_000))
 
     print("== 2/4 tokenizer (ChatML with the tools' schemas)", flush=True)
-    from transformers import AutoTokenizer
-
-    template = AutoTokenizer.from_pretrained(build_tokenizer(["def x"], data / "template_only", 300))
-    texts = [str(template.apply_chat_template(c["messages"], tools=list(tools), tokenize=False)) for c in chats]
-    tokenizer = tokenizer_for_run(None, texts, out, 512)
-    end_turns_with_im_end(tokenizer)
-
-    from recipes.sft import main as sft_main
-
+    tokenizer = chat_tokenizer(out, chats, tools)
     print("== 3/4 fine-tuning on the sloppy coder's conversations (from a random init)", flush=True)
-    _check(
-        sft_main(
-            [
-                str(CONFIGS / "coding_sft.yml"),
-                f"run.run_dir={out / 'sft'}",
-                f"data.source={sft}",
-                f"data.tokenizer_dir={tokenizer}",
-                f"run.seed={1 + seed}",
-                *([f"train.steps={sft_steps}"] if sft_steps else []),
-            ]
-        )
-    )
+    fine_tune(out, "coding_sft.yml", sft, tokenizer, seed, sft_steps)
 
     print("== 4/4 GRPO in the sandboxed coding environment (the verifier's hidden tests the reward)", flush=True)
     from core.config_loader import load_config

@@ -120,7 +120,6 @@ COLORS = {"tool": "#4477aa", "no_tool": "#aa4444", "program": "#228833"}
 def main(
     out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | None = None, method: str = "tools"
 ) -> int:
-    from core.tokenizer import build_tokenizer, tokenizer_for_run
     from rollout.calculator import calculator
     from rollout.tools import tool_schema
 
@@ -148,30 +147,9 @@ def main(
     rl = write_jsonl(data / "rl.jsonl", [{k: r[k] for k in ("question", "answer", "metadata")} for r in rl_rows])
 
     print("== 2/5 tokenizer (ChatML with tool calls)", flush=True)
-    from transformers import AutoTokenizer
-
-    # The conversations as the template renders them (a throwaway tokenizer carries the template), so that the
-    # schema's and the calls' JSON become few tokens.
-    template = AutoTokenizer.from_pretrained(build_tokenizer(["0123456789"], data / "template_only", 300))
-    texts = [str(template.apply_chat_template(c["messages"], tools=list(tools), tokenize=False)) for c in chats]
-    tokenizer = tokenizer_for_run(None, texts, out, 512)
-    end_turns_with_im_end(tokenizer)
-
-    from recipes.sft import main as sft_main
-
+    tokenizer = chat_tokenizer(out, chats, tools)
     print("== 3/5 fine-tuning on the sloppy agent's traces (from a random init)", flush=True)
-    _check(
-        sft_main(
-            [
-                str(CONFIGS / "tools_sft.yml"),
-                f"run.run_dir={out / 'sft'}",
-                f"data.source={sft}",
-                f"data.tokenizer_dir={tokenizer}",
-                f"run.seed={1 + seed}",
-                *([f"train.steps={sft_steps}"] if sft_steps else []),
-            ]
-        )
-    )
+    fine_tune(out, "tools_sft.yml", sft, tokenizer, seed, sft_steps)
     arms = {}
     stages = 3 + len(ARMS[method])
     for i, (name, label, rollouts) in enumerate(ARMS[method]):
@@ -189,6 +167,30 @@ def main(
     report(result)
     done.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def chat_tokenizer(out: Path, chats: list[dict], tools: list) -> str:
+    """A byte-level BPE tokenizer (`out/tokenizer`, reused when there) on the conversations as Temper's ChatML
+    template renders them (a throwaway tokenizer carries the template), so that the schemas' and the calls' JSON
+    become few tokens; `<|im_end|>` its EOS."""
+    from transformers import AutoTokenizer
+
+    from core.tokenizer import build_tokenizer, tokenizer_for_run
+
+    template = AutoTokenizer.from_pretrained(build_tokenizer(["0123456789"], out / "data" / "template_only", 300))
+    texts = [str(template.apply_chat_template(c["messages"], tools=list(tools), tokenize=False)) for c in chats]
+    tokenizer = tokenizer_for_run(None, texts, out, 512)
+    end_turns_with_im_end(tokenizer)
+    return tokenizer
+
+
+def fine_tune(out: Path, config: str, data: str, tokenizer: str, seed: int, steps: int | None) -> None:
+    """SFT from a random init on the conversations in `data` (`configs/quickstart/<config>`), into `out/sft`."""
+    from recipes.sft import main as sft_main
+
+    overrides = [f"run.run_dir={out / 'sft'}", f"data.source={data}", f"data.tokenizer_dir={tokenizer}"]
+    overrides += [f"run.seed={1 + seed}", *([f"train.steps={steps}"] if steps else [])]
+    _check(sft_main([str(CONFIGS / config), *overrides]))
 
 
 def grpo_arm(out: Path, name: str, rollouts: str | None, rl: str, tokenizer: str, seed: int, steps: int | None) -> dict:

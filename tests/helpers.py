@@ -107,3 +107,27 @@ def method_learner(config: str, method, *overrides: str):
     with jax.set_mesh(mesh):
         model = create_model(cfg.model, mesh, seed=0)
     return MethodLearner(cfg, method, model, mesh), cfg
+
+
+def step_metrics(cfg, method, on_ray: bool = False) -> list[dict]:
+    """Each step's metrics of a sampler run of `cfg` with `method`, the run closed after; `on_ray`: a local Ray
+    cluster started before it (the vLLM sampler) and shut down after."""
+    from posttrain.onpolicy.run import build_sampler_run
+
+    if on_ray:
+        from rollout.ray import ensure_ray
+
+        ensure_ray(num_cpus=2)
+    seen: list[dict] = []
+    try:
+        run = build_sampler_run(cfg, method)
+        try:
+            run.train(on_step=lambda r, step, m: seen.append(m))
+        finally:
+            run.close()
+    finally:
+        if on_ray:
+            import ray
+
+            ray.shutdown()
+    return seen

@@ -43,20 +43,10 @@ def test_grpo_trains_on_what_an_openai_client_agents_calls_sampled_on_vllm(tmp_p
     between them as context), its reward the program's; GRPO steps on it. Token in / token out: the trainer's
     log-prob of every token the model wrote equals the one vLLM returned with it (a re-rendered reply, or the user
     turns' tokens counted as the model's, would not)."""
-    import ray
-
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import build_sampler_run
-    from rollout.ray import ensure_ray
+    from tests.helpers import step_metrics
 
-    ensure_ray(num_cpus=2)
-    run = build_sampler_run(_cfg(tmp_path, "chatter", "rollout.sampler=vllm", "rollout.dtype=float32"), GRPO)
-    seen: list[dict] = []
-    try:
-        run.train(on_step=lambda r, step, m: seen.append(m))
-    finally:
-        run.close()
-        ray.shutdown()
+    seen = step_metrics(_cfg(tmp_path, "chatter", "rollout.sampler=vllm", "rollout.dtype=float32"), GRPO, on_ray=True)
     print({k: v for k, v in seen[-1].items() if k.startswith(("agent/", "mismatch/", "reward/"))})
     assert len(seen) == 2
     for m in seen:

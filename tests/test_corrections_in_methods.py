@@ -10,20 +10,9 @@ import pytest
 
 from core.config_loader import load_config
 from posttrain.config import PostTrainConfig
+from tests.helpers import step_metrics
 
 CORRECTION = "rl.rollout_correction={mode: geometric_mask, lo: 1.5, hi: 2.0}"
-
-
-def _two_steps(cfg, method) -> list[dict]:
-    from posttrain.onpolicy.run import build_sampler_run
-
-    run = build_sampler_run(cfg, method)
-    seen: list[dict] = []
-    try:
-        run.train(on_step=lambda r, step, m: seen.append(m))
-    finally:
-        run.close()
-    return seen
 
 
 def _common(tmp_path, tokenizer) -> list[str]:
@@ -52,7 +41,7 @@ def test_ppo_trains_its_policy_with_the_correction(tmp_path, arithmetic_tokenize
     from posttrain.ppo import PPO
 
     cfg = load_config("recipes/configs/ppo_tiny.yml", _common(tmp_path, arithmetic_tokenizer), schema=PostTrainConfig)
-    _assert_corrected(_two_steps(cfg, PPO))
+    _assert_corrected(step_metrics(cfg, PPO))
 
 
 @pytest.mark.integration
@@ -68,4 +57,4 @@ def test_on_policy_distillation_trains_with_the_correction(tmp_path, arithmetic_
         "rl.batch.num_generations=1",
     ]
     cfg = load_config("recipes/configs/grpo_tiny.yml", overrides, schema=PostTrainConfig)
-    _assert_corrected(_two_steps(cfg, ON_POLICY_DISTILL))
+    _assert_corrected(step_metrics(cfg, ON_POLICY_DISTILL))

@@ -155,11 +155,8 @@ def test_a_judge_rewards_grpo_on_a_bfloat16_vllm_sampler_whose_mismatch_a_token_
     correction (a token mask) drops the tokens whose ratio left its bounds: some, not all."""
     import json
 
-    import ray
-
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import build_sampler_run
-    from rollout.ray import ensure_ray
+    from tests.helpers import step_metrics
 
     judge = {"model": str(rollout_model_dir("llama")), "template": TEMPLATE, "max_tokens": 8}
     judge["parser"] = "tests.reward_plugins:verdict_chars"
@@ -179,14 +176,7 @@ def test_a_judge_rewards_grpo_on_a_bfloat16_vllm_sampler_whose_mismatch_a_token_
         ],
         schema=PostTrainConfig,
     )
-    ensure_ray(num_cpus=2)
-    seen: list[dict] = []
-    run = build_sampler_run(cfg, GRPO)
-    try:
-        run.train(on_step=lambda r, step, m: seen.append(m))
-    finally:
-        run.close()
-        ray.shutdown()
+    seen = step_metrics(cfg, GRPO, on_ray=True)
     print({k: v for k, v in seen[-1].items() if k.startswith(("correction/", "mismatch/", "reward/"))})
     assert len(seen) == 2
     for m in seen:

@@ -171,14 +171,11 @@ def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path)
     the coding episodes' calculator calls are answered with the coding tools' error and their answers go to the
     verifier in the sandbox (0: nothing was fixed). Token in / token out: the trainer's log-probs of the model's
     tokens equal vLLM's, with the tool results between the turns."""
-    import ray
-
     from core.config_loader import load_config
     from posttrain.config import PostTrainConfig
     from posttrain.grpo import GRPO
-    from posttrain.onpolicy.run import build_sampler_run
     from rollout.coding_env import coding_tasks
-    from rollout.ray import ensure_ray
+    from tests.helpers import step_metrics
     from tests.test_agent_run import calling_agent, scripted_model
 
     tok, _, (start, body, end) = calling_agent(tmp_path)
@@ -217,14 +214,7 @@ def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path)
         ],
         schema=PostTrainConfig,
     )
-    ensure_ray(num_cpus=2)
-    run = build_sampler_run(cfg, GRPO)
-    seen: list[dict] = []
-    try:
-        run.train(on_step=lambda r, step, m: seen.append(m))
-    finally:
-        run.close()
-        ray.shutdown()
+    seen = step_metrics(cfg, GRPO, on_ray=True)
     print([{k: v for k, v in m.items() if k.startswith(("agent/", "reward/"))} for m in seen])
     assert len(seen) == 2
     for m in seen:
