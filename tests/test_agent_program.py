@@ -4,6 +4,8 @@ with the reason, counted; a program that cannot run is refused at start."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -177,9 +179,9 @@ def test_what_counts_as_a_failure_outside_the_model():
     assert not lost(status(400)) and not lost(ValueError("the agent's bug"))
 
 
-def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str, wrap=lambda t: t, repeat=1):
+def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str, wrap=lambda t: t):
     """`ProgramRollouts.run` of `rows` (`n` episodes each) on the JAX sampler's slots (`wrap`ped), with a worker pool
-    of one; `repeat` runs: a list of each one's episodes."""
+    of one."""
     from types import SimpleNamespace
 
     from core.chat_template import turn_stop_ids
@@ -199,11 +201,11 @@ def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrid
     try:
         rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False)
         params = SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
-        runs = [rollouts.run(rows, params, samplers).episodes for _ in range(repeat)]  # type: ignore[arg-type]
+        episodes = rollouts.run(rows, params, samplers).episodes  # type: ignore[arg-type]
     finally:
         pool.close()
-    assert all(episodes is not None and len(episodes) == n * len(rows) for episodes in runs)
-    return runs[0] if repeat == 1 else runs
+    assert episodes is not None and len(episodes) == n * len(rows)
+    return episodes
 
 
 @pytest.mark.parametrize("retries", [1, 0])
@@ -352,12 +354,39 @@ def test_an_episode_whose_call_the_engine_failed_runs_again_and_is_counted(tmp_p
     assert episode_metrics(episodes)["agent/retries/engine"] == len(retried) / 3
 
 
-def test_a_requests_episodes_draw_what_its_seed_says_whatever_ran_before(tmp_path):
-    """What a resumed run relies on to redo a step exactly after kill -9 (a checkpoint stores finished episodes; the
-    ones in flight are sampled again, with the request's seed, which the run restores): the same request, run again
-    by the same rollouts after other episodes, draws the same tokens in every episode (its turns' seeds come from
-    the request's seed and the episode's index, not from a count of episodes before it, which a resumed run does not
-    have). Three calls an episode, four episodes at once."""
-    first, again = _program_episodes(tmp_path, "chatter", [{"question": "What is 1 + 1?"}], 4, repeat=2)
-    assert [e.token_ids for e in first] == [e.token_ids for e in again]
-    assert len({tuple(e.token_ids) for e in first}) > 1  # the episodes' own streams differ
+@pytest.mark.integration
+def test_a_run_of_openai_client_agents_killed_mid_episode_resumes_exactly(tmp_path):
+    """`python -m recipes.grpo` with `chatter` as the agent on the JAX sampler, SIGKILLed while step 3's episodes
+    run (one step after checkpoint 2), then the same command again: it resumes from checkpoint 2, every step is
+    logged once, and step 3, whose episodes restarted from their rows, logs what it logged before the kill (the
+    request's seed is restored, each episode's turns draw from it and its index)."""
+    from tests.chat_families import FAMILIES, chat_tokenizer
+    from tests.test_grpo_e2e import assert_redone_steps_match, kill_9_and_resume
+
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen2_5", spec={**FAMILIES["qwen2_5"], "eos": "<|endoftext|>"})
+    model = stopping_model(tmp_path / "model", tok, "qwen2", share=0.3, stop="<|im_end|>")
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        "recipes/configs/grpo_tiny.yml",
+        f"run.run_dir={run_dir}",
+        f"checkpoint.init_from={model}",
+        f"data.tokenizer_dir={tok.name_or_path}",
+        "rollout.sampler=jax",
+        "rollout.max_tokens=32",
+        "rollout.max_model_len=256",
+        "train.steps=4",
+        "checkpoint.every_steps=2",
+        "checkpoint.export_hf=false",
+        "rl.batch.prompts_per_step=2",
+        "rl.batch.num_generations=4",
+        "reward.functions=[]",
+        "rl.accuracy_fn=null",
+        "rl.agent={program: 'tests.agent_programs:chatter', program_timeout_s: 60}",
+    ]
+    before_kill, after = kill_9_and_resume(cmd, run_dir, steps=4)
+    keys = ("loss", "reward/mean", "agent/model_tokens", "agent/turns", "agent/failed")
+    assert_redone_steps_match(before_kill, after, 2, keys=keys)
+    assert all(m["agent/turns"] > 2 for m in after), [m["agent/turns"] for m in after]  # the agent's calls
