@@ -27,8 +27,12 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
+
+import httpx
 
 from rewards.registry import resolve
 
@@ -68,6 +72,17 @@ def lost(err: BaseException) -> bool:
     return isinstance(err, openai.APIStatusError) and err.status_code >= 500
 
 
+class SharedHTTP(httpx.AsyncClient):
+    """A shard's connection pool for its episodes' clients: a program that closes its client (`async with client:`)
+    does not close the pool under the other episodes' clients; the runner closes it (`close_shared`)."""
+
+    async def aclose(self) -> None:
+        pass
+
+    async def close_shared(self) -> None:
+        await super().aclose()
+
+
 # An episode's outcome: its value (None: the reward functions'), why it failed (None: it did not), and, when the
 # failure came from outside the model, its cause (retried): "timeout", "engine" (the endpoint unreachable or 5xx).
 Outcome = tuple[Any, str | None, str | None]
@@ -85,13 +100,14 @@ class ProgramRunner:
         return asyncio.run(self._all(rows, urls))
 
     async def _all(self, rows: Sequence[dict], urls: Sequence[str]) -> list[Outcome]:
-        import httpx
-
         # One HTTP connection pool for the shard's clients: an `openai` client builds its own otherwise, ~20 ms of
         # CPU each (an SSL context), which for a step's episodes was most of what the endpoint path cost.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits, timeout=self.timeout_s) as http:
+        http = SharedHTTP(limits=limits, timeout=self.timeout_s)
+        try:
             return list(await asyncio.gather(*(self._one(r, u, http) for r, u in zip(rows, urls, strict=True))))
+        finally:
+            await http.close_shared()
 
     async def _one(self, row: dict, url: str, http: Any) -> Outcome:
         import openai
@@ -127,8 +143,9 @@ class CommandRunner:
     the row as JSON on stdin; `OPENAI_BASE_URL` (the episode's base URL: the `openai` clients read it),
     `OPENAI_API_KEY` and `TEMPER_EPISODE_URL` set; its reward the last line it prints, as JSON (a number, an object
     of numbers, or null: the reward functions'). A non-zero exit fails the episode with the end of its stderr; one
-    past `timeout_s` is killed with its group (a failure outside the model, retried). A command dies with the worker
-    that started it."""
+    past `timeout_s` is killed with its group (a failure outside the model, retried). The command itself is killed
+    when the worker that started it dies (a worker killed at its deadline, a run killed); processes it started
+    itself go with it on a timeout (its group), but outlive a dead worker unless it ends them."""
 
     def __init__(self, command: str, timeout_s: float):
         self.argv, self.timeout_s = command_argv(command), timeout_s
@@ -142,11 +159,14 @@ class CommandRunner:
     async def _one(self, row: dict, url: str) -> Outcome:
         env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "temper", "TEMPER_EPISODE_URL": url}
         pipe = asyncio.subprocess.PIPE
+        # Through a small launcher (no code runs between fork and exec here, where other threads may hold locks):
+        # it asks for SIGKILL when this worker dies, then execs the command, in a process group of its own.
+        argv = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *self.argv]
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env, preexec_fn=_own_group_dying_with_parent
+                *argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env, start_new_session=True
             )
-        except OSError as failure:  # removed since the start, not executable: the command's failure, not retried
+        except (OSError, subprocess.SubprocessError) as failure:  # the command's failure, not retried
             return None, f"the command could not start: {type(failure).__name__}: {failure}", None
         try:
             out, err = await asyncio.wait_for(proc.communicate(json.dumps(row).encode()), self.timeout_s)
@@ -170,14 +190,18 @@ class CommandRunner:
         return (value, None, None) if why is None else (None, why.replace("the program", "the command"), None)
 
 
-def _own_group_dying_with_parent() -> None:
-    """In the command's process before it starts: a process group of its own (killed whole on a timeout), and
-    SIGKILL when the worker that started it dies (a worker killed at its deadline, or the run killed, leaves no agent
-    running; what the command itself started is its group's, killed with it on a timeout)."""
-    import ctypes
-
-    os.setsid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Runs in the command's process before the command: SIGKILL when the worker that started it dies (PR_SET_PDEATHSIG;
+# kept across exec), and out at once if it already has; then the command itself (execvp; a missing one exits 127).
+_LAUNCHER = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as err:
+    sys.exit(f"the command could not start: {err}")
+"""
 
 
 def _kill_group(pid: int) -> None:

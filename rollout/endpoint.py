@@ -85,6 +85,10 @@ class CompletionRequest(BaseModel):
     stream: bool | None = None
 
 
+class SamplerFailed(Exception):
+    """A turn the sampler failed (its engine raised or restarted): a 500, and the episode's failure is not its own."""
+
+
 class Refused(Exception):
     """A request the endpoint cannot serve: a 400 (or `status`) with OpenAI's error body."""
 
@@ -186,10 +190,10 @@ class Endpoint:
                 return error(err)
             except (ValueError, ChatTemplateError) as err:  # a malformed body, messages the template cannot render
                 return error(Refused(f"{type(err).__name__}: {err}"))
-            except Exception as err:  # the sampler failed the turn (an engine that raised or restarted): ours, 5xx
+            except SamplerFailed as err:  # an engine that raised or restarted: ours, 5xx, counted for the episode
                 if episode in self.errors:
                     self.errors[episode] += 1
-                body = {"error": {"message": f"{type(err).__name__}: {err}", "type": "server_error", "code": 500}}
+                body = {"error": {"message": str(err), "type": "server_error", "code": 500}}
                 return JSONResponse(body, status_code=500)
 
         @app.get("/v1/models")
@@ -236,7 +240,10 @@ class Endpoint:
 
     async def _sample(self, ids: list[int], params: list[SamplingParams], affinity: Any) -> list[Completion]:
         futures = [self.pump.submit(ids, p, affinity=(affinity, k)) for k, p in enumerate(params)]
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except Exception as err:
+            raise SamplerFailed(f"the sampler failed the turn: {type(err).__name__}: {err}") from err
 
     async def _chat(self, episode: str, raw: dict) -> dict:
         recorder = self._recorder(episode)

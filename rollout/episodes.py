@@ -28,6 +28,7 @@ sent as soon as the environment answered, on vLLM's engines (`EngineTurns`) or t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -194,9 +195,17 @@ def run_episodes(
                     running.discard(i)
                 else:
                     turns.put([next_turn(i)])
-    finally:  # what the workers keep for episodes the environment did not end (cut, out of turns, failed, raised)
-        env.release([e.state for e in episodes if e.finish != "done" and e.state is not None])
+    except BaseException:  # what the workers keep is let go, best effort: the error that stopped the loop goes on
+        with contextlib.suppress(Exception):
+            _release(env, episodes)
+        raise
+    _release(env, episodes)
     return episodes
+
+
+def _release(env: EnvironmentRunner, episodes: Sequence[Episode]) -> None:
+    """What the workers keep for episodes the environment did not end (cut, out of turns, failed, stopped)."""
+    env.release([e.state for e in episodes if e.finish != "done" and e.state is not None])
 
 
 def _begin(episode: Episode, start: EnvStart | EnvFailure, tokenizer: Any, limits: EpisodeLimits) -> None:

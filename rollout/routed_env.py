@@ -7,8 +7,8 @@
 Each row names its environment in its `column` (TRL's `environment` field). Its episode is that environment's alone:
 its `reset` gets the row without the routing field (as TRL passes it), the model is offered only its tools, and
 every step goes back to it with its own state. A row naming no environment of the mapping fails its episode, named.
-The state is (name, the environment's own state), a value like any other: it pickles, checkpoints and moves between
-the pool's workers as the inner state does.
+The state is (name, the environment's own state): it moves between the pool's workers as the inner state does, and
+is pinned to one worker where the inner one is (a TRL-style instance).
 """
 
 from __future__ import annotations

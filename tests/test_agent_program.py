@@ -257,7 +257,7 @@ def test_a_command_dies_with_the_worker_that_started_it(tmp_path):
     pool = WorkerPool(1)
     try:
         call = Call("agent", "rollout.agent_program:CommandRunner", kwargs, "run", ([{"prompt": "q"}], ["x"]))
-        (result,) = pool.call([call], timeout=3.0)
+        (result,) = pool.call([call], timeout=8.0)  # long enough to start under load, far short of its own 60 s
     finally:
         pool.close()
     assert result.error is not None and result.error.startswith("timed out"), result
@@ -323,10 +323,10 @@ def test_an_agent_run_as_a_command_whose_call_the_engine_failed_runs_again_and_i
 def test_a_run_of_openai_client_agents_killed_mid_episode_resumes_exactly(tmp_path):
     """`python -m recipes.grpo` with `chatter` as the agent on the JAX sampler (single controller: the sampler in the
     trainer's process), a policy of LoRA adapters (the sampler holds the base and takes the adapters after each
-    update), SIGKILLed while step 3's episodes run (one step after checkpoint 2), then the same command again: it
-    resumes from checkpoint 2, every step is logged once, and step 3, whose episodes restarted from their rows, logs
-    what it logged before the kill (the request's seed is restored, each episode's turns draw from it and its
-    index). The sampler serves the adapted policy throughout: its log-probs stay the trainer's."""
+    update), SIGKILLed one step after checkpoint 2 (step 4's episodes running), then the same command again: it
+    resumes from checkpoint 2, every step is logged once, and step 3, sampled again from its rows, logs what it
+    logged before the kill (the request's seed is restored, each episode's turns draw from it and its index). The
+    sampler serves the adapted policy throughout: its log-probs stay the trainer's."""
     from tests.chat_families import FAMILIES, chat_tokenizer
     from tests.test_grpo_e2e import assert_redone_steps_match, kill_9_and_resume
 

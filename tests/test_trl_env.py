@@ -80,7 +80,7 @@ def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
         for worker, reply in zip(workers, replies, strict=True):
             if worker == victim:
                 assert isinstance(reply, EnvFailure) and reply.infrastructure, reply
-                assert reply.state_lost or "its worker died" in reply.message
+                assert reply.state_lost, reply  # the new worker has no such instance
             else:
                 assert reply.messages[0]["content"].strip() == lines[3]
     finally:

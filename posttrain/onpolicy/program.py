@@ -13,8 +13,9 @@ the model's tokens only; the row the program gets carries the formatted `rl.prom
 
 An episode that failed from outside the model is run again from its row with a fresh id and random stream, up to
 `rl.agent.retries` times, each attempt counted by its cause: the program timed out (`agent/retries/timeout`), a call
-could not reach the endpoint or the endpoint answered one of its calls 5xx (an engine failed; `.../engine`, however
-the agent handled it), its worker died (`.../worker`). What the failed attempt sampled is not trained on.
+could not reach the endpoint or the endpoint's sampler failed one of its calls (a 500: an engine failed;
+`.../engine`, when the episode then failed, whatever the agent made of the error), its worker died or overran its
+deadline (`.../worker`). What the failed attempt sampled is not trained on.
 
 Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
 score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
@@ -112,8 +113,10 @@ class ProgramRollouts:
         results = self.pool.call(calls, self.agent.program_timeout_s + 30.0)
         outcomes: list[tuple[object, str | None, str | None]] = []
         for (lo, hi), result in zip(shards, results, strict=True):
-            lost_worker = [(None, f"its worker: {result.error}", "worker")] * (hi - lo)
-            outcomes.extend(result.value if result.error is None else lost_worker)
+            # a dead or overdue worker is retried; any other error of the runner is a bug to see, not retried
+            died = result.error is not None and result.error.startswith(("timed out", "its worker died"))
+            failed = [(None, f"its worker: {result.error}", "worker" if died else None)] * (hi - lo)
+            outcomes.extend(result.value if result.error is None else failed)
         out = []
         for e, (value, why, lost) in zip(ids, outcomes, strict=True):
             if why is not None and lost is None and endpoint.served_errors(e):
