@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from recipes.quickstart import write_jsonl
-from recipes.quickstart_tools import CONFIGS, chat_tokenizer, fine_tune
+from recipes.quickstart_tools import CONFIGS, chat_tokenizer, fine_tune, finished
 
 SUMMARY = "quickstart_coding.json"
 RIGHT_SHARE = 0.3  # how often the sloppy coder writes the fix (else it writes the file back unchanged)
@@ -66,14 +66,7 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
 
     settings = {"method": "coding", "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
     done = out / SUMMARY
-    if done.exists():
-        summary = json.loads(done.read_text())
-        if summary["settings"] != settings:
-            from core.errors import UserError
-
-            raise UserError(f"{out} holds a coding quickstart with other settings ({summary['settings']})")
-        print(f"the coding quickstart in {out} is complete ({done}); its result:")
-        report(summary)
+    if finished(done, settings, report):
         return 0
     start = time.perf_counter()
     data = out / "data"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from recipes import quickstart
@@ -125,14 +126,7 @@ def main(
 
     settings = {"method": method, "seed": seed, "grpo_steps": grpo_steps, "sft_steps": sft_steps}
     done = out / f"quickstart_{method}.json"
-    if done.exists():
-        summary = json.loads(done.read_text())
-        if summary["settings"] != settings:
-            from core.errors import UserError
-
-            raise UserError(f"{out} holds a {method} quickstart with other settings ({summary['settings']})")
-        print(f"the {method} quickstart in {out} is complete ({done}); its result:")
-        report(summary)
+    if finished(done, settings, report):
         return 0
     start = time.perf_counter()
     data = out / "data"
@@ -167,6 +161,23 @@ def main(
     report(result)
     done.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def finished(done: Path, settings: dict, report: Callable[[dict], None]) -> bool:
+    """Whether the quickstart whose summary is `done` is complete (its result printed again); one that ran with
+    other settings is refused, not overwritten."""
+    if not done.exists():
+        return False
+    summary = json.loads(done.read_text())
+    if summary["settings"] != settings:
+        from core.errors import UserError
+
+        raise UserError(
+            f"{done.parent} holds a {settings['method']} quickstart with other settings ({summary['settings']})"
+        )
+    print(f"the {settings['method']} quickstart in {done.parent} is complete ({done}); its result:")
+    report(summary)
+    return True
 
 
 def chat_tokenizer(out: Path, chats: list[dict], tools: list) -> str:

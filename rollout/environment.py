@@ -18,8 +18,8 @@ to append (tool results, a user turn), an optional reward, whether the episode i
 
 State is a value, not an object's memory: it travels with each call and back (it must pickle), so any worker can
 take any step and a worker that dies loses nothing; an environment whose state is a worker's memory says so
-(`EnvStart.pinned`) and its episode's steps all go to that worker. (A checkpoint stores finished steps; the episodes in flight are
-sampled again by a resumed run.)
+(`EnvStart.pinned`) and its episode's steps all go to that worker. (A checkpoint stores finished steps; the
+episodes in flight are sampled again by a resumed run.)
 An environment is built once per worker from its spec and `agent.environment_kwargs`. `reset` and `step` run in
 the worker pool (`rewards.pool.WorkerPool.call`) under `agent.env_timeout_s`: an environment that raises, hangs,
 kills its worker or returns something that is not an `EnvStart` / `EnvReply` fails that episode (it trains on
