@@ -224,7 +224,10 @@ class WorkerPool:
         while queue or running:
             for worker in list(idle):
                 at = self._workers.index(worker)
-                pick = next((j for j in queue if calls[j].worker in (None, at)), None)
+                # the first call pinned to this worker (it can run nowhere else), else the first call for any
+                pick = next((j for j in queue if calls[j].worker == at), None)
+                if pick is None:
+                    pick = next((j for j in queue if calls[j].worker is None), None)
                 if pick is None:
                     continue
                 idle.remove(worker)

@@ -105,3 +105,10 @@ class FlakyEnvironment:
         if state.get("flaky") == "raise":
             raise ValueError(f"cannot read {turn.content!r} as a move")
         return EnvReply(done=True, reward=1.0, state=state)
+
+
+class WhereAmI:
+    """Says which process runs it (a worker of the pool)."""
+
+    def pid(self) -> int:
+        return os.getpid()

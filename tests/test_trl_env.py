@@ -227,3 +227,27 @@ def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path)
     assert max(m["agent/calculator/reward"] for m in seen) > 0  # the class's get_reward, read at the answer
     assert seen[0]["mismatch/logp_gap_max"] < 1e-4, seen[0]
     assert any(m["grad_norm"] > 0 for m in seen)
+
+
+def test_the_pool_runs_a_pinned_call_on_its_worker_and_says_where_each_ran():
+    """`rewards.pool.Call.worker`: pinned calls run on that worker, unpinned ones anywhere; each result names its
+    worker; a worker the pool does not have is an error, not a hang."""
+    from rewards.pool import Call
+
+    def where(worker=None):
+        return Call("environment", "tests.reward_plugins:WhereAmI", {}, "pid", (), worker=worker)
+
+    pool = WorkerPool(2)
+    try:
+        calls = [where(1), where(), where(1), where(0), where(1), where()]
+        results = pool.call(calls, timeout=30.0)
+        pids = {r.worker: r.value for r in results if r.error is None}
+        assert set(pids) == {0, 1} and pids[0] != pids[1]
+        for call, result in zip(calls, results, strict=True):
+            assert result.error is None and result.value == pids[result.worker]
+            if call.worker is not None:
+                assert result.worker == call.worker
+        (missing,) = pool.call([where(5)], timeout=30.0)
+        assert missing.error is not None and "no worker 5" in missing.error
+    finally:
+        pool.close()
