@@ -1,7 +1,7 @@
 """Environment classes written for TRL's `environment_factory`, used unchanged (`rollout/trl_env.py`): their public
 methods are the tools, `reset(**row)`'s observation joins the prompt, `get_reward()` is the episode's reward; the
-instance travels between the worker pool's processes; on the JAX sampler a scripted model's calls run on it; a
-mapping routes each row to its environment (TRL-style or Temper's); GRPO trains over one on vLLM."""
+instance stays in the worker that built it (the pool runs its episode's steps there); a mapping routes each row to
+its environment (TRL-style or Temper's); GRPO trains over one on vLLM."""
 
 from __future__ import annotations
 
@@ -91,17 +91,6 @@ def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
     assert local.step(done.state, ParsedTurn("Done.", "Done.")).done and len(local.kept) == 1
     local.release(cut.state)
     assert local.kept == {}
-
-
-@pytest.mark.integration
-def test_a_scripted_model_calls_a_trl_class_s_tool_on_the_jax_sampler(tmp_path):
-    """The calculator as a TRL-style class (`tests.trl_envs:Calculator`) on a real sampler: a scripted model calls
-    it every turn (Qwen2.5's template, Hermes calls); each call runs on the episode's instance and its result comes
-    back as a `tool` message between the turns, untrained."""
-    from tests.test_agent_run import calculator_episodes
-
-    episodes, _ = calculator_episodes(tmp_path, "tests.trl_envs:Calculator")
-    assert [e.tool_calls for e in episodes] == [3, 3]  # each episode's instance ran its three calls
 
 
 def test_trl_classes_are_told_from_temper_environments_by_how_reset_takes_the_row():
