@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grpo_step import trl_python  # noqa: E402
+from recipes.quickstart_tools import AGENT_OVERRIDE  # noqa: E402
 
 DEMO = ROOT / "runs" / "quickstart_tools"
 REWARDS = ROOT / "bench" / "bench_rewards.py"
-AGENT = "recipes.calculator_agent:run"
 
 
 def temper_step(
@@ -81,7 +81,7 @@ def temper_step(
             f"reward.functions=[{{fn: '{REWARDS}:{args.reward}'}}]",
             "rl.accuracy_fn=null",
             *([f"compile.cache_dir={cache}"] if cache else []),
-            *([f"rl.agent={{program: '{AGENT}', tool_parser: hermes}}"] if agent == "program" else []),
+            *([AGENT_OVERRIDE] if agent == "program" else []),
         ],
         schema=PostTrainConfig,
     )

@@ -181,8 +181,9 @@ class AgentConfig(Section):
     # Episodes running at once (None: every episode of the step). With vLLM each runs on its own: its next turn is a
     # new request as soon as the environment answered, beside the other episodes' turns (continuous batching).
     max_concurrency: int | None = Field(None, gt=0)
-    # An episode whose environment failed (its reset or a step raised, hung, or answered something unusable) is
-    # started again from its row this many times before it fails: dropping it would bias its group's baseline.
+    # An episode that failed outside the model (its environment's reset failed, a step hung or killed its worker;
+    # an agent program or command timed out, or the endpoint's sampler failed its call) is started again from its
+    # row this many times before it fails: dropping it would bias its group's baseline.
     retries: int = Field(1, ge=0)
     # An agent written against an OpenAI client in place of an environment (rollout/agent_program.py): a coroutine
     # `async def run(row, client)` named as reward functions are; each episode under `program_timeout_s`.

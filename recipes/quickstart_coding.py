@@ -18,13 +18,12 @@ and plotted (`quickstart_coding.png`). A finished stage is not redone; a finishe
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 
 from recipes.quickstart import write_jsonl
-from recipes.quickstart_tools import CONFIGS, chat_tokenizer, fine_tune, finished
+from recipes.quickstart_tools import CONFIGS, chat_tokenizer, conclude, fine_tune, finished
 
 SUMMARY = "quickstart_coding.json"
 RIGHT_SHARE = 0.3  # how often the sloppy coder writes the fix (else it writes the file back unchanged)
@@ -111,29 +110,17 @@ def main(out: Path, seed: int, grpo_steps: int | None = None, sft_steps: int | N
         "window": window,
         "turns": rows[-1].get("agent/turns"),
         "minutes": (time.perf_counter() - start) / 60,
-        "plot": plot(rates, out / "quickstart_coding.png"),
+        "plot": plot(out),
     }
-    print()
-    report(result)
-    done.write_text(json.dumps(result, indent=2))
-    return 0
+    return conclude(done, result, report)
 
 
-def plot(rates: list[float], path: Path) -> str:
-    import matplotlib
+def plot(out: Path) -> str:
+    """The pass rate of each GRPO step's sampled episodes, as logged (`core.metrics.plot_curves`)."""
+    from core.metrics import plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(rates) + 1), [100 * x for x in rates], marker=".", color="#228833")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("pass rate of the sampled episodes (%)")
-    ax.set_title("Fixing one-line bugs in the sandbox, a tiny model")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = out / "quickstart_coding.png"
+    plot_curves(out / "grpo", keys=("reward/environment/mean",), out=str(path.absolute()), ylabel="pass rate")
     return str(path.absolute())
 
 

@@ -114,7 +114,8 @@ ARMS = {
     "tools": (("tool", "with the calculator", "tools"), ("no_tool", "without it", None)),
     "agent": (("program", "the openai-client agent", "program"),),
 }
-AGENT = "recipes.calculator_agent:run"
+# The calculator agent written against the `openai` client as a run's episodes (the agent demo, bench/agent_step.py).
+AGENT_OVERRIDE = "rl.agent={program: 'recipes.calculator_agent:run', tool_parser: hermes}"
 COLORS = {"tool": "#4477aa", "no_tool": "#aa4444", "program": "#228833"}
 
 
@@ -131,8 +132,9 @@ def main(
     start = time.perf_counter()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
+    stages = 3 + len(ARMS[method])
 
-    print("== 1/5 problems (reasoning-gym, offline): 3- and 4-digit sums and differences", flush=True)
+    print(f"== 1/{stages} problems (reasoning-gym, offline): 3- and 4-digit sums and differences", flush=True)
     sft_rows, rl_rows = split_problems(4000, 3000)
     rng = random.Random(seed)
     tools = [tool_schema(calculator)]
@@ -140,12 +142,11 @@ def main(
     sft = write_jsonl(data / "sft.jsonl", chats)
     rl = write_jsonl(data / "rl.jsonl", [{k: r[k] for k in ("question", "answer", "metadata")} for r in rl_rows])
 
-    print("== 2/5 tokenizer (ChatML with tool calls)", flush=True)
+    print(f"== 2/{stages} tokenizer (ChatML with tool calls)", flush=True)
     tokenizer = chat_tokenizer(out, chats, tools)
-    print("== 3/5 fine-tuning on the sloppy agent's traces (from a random init)", flush=True)
+    print(f"== 3/{stages} fine-tuning on the sloppy agent's traces (from a random init)", flush=True)
     fine_tune(out, "tools_sft.yml", sft, tokenizer, seed, sft_steps)
     arms = {}
-    stages = 3 + len(ARMS[method])
     for i, (name, label, rollouts) in enumerate(ARMS[method]):
         print(f"== {4 + i}/{stages} GRPO {label}", flush=True)
         arms[name] = grpo_arm(out, name, rollouts, rl, tokenizer, seed, grpo_steps)
@@ -157,10 +158,7 @@ def main(
         "minutes": (time.perf_counter() - start) / 60,
         "plot": str(plot),
     }
-    print()
-    report(result)
-    done.write_text(json.dumps(result, indent=2))
-    return 0
+    return conclude(done, result, report)
 
 
 def finished(done: Path, settings: dict, report: Callable[[dict], None]) -> bool:
@@ -178,6 +176,14 @@ def finished(done: Path, settings: dict, report: Callable[[dict], None]) -> bool
     print(f"the {settings['method']} quickstart in {done.parent} is complete ({done}); its result:")
     report(summary)
     return True
+
+
+def conclude(done: Path, result: dict, report: Callable[[dict], None]) -> int:
+    """A quickstart's result printed and saved as its summary `done` (what `finished` reads back)."""
+    print()
+    report(result)
+    done.write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def chat_tokenizer(out: Path, chats: list[dict], tools: list) -> str:
@@ -226,7 +232,7 @@ def grpo_arm(out: Path, name: str, rollouts: str | None, rl: str, tokenizer: str
     if rollouts is None:
         overrides.append("rl.agent=null")
     elif rollouts == "program":  # the agent runs its own turns (up to 3) and the calculator
-        overrides.append(f"rl.agent={{program: '{AGENT}', tool_parser: hermes}}")
+        overrides.append(AGENT_OVERRIDE)
     cfg = load_config(CONFIGS / "tools_grpo.yml", overrides, schema=PostTrainConfig)
     if cfg.train.steps % cfg.train.eval_every:  # an evaluation on the last step, whatever the step count
         cfg = load_config(CONFIGS / "tools_grpo.yml", [*overrides, f"train.eval_every={cfg.train.steps}"],

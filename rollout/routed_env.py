@@ -48,8 +48,6 @@ class RoutedEnvironment(Environment):
             )
         self.environments: dict[str, Any] = {}
         for name, spec in environments.items():
-            if isinstance(spec, dict):
-                raise ValueError(f"environment {name!r}: a mapping's entries are specs, not mappings")
             built_spec, built_kwargs = environment_spec(spec, dict(kwargs.get(name) or {}))
             self.environments[name] = resolve(built_spec, "environment")(**built_kwargs)
         self.column = column

@@ -49,7 +49,7 @@ from rollout.tools import tool_schema
 RESERVED = ("reset", "get_reward")
 
 
-def is_trl_environment(cls: Any) -> bool:  # cls: Any (a class of unknown shape)
+def is_trl_environment(cls: Any) -> bool:
     """A class with TRL's shape: not a Temper `Environment`, and a `reset` that takes the row as keywords (TRL calls
     `reset(**row)`; Temper's `reset(row)` takes it positionally). A TRL class may have a tool named `step`."""
     if not isinstance(cls, type) or issubclass(cls, Environment) or not callable(getattr(cls, "reset", None)):
@@ -71,47 +71,36 @@ class Kept:
     key: str
 
 
-@dataclass(frozen=True)
-class _Kind:
-    """One TRL-style class: its tools' names and schemas."""
-
-    cls: Any
-    schemas: dict[str, dict]
-
-
-def _kind(factory: str) -> _Kind:
-    cls: Any = resolve(factory, "environment")
-    if not is_trl_environment(cls):
-        raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
-    names = tool_methods(cls)
-    asynchronous = [n for n in [*names, *RESERVED] if inspect.iscoroutinefunction(getattr(cls, n, None))]
-    if asynchronous:
-        raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
-    return _Kind(cls, {n: tool_schema(getattr(cls, n)) for n in names})
-
-
 class TRLEnvironment(Environment):
     """A TRL-style class as a Temper environment (module docstring); built once per worker."""
 
     def __init__(self, factory: str, tool_timeout_s: float = 30.0):
-        self.kind, self.tool_timeout_s = _kind(factory), tool_timeout_s
-        self.kept: dict[str, Any] = {}  # the instances that do not pickle, by their episodes' keys
+        self.cls: Any = resolve(factory, "environment")
+        if not is_trl_environment(self.cls):
+            raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
+        names = tool_methods(self.cls)
+        asynchronous = [n for n in [*names, *RESERVED] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
+        if asynchronous:
+            raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
+        self.schemas = {n: tool_schema(getattr(self.cls, n)) for n in names}
+        self.tool_timeout_s = tool_timeout_s
+        self.kept: dict[str, Any] = {}  # the episodes' instances, by their keys
 
     def reset(self, row: dict) -> EnvStart:
-        instance = self.kind.cls()
+        instance = self.cls()
         observation = instance.reset(**row)
         content = str(row.get("prompt", ""))
         if observation is not None:
             content += str(observation)
         key = secrets.token_hex(8)
         self.kept[key] = instance  # kept here, its episode pinned to this worker (it may hold a socket, a client)
-        messages, tools = [{"role": "user", "content": content}], list(self.kind.schemas.values())
+        messages, tools = [{"role": "user", "content": content}], list(self.schemas.values())
         return EnvStart(messages, tools, state=Kept(key), pinned=True)
 
     def step(self, state: Kept, turn: ParsedTurn) -> EnvReply:
         instance = self._instance(state)
-        functions = {name: getattr(instance, name) for name in self.kind.schemas}
-        reply = tool_calls_reply(turn, functions, self.kind.schemas, self.tool_timeout_s, state)
+        functions = {name: getattr(instance, name) for name in self.schemas}
+        reply = tool_calls_reply(turn, functions, self.schemas, self.tool_timeout_s, state)
         if reply is not None:
             return reply
         reward = getattr(instance, "get_reward", None)
@@ -124,9 +113,7 @@ class TRLEnvironment(Environment):
 
     def _instance(self, state: Kept) -> Any:
         if state.key not in self.kept:
-            raise StateLost(
-                f"this worker no longer keeps the episode's {self.kind.cls.__name__} (restarted or resumed)"
-            )
+            raise StateLost(f"this worker no longer keeps the episode's {self.cls.__name__} (restarted or resumed)")
         return self.kept[state.key]
 
 

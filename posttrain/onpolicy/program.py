@@ -56,13 +56,13 @@ class ProgramRollouts:
         self.cfg, self.agent, self.pool, self.has_functions = cfg, agent, pool, has_functions
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
-        self.kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
+        kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
         assert spec is not None
-        self.runner = (RUNNERS[self.kind], {self.kind: spec, "timeout_s": agent.program_timeout_s})
+        self.runner = (RUNNERS[kind], {kind: spec, "timeout_s": agent.program_timeout_s})
         try:
-            check_program(spec) if self.kind == "program" else command_argv(spec)
+            check_program(spec) if kind == "program" else command_argv(spec)
         except Exception as err:
-            raise ConfigError(f"rl.agent.{self.kind}={spec!r}: {err}") from None
+            raise ConfigError(f"rl.agent.{kind}={spec!r}: {err}") from None
         check_tool_parser(self.parsers)
 
     def run(self, rows: Sequence[dict], params: SamplingParams, samplers: Samplers) -> Rolled:
@@ -97,8 +97,8 @@ class ProgramRollouts:
         return Rolled([e.completion() for e in episodes], episodes)
 
     def _attempt(self, endpoint: Endpoint, starts: list[dict], which: list[int], retried: list[list[str]]) -> list:
-        """One attempt at the episodes `which`, each on its own base URL: (its segments, value, why it failed,
-        whether that was from outside the model) each, in order."""
+        """One attempt at the episodes `which`, each on its own base URL: (its segments, value, why it failed, the
+        cause where that was outside the model: `posttrain.onpolicy.agent.RETRY_CAUSES`) each, in order."""
         # unguessable: the endpoint has no authentication, only its loopback address and these ids
         ids = [f"episode-{i}-{secrets.token_hex(8)}" for i in which]
         # the request's seed (restored on resume) with the episode's index: a resumed run draws what the stopped
