@@ -57,13 +57,14 @@ class GRPOMethod(PolicyGradient):
     clipped policy-gradient update."""
 
     name = "GRPO"
+    trains_segments = True
 
     def check(self, cfg: PostTrainConfig) -> None:
         check_config(cfg)
 
     def from_samples(self, cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepData:
         assert scored.rewards is not None  # GRPO has reward functions (checked)
-        adv = step_advantages(cfg, scored.rewards, scored.completions)
+        adv = step_advantages(cfg, scored.rewards, scored.completions, earlier_segments(scored))
         rounds = 1
         if cfg.rl.batch.dynamic_sampling:
             scored, adv, rounds = refill(cfg, scored, adv, ctx.more)
@@ -73,7 +74,8 @@ class GRPOMethod(PolicyGradient):
             "sampling_rounds": float(rounds),
             **adv.normalized,
         }
-        return StepData(rl_batch(cfg, scored.completions, adv, ctx.row_len, ctx.row_multiple), scored, metrics)
+        batch = rl_batch(cfg, scored.completions, adv, ctx.row_len, ctx.row_multiple, earlier=earlier_segments(scored))
+        return StepData(batch, scored, metrics)
 
     def example_batch(self, cfg: PostTrainConfig, row_multiple: int) -> RLBatch:
         """`train.compile_only`: the first mini-batch of an `RLBatch` built as `from_samples` builds it, of
@@ -138,4 +140,9 @@ def refill(
         correct,
         episodes,
     )
-    return kept, step_advantages(cfg, rewards, kept.completions), rounds
+    return kept, step_advantages(cfg, rewards, kept.completions, earlier_segments(kept)), rounds
+
+
+def earlier_segments(scored: Scored) -> list[list[Completion]] | None:
+    """Each episode's trajectories before its last (an agent that rewrote its history), None for single turns."""
+    return None if scored.episodes is None else [e.earlier for e in scored.episodes]

@@ -74,6 +74,11 @@ class Episode:
     final_text: str = ""  # the last assistant turn's text (what reward functions score)
     policy_version: int = 0  # of its first turn
     retried: list[str] = field(default_factory=list)  # each earlier attempt's cause (agent.RETRY_CAUSES)
+    environment: str | None = None  # the environment of a mapping its row chose (`rollout.routed_env`)
+    # Trajectories of the same episode before this one, in the order they started: an agent that rewrote its history
+    # through the endpoint (`rollout.recording`: each segment a trajectory). A method that trains them gives each the
+    # episode's advantage (`posttrain.onpolicy.rl_batch.with_segments`).
+    earlier: list[Completion] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -97,9 +102,15 @@ class Episode:
         )
 
     def record(self) -> dict:
-        """What a checkpoint keeps of a finished episode (`Episode(**record)` rebuilds it): everything but the
-        environment's state, which ends with the episode."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "state"}
+        """What a checkpoint keeps of a finished episode, as JSON values (`from_record` rebuilds it): everything but
+        the environment's state, which ends with the episode."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "state"}
+        out["earlier"] = [c.record() for c in self.earlier]
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict) -> Episode:
+        return cls(**{**record, "earlier": [Completion.from_record(c) for c in record.get("earlier", [])]})
 
     def _append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
         self.token_ids.extend(int(t) for t in ids)

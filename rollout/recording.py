@@ -19,7 +19,7 @@ a step, a search) **forks** it, and the fork shares the segment's tokens up to t
 new segment from the template's rendering of its messages: the agent rewrote, summarised or dropped history,
 edited a reply, changed the tools, or continues a turn that was cut at its token limit (no stop token to continue
 after). Each segment is trained as a trajectory of its own (the model's tokens carry their log-probs, the
-template's tokens are context).
+template's tokens are context); the one the latest reply went to (`Segment.replied`) is the episode's last.
 
 Messages are compared by role, text and tool calls (name and parsed arguments), not by ids or field order: a
 client that echoes the reply as `message.model_dump()` or as a dict of its own extends the segment alike.
@@ -90,6 +90,7 @@ class Segment:
     turns: int = 0
     final_text: str = ""
     policy_version: int = 0
+    replied: int = 0  # the episode's count of replies when this segment got its latest (the last: the episode's)
 
     @property
     def ids(self) -> list[int]:
@@ -135,6 +136,7 @@ class Recorder:
         self.tokenizer = tokenizer
         self.segments: list[Segment] = []
         self.closed = False  # finished: a call still in flight records nothing more
+        self.replies = 0  # replies recorded, in every segment
         self._lock = threading.Lock()
 
     def close(self) -> list[Segment]:
@@ -221,6 +223,8 @@ class Recorder:
             segment.logprobs += logprobs
             segment.messages = [*call.messages, canonical(reply)]
             segment.turns += 1
+            self.replies += 1
+            segment.replied = self.replies
             segment.cut = not stopped
             segment.final_text = parsed.content
             if stopped:

@@ -33,6 +33,18 @@ async def never_calls(row, client):
     return 1.0
 
 
+async def summarises(row, client):
+    """Two calls, the second extending the first, then a third from a summary of them (the history rewritten): two
+    segments, the last reply in the second; the reward: the last reply's length modulo 5."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="temper", messages=messages, max_tokens=32)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    summary = [{"role": "user", "content": f"{row['prompt']} (You have answered twice.) Go on."}]
+    reply = await client.chat.completions.create(model="temper", messages=summary, max_tokens=32)
+    return float(len(reply.choices[0].message.content or "") % 5)
+
+
 async def rewrites(row, client):
     """Two calls whose second does not extend the first (a summary of the history): two segments."""
     await client.chat.completions.create(model="temper", messages=[{"role": "user", "content": row["prompt"]}])

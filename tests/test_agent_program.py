@@ -40,19 +40,21 @@ def _cfg(tmp_path, program: str, *overrides: str):
 @pytest.mark.integration
 @pytest.mark.serial
 def test_grpo_trains_on_what_an_openai_client_agents_calls_sampled_on_vllm(tmp_path):
-    """Each episode is `chatter`: three calls through its own base URL, the replies sent back as the client got
-    them, on the vLLM sampler on Ray (float32). The trajectory is one segment of three turns (the user turns
-    between them as context), its reward the program's; GRPO steps on it. Token in / token out: the trainer's
-    log-prob of every token the model wrote equals the one vLLM returned with it (a re-rendered reply, or the user
-    turns' tokens counted as the model's, would not)."""
+    """Each episode is `summarises`: three calls through its own base URL on the vLLM sampler on Ray (float32), the
+    second extending the first (the reply sent back as the client got it, then a user turn), the third from a summary
+    of them: two segments, both trained, with the episode's advantage (the program's reward). Token in / token out:
+    the trainer's log-prob of every token the model wrote, in both segments, equals the one vLLM returned with it (a
+    re-rendered reply, the user turns' tokens counted as the model's, or a segment packed behind another's context
+    would not)."""
     from posttrain.grpo import GRPO
     from tests.helpers import step_metrics
 
-    seen = step_metrics(_cfg(tmp_path, "chatter", "rollout.sampler=vllm", "rollout.dtype=float32"), GRPO, on_ray=True)
+    cfg = _cfg(tmp_path, "summarises", "rollout.sampler=vllm", "rollout.dtype=float32")
+    seen = step_metrics(cfg, GRPO, on_ray=True)
     print({k: v for k, v in seen[-1].items() if k.startswith(("agent/", "mismatch/", "reward/"))})
     assert len(seen) == 2
     for m in seen:
-        assert m["agent/failed"] == 0 and m["agent/turns"] == 3.0, m
+        assert m["agent/failed"] == 0 and m["agent/turns"] == 3.0 and m["agent/segments"] == 2.0, m
         assert m["agent/env_tokens"] > 0 and m["agent/model_tokens"] > 0
         assert np.isfinite(m["reward/agent/mean"]) and np.isfinite(m["loss"])
     assert seen[0]["mismatch/logp_gap_max"] < 1e-4, seen[0]  # step 1 samples on the weights the trainer holds
@@ -95,12 +97,61 @@ def test_a_program_that_makes_no_call_or_returns_nothing_to_score_fails_its_epis
     assert raised.finish == "failed" and raised.error == "the program raised ValueError: x"
 
 
-def test_a_program_that_rewrites_its_history_fails_its_episode(tmp_path):
-    """`rewrites` makes a second call that does not extend its first (a summary of the history): two segments, and
-    training several trajectories of one episode is not built, so the episode fails, named (its group is dropped
-    from the loss as any failed episode's is)."""
-    episodes = _program_episodes(tmp_path, "rewrites", [{"question": "What is 1 + 1?"}], 2)
-    assert all(e.finish == "failed" and "formed 2 segments" in e.error for e in episodes), [e.error for e in episodes]
+def test_an_episode_whose_agent_rewrote_its_history_is_its_segments(tmp_path):
+    """`rewrites` makes a second call that does not extend its first (a summary of the history): the episode is two
+    trajectories, the second (the last reply's) its own and the first in `earlier`, each the tokens of its call, the
+    episode's calls counted across both. A method that trains one trajectory per episode (PPO, on-policy
+    distillation) fails such an episode, named; a checkpoint keeps the earlier segments."""
+    from rollout.episodes import Episode
+
+    rows = [{"question": "What is 1 + 1?"}]
+    episodes = _program_episodes(tmp_path, "rewrites", rows, 2)
+    for e in episodes:
+        assert e.finish == "done" and e.turns == 2 and e.rewards == [1.0], (e.finish, e.error)
+        (first,) = e.earlier
+        assert sum(first.sampled) > 0 and sum(e.sampled) > 0
+        assert first.prompt_ids != e.prompt_ids  # the rewritten history's rendering, not a continuation
+        again = Episode.from_record(e.record())
+        assert again.earlier == e.earlier and again.token_ids == e.token_ids
+    one = _program_episodes(tmp_path, "rewrites", rows, 2, segments=False)
+    assert all(e.finish == "failed" and "formed 2 segments" in e.error and not e.earlier for e in one)
+
+
+def test_an_episodes_segments_train_with_its_advantage_in_its_packing_group():
+    """`with_segments` and the batch it makes: episode 1's earlier segments go just before it, in its packing group,
+    with its advantage and flags; the groups are padded with empty sequences to one count (its trajectories times a
+    power of two); every model token of every segment is a loss token with the episode's advantage, and a failed
+    episode's segments none. Without earlier segments the lists come back as they were."""
+    from core.config_loader import load_config
+    from posttrain.advantages import Advantages
+    from posttrain.config import PostTrainConfig
+    from posttrain.onpolicy.policy_gradient import mini_batch, rl_batch
+    from posttrain.onpolicy.rl_batch import with_segments
+    from rollout.sampler import Completion
+
+    def traj(k: int) -> Completion:  # prompt k, then a model token, an environment's, a model token
+        return Completion([k, k + 1], [k + 2, 9, k + 3], [-1.0] * 3, "stop", "", sampled=[True, False, True])
+
+    c = [traj(10 * i) for i in range(4)]
+    earlier = [[], [traj(50), traj(60)], [], [traj(70)]]
+    values = np.array([1.0, -2.0, 3.0, -4.0], np.float32)
+    keep = np.array([True, True, True, False])
+    out, adv, (flags,) = with_segments(c, earlier, values, [keep], groups=2)
+    assert len(out) == 8  # group 0 holds 4 sequences, group 1 holds 3: both padded to 2 x 2
+    assert out[:4] == [c[0], earlier[1][0], earlier[1][1], c[1]]
+    assert out[4:7] == [c[2], earlier[3][0], c[3]] and out[7].token_ids == [] and out[7].prompt_ids == [0]
+    assert adv.tolist() == [1.0, -2.0, -2.0, -2.0, 3.0, -4.0, -4.0, 0.0]
+    assert flags.tolist() == [True, True, True, True, True, False, False, False]
+    same, same_adv, (same_keep,) = with_segments(c, [[]] * 4, values, [keep], groups=2)
+    assert same == c and same_adv.tolist() == values.tolist() and same_keep.tolist() == keep.tolist()
+
+    cfg = load_config("recipes/configs/grpo_tiny.yml", ["rl.batch.mini_batches=2"], schema=PostTrainConfig)
+    batch = rl_batch(cfg, c, Advantages(values, keep, keep, 0, 0), row_len=64, row_multiple=1, earlier=earlier)
+    mask, token_adv = np.asarray(batch.loss_mask), np.asarray(batch.advantages)
+    assert mask.shape[0] == 8 and mask.sum(axis=1).tolist() == [2, 2, 2, 2, 2, 0, 0, 0]
+    assert (token_adv * mask).sum(axis=1).tolist() == [2.0, -4.0, -4.0, -4.0, 6.0, 0.0, 0.0, 0.0]
+    first = mini_batch(batch, 0, 2)  # mini-batch 0 is episode 0 and 1's four sequences, whole
+    assert np.asarray(first.loss_mask).sum() == 8 and np.asarray(first.packed.target_ids)[1, 0] == 52
 
 
 @pytest.mark.parametrize(
@@ -161,9 +212,11 @@ def test_what_counts_as_a_failure_outside_the_model():
     assert not lost(status(400)) and not lost(ValueError("the agent's bug"))
 
 
-def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrides: str, wrap=lambda t: t):
+def _program_episodes(
+    tmp_path, program: str, rows: list[dict], n: int, *overrides: str, wrap=lambda t: t, segments: bool = True
+):
     """`ProgramRollouts.run` of `rows` (`n` episodes each) on the JAX sampler's slots (`wrap`ped), with a worker pool
-    of one."""
+    of one; `segments`: the method trains an episode's several trajectories."""
     from types import SimpleNamespace
 
     from core.chat_template import turn_stop_ids
@@ -181,7 +234,7 @@ def _program_episodes(tmp_path, program: str, rows: list[dict], n: int, *overrid
     samplers = SimpleNamespace(turns=lambda k: wrap(SlotTurns(sampler, slots=4)))
     pool = WorkerPool(1)
     try:
-        rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False)
+        rollouts = ProgramRollouts(cfg, cfg.data.tokenizer_dir, pool, has_functions=False, segments=segments)
         params = SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=0, stop_token_ids=turn_stop_ids(tok))
         episodes = rollouts.run(rows, params, samplers).episodes  # type: ignore[arg-type]
     finally:

@@ -109,7 +109,8 @@ def test_a_mapping_routes_each_row_to_its_environment_by_its_column():
     its `reset` gets the row without the routing field, each step goes to it with its own state, and a row naming
     no known environment fails its episode, named. The metrics split by environment. Kwargs under a name the
     mapping does not have are refused when the environment is built (at start)."""
-    from posttrain.onpolicy.agent import episode_metrics
+    from posttrain.onpolicy.agent import environment_of, episode_metrics
+    from posttrain.rl_config import AgentConfig
     from rollout.coding_env import coding_tasks
     from rollout.episodes import Episode
 
@@ -144,7 +145,14 @@ def test_a_mapping_routes_each_row_to_its_environment_by_its_column():
             EnvironmentRunner(spec, {"coder": {"wall_s": 7}}, pool, timeout_s=30.0).check()
     finally:
         pool.close()
-    episodes = [Episode(r, turns=t, finish=f) for r, t, f in zip(rows, (2, 1, 1, 0), ("done",) * 3 + ("failed",))]
+    # the metrics split by the environment each row chose, whatever the routing column is called
+    agent = AgentConfig(environment=spec, environment_kwargs={"column": "env"})
+    renamed = [{"env" if k == "environment" else k: v for k, v in r.items()} for r in rows]
+    episodes = [
+        Episode(r, turns=t, finish=f, environment=environment_of(r, agent))
+        for r, t, f in zip(renamed, (2, 1, 1, 0), ("done",) * 3 + ("failed",))
+    ]
+    assert environment_of(rows[0], AgentConfig(environment="tools")) is None
     m = episode_metrics(episodes)
     assert (m["agent/counter/turns"], m["agent/calculator/turns"], m["agent/chess/failed"]) == (2.0, 1.0, 1.0)
     assert m["agent/coding/turns"] == 1.0

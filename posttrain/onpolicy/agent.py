@@ -31,6 +31,7 @@ from core.data import load_tokenizer
 from posttrain.config import PostTrainConfig
 from posttrain.onpolicy.prompts import prompt_text
 from posttrain.onpolicy.rollouts import Rolled, Samplers
+from posttrain.rl_config import AgentConfig
 from rewards.pool import WorkerPool
 from rewards.runner import RewardBatch
 from rollout.environment import EnvironmentRunner
@@ -87,6 +88,8 @@ class AgentRollouts:
             turns, self.env, self.tokenizer, starts, self.limits, params, self.parsers, self.agent.max_concurrency,
             retries=self.agent.retries,
         )  # fmt: skip
+        for e in episodes:
+            e.environment = environment_of(e.row, self.agent)
         return Rolled([e.completion() for e in episodes], episodes)
 
     def rewards(self, rolled: Rolled, scored: RewardBatch | None) -> RewardBatch:
@@ -96,6 +99,14 @@ class AgentRollouts:
         gamma = self.agent.discount
         values = [sum(r * gamma**t for t, r in enumerate(e.rewards)) for e in episodes]
         return with_episode_rewards(scored, "environment", episodes, values)
+
+
+def environment_of(row: dict, agent: AgentConfig) -> str | None:
+    """The environment a row chose in a mapping of environments (its routing column, `environment_kwargs.column`);
+    None with one environment."""
+    if not isinstance(agent.environment, dict):
+        return None
+    return str(row.get(agent.environment_kwargs.get("column", "environment")))
 
 
 def check_tool_parser(parsers: ToolParsers) -> None:
@@ -124,13 +135,12 @@ RETRY_CAUSES = ("reset", "step", "lost", "timeout", "engine", "worker")
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Turns, tool calls and errors per trajectory, truncated and failed shares, environment time, and the tokens
-    each source wrote (the model's, the environment's) per trajectory; and, where rows name their environment (a
-    mapping of TRL-style classes), turns, failures and environment reward per environment."""
+    """Turns, tool calls and errors per episode, truncated and failed shares, environment time, the tokens each
+    source wrote (the model's, the environment's) and the trajectories (segments) per episode; and, in a mapping of
+    environments, turns, failures and environment reward per environment (`Episode.environment`)."""
     out = _episode_metrics(episodes)
-    named = sorted({str(e.row["environment"]) for e in episodes if isinstance(e.row.get("environment"), str)})
-    for name in named:
-        mine = [e for e in episodes if e.row.get("environment") == name]
+    for name in sorted({e.environment for e in episodes if e.environment is not None}):
+        mine = [e for e in episodes if e.environment == name]
         out[f"agent/{name}/turns"] = sum(e.turns for e in mine) / len(mine)
         out[f"agent/{name}/failed"] = sum(e.finish == "failed" for e in mine) / len(mine)
         out[f"agent/{name}/reward"] = sum(sum(e.rewards) for e in mine) / len(mine)
@@ -139,8 +149,10 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 
 def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     n = max(1, len(episodes))
-    model = sum(sum(e.sampled) for e in episodes)
-    tokens = sum(len(e.sampled) for e in episodes)
+    # an episode's trajectories: its earlier segments (`Episode.earlier`), then its own
+    flags = [c.sampled or () for e in episodes for c in e.earlier] + [e.sampled for e in episodes]
+    model = sum(sum(f) for f in flags)
+    tokens = sum(len(f) for f in flags)
     return {
         "agent/turns": sum(e.turns for e in episodes) / n,
         "agent/tool_calls": sum(e.tool_calls for e in episodes) / n,
@@ -150,6 +162,7 @@ def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "agent/env_s": sum(e.env_seconds for e in episodes),
         "agent/model_tokens": model / n,
         "agent/env_tokens": (tokens - model) / n,
+        "agent/segments": len(flags) / n,  # trajectories per episode (an agent that rewrote its history)
         # attempts started again because they failed outside the model (rl.agent.retries), per trajectory, by cause
         **{f"agent/retries/{c}": sum(e.retried.count(c) for e in episodes) / n for c in RETRY_CAUSES},
     }

@@ -41,6 +41,10 @@ class SampleContext:
 class SamplingMethod(Method[B]):
     """A method whose batches come from the samplers (module docstring)."""
 
+    # Whether it trains every trajectory of an episode whose agent rewrote its history through the endpoint
+    # (`Episode.earlier`, each with the episode's advantage); a method that does not fails such an episode, counted.
+    trains_segments: bool = False
+
     def row_length(self, cfg: PostTrainConfig) -> int:
         """Tokens per packed trainer row: `rl.batch.pack_length`, else `rollout.max_model_len` (a prompt and its
         completions fit in it, the prompt once)."""

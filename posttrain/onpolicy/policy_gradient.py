@@ -16,7 +16,7 @@ pass up front. Its statistics come back typed (`PolicyStats`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -39,7 +39,7 @@ from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.correction import CorrectionSettings
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.method import SamplingMethod
-from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch, with_segments
 from rewards.runner import RewardBatch, function_names
 from rollout.sampler import Completion
 
@@ -250,42 +250,52 @@ def rl_batch(
     row_len: int,
     row_multiple: int,
     choose_rows: Callable[[int], int] | None = None,
+    earlier: Sequence[Sequence[Completion]] | None = None,
 ) -> RLBatch:
     """The trainer's packed batch: one packing group per optimizer mini-batch x micro-batch, row counts a multiple
-    of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled)."""
+    of the trainer's data-parallel size (`row_multiple`; `choose_rows` reuses row counts already compiled).
+    `earlier`: per completion, the trajectories of its episode before it (`Episode.earlier`), trained with its
+    advantage (`rl_batch.with_segments`)."""
     rl = cfg.rl
+    groups = rl.batch.mini_batches * cfg.train.micro_batches
+    values, keep, trainable = adv.values, adv.keep, adv.trainable
+    if earlier is not None and any(earlier):
+        completions, values, (keep, trainable) = with_segments(completions, earlier, values, [keep, trainable], groups)
     # An episode that failed before it had a prompt (an environment's reset, an agent program that never called the
     # model) holds no token; its group is dropped (keep False), so one pad token keeps its place in the layout.
     completions = [
-        c if c.prompt_ids or keep else dataclasses.replace(c, prompt_ids=[0], token_ids=[], logprobs=[], sampled=None)
-        for c, keep in zip(completions, adv.keep, strict=True)
+        c if c.prompt_ids or k else dataclasses.replace(c, prompt_ids=[0], token_ids=[], logprobs=[], sampled=None)
+        for c, k in zip(completions, keep, strict=True)
     ]
     if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
         longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
         row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)
     return build_rl_batch(
         completions,
-        adv.values,
-        adv.keep,
+        values,
+        keep,
         row_len=row_len,
         max_tokens=completion_tokens(cfg),
-        groups=rl.batch.mini_batches * cfg.train.micro_batches,
+        groups=groups,
         row_multiple=row_multiple,
         pack=rl.batch.pack_sequences,
         share_prompts=rl.batch.share_prompts,
         mask_truncated=rl.loss.mask_truncated,
         choose_rows=choose_rows,
-        kl_keep=adv.trainable if rl.loss.kl_every_token else None,
+        kl_keep=trainable if rl.loss.kl_every_token else None,
         replay=rl.router_replay == "replay",
     )
 
 
 def step_advantages(
-    cfg: PostTrainConfig, rewards: RewardBatch, completions: list[Completion] | None = None
+    cfg: PostTrainConfig,
+    rewards: RewardBatch,
+    completions: list[Completion] | None = None,
+    earlier: Sequence[Sequence[Completion]] | None = None,
 ) -> Advantages:
     """A step's advantages by `rl.advantage` (`posttrain.advantages`: the estimator on the summed rewards, or
-    GDPO's normalised sum); `completions` give the batch estimators their token weights (each one's trained
-    tokens)."""
+    GDPO's normalised sum); `completions` (with their `earlier` segments) give the batch estimators their token
+    weights (each episode's trained tokens)."""
     rl = cfg.rl
     settings = advantage_settings(cfg)
     if settings.aggregation == "normalize_then_sum":
@@ -294,9 +304,15 @@ def step_advantages(
         return normalized_advantages(rewards.values, weights, rl.batch.num_generations, settings.std_eps)
     tokens = None
     if completions is not None:
-        tokens = np.array([sum(c.sampled) if c.sampled is not None else len(c.token_ids) for c in completions])
+        before = earlier if earlier is not None else [()] * len(completions)
+        tokens = np.array([sum(map(trained_tokens, [*e, c])) for c, e in zip(completions, before, strict=True)])
         tokens = np.maximum(tokens, 1)
     return group_advantages(rewards.total, rl.batch.num_generations, settings.estimator, settings.std_eps, tokens)
+
+
+def trained_tokens(c: Completion) -> int:
+    """The tokens of a completion its policy term can count: the model's (an environment's are context)."""
+    return sum(c.sampled) if c.sampled is not None else len(c.token_ids)
 
 
 def advantage_settings(cfg: PostTrainConfig) -> AdvantageSettings:

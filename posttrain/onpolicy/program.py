@@ -17,12 +17,17 @@ could not reach the endpoint or the endpoint's sampler failed one of its calls (
 `.../engine`, when the episode then failed, whatever the agent made of the error), its worker died or overran its
 deadline (`.../worker`). What the failed attempt sampled is not trained on.
 
+An agent that rewrote its history (a call that does not extend an earlier one: `rollout.recording`) made an episode
+of several segments, each a trajectory: the one its last reply is in is the episode's (`Episode`), the others its
+`earlier` ones, which GRPO trains as sequences of their own with the episode's advantage
+(`posttrain.onpolicy.rl_batch.with_segments`); `agent/segments` counts them. A method that trains one trajectory
+per episode (`SamplingMethod.trains_segments` False: PPO, on-policy distillation) fails such an episode, named.
+
 Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
 score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
 functions. An episode fails (counted in `agent/failed`, its group dropped from the loss as a failed reward's is)
 when the program raises, times out (`rl.agent.program_timeout_s`), returns something else, makes no call, or
-returns None in a run without reward functions; and, for now, when its calls form more than one segment (the
-agent rewrote its history): training several trajectories of one episode is not built yet.
+returns None in a run without reward functions.
 """
 
 from __future__ import annotations
@@ -50,10 +55,14 @@ RUNNERS = {"program": "rollout.agent_program:ProgramRunner", "command": "rollout
 
 
 class ProgramRollouts:
-    def __init__(self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool, has_functions: bool):
+    def __init__(
+        self, cfg: PostTrainConfig, tokenizer_dir: str, pool: WorkerPool, has_functions: bool, segments: bool = True
+    ):
+        """`segments`: the method trains an episode's several trajectories (`SamplingMethod.trains_segments`)."""
         agent = cfg.rl.agent
         assert agent is not None and agent.runs_agents
         self.cfg, self.agent, self.pool, self.has_functions = cfg, agent, pool, has_functions
+        self.segments = segments
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
         kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
@@ -127,22 +136,24 @@ class ProgramRollouts:
     def _episode(self, row: dict, segments: list[Segment], value: object, why: str | None) -> Episode:
         e = Episode(row)
         if segments:
-            s = segments[-1]
+            s = max(segments, key=lambda s: s.replied)  # the one the last reply went to: the episode's
             e.prompt_ids, e.token_ids, e.sampled, e.logprobs = s.prompt_ids, s.token_ids, s.sampled, s.logprobs
-            e.turns, e.final_text, e.policy_version = s.turns, s.final_text, s.policy_version
+            e.final_text, e.policy_version = s.final_text, s.policy_version
+            e.turns = s.replied  # the episode's calls, in every segment
             e.tool_calls = sum(len(m.called) for m in s.marks)
-        e.finish = "length" if segments and segments[-1].cut else "done"
+            e.earlier = [t.completion() for t in segments if t is not s]
+            e.finish = "length" if s.cut else "done"
         if why is None and not segments:
             why = "the program made no call to the model"
-        elif why is None and len(segments) > 1:
+        elif why is None and e.earlier and not self.segments:
             why = (
-                f"its calls formed {len(segments)} segments (the agent rewrote its history); training several "
-                "trajectories of one episode is not built yet"
+                f"its calls formed {len(segments)} segments (the agent rewrote its history), and the run's method "
+                "trains one trajectory per episode (GRPO trains them all)"
             )
         elif why is None and value is None and not self.has_functions:
             why = "the program returned None and the run has no reward.functions to score the episode"
         if why is not None:
-            e.finish, e.error = "failed", why
+            e.finish, e.error, e.earlier = "failed", why, []  # what a failed episode sampled trains nothing
         elif value is not None:
             e.rewards = [float(sum(value.values())) if isinstance(value, dict) else float(value)]  # type: ignore[arg-type]
         return e

@@ -21,6 +21,10 @@ the prompt's hidden states do not depend on what follows). Per completion token 
 Sequences are packed in `groups` contiguous groups (one per optimizer mini-batch x micro-batch), each into the
 same number of rows, so that cutting every array into `groups` equal slices along its first axis gives
 self-contained micro-batches.
+
+An episode whose agent rewrote its history through the endpoint is several trajectories (`Episode.earlier`, then its
+last): `with_segments` puts its earlier ones before it in its packing group, each a sequence of its own with the
+episode's advantage, and pads every group to one count of sequences.
 """
 
 from __future__ import annotations
@@ -156,6 +160,43 @@ def build_rl_batch(
             loss_mask[i, :n] = own
         kl_mask[i, :n] = loss_mask[i, :n] if kl_keep is None else float(bool(kl_keep[i])) * own
     return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
+
+
+def with_segments(
+    completions: Sequence[Completion],
+    earlier: Sequence[Sequence[Completion]],
+    advantages: np.ndarray,
+    flags: Sequence[np.ndarray],
+    groups: int,
+    pad_id: int = 0,
+) -> tuple[list[Completion], np.ndarray, list[np.ndarray]]:
+    """Each trajectory's `earlier` segments (of the same episode, in the order they started) just before it, in its
+    packing group, each with its advantage (`advantages`: one value per trajectory) and its `flags` (per trajectory:
+    keep, kl_keep), so that a segment trains as the episode's last trajectory does. Every group is padded with empty
+    sequences (a pad token, no target, flags False) to one count: its trajectories times the smallest power of two
+    that holds the group with the most segments, so that the trainer compiles for few batch sizes (a sequence's
+    count is part of the step's shape; an empty one costs a position). With no earlier segment, the same lists."""
+    b = len(completions)
+    if b % groups:
+        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
+    if len(earlier) != b:
+        raise ValueError(f"earlier segments for {len(earlier)} of {b} trajectories")
+    per_group = b // groups
+    order = [[(i, k) for i in range(g * per_group, (g + 1) * per_group) for k in range(len(earlier[i]) + 1)]
+             for g in range(groups)]  # fmt: skip
+    most = max(len(group) for group in order)
+    size = per_group * (1 << (-(-most // per_group) - 1).bit_length())  # per_group x a power of two >= most
+    empty = Completion([pad_id], [], [], "stop", "")
+    out: list[Completion] = []
+    values: list[float] = []
+    picked: list[list[bool]] = [[] for _ in flags]
+    for group in order:
+        for i, k in group + [(-1, 0)] * (size - len(group)):
+            out.append(empty if i < 0 else (earlier[i][k] if k < len(earlier[i]) else completions[i]))
+            values.append(0.0 if i < 0 else float(advantages[i]))
+            for f, flag in zip(picked, flags, strict=True):
+                f.append(i >= 0 and bool(flag[i]))
+    return out, np.asarray(values, np.float32), [np.asarray(f, bool) for f in picked]
 
 
 def row_routes(rows: PackedRows, grouped: list[list[list[int]]], completions: Sequence[Completion]) -> np.ndarray:

@@ -103,7 +103,9 @@ def build_sampler_run(cfg: PostTrainConfig, method: SamplingMethod) -> Run:
         # Multi-turn rollouts: the environment, tool parser and template are checked here, before Ray starts.
         rollouts: Rollouts = SingleTurn(rl)
         if rl.agent is not None and rl.agent.runs_agents:
-            rollouts = ProgramRollouts(cfg, tokenizer_dir, rewards.pool, bool(rewards.functions))
+            rollouts = ProgramRollouts(
+                cfg, tokenizer_dir, rewards.pool, bool(rewards.functions), method.trains_segments
+            )
         elif rl.agent is not None:
             rollouts = AgentRollouts(cfg, tokenizer_dir, rewards.pool)
         if cfg.rollout.sampler == "vllm":

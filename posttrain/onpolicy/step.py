@@ -115,7 +115,7 @@ def restored_position(meta: dict, stream: PromptStream) -> tuple[int, int, list[
             done(
                 Rolled(
                     [Completion.from_record(c) for c in f["completions"]],
-                    None if f.get("episodes") is None else [Episode(**e) for e in f["episodes"]],
+                    None if f.get("episodes") is None else [Episode.from_record(e) for e in f["episodes"]],
                 )
             ),
         )
