@@ -230,9 +230,10 @@ def _begin(episode: Episode, start: EnvStart | EnvFailure, tokenizer: Any, limit
     except ChatTemplateError as err:
         episode.finish, episode.error = "failed", f"the start of the episode cannot be rendered: {err}"
         return
-    if episode.length >= limits.total_tokens:
+    if episode.length >= limits.total_tokens:  # it never starts: it holds no token (none would fit a trainer's row)
         episode.finish = "failed"
         episode.error = f"the prompt takes {episode.length} tokens of rollout.max_model_len={limits.total_tokens}"
+        episode.prompt_ids = []
 
 
 def _again(failed: Episode, cause: str) -> Episode:

@@ -302,6 +302,12 @@ def test_an_episode_holds_the_prompt_the_models_tokens_and_the_tools_replies_and
         assert cut.finish == cut_long.finish == "length" and cut.length == cut_long.length == room, (cut, cut_long)
         assert len(scripted.requests) == 2 and len({r[1].max_tokens for r in scripted.requests}) == 2
         assert len({r[1].seed for r in scripted.requests}) == 2
+        # A prompt that does not fit never starts: failed, named, holding no token (no trainer row could hold it)
+        limits = EpisodeLimits(4, 200, len(episode.prompt_ids))
+        (too_long,) = run_episodes(
+            LockstepTurns(scripted), env, tok, [long_row], limits, params, ToolParsers("hermes", tok)
+        )
+        assert too_long.finish == "failed" and "the prompt takes" in too_long.error and too_long.prompt_ids == []
     finally:
         pool.close()
 

@@ -193,6 +193,35 @@ def test_an_episode_that_failed_before_its_prompt_keeps_its_place_in_the_batch()
     assert mask[:2].sum() == 4 and mask[2:].sum() == 0
 
 
+def test_on_policy_distillation_trains_nothing_of_a_failed_episode():
+    """Both of on-policy distillation's batches (the sampled-token loss's and GKD's) hold a failed episode as one pad
+    token, whether it failed before its prompt (no token at all) or part way (a partial trajectory): no target, no
+    loss token; the others train on every model token."""
+    from core.config_loader import load_config
+    from posttrain.config import PostTrainConfig
+    from posttrain.distill.onpolicy import gkd_batch, sampled_batch
+    from posttrain.onpolicy.method import SampleContext
+    from posttrain.onpolicy.step import Scored
+    from rollout.episodes import Episode
+    from rollout.sampler import Completion
+
+    cfg = load_config(
+        "recipes/configs/distill_tiny.yml",
+        ["rl.batch.num_generations=2", "rl.batch.prompts_per_step=2", "distill.lmbda=1.0"],
+        schema=PostTrainConfig,
+    )
+    ok = Completion([5, 6], [7, 8, 9], [-1.0] * 3, "stop", "", sampled=[True, False, True])
+    partial = Completion([5, 6], [7, 8], [-1.0] * 2, "stop", "", sampled=[True, False])
+    empty = Completion([], [], [], "stop", "")
+    done, failed = Episode({}, finish="done"), Episode({}, finish="failed", error="its environment raised")
+    scored = Scored([{}, {}], [ok, partial, empty, ok], None, None, [done, failed, failed, done])
+    ctx = SampleContext(1, 64, 1, None, lambda: scored)
+    mask = np.asarray(sampled_batch(cfg, scored, ctx).batch.loss_mask)
+    assert mask.sum(axis=1).tolist() == [2, 0, 0, 2]
+    targets = np.asarray(gkd_batch(cfg, scored, ctx).batch.packed.target_mask)
+    assert targets.sum(axis=1).tolist() == [2, 0, 0, 2]
+
+
 def test_what_counts_as_a_failure_outside_the_model():
     """`lost`: the endpoint unreachable or answering 5xx (an engine failed) is retried; a refusal (4xx) or the
     agent's own exception is not."""

@@ -50,6 +50,9 @@ def test_staleness_check_refuses_old_completions():
     assert check_staleness(batch, 5, 2) == 2
     with pytest.raises(StalenessError, match="version 3 reached the trainer at version 5: 2 > rl.off_policy_steps=1"):
         check_staleness(batch, 5, 1)
+    # an episode that failed before its first turn was never sampled: it has no version to be stale by
+    never = Completion([], [], [], "stop", "", policy_version=0)
+    assert check_staleness([*batch, never], 5, 2) == 2 and check_staleness([never], 5, 0) == 0
 
 
 def run_until(cmd, env, run_dir, checkpoint, step, timeout_s=400):

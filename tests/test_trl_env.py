@@ -173,14 +173,8 @@ def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path)
     from posttrain.grpo import GRPO
     from rollout.coding_env import coding_tasks
     from tests.helpers import step_metrics
-    from tests.test_agent_run import calling_agent, scripted_model
 
-    tok, _, (start, body, end) = calling_agent(tmp_path)
-    from core.chat import chat_prompt_ids
-
-    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
-    successors = [(header, start), (start, body), (body, end), (end, tok.eos_token_id), (header, tok.eos_token_id)]
-    model = scripted_model(tmp_path / "model8", tok, "qwen2", successors, scale=10.0)
+    tok, model = _calls_or_answers(tmp_path)
     rows = [{"prompt": "What is 12 + 30?", "environment": "calculator"}] * 8
     rows += [{**r, "environment": "coding"} for r in coding_tasks(8, seed=0)]
     rows = [r for pair in zip(rows[:8], rows[8:], strict=True) for r in pair]  # alternating: both in every step
@@ -224,6 +218,50 @@ def test_grpo_trains_on_a_trl_class_and_the_coding_environment_on_vllm(tmp_path)
     assert max(m["agent/calculator/reward"] for m in seen) > 0  # the class's get_reward, read at the answer
     assert seen[0]["mismatch/logp_gap_max"] < 1e-4, seen[0]
     assert any(m["grad_norm"] > 0 for m in seen)
+
+
+def _calls_or_answers(tmp_path):
+    """Qwen2.5's template with Hermes calls, and a scripted model that, at a generation prompt, calls the calculator
+    or answers at once, about as often (temperature 1 on logits of 10): (the tokenizer, the model's directory)."""
+    from core.chat import chat_prompt_ids
+    from tests.test_agent_run import calling_agent, scripted_model
+
+    tok, _, (start, body, end) = calling_agent(tmp_path)
+    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
+    successors = [(header, start), (start, body), (body, end), (end, tok.eos_token_id), (header, tok.eos_token_id)]
+    return tok, scripted_model(tmp_path / "model8", tok, "qwen2", successors, scale=10.0)
+
+
+@pytest.mark.integration
+def test_a_run_over_a_trl_class_killed_mid_step_restarts_its_episodes_and_redoes_the_step(tmp_path):
+    """`python -m recipes.grpo` over `CountingCalculator` (its instances live in the pool's workers, never pickled) on
+    the JAX sampler, SIGKILLed with its workers one step after checkpoint 2 (step 4's episodes running), then the
+    same command again: the instances are gone with the workers, and nothing of them is in the checkpoint (it holds
+    finished steps), so the resumed run starts step 3's episodes afresh from their rows, on fresh instances, with
+    the request's seed it restored: step 3 logs what it logged before the kill (loss, the class's rewards, calls,
+    turns)."""
+    import sys
+
+    from tests.test_grpo_e2e import assert_redone_steps_match, kill_9_and_resume
+
+    tok, model = _calls_or_answers(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    data.write_text((json.dumps({"prompt": "What is 12 + 30?"}) + "\n") * 8)
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "recipes.grpo", "recipes/configs/grpo_tiny.yml",
+        f"run.run_dir={run_dir}", f"checkpoint.init_from={model}", f"data.tokenizer_dir={tok.name_or_path}",
+        f"data.source={data}", "data.eval_fraction=0", "rl.prompt_template='{prompt}'",
+        "rollout.sampler=jax", "rollout.max_tokens=8", "rollout.max_model_len=1024",
+        "train.steps=4", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
+        "rl.batch.prompts_per_step=2", "rl.batch.num_generations=4", "reward.functions=[]", "rl.accuracy_fn=null",
+        "rl.agent={environment: 'tests.trl_envs:CountingCalculator', max_turns: 3}",
+    ]  # fmt: skip
+    before_kill, after = kill_9_and_resume(cmd, run_dir, steps=4)
+    keys = ("loss", "reward/mean", "agent/tool_calls", "agent/turns", "agent/failed", "agent/model_tokens")
+    assert_redone_steps_match(before_kill, after, 2, keys=keys)
+    assert all(m["agent/failed"] == 0 for m in after)
+    assert len({m["reward/mean"] for m in after}) > 1 and any(m["agent/tool_calls"] > 0 for m in after)
 
 
 def test_the_pool_runs_a_pinned_call_on_its_worker_and_says_where_each_ran():

@@ -54,7 +54,7 @@ from posttrain.frozen import FrozenModel
 from posttrain.losses.distill import reverse_kl_advantages
 from posttrain.onpolicy.method import SampleContext
 from posttrain.onpolicy.policy_gradient import PolicyGradient, completion_tokens, step_advantages
-from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch, placeholder
 from posttrain.onpolicy.step import Scored, StepData
 from rollout.sampler import Completion, sample_seed
 
@@ -228,12 +228,13 @@ def gkd_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepD
     step: the same on resume), else the dataset's completions of the same prompts."""
     d, rl = cfg.distill, cfg.rl
     on_policy = bool(np.random.default_rng(sample_seed(cfg.run.seed, ctx.step)).random() < d.lmbda)
+    trains = trained_episodes(scored)
     if not on_policy:
         scored = Scored(scored.rows, dataset_completions(cfg, scored, ctx.tokenizer), None, None)
     packed = build_rl_batch(
-        scored.completions,
+        [c if t else placeholder(c) for c, t in zip(scored.completions, trains, strict=True)],
         np.zeros(len(scored.completions), np.float32),
-        np.ones(len(scored.completions), bool),
+        trains,
         row_len=ctx.row_len,
         max_tokens=completion_tokens(cfg),
         groups=cfg.train.micro_batches,  # GKD makes one update a step, accumulated over the micro-batches
@@ -242,6 +243,13 @@ def gkd_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepD
     ).packed
     batch = DistillBatch(packed, **schedules(d, ctx.step - 1, cfg.train.steps, packed.target_ids.shape[0]))
     return StepData(batch, scored, {"on_policy": float(on_policy)})
+
+
+def trained_episodes(scored: Scored) -> np.ndarray:
+    """[N] bool: which completions train (all but failed episodes: a partial trajectory, or none at all)."""
+    if scored.episodes is None:
+        return np.ones(len(scored.completions), bool)
+    return np.array([e.finish != "failed" for e in scored.episodes])
 
 
 def dataset_completions(cfg: PostTrainConfig, scored: Scored, tokenizer) -> list[Completion]:
@@ -268,11 +276,13 @@ def sampled_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> S
         adv = step_advantages(cfg, scored.rewards, completions)
         reward = d.reward_weight * np.asarray(adv.values, np.float32)
         metrics["zero_variance_groups"] = float(adv.zero_variance_groups)
+    trains = trained_episodes(scored)
+    completions = [c if t else placeholder(c) for c, t in zip(completions, trains, strict=True)]
     advantages = [np.full(len(c.token_ids), reward[i], np.float32) for i, c in enumerate(completions)]
     batch = build_rl_batch(
         completions,
         advantages,
-        np.ones(len(completions), bool),
+        trains,
         row_len=ctx.row_len,
         max_tokens=completion_tokens(cfg),
         groups=cfg.rl.batch.mini_batches * cfg.train.micro_batches,

@@ -86,8 +86,9 @@ class StalenessError(RuntimeError):
 
 
 def check_staleness(completions: list[Completion], trainer_version: int, bound: int) -> int:
-    """The largest staleness in the batch; raises if it exceeds `bound`."""
-    worst = max(trainer_version - c.policy_version for c in completions)
+    """The largest staleness in the batch; raises if it exceeds `bound`. A completion that holds no token (an episode
+    that failed before its first turn) was never sampled, so it has no policy version to be stale by."""
+    worst = max([trainer_version - c.policy_version for c in completions if c.token_ids], default=0)
     if worst > bound:
         raise StalenessError(
             f"a completion from policy version {trainer_version - worst} reached the trainer at "

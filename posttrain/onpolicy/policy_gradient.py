@@ -15,7 +15,6 @@ pass up front. Its statistics come back typed (`PolicyStats`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
@@ -39,7 +38,7 @@ from posttrain.frozen import FrozenModel, LogprobPass, grouped_logprobs
 from posttrain.losses.correction import CorrectionSettings
 from posttrain.losses.policy import PolicyLossSettings, PolicyTerms, policy_loss
 from posttrain.onpolicy.method import SamplingMethod
-from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch, with_segments
+from posttrain.onpolicy.rl_batch import RLBatch, build_rl_batch, placeholder, with_segments
 from rewards.runner import RewardBatch, function_names
 from rollout.sampler import Completion
 
@@ -263,10 +262,7 @@ def rl_batch(
         completions, values, (keep, trainable) = with_segments(completions, earlier, values, [keep, trainable], groups)
     # An episode that failed before it had a prompt (an environment's reset, an agent program that never called the
     # model) holds no token; its group is dropped (keep False), so one pad token keeps its place in the layout.
-    completions = [
-        c if c.prompt_ids or k else dataclasses.replace(c, prompt_ids=[0], token_ids=[], logprobs=[], sampled=None)
-        for c, k in zip(completions, keep, strict=True)
-    ]
+    completions = [c if c.prompt_ids or k else placeholder(c) for c, k in zip(completions, keep, strict=True)]
     if not rl.batch.pack_sequences:  # one sequence per row: rows as long as the longest, to a power of two
         longest = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
         row_len = min(max(16, 1 << (longest - 1).bit_length()), row_len)

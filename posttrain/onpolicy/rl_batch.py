@@ -162,6 +162,12 @@ def build_rl_batch(
     return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
 
 
+def placeholder(c: Completion, pad_id: int = 0) -> Completion:
+    """An episode that trains nothing and holds no token (its reset failed, its prompt did not fit, its agent never
+    called the model) as one pad token: it keeps its place in the batch's layout."""
+    return dataclasses.replace(c, prompt_ids=[pad_id], token_ids=[], logprobs=[], sampled=None)
+
+
 def with_segments(
     completions: Sequence[Completion],
     earlier: Sequence[Sequence[Completion]],
