@@ -75,9 +75,9 @@ class Episode:
     policy_version: int = 0  # of its first turn
     retried: list[str] = field(default_factory=list)  # each earlier attempt's cause (agent.RETRY_CAUSES)
     environment: str | None = None  # the environment of a mapping its row chose (`rollout.routed_env`)
-    # Trajectories of the same episode before this one, in the order they started: an agent that rewrote its history
-    # through the endpoint (`rollout.recording`: each segment a trajectory). A method that trains them gives each the
-    # episode's advantage (`posttrain.onpolicy.rl_batch.with_segments`).
+    # The episode's other trajectories, in the order they started (this one is the segment its last reply went to):
+    # an agent that rewrote its history through the endpoint (`rollout.recording`: each segment a trajectory). A
+    # method that trains them gives each the episode's advantage (`posttrain.onpolicy.rl_batch.with_segments`).
     earlier: list[Completion] = field(default_factory=list)
 
     @property

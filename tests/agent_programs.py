@@ -53,6 +53,18 @@ async def rewrites(row, client):
     return 1.0
 
 
+async def returns_to_first(row, client):
+    """A call, a call from a rewritten history (a second segment), then a call continuing the first conversation: the
+    episode's last reply is in the first segment."""
+    first = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(model="temper", messages=first, max_tokens=32)
+    summary = [{"role": "user", "content": "Earlier you answered. " + row["prompt"]}]
+    await client.chat.completions.create(model="temper", messages=summary, max_tokens=32)
+    again = [*first, reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    await client.chat.completions.create(model="temper", messages=again, max_tokens=32)
+    return 1.0
+
+
 def not_async(row, client):
     return 1.0
 

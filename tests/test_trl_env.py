@@ -235,11 +235,11 @@ def _calls_or_answers(tmp_path):
 @pytest.mark.integration
 def test_a_run_over_a_trl_class_killed_mid_step_restarts_its_episodes_and_redoes_the_step(tmp_path):
     """`python -m recipes.grpo` over `CountingCalculator` (its instances live in the pool's workers, never pickled) on
-    the JAX sampler, SIGKILLed with its workers one step after checkpoint 2 (step 4's episodes running), then the
+    the JAX sampler, SIGKILLed with its workers (its process group) once step 3 is logged after checkpoint 2, then the
     same command again: the instances are gone with the workers, and nothing of them is in the checkpoint (it holds
-    finished steps), so the resumed run starts step 3's episodes afresh from their rows, on fresh instances, with
-    the request's seed it restored: step 3 logs what it logged before the kill (loss, the class's rewards, calls,
-    turns)."""
+    finished steps), so the resumed run starts step 3's episodes afresh from their rows, in new workers, with the
+    request's seed it restored: step 3 logs what it logged before the kill (loss, the class's rewards, calls,
+    turns), and no episode fails."""
     import sys
 
     from tests.test_grpo_e2e import assert_redone_steps_match, kill_9_and_resume

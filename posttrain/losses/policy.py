@@ -36,7 +36,7 @@ does (m = max(mask, kl_mask)); n_i = sum_t m_it:
 
     token-mean                     sum_it loss / sum_it m           (counted tokens in the whole batch)
     sequence-mean-token-mean       sum_i (sum_t loss / n_i) / #{i: n_i > 0}   (sequences with a counted token)
-    sequence-mean-token-sum-norm   sum_it loss / (B * max_tokens)   (Dr.GRPO: B = every sequence in the
+    sequence-mean-token-sum-norm   sum_it loss / (B * max_tokens)   (Dr.GRPO: B = every episode in the
                                    batch, counted or not, so the step size never depends on filtering)
 """
 
@@ -76,6 +76,9 @@ class PolicyLossSettings:
     kl_estimator: KLEstimator = "k3"
     loss_agg: LossAgg = "token-mean"
     max_tokens: int = 1  # Dr.GRPO's constant normaliser (the generation budget)
+    # Dr.GRPO's B per micro-batch: the episodes it holds (an agent's earlier segments and the empty sequences that pad
+    # them are not episodes, so the step size does not depend on them); None: its sequences
+    sequences: int | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -116,9 +119,12 @@ def importance_ratio(logp, old_logp, mask, algorithm: str) -> jax.Array:
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAgg, max_tokens: int) -> tuple[jax.Array, jax.Array]:
+def aggregate(
+    per_token: jax.Array, mask: jax.Array, mode: LossAgg, max_tokens: int, sequences: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(sum over the micro-batch, its share of the global denominator); see the module docstring.
-    `per_token` is already zero where `mask` (the counted tokens) is."""
+    `per_token` is already zero where `mask` (the counted tokens) is; `sequences`: Dr.GRPO's B (None: the rows of
+    `per_token`)."""
     lengths = mask.sum(axis=-1)  # [B]
     token_sums = per_token.sum(axis=-1)  # [B]
     if mode == "token-mean":
@@ -126,7 +132,8 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAgg, max_tokens: 
     if mode == "sequence-mean-token-mean":
         return (token_sums / jnp.maximum(lengths, 1.0)).sum(), (lengths > 0).sum().astype(jnp.float32)
     if mode == "sequence-mean-token-sum-norm":  # a constant: every sequence of the micro-batch, counted or not
-        return token_sums.sum(), jnp.asarray(per_token.shape[0] * max_tokens, jnp.float32)
+        b = per_token.shape[0] if sequences is None else sequences
+        return token_sums.sum(), jnp.asarray(b * max_tokens, jnp.float32)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -182,7 +189,7 @@ def policy_loss(
         per_token = per_token + settings.beta * kl * kl_mask
         counted = jnp.maximum(mask, kl_mask)
         kl_sum, kl_tokens = (kl * kl_mask).sum(), kl_mask.sum()
-    loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens)
+    loss_sum, denominator = aggregate(per_token, counted, settings.loss_agg, settings.max_tokens, settings.sequences)
     if settings.entropy_coef or settings.entropy_adaptive:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the policy's entropy")

@@ -104,9 +104,8 @@ class AgentRollouts:
 def environment_of(row: dict, agent: AgentConfig) -> str | None:
     """The environment a row chose in a mapping of environments (its routing column, `environment_kwargs.column`);
     None with one environment."""
-    if not isinstance(agent.environment, dict):
-        return None
-    return str(row.get(agent.environment_kwargs.get("column", "environment")))
+    name = row.get(agent.environment_kwargs.get("column", "environment"))
+    return None if not isinstance(agent.environment, dict) or name is None else str(name)
 
 
 def check_tool_parser(parsers: ToolParsers) -> None:

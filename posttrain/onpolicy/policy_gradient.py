@@ -71,7 +71,14 @@ def loss_settings(cfg: PostTrainConfig) -> PolicyLossSettings:
         kl_estimator=loss.kl_estimator,
         loss_agg=loss.loss_agg,
         max_tokens=completion_tokens(cfg),
+        sequences=episodes_per_micro_batch(cfg),
     )
+
+
+def episodes_per_micro_batch(cfg: PostTrainConfig) -> int:
+    """The episodes (completions) of a step's micro-batch, whatever segments and padding it holds besides."""
+    b = cfg.rl.batch
+    return b.prompts_per_step * b.num_generations // (b.mini_batches * cfg.train.micro_batches)
 
 
 @jax.tree_util.register_dataclass

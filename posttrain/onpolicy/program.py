@@ -21,7 +21,8 @@ An agent that rewrote its history (a call that does not extend an earlier one: `
 of several segments, each a trajectory: the one its last reply is in is the episode's (`Episode`), the others its
 `earlier` ones, which GRPO trains as sequences of their own with the episode's advantage
 (`posttrain.onpolicy.rl_batch.with_segments`); `agent/segments` counts them. A method that trains one trajectory
-per episode (`SamplingMethod.trains_segments` False: PPO, on-policy distillation) fails such an episode, named.
+per episode (`SamplingMethod.trains_segments` False: PPO, online DPO, on-policy distillation) fails such an episode,
+named.
 
 Rewards: the program's return value (a number, or a dict of named numbers, summed), plus the reward functions'
 score of the last reply when `reward.functions` are set; a program that returns None leaves the reward to the
@@ -138,7 +139,8 @@ class ProgramRollouts:
         if segments:
             s = max(segments, key=lambda s: s.replied)  # the one the last reply went to: the episode's
             e.prompt_ids, e.token_ids, e.sampled, e.logprobs = s.prompt_ids, s.token_ids, s.sampled, s.logprobs
-            e.final_text, e.policy_version = s.final_text, s.policy_version
+            e.final_text = s.final_text
+            e.policy_version = min(t.policy_version for t in segments)  # its oldest: what staleness is checked on
             e.turns = s.replied  # the episode's calls, in every segment
             e.tool_calls = sum(len(m.called) for m in s.marks)
             e.earlier = [t.completion() for t in segments if t is not s]

@@ -181,7 +181,8 @@ def with_segments(
     keep, kl_keep), so that a segment trains as the episode's last trajectory does. Every group is padded with empty
     sequences (a pad token, no target, flags False) to one count: its trajectories times the smallest power of two
     that holds the group with the most segments, so that the trainer compiles for few batch sizes (a sequence's
-    count is part of the step's shape; an empty one costs a position). With no earlier segment, the same lists."""
+    count is part of the step's shape; an empty one costs a position, or a row when sequences are not packed). With
+    no earlier segment, the same lists."""
     b = len(completions)
     if b % groups:
         raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
