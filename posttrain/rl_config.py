@@ -173,6 +173,9 @@ class AgentConfig(Section):
     environment: str | dict[str, str] | None = None
     environment_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str = "hermes"  # vLLM's parser for the family's tool calls (hermes: Qwen2.5 / Qwen3)
+    # vLLM's reasoning parser (qwen3, deepseek_r1, ...): the endpoint returns a reply's reasoning in `reasoning`, apart
+    # from its content, as vLLM's server does with --reasoning-parser (rollout/reasoning.py). None: all in content.
+    reasoning_parser: str | None = None
     max_turns: int = Field(4, gt=0)  # assistant turns a trajectory may take
     env_timeout_s: float = Field(30.0, gt=0.0)  # the longest one reset or step may take
     # Per-turn rewards from the environment, summed with this discount (1: a plain sum) and added to the reward
@@ -200,6 +203,11 @@ class AgentConfig(Section):
         if not isinstance(data, dict):
             return data
         drivers = [k for k in ("program", "command") if data.get(k) is not None]
+        if not drivers and data.get("reasoning_parser") is not None:
+            raise ValueError(
+                "rl.agent.reasoning_parser splits the replies of the endpoint an agent program or command calls: set "
+                "rl.agent.program or command, or leave it unset"
+            )
         if not drivers:
             return {**data, "environment": data.get("environment") or "tools"}
         if len(drivers) > 1:

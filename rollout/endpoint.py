@@ -17,7 +17,8 @@ and NeMo-Gym do; `/v1/models` also at the root):
   episode's recorded tokens plus the template's for the new messages, or a new segment); each choice is one turn
   on the run's samplers (`rollout.turn_pump`); its text is read by vLLM's tool parser for the family, and the
   reply carries OpenAI `tool_calls` (`finish_reason` `tool_calls`), the text outside them, and with `logprobs`
-  the sampler's log-prob of every token.
+  the sampler's log-prob of every token; with a reasoning parser (`rollout.reasoning`) its reasoning in `reasoning`
+  and the tool calls read from the content alone.
 - `POST .../completions`: a `prompt` (text, or token ids) continued as is, recorded as a segment of its own (or
   continuing one whose tokens it starts with).
 - `GET .../models`: the served model's name.
@@ -46,6 +47,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from core.chat_template import ChatTemplateError
+from rollout.reasoning import ReasoningSplitter
 from rollout.recording import Recorder, Segment
 from rollout.sampler import Completion, SamplingParams
 from rollout.tool_parsing import ParsedTurn, ToolParsers
@@ -110,8 +112,10 @@ class Endpoint:
         model: str = "temper",
         host: str = "127.0.0.1",
         port: int = 0,
+        reasoning: ReasoningSplitter | None = None,
     ):
-        self.tokenizer, self.parsers, self.params = tokenizer, parsers, params
+        """`reasoning`: splits each reply's reasoning from its content (`rl.agent.reasoning_parser`)."""
+        self.tokenizer, self.parsers, self.params, self.reasoning = tokenizer, parsers, params, reasoning
         self.max_model_len, self.model, self.host, self.port = max_model_len, model, host, port
         self.stop_ids = frozenset(params.stop_token_ids) | {tokenizer.eos_token_id}
         self.pump = TurnPump(turns)
@@ -265,8 +269,11 @@ class Endpoint:
             ids = list(out.token_ids)
             ended = bool(ids) and ids[-1] in self.stop_ids
             text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+            reasoning, text = self.reasoning.split(text) if self.reasoning is not None else (None, text)
             parsed = self.parsers.for_tools(tools).parse(text) if tools else ParsedTurn(text, text)
             message = recorder.record(call, out, parsed, ended=ended)
+            if reasoning is not None:  # vLLM's field, and the name older servers gave it
+                message = {**message, "reasoning": reasoning, "reasoning_content": reasoning}
             finish = (
                 "tool_calls" if message.get("tool_calls") else ("length" if out.finish_reason == "length" else "stop")
             )

@@ -210,6 +210,8 @@ def test_an_episodes_segments_train_with_its_advantage_in_its_packing_group():
         ("{program: 'tests.agent_programs:chatter', environment: tools}", "leave rl.agent.environment"),
         ("{command: 'no-such-agent --x'}", "rl.agent.command='no-such-agent --x': 'no-such-agent' is not an"),
         ("{program: 'tests.agent_programs:chatter', command: 'python a.py'}", "two ways to run the agent: set one"),
+        ("{program: 'tests.agent_programs:chatter', reasoning_parser: nope}", "unknown reasoning parser 'nope'"),
+        ("{environment: tools, reasoning_parser: qwen3}", "reasoning_parser splits the replies of the endpoint"),
     ],
 )
 def test_a_program_that_cannot_run_is_refused_at_start(tmp_path, agent, message):

@@ -17,7 +17,7 @@ from tests.test_agent_run import assert_completions_carry_the_samplers_log_probs
 TOOLS = [tool_schema(calculator)]
 
 
-def _endpoint(tok, path, max_model_len=2048, slots=4):
+def _endpoint(tok, path, max_model_len=2048, slots=4, reasoning=None):
     from core.chat_template import turn_stop_ids
     from core.hf.directory import load_hf
     from rollout.endpoint import Endpoint
@@ -28,7 +28,8 @@ def _endpoint(tok, path, max_model_len=2048, slots=4):
 
     sampler = JaxSampler(load_hf(path)[0], tok.name_or_path, max_model_len=max_model_len, seed=0)
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=5, stop_token_ids=turn_stop_ids(tok))
-    endpoint = Endpoint(SlotTurns(sampler, slots=slots), tok, ToolParsers("hermes", tok), params, max_model_len)
+    turns = SlotTurns(sampler, slots=slots)
+    endpoint = Endpoint(turns, tok, ToolParsers("hermes", tok), params, max_model_len, reasoning=reasoning)
     endpoint.start()
     return endpoint
 
@@ -127,6 +128,60 @@ def test_episodes_at_once_with_a_fork_train_on_the_samplers_own_log_probs(tmp_pa
         once = recorded[: len(recorded) - sum(fork.sampled[:shared])]  # without the fork's copy of the shared turn
         assert len(once) == len(returned[url]) and sorted(set(recorded)) == pytest.approx(sorted(set(returned[url])))
     assert_completions_carry_the_samplers_log_probs(completions, path, 1e-4)
+
+
+def test_a_reasoning_parser_returns_the_think_block_apart_and_the_episode_keeps_it(tmp_path):
+    """`rl.agent.reasoning_parser=qwen3` (vLLM's parser): a scripted model on Qwen3's template thinks, closes the think
+    block, then calls the calculator; the reply's `reasoning` (and `reasoning_content`) is the think block, its tool
+    call is read from the content, and its content holds no think tag. The agent sends the reply back as the client
+    got it (its reasoning included) with the tool's result: the second call continues the same segment, whose
+    sampled tokens are every token the model wrote, think blocks included (token in / token out)."""
+    import openai
+
+    from core.chat import chat_prompt_ids
+    from rollout.reasoning import ReasoningSplitter
+    from tests.chat_families import FAMILIES, chat_tokenizer
+    from tests.test_agent_run import CALL, scripted_model
+
+    spec = {**FAMILIES["qwen3"], "added": [*FAMILIES["qwen3"]["added"], "<tool_call>", "</tool_call>", CALL]}
+    tok = chat_tokenizer(tmp_path / "tokenizer", "qwen3", spec=spec)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<tool_call>", CALL, "</tool_call>")}
+    header = chat_prompt_ids(tok, [{"role": "user", "content": "What is 12 + 30?"}])[-1]
+    thought = tok.encode("Sum")[0]
+    chain = [header, ids["<think>"], thought, ids["</think>"], ids["<tool_call>"], ids[CALL], ids["</tool_call>"]]
+    successors = dict(zip(chain, [*chain[1:], tok.eos_token_id], strict=True))
+    path = scripted_model(tmp_path / "model", tok, "qwen2", successors)
+    endpoint = _endpoint(tok, path, reasoning=ReasoningSplitter("qwen3", tok))
+
+    async def agent(url: str) -> list:
+        client = openai.AsyncOpenAI(base_url=url, api_key="temper")
+        messages: list[dict] = [{"role": "user", "content": "What is 12 + 30?"}]
+        replies = []
+        for _ in range(2):
+            reply = await client.chat.completions.create(model="temper", messages=messages, tools=TOOLS)
+            message = reply.choices[0].message
+            replies.append(message)
+            (called,) = message.tool_calls
+            result = calculator(**json.loads(called.function.arguments))
+            messages += [
+                message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": called.id, "content": str(result)},
+            ]
+        return replies
+
+    try:
+        replies = asyncio.run(agent(endpoint.open("ep")))
+        segments = [s.completion() for s in endpoint.finish("ep")]
+    finally:
+        endpoint.close()
+    for message in replies:
+        extra = message.model_extra or {}
+        assert extra["reasoning"] == extra["reasoning_content"] == tok.decode([thought]), extra
+        assert "<think>" not in (message.content or "") and "</think>" not in (message.content or "")
+        assert message.tool_calls[0].function.name == "calculator"
+    (segment,) = segments  # the reply sent back with its reasoning continued the segment
+    sampled = [t for t, own in zip(segment.token_ids, segment.sampled, strict=True) if own]
+    assert sampled == [*chain[1:], tok.eos_token_id] * 2
 
 
 def test_what_the_endpoint_refuses(tmp_path_factory, tmp_path):

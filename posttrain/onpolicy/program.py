@@ -48,6 +48,7 @@ from rewards.runner import RewardBatch
 from rollout.agent_program import check_program, command_argv
 from rollout.endpoint import Endpoint
 from rollout.episodes import Episode
+from rollout.reasoning import ReasoningSplitter
 from rollout.recording import Segment
 from rollout.sampler import SamplingParams
 from rollout.tool_parsing import ToolParsers
@@ -66,6 +67,12 @@ class ProgramRollouts:
         self.segments = segments
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.parsers = ToolParsers(agent.tool_parser, self.tokenizer)
+        self.reasoning = None
+        if agent.reasoning_parser is not None:
+            try:
+                self.reasoning = ReasoningSplitter(agent.reasoning_parser, self.tokenizer)
+            except ValueError as err:
+                raise ConfigError(f"rl.agent.reasoning_parser: {err}") from None
         kind, spec = ("program", agent.program) if agent.program is not None else ("command", agent.command)
         assert spec is not None
         self.runner = (RUNNERS[kind], {kind: spec, "timeout_s": agent.program_timeout_s})
@@ -82,8 +89,9 @@ class ProgramRollouts:
         starts = [{**r, "prompt": prompt_text(r, self.cfg.rl)} for r in rows for _ in range(params.n)]
         turn = dataclasses.replace(params, n=1)
         endpoint = Endpoint(
-            samplers.turns(len(starts)), self.tokenizer, self.parsers, turn, self.cfg.rollout.max_model_len
-        )
+            samplers.turns(len(starts)), self.tokenizer, self.parsers, turn, self.cfg.rollout.max_model_len,
+            reasoning=self.reasoning,
+        )  # fmt: skip
         endpoint.start()
         retried: list[list[str]] = [[] for _ in starts]
         done: dict[int, tuple[list[Segment], object, str | None]] = {}
