@@ -252,7 +252,7 @@ def test_a_run_over_a_trl_class_killed_mid_step_restarts_its_episodes_and_redoes
         sys.executable, "-m", "recipes.grpo", "recipes/configs/grpo_tiny.yml",
         f"run.run_dir={run_dir}", f"checkpoint.init_from={model}", f"data.tokenizer_dir={tok.name_or_path}",
         f"data.source={data}", "data.eval_fraction=0", "rl.prompt_template='{prompt}'",
-        "rollout.sampler=jax", "rollout.max_tokens=8", "rollout.max_model_len=1024",
+        "rollout.sampler=jax", "rollout.max_tokens=8", "rollout.max_model_len=768",
         "train.steps=4", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
         "rl.batch.prompts_per_step=2", "rl.batch.num_generations=4", "reward.functions=[]", "rl.accuracy_fn=null",
         "rl.agent={environment: 'tests.trl_envs:CountingCalculator', max_turns: 3}",
