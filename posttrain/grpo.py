@@ -75,7 +75,7 @@ class GRPOMethod(PolicyGradient):
             **adv.normalized,
         }
         batch = rl_batch(cfg, scored.completions, adv, ctx.row_len, ctx.row_multiple, earlier=earlier_segments(scored))
-        # sequences the batch trains on: its completions, an agent's earlier segments each one (padding none)
+        # the batch's sequences with a target: its completions, an agent's earlier segments each one (padding none)
         metrics["sequences"] = float(np.asarray(batch.packed.target_mask).any(axis=1).sum())
         return StepData(batch, scored, metrics)
 

@@ -27,7 +27,8 @@ Sampling is the run's (`rollout.temperature`, `top_p`, `top_k`): the trainer sco
 temperature, so a client's `temperature` or `top_p` is not applied; each call that asked for another is counted
 (`overridden`). `max_tokens` is capped by the run's `rollout.max_tokens` and by the room left in
 `rollout.max_model_len`. Refused with a 400 and OpenAI's error body: `stream`, `top_logprobs`, a `tool_choice`
-that forces a call, a prompt with no room left, messages the template cannot render. An episode that is not open is
+that forces a call, `chat_template_kwargs` (e.g. `enable_thinking`: the template renders as it ships), a prompt with
+no room left, messages the template cannot render. An episode that is not open is
 a 404.
 """
 
@@ -71,6 +72,7 @@ class ChatRequest(BaseModel):
     top_logprobs: int | None = None
     seed: int | None = None
     stream: bool | None = None
+    chat_template_kwargs: dict | None = None  # refused: the run renders with the template as it ships
 
 
 class CompletionRequest(BaseModel):
@@ -254,6 +256,8 @@ class Endpoint:
         body = ChatRequest.model_validate(raw)
         if body.top_logprobs:
             raise Refused("top_logprobs is not supported: each token carries the sampler's own log-prob")
+        if body.chat_template_kwargs:
+            raise Refused("chat_template_kwargs is not supported: the run's template renders as it ships")
         choice = body.tool_choice if body.tool_choice is not None else "auto"
         if choice not in ("auto", "none"):
             raise Refused(f"tool_choice={choice!r} is not supported: auto or none (the sampler cannot force a call)")

@@ -7,8 +7,10 @@ with `--reasoning-parser` (`rl.agent.reasoning_parser`).
 The endpoint (`rollout.endpoint`) returns the reasoning in the assistant message's `reasoning` field (vLLM's name;
 `reasoning_content` too, the name older servers used and many agents read) and reads tool calls from the content
 alone. Only the reply is split: the trajectory keeps every token the model sampled, think blocks included, and an
-agent that sends the reply back without its reasoning still continues its segment (messages are compared by their
-content and calls, `rollout.recording.canonical`).
+agent that sends the reply back with or without its reasoning still continues its segment (messages are compared by
+their content and calls, `rollout.recording.canonical`). What the run's reward functions score of the episode's
+last reply is its content, without the think block. vLLM's `qwen3` parser takes a reply that never closes its think
+block (cut while thinking, or a model that does not think) as all reasoning: its content is empty.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ that trains one trajectory per episode fails such an episode, named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 from tests.test_agent_program import _cfg, _program_episodes
 
@@ -43,6 +46,20 @@ def _decode(tmp_path, ids) -> str:
     return load_tokenizer(str(tmp_path / "tokenizer")).decode(ids)
 
 
+def test_an_episodes_policy_version_is_its_oldest_segments():
+    """What staleness is checked on: a segment sampled on an older policy makes the episode that old."""
+    from types import SimpleNamespace
+
+    from posttrain.onpolicy.program import ProgramRollouts
+    from rollout.recording import Segment
+
+    old = Segment([], "", [1, 2], [3], [True], [-1.0], policy_version=3, replied=1)
+    new = Segment([], "", [1, 4], [5], [True], [-1.0], policy_version=5, replied=2)
+    rollouts = SimpleNamespace(has_functions=True, segments=True)
+    e = ProgramRollouts._episode(rollouts, {}, [old, new], 1.0, None)  # type: ignore[arg-type]
+    assert e.policy_version == 3 and e.prompt_ids == [1, 4] and e.earlier[0].prompt_ids == [1, 2]
+
+
 def test_grpo_trains_every_segment_of_a_program_episode(tmp_path):
     """GRPO's batch of `rewrites` episodes (two segments each): every segment of every episode is a sequence of the
     batch, every model token of each a target, each with its episode's advantage; the step reports them
@@ -62,6 +79,12 @@ def test_grpo_trains_every_segment_of_a_program_episode(tmp_path):
     targets = np.asarray(data.batch.packed.target_mask).sum()
     assert targets == sum(sum(c.sampled) for e in episodes for c in [*e.earlier, e.completion()])
     assert data.metrics["sequences"] == 16.0 and np.asarray(data.batch.loss_mask).sum() == targets
+    # sequence 2i is episode i's earlier segment, 2i + 1 the episode's own: both carry its advantage, which differs
+    # between a group's episodes (their rewards do)
+    mask, adv = np.asarray(data.batch.loss_mask), np.asarray(data.batch.advantages)
+    per_sequence = [float(adv[r][mask[r] > 0][0]) for r in range(16)]
+    assert all(np.all(adv[r][mask[r] > 0] == per_sequence[r]) for r in range(16))
+    assert per_sequence[0::2] == per_sequence[1::2] and len(set(per_sequence[0:8:2])) == 4, per_sequence
 
 
 def test_an_episodes_segments_train_with_its_advantage_in_its_packing_group():
@@ -74,7 +97,7 @@ def test_an_episodes_segments_train_with_its_advantage_in_its_packing_group():
     from core.config_loader import load_config
     from posttrain.advantages import Advantages
     from posttrain.config import PostTrainConfig
-    from posttrain.losses.policy import aggregate
+    from posttrain.losses.policy import policy_loss
     from posttrain.onpolicy.policy_gradient import loss_settings, mini_batch, rl_batch
     from posttrain.onpolicy.rl_batch import with_segments
     from rollout.sampler import Completion
@@ -104,11 +127,14 @@ def test_an_episodes_segments_train_with_its_advantage_in_its_packing_group():
     first = mini_batch(batch, 0, 2)  # mini-batch 0 is episode 0 and 1's four sequences, whole
     assert np.asarray(first.loss_mask).sum() == 8 and np.asarray(first.packed.target_ids)[1, 0] == 52
     # Dr.GRPO divides by the micro-batch's episodes (2), not its sequences (4): the segments leave its step size
-    settings = loss_settings(cfg)
+    settings = dataclasses.replace(loss_settings(cfg), loss_agg="sequence-mean-token-sum-norm")
     assert settings.sequences == 2
     plain = mini_batch(rl_batch(cfg, c, Advantages(values, keep, keep, 0, 0), row_len=64, row_multiple=1), 0, 2)
-    norms = [
-        float(aggregate(jnp.zeros(m.shape), m, "sequence-mean-token-sum-norm", 5, settings.sequences)[1])
-        for m in (jnp.asarray(first.loss_mask), jnp.asarray(plain.loss_mask))
-    ]
-    assert norms == [10.0, 10.0] and plain.loss_mask.shape[0] == 2
+    norms = []
+    for m in (first, plain):
+        mask, logp = jnp.asarray(m.loss_mask), jnp.full(m.loss_mask.shape, -1.0)
+        norms.append(float(policy_loss(logp, logp, jnp.asarray(m.advantages), mask, settings, logp)[1]))
+    assert norms == [2.0 * settings.max_tokens] * 2 and plain.loss_mask.shape[0] == 2
+    odd = dataclasses.replace(settings, sequences=3)
+    with pytest.raises(ValueError, match="Dr.GRPO's 3 episodes a micro-batch do not divide its 4 sequences"):
+        policy_loss(jnp.zeros((4, 1)), jnp.zeros((4, 1)), jnp.zeros((4, 1)), jnp.ones((4, 1)), odd, jnp.zeros((4, 1)))

@@ -134,8 +134,10 @@ def test_a_reasoning_parser_returns_the_think_block_apart_and_the_episode_keeps_
     """`rl.agent.reasoning_parser=qwen3` (vLLM's parser): a scripted model on Qwen3's template thinks, closes the think
     block, then calls the calculator; the reply's `reasoning` (and `reasoning_content`) is the think block, its tool
     call is read from the content, and its content holds no think tag. The agent sends the reply back as the client
-    got it (its reasoning included) with the tool's result: the second call continues the same segment, whose
-    sampled tokens are every token the model wrote, think blocks included (token in / token out)."""
+    got it (its reasoning included, then, the second time, without it) with the tool's result: every call continues
+    the same segment, whose sampled tokens are every token the model wrote, think blocks included (token in / token
+    out). A reply that never closes its think block is all reasoning (vLLM's `qwen3` parser); a client's
+    `chat_template_kwargs` is refused."""
     import openai
 
     from core.chat import chat_prompt_ids
@@ -157,16 +159,20 @@ def test_a_reasoning_parser_returns_the_think_block_apart_and_the_episode_keeps_
         client = openai.AsyncOpenAI(base_url=url, api_key="temper")
         messages: list[dict] = [{"role": "user", "content": "What is 12 + 30?"}]
         replies = []
-        for _ in range(2):
+        for k in range(3):
             reply = await client.chat.completions.create(model="temper", messages=messages, tools=TOOLS)
             message = reply.choices[0].message
             replies.append(message)
             (called,) = message.tool_calls
             result = calculator(**json.loads(called.function.arguments))
-            messages += [
-                message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": called.id, "content": str(result)},
-            ]
+            echoed = message.model_dump(exclude_none=True)
+            if k == 1:  # an agent that keeps no reasoning in its history
+                echoed = {key: v for key, v in echoed.items() if key not in ("reasoning", "reasoning_content")}
+            messages += [echoed, {"role": "tool", "tool_call_id": called.id, "content": str(result)}]
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs is not supported"):
+            await client.chat.completions.create(
+                model="temper", messages=messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+            )
         return replies
 
     try:
@@ -179,9 +185,10 @@ def test_a_reasoning_parser_returns_the_think_block_apart_and_the_episode_keeps_
         assert extra["reasoning"] == extra["reasoning_content"] == tok.decode([thought]), extra
         assert "<think>" not in (message.content or "") and "</think>" not in (message.content or "")
         assert message.tool_calls[0].function.name == "calculator"
-    (segment,) = segments  # the reply sent back with its reasoning continued the segment
+    (segment,) = segments  # the replies sent back, with and without their reasoning, continued the segment
     sampled = [t for t, own in zip(segment.token_ids, segment.sampled, strict=True) if own]
-    assert sampled == [*chain[1:], tok.eos_token_id] * 2
+    assert sampled == [*chain[1:], tok.eos_token_id] * 3
+    assert ReasoningSplitter("qwen3", tok).split("It is 42.") == ("It is 42.", "")  # never closed: all reasoning
 
 
 def test_what_the_endpoint_refuses(tmp_path_factory, tmp_path):

@@ -228,9 +228,8 @@ def gkd_batch(cfg: PostTrainConfig, scored: Scored, ctx: SampleContext) -> StepD
     step: the same on resume), else the dataset's completions of the same prompts."""
     d, rl = cfg.distill, cfg.rl
     on_policy = bool(np.random.default_rng(sample_seed(cfg.run.seed, ctx.step)).random() < d.lmbda)
-    trains = trained_episodes(
-        scored
-    )  # the dataset's completion of a failed episode's row goes too (its prompt may be empty)
+    # a failed episode's row trains nothing, its dataset completion neither (the episode's prompt may be empty)
+    trains = trained_episodes(scored)
     if not on_policy:
         scored = Scored(scored.rows, dataset_completions(cfg, scored, ctx.tokenizer), None, None)
     packed = build_rl_batch(

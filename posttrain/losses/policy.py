@@ -132,6 +132,11 @@ def aggregate(
     if mode == "sequence-mean-token-mean":
         return (token_sums / jnp.maximum(lengths, 1.0)).sum(), (lengths > 0).sum().astype(jnp.float32)
     if mode == "sequence-mean-token-sum-norm":  # a constant: every sequence of the micro-batch, counted or not
+        if sequences is not None and per_token.shape[0] % sequences:  # at trace time: a batch it was not made for
+            raise ValueError(
+                f"Dr.GRPO's {sequences} episodes a micro-batch do not divide its {per_token.shape[0]} sequences (an "
+                "episode's segments and their padding come in multiples of its episodes)"
+            )
         b = per_token.shape[0] if sequences is None else sequences
         return token_sums.sum(), jnp.asarray(b * max_tokens, jnp.float32)
     raise ValueError(f"unknown loss aggregation {mode!r}")
