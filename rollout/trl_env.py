@@ -22,7 +22,9 @@ class's public methods (not `reset`, not `get_reward`, not starting with `_`) ar
 calls run on the instance in order, checked against the schemas, each under `tool_timeout_s`; their results go back
 as `tool` messages, and a failure is an error message the model reads, as for the built-in `tools` environment. A
 turn without a call is the answer: the episode ends, with `get_reward()` as its environment reward where the class
-has one (the run's reward functions score the answer too, when set). Async methods are not supported (refused).
+has one (the run's reward functions score the answer too, when set). Tools and `get_reward` may be coroutines, as
+TRL allows (an LLM judge's reward, a client's call): they run on one event loop per worker, in a thread of its own,
+so that a client an instance made on it keeps working from call to call; `reset` is synchronous (TRL's protocol).
 
 Temper's environments keep their state as a value that travels with every call (`rollout.environment`). A TRL
 instance is an object (it may hold an open socket, a subprocess, a client), so it stays in the worker that built it:
@@ -35,8 +37,11 @@ episodes in flight restart too: a checkpoint stores finished episodes only, and 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +84,13 @@ class TRLEnvironment(Environment):
         if not is_trl_environment(self.cls):
             raise TypeError(f"{factory} is not a TRL-style environment class (reset(**kwargs))")
         names = tool_methods(self.cls)
-        asynchronous = [n for n in [*names, *RESERVED] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
-        if asynchronous:
-            raise TypeError(f"{factory}: async methods are not supported ({', '.join(asynchronous)})")
+        if inspect.iscoroutinefunction(getattr(self.cls, "reset", None)):
+            raise TypeError(f"{factory}: reset is a coroutine; TRL calls it synchronously (reset(**row) -> str | None)")
+        asynchronous = [n for n in [*names, "get_reward"] if inspect.iscoroutinefunction(getattr(self.cls, n, None))]
         self.schemas = {n: tool_schema(getattr(self.cls, n)) for n in names}
         self.tool_timeout_s = tool_timeout_s
         self.kept: dict[str, Any] = {}  # the episodes' instances, by their keys
+        self.loop = EventLoop() if asynchronous else None  # the class's coroutines' loop
 
     def reset(self, row: dict) -> EnvStart:
         instance = self.cls()
@@ -99,22 +105,47 @@ class TRLEnvironment(Environment):
 
     def step(self, state: Kept, turn: ParsedTurn) -> EnvReply:
         instance = self._instance(state)
-        functions = {name: getattr(instance, name) for name in self.schemas}
+        functions = {name: self._synchronous(getattr(instance, name)) for name in self.schemas}
         reply = tool_calls_reply(turn, functions, self.schemas, self.tool_timeout_s, state)
         if reply is not None:
             return reply
         reward = getattr(instance, "get_reward", None)
-        value = float(reward()) if callable(reward) else 0.0
+        value = float(self._synchronous(reward)()) if callable(reward) else 0.0
         self.release(state)
         return EnvReply(done=True, reward=value, state=state)
 
     def release(self, state: Kept) -> None:
         self.kept.pop(state.key, None)
 
+    def _synchronous(self, method: Any) -> Any:
+        """`method`, or for a coroutine method a function that runs it on the worker's loop and returns its value."""
+        if not inspect.iscoroutinefunction(method):
+            return method
+        assert self.loop is not None  # built for the class's coroutines
+        loop = self.loop
+        return functools.wraps(method)(lambda **kwargs: loop.run(method(**kwargs)))
+
     def _instance(self, state: Kept) -> Any:
         if state.key not in self.kept:
             raise StateLost(f"this worker no longer keeps the episode's {self.cls.__name__} (restarted or resumed)")
         return self.kept[state.key]
+
+
+class EventLoop:
+    """An event loop in a daemon thread, run for the calling thread: one per worker for a class's coroutines (TRL
+    runs them on one loop too), so what an instance bound to it (a client, a queue) works in its later calls."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="trl-environment-loop", daemon=True).start()
+
+    def run(self, coroutine: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result()
+        except BaseException:  # a tool past its deadline (the caller's TimeoutError): stop it too
+            future.cancel()
+            raise
 
 
 def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:

@@ -51,6 +51,42 @@ def test_a_trl_class_runs_unchanged_in_the_worker_pool():
         pool.close()
 
 
+def test_a_class_whose_tool_and_reward_are_coroutines_runs_them_on_its_workers_loop():
+    """`AsyncCounter`: its `increment` and `get_reward` are coroutines (TRL allows both). Each call runs on the worker's
+    one event loop (the class fails a call on another loop than its first, as a client bound to its loop would), a call
+    that hangs is stopped at `tool_timeout_s` and answered with an error, and the coroutine reward is the episode's.
+    A coroutine `reset` is refused (TRL calls it synchronously)."""
+    from rollout.trl_env import TRLEnvironment
+
+    pool = WorkerPool(1)
+    try:
+        env = EnvironmentRunner("tests.trl_envs:AsyncCounter", {"tool_timeout_s": 1.0}, pool, timeout_s=30.0)
+        env.check()
+        (start,) = env.reset([{"prompt": "Count."}])
+        assert [t["function"]["name"] for t in start.tools] == ["increment"]
+        state, seen = start.state, []
+        for turn in [_call("increment", step=4), _call("increment", step=3), _call("increment", step=-1)]:
+            (reply,) = env.step([state], [turn])
+            assert isinstance(reply, EnvReply) and not reply.done, reply
+            seen.append(reply.messages[0]["content"])
+            state = reply.state
+        assert seen[:2] == ["4", "7"] and "did not finish within 1 s" in seen[2], seen
+        (end,) = env.step([state], [ParsedTurn("Done.", "Done.")])
+        assert end.done and end.reward == 6.0  # 4 + 3 - 1: the stopped call had added its step before it hung
+    finally:
+        pool.close()
+
+    class AsyncReset:
+        async def reset(self, **kwargs) -> None:
+            return None
+
+    import tests.trl_envs
+
+    tests.trl_envs.AsyncReset = AsyncReset  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="reset is a coroutine; TRL calls it synchronously"):
+        TRLEnvironment("tests.trl_envs:AsyncReset")
+
+
 def test_instances_that_do_not_pickle_stay_in_the_worker_that_built_them():
     """An instance holding an open file is kept by the worker that ran its reset, and every step of its episode goes
     there (each read goes on from where the last one stopped). When that worker is replaced the instance is gone:

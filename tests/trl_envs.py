@@ -80,3 +80,34 @@ class CountingCalculator(Calculator):
 
     def get_reward(self) -> float:
         return float(self.calls)
+
+
+class AsyncCounter:
+    """Counter with a coroutine tool and a coroutine reward (TRL allows both: an LLM judge's reward, say). Like a client
+    bound to the event loop it was made on, its tool fails when a later call runs on another loop than the first."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.total, self.loop = 0, None
+        return None
+
+    async def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        import asyncio
+
+        self.loop = self.loop or asyncio.get_running_loop()
+        if asyncio.get_running_loop() is not self.loop:
+            raise RuntimeError("bound to a different event loop")
+        self.total += step
+        if step < 0:
+            await asyncio.sleep(60)  # a call that hangs
+        return str(self.total)
+
+    async def get_reward(self) -> float:
+        import asyncio
+
+        await asyncio.sleep(0)
+        return float(self.total)
