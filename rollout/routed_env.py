@@ -21,6 +21,13 @@ from rewards.registry import resolve
 from rollout.environment import Environment, EnvReply, EnvStart
 from rollout.tool_parsing import ParsedTurn
 
+COLUMN = "environment"  # TRL's field: the column each row names its environment in, unless `column` renames it
+
+
+def routing_column(kwargs: dict) -> str:
+    """The column rows name their environment in: a mapping's `environment_kwargs.column`, else TRL's."""
+    return kwargs.get("column", COLUMN)
+
 
 @dataclass(frozen=True)
 class Routed:
@@ -34,9 +41,7 @@ class RoutedEnvironment(Environment):
     """Built once per worker: each named environment from its spec (`rollout.trl_env.environment_spec`: a TRL-style
     class through its adapter) and its kwargs (`kwargs[name]`)."""
 
-    def __init__(
-        self, environments: dict[str, str], kwargs: dict[str, dict] | None = None, column: str = "environment"
-    ):
+    def __init__(self, environments: dict[str, str], kwargs: dict[str, dict] | None = None, column: str = COLUMN):
         from rollout.trl_env import environment_spec
 
         kwargs = dict(kwargs or {})

@@ -47,6 +47,7 @@ from typing import Any
 
 from rewards.registry import resolve
 from rollout.environment import Environment, EnvReply, EnvStart, StateLost
+from rollout.routed_env import routing_column
 from rollout.tool_env import tool_calls_reply
 from rollout.tool_parsing import ParsedTurn
 from rollout.tools import tool_schema
@@ -153,7 +154,7 @@ def environment_spec(spec: str | dict, kwargs: dict) -> tuple[str, dict]:
     adapter's: `tool_timeout_s`), a mapping of environments by name through `rollout.routed_env` (its kwargs: each
     environment's under its name, and `column`); any other as it is."""
     if isinstance(spec, dict):
-        column = kwargs.get("column", "environment")
+        column = routing_column(kwargs)
         per_name = {k: v for k, v in kwargs.items() if k != "column"}
         return "rollout.routed_env:RoutedEnvironment", {
             "environments": dict(spec),

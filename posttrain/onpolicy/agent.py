@@ -36,6 +36,7 @@ from rewards.pool import WorkerPool
 from rewards.runner import RewardBatch
 from rollout.environment import EnvironmentRunner
 from rollout.episodes import Episode, EpisodeLimits, run_episodes
+from rollout.routed_env import routing_column
 from rollout.sampler import SamplingParams
 from rollout.tool_parsing import ToolParsers
 
@@ -104,7 +105,7 @@ class AgentRollouts:
 def environment_of(row: dict, agent: AgentConfig) -> str | None:
     """The environment a row chose in a mapping of environments (its routing column, `environment_kwargs.column`);
     None with one environment."""
-    name = row.get(agent.environment_kwargs.get("column", "environment"))
+    name = row.get(routing_column(agent.environment_kwargs))
     return None if not isinstance(agent.environment, dict) or name is None else str(name)
 
 

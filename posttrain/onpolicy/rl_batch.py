@@ -93,15 +93,13 @@ def build_rl_batch(
     replay), else only compared with the trainer's own routing.
     """
     b = len(completions)
-    if b % groups:
-        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
+    per_group = group_size(b, groups)
     for i, c in enumerate(completions):
         p, n = len(c.prompt_ids), len(c.token_ids)
         if p < 1 or n > max_tokens:
             raise ValueError(f"completion {i}: prompt {p} tokens (need >= 1), completion {n} > max_tokens {max_tokens}")
         if p + n > row_len:
             raise ValueError(f"completion {i}: prompt {p} + completion {n} tokens > row length {row_len}")
-    per_group = b // groups
     grouped: list[list[list[int]]] = []  # per group: segments, each the completion indices sharing one prompt copy
     for g in range(groups):
         members = list(range(g * per_group, (g + 1) * per_group))
@@ -162,6 +160,13 @@ def build_rl_batch(
     return RLBatch(packed, loss_mask, kl_mask, token_adv, sampler_logp)
 
 
+def group_size(b: int, groups: int) -> int:
+    """The completions of each packing group, `b` cut into `groups` equal ones (refused where it cannot be)."""
+    if b % groups:
+        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
+    return b // groups
+
+
 def placeholder(c: Completion, pad_id: int = 0) -> Completion:
     """An episode that trains nothing and holds no token (its reset failed, its prompt did not fit, its agent never
     called the model) as one pad token: it keeps its place in the batch's layout."""
@@ -184,11 +189,9 @@ def with_segments(
     count is part of the step's shape; an empty one costs a position, or a row when sequences are not packed). With
     no earlier segment, the same lists."""
     b = len(completions)
-    if b % groups:
-        raise ValueError(f"{b} completions are not divisible into {groups} groups (mini-batches x micro-batches)")
     if len(earlier) != b:
         raise ValueError(f"earlier segments for {len(earlier)} of {b} trajectories")
-    per_group = b // groups
+    per_group = group_size(b, groups)
     order = [[(i, k) for i in range(g * per_group, (g + 1) * per_group) for k in range(len(earlier[i]) + 1)]
              for g in range(groups)]  # fmt: skip
     most = max(len(group) for group in order)
